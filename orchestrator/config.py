@@ -1,0 +1,320 @@
+"""Typed configuration schema.
+
+Hydra composes ``conf/`` against these dataclasses (registered in Hydra's
+ConfigStore as ``orchestrator_schema``), so a misspelt key or a wrong type is
+refused by OmegaConf at composition time. Past the entry point only these
+dataclasses travel: :func:`to_job_config` turns the composed ``DictConfig``
+into a :class:`JobConfig` and nothing inward sees OmegaConf.
+
+Megatron's own names are used for every parallel and batch concept. Derived
+values (``data_parallel_size`` when not stated, ``num_microbatches``, layers per
+stage) are computed by :mod:`orchestrator.layout`, never typed twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from orchestrator.errors import ConfigError
+
+
+@dataclass
+class ParallelismConfig:
+    """Parallel degrees. ``data_parallel_size`` is derived from the world size when null."""
+
+    name: str = "none"
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's weight matrices are split over this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: the layer stack is split into this many stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """VPP: model chunks per pipeline rank (interleaved 1F1B); null = plain 1F1B."""
+    context_parallel_size: int = 1
+    """CP: the sequence is split over this many ranks (attention only)."""
+    expert_model_parallel_size: int = 1
+    """EP: MoE experts are split over this many ranks (needs model.num_moe_experts)."""
+    data_parallel_size: Optional[int] = None
+    """DP. Null: derived as world_size / (TP x PP x CP). Stated: must agree with the world size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+    distributed_backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT model shape (Megatron TransformerConfig names)."""
+
+    name: str = "gpt_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention groups; null = num_attention_heads (multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; null = 4 x hidden_size."""
+    seq_length: int = 128
+    max_position_embeddings: int = 128
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute or rope."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm."""
+    activation: str = "gelu"
+    """gelu or swiglu."""
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this x TP (Megatron's rule)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    num_moe_experts: Optional[int] = None
+    recompute_granularity: Optional[str] = None
+    """null, full or selective activation recomputation."""
+    recompute_method: Optional[str] = None
+    """uniform or block (with recompute_granularity=full)."""
+    recompute_num_layers: Optional[int] = None
+    transformer_impl: str = "auto"
+    """auto (Transformer Engine on GPU when installed, else local), local or transformer_engine."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron optimizer and learning-rate schedule."""
+
+    name: str = "adam"
+    """adam (AdamW-style decoupled weight decay, Megatron's default) or sgd."""
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping."""
+    lr_decay_style: str = "cosine"
+    """cosine, linear or constant."""
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    """Null = training.train_iters."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (ZeRO-1). GPU only in megatron-core 0.16.1."""
+
+
+@dataclass
+class DataConfig:
+    """Training data and tokenizer."""
+
+    name: str = "stdlib"
+    kind: str = "stdlib"
+    """stdlib (the Python standard library's sources, offline), jsonl, indexed or mock."""
+    paths: List[str] = field(default_factory=list)
+    """jsonl: .jsonl files; indexed: Megatron dataset prefixes (path without .bin/.idx)."""
+    weights: Optional[List[float]] = None
+    """Blend weights, one per path; null = equal weights."""
+    json_key: str = "text"
+    tokenizer: str = "byte"
+    """byte (UTF-8 bytes, 256 ids + specials, no download) or a path to a tokenizer.json file."""
+    cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,~/.cache/orchestrator}"
+    """Where prepared .bin/.idx files and dataset indices are cached."""
+    split: str = "98,2,0"
+    stdlib_max_mb: float = 8.0
+    """stdlib: how many MB of source text to take (sorted, deterministic)."""
+
+
+@dataclass
+class TrainingConfig:
+    """Batch arithmetic, iterations, precision and logging."""
+
+    name: str = "default"
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    train_iters: int = 200
+    seed: int = 1234
+    log_interval: int = 1
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (bf16/fp16 need a GPU)."""
+    device: str = "auto"
+    """auto (cuda when the job sees a GPU, else cpu), cpu or cuda."""
+    timing_warmup_iters: int = 3
+    """Iterations excluded from step-time statistics (sweeps, benchmarks)."""
+    exit_after_iters: Optional[int] = None
+    """Stop (saving a checkpoint) after this many iterations in this job; for tests and sweeps."""
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming. The save directory is ``<run.dir>/checkpoints``."""
+
+    save_interval: Optional[int] = None
+    """Save every N iterations; null = only at the end."""
+    save_at_end: bool = True
+    auto_resume: bool = True
+    """Resume from the latest complete checkpoint of this run directory."""
+    allow_reshard: bool = False
+    """Allow resuming with a different TP/PP/DP (torch_dist reshards model weights)."""
+    init_from: Optional[str] = None
+    """Load model weights only from this checkpoint directory (no optimizer, iteration 0)."""
+    save_timeout_s: float = 600.0
+    """A save that takes longer fails the job instead of hanging."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs: ``local`` (submitit LocalExecutor) or ``slurm`` (submitit SLURM)."""
+
+    name: str = "local"
+    kind: str = "local"
+    """local or slurm."""
+    nodes: int = 1
+    tasks_per_node: Optional[int] = None
+    """Null: local = the layout's world size; slurm = gpus_per_node."""
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None
+    """SLURM --mem, e.g. 64G."""
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    timeout_min: int = 60
+    """Wall-clock limit of the job in minutes (SLURM --time; local processes are killed after it)."""
+    signal_delay_s: int = 90
+    """USR2 is sent this long before the time limit: save, then requeue."""
+    max_num_timeout: int = 3
+    """How many times a timed-out or preempted job is requeued."""
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    """Extra sbatch parameters, e.g. {reservation: foo}."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines run in the sbatch script before srun (module load, venv activation)."""
+    srun_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    """Environment variables for every rank (NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE, ...)."""
+    python: Optional[str] = None
+    """Python executable on the compute nodes; null = the submitting interpreter."""
+    wait: bool = True
+    """Block until the job ends, streaming progress."""
+    poll_interval_s: float = 2.0
+
+
+@dataclass
+class RunConfig:
+    """Identity and location of a run."""
+
+    name: str = "${model.name}_${parallelism.name}"
+    root: str = "runs"
+    dir: str = "${hydra:runtime.output_dir}"
+    """Run directory: resolved config, logs, metrics.jsonl, checkpoints/."""
+
+
+@dataclass
+class JobConfig:
+    """The whole composed run; the only config object that travels past the entry point."""
+
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    plan: bool = False
+    """Print the plan (layout, memory, bubble, FLOPs) and stop."""
+    dry_run: bool = False
+    """Validate, print the plan and the submission (sbatch script) and stop."""
+    gpu: str = "A100-80GB"
+    """GPU preset used by the planner for memory fit and step-time estimates."""
+
+
+_CHOICES = {
+    ("parallelism", "distributed_backend"): ("auto", "nccl", "gloo"),
+    ("model", "position_embedding_type"): ("learned_absolute", "rope"),
+    ("model", "normalization"): ("LayerNorm", "RMSNorm"),
+    ("model", "activation"): ("gelu", "swiglu"),
+    ("model", "recompute_granularity"): (None, "full", "selective"),
+    ("model", "recompute_method"): (None, "uniform", "block"),
+    ("model", "transformer_impl"): ("auto", "local", "transformer_engine"),
+    ("optimizer", "name"): ("adam", "sgd"),
+    ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
+    ("data", "kind"): ("stdlib", "jsonl", "indexed", "mock"),
+    ("training", "precision"): ("fp32", "bf16", "fp16"),
+    ("training", "device"): ("auto", "cpu", "cuda"),
+    ("cluster", "kind"): ("local", "slurm"),
+}
+
+
+def check_choices(cfg: JobConfig) -> None:
+    """Raise :class:`ConfigError` for an enumerated field holding an unknown value."""
+    for (group, key), allowed in _CHOICES.items():
+        value = getattr(getattr(cfg, group), key)
+        if value not in allowed:
+            raise ConfigError(
+                f"{group}.{key}={value!r} is not one of {', '.join(repr(a) for a in allowed)}; "
+                f"fix: set {group}.{key} to one of them"
+            )
+    positive = [
+        ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
+        ("model", "seq_length"), ("model", "max_position_embeddings"),
+        ("training", "micro_batch_size"), ("training", "global_batch_size"), ("training", "train_iters"),
+        ("parallelism", "tensor_model_parallel_size"), ("parallelism", "pipeline_model_parallel_size"),
+        ("parallelism", "context_parallel_size"), ("parallelism", "expert_model_parallel_size"),
+        ("cluster", "nodes"),
+    ]
+    for group, key in positive:
+        value = getattr(getattr(cfg, group), key)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{group}.{key}={value!r} must be a positive integer")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    if cfg.optimizer.clip_grad < 0:
+        raise ConfigError(f"optimizer.clip_grad={cfg.optimizer.clip_grad} must be >= 0 (0 disables clipping)")
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="orchestrator_schema", node=JobConfig)
+
+
+def to_job_config(cfg: Any) -> JobConfig:
+    """Resolve a composed ``DictConfig`` into a :class:`JobConfig` (raises ConfigError)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:  # interpolation or type errors
+        raise ConfigError(f"config does not resolve: {exc}") from None
+    if not isinstance(obj, JobConfig):
+        raise ConfigError("the composed config is not an orchestrator JobConfig (missing `orchestrator_schema` in defaults?)")
+    check_choices(obj)
+    return obj
+
+
+def to_dict(cfg: JobConfig) -> Dict[str, Any]:
+    """Plain nested dict of the config (for manifests, logs and pickling into jobs)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: Dict[str, Any]) -> JobConfig:
+    """Inverse of :func:`to_dict` (unknown keys raise ConfigError)."""
+    kwargs = {}
+    for f in dataclasses.fields(JobConfig):
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if dataclasses.is_dataclass(sub):
+            try:
+                value = type(sub)(**value)
+            except TypeError as exc:
+                raise ConfigError(f"config section {f.name!r}: {exc}") from None
+        kwargs[f.name] = value
+    return JobConfig(**kwargs)

@@ -1,0 +1,52 @@
+"""Every exception a user can see, in one place.
+
+Each message names the config key(s), the values involved and the fix, so the
+entry point can print it without a traceback (``OrchestratorError`` subclasses
+are caught in ``__main__`` and printed as ``error: <message>``, exit code 2).
+"""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class: a problem the user can fix by changing the config or the command."""
+
+    exit_code = 2
+
+
+class ConfigError(OrchestratorError):
+    """A config value is malformed or unknown (wrong type, unknown option)."""
+
+
+class LayoutError(ConfigError):
+    """The parallel layout does not satisfy a Megatron rule (divisibility, schedule, ...)."""
+
+
+class ManifestError(OrchestratorError):
+    """A checkpoint manifest is missing, truncated, edited, foreign or does not verify."""
+
+
+class ResumeMismatchError(OrchestratorError):
+    """The requested run differs from the checkpoint it would resume from."""
+
+
+class RunLockedError(OrchestratorError):
+    """Another live run holds the save directory."""
+
+
+class DataError(OrchestratorError):
+    """Input data cannot be found, read or tokenized."""
+
+
+class SubmissionError(OrchestratorError):
+    """Submitting or waiting for a job failed (local processes or SLURM)."""
+
+
+class JobFailedError(SubmissionError):
+    """A submitted job ended in failure; the message carries the failing rank's last lines."""
+
+    exit_code = 1
+
+
+class BackendError(OrchestratorError):
+    """The installed megatron-core / torch cannot run the requested device path."""
