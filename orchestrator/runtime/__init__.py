@@ -1,0 +1,1 @@
+"""Everything that imports torch or megatron.core lives under this package."""

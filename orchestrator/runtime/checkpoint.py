@@ -1,0 +1,135 @@
+"""Checkpoints with megatron ``dist_checkpointing`` (torch_dist), manifest written last.
+
+Layout on disk::
+
+    <run.dir>/checkpoints/iter_0000050/   megatron torch_dist shards + common.pt
+                                          manifest.json   ← written last, atomically, by rank 0
+
+A directory without a verified manifest is not a checkpoint (a torn save).
+Model weights are saved through each chunk's ``sharded_state_dict()``, whose keys
+are global (layer offsets included), so torch_dist can reload them into another
+TP/PP/VPP split; the optimizer through ``optimizer.sharded_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import ManifestError
+
+CHECKPOINTS = "checkpoints"
+
+
+def save_dir(cfg: JobConfig) -> Path:
+    return Path(cfg.run.dir) / CHECKPOINTS
+
+
+def iter_dir(cfg: JobConfig, iteration: int) -> Path:
+    return save_dir(cfg) / f"iter_{iteration:07d}"
+
+
+def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, object]:
+    from orchestrator.runtime.model import unwrap
+
+    if len(model) == 1:
+        return {"model": unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _model_dict_for_optimizer(state: Dict[str, object]) -> Dict[str, object]:
+    if "model" in state:
+        return state["model"]  # type: ignore[return-value]
+    merged: Dict[str, object] = {}
+    for key in sorted(k for k in state if k.startswith("model")):
+        merged.update(state[key])  # type: ignore[arg-type]
+    return merged
+
+
+class _Watchdog:
+    """Kill the process if a block takes longer than ``timeout_s`` (a hung save must not hang the job)."""
+
+    def __init__(self, timeout_s: float, what: str):
+        self.timeout_s, self.what = timeout_s, what
+        self._done = threading.Event()
+
+    def __enter__(self):
+        def watch():
+            if not self._done.wait(self.timeout_s):
+                sys.stderr.write(f"[orchestrator] {self.what} did not finish within {self.timeout_s:.0f}s "
+                                 f"(checkpoint.save_timeout_s); aborting this rank\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+        threading.Thread(target=watch, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        return False
+
+
+def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int,
+         manifest_fn) -> Path:
+    """Save model + optimizer + scheduler state at ``iteration``; rank 0 writes the manifest last.
+
+    ``manifest_fn(checkpoint_dir) -> None`` is called on rank 0 after every rank finished writing.
+    Raises nothing on timeout: the watchdog ends the rank with exit code 3 instead of hanging.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = iter_dir(cfg, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        stale = path / "manifest.json"
+        if stale.exists():  # re-saving the same iteration: invalidate the old marker first
+            stale.unlink()
+    torch.distributed.barrier()
+    state = _model_sharded_state_dict(model)
+    state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state))
+    state["scheduler"] = scheduler.state_dict()
+    state["progress"] = {"iteration": iteration, "consumed_samples": consumed_samples}
+    with _Watchdog(cfg.checkpoint.save_timeout_s, f"checkpoint save to {path}"):
+        dist_checkpointing.save(state, str(path))
+        torch.distributed.barrier()
+    if rank == 0:
+        manifest_fn(path)
+    torch.distributed.barrier()
+    return path
+
+
+def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
+    """Load a checkpoint into ``model`` (and optimizer/scheduler when given).
+
+    With ``optimizer=None`` only model weights are loaded (``checkpoint.init_from``).
+    Returns ``{"iteration", "consumed_samples"}`` from the checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    from orchestrator.runtime.model import unwrap
+
+    if not (path / "metadata.json").exists():
+        raise ManifestError(f"{path} is not a megatron dist_checkpointing directory (no metadata.json)")
+    state = _model_sharded_state_dict(model)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state), is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path))
+    if len(model) == 1:
+        unwrap(model[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model):
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in loaded:
+        scheduler.load_state_dict(loaded["scheduler"])
+    progress = loaded.get("progress", {"iteration": 0, "consumed_samples": 0})
+    return {"iteration": int(progress["iteration"]), "consumed_samples": int(progress["consumed_samples"])}
