@@ -109,6 +109,8 @@ def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "sha256") -> di
     if mode not in DIGEST_MODES:
         raise ManifestError(f"digest mode {mode!r} is not one of {DIGEST_MODES}")
     root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise ManifestError(f"{root}: checkpoint directory does not exist; nothing to digest")
     files: List[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -426,9 +428,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})")
             refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
             if refused:
-                print(f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry"
-                      + ("" if cfg.checkpoint.allow_reshard or any(not x.reshardable for x in refused)
-                         else " without checkpoint.allow_reshard=true"))
+                print(f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
+                      if all(x.reshardable for x in refused) else
+                      f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry")
             return 1 if refused else 0
         root = Path(args.run_dir)
         save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
