@@ -14,12 +14,16 @@ Rules (megatron-core 0.16.1, Megatron-LM ``arguments.validate_args``):
 * ``num_layers % PP == 0`` and, with VPP, ``num_layers % (PP x VPP) == 0``.
 * interleaved schedule (VPP set): ``PP > 1`` and ``num_microbatches % PP == 0``
   (which implies ``num_microbatches >= PP``).
-* ``num_attention_heads % TP == 0`` and ``num_query_groups % TP == 0``.
+* ``num_attention_heads % TP == 0``; ``num_query_groups`` a multiple or a divisor of TP
+  (megatron-core replicates key/value heads when TP exceeds the groups).
 * ``sequence_parallel`` needs ``TP > 1``.
 * ``seq_length <= max_position_embeddings`` (learned absolute positions);
   ``seq_length % (2 x CP) == 0`` with CP > 1 (load-balanced causal split).
-* MoE: ``num_moe_experts % EP == 0`` and ``world_size % (TP x EP x PP x CP) == 0``
-  (the expert grid); EP > 1 without experts is an error.
+* MoE: ``num_moe_experts % EP == 0`` and ``world_size % (TP x EP x PP) == 0`` (the expert
+  grid: expert TP, which defaults to TP, x EP x PP; CP folds into expert data parallelism in
+  ``parallel_state.initialize_model_parallel``); EP > 1 without experts is an error; EP > 1 with
+  TP > 1 needs ``sequence_parallel`` (Megatron's MoE guide says it must be on; megatron-core
+  0.16.1 only warns, earlier versions raised).
 """
 
 from __future__ import annotations
@@ -182,10 +186,11 @@ class ParallelLayout:
         if groups is not None:
             if heads % groups:
                 out.append(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
-            if groups % tp:
+            if groups % tp and tp % groups:
                 out.append(
-                    f"model.num_query_groups={groups} is not divisible by parallelism.tensor_model_parallel_size={tp}; "
-                    f"fix: tensor_model_parallel_size one of {_divisors(groups)}"
+                    f"model.num_query_groups={groups} is neither a multiple nor a divisor of "
+                    f"parallelism.tensor_model_parallel_size={tp}; "
+                    f"fix: tensor_model_parallel_size one of {_divisors(groups)} or a multiple of {groups}"
                 )
         if self.sequence_parallel and tp == 1:
             out.append("parallelism.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set it to false")
@@ -210,12 +215,17 @@ class ParallelLayout:
                     f"model.num_moe_experts={self.num_moe_experts} is not divisible by "
                     f"parallelism.expert_model_parallel_size={ep}"
                 )
-            grid = tp * ep * pp * cp
+            grid = tp * ep * pp
             if self.world_size % grid:
                 out.append(
-                    f"expert grid TP x EP x PP x CP = {tp} x {ep} x {pp} x {cp} = {grid} does not divide "
+                    f"expert grid TP x EP x PP = {tp} x {ep} x {pp} = {grid} does not divide "
                     f"world size {self.world_size}; fix: expert_model_parallel_size one of "
-                    f"{[e for e in _divisors(self.world_size) if self.world_size % (tp * e * pp * cp) == 0]}"
+                    f"{[e for e in _divisors(self.world_size) if self.world_size % (tp * e * pp) == 0]}"
+                )
+            if tp > 1 and not self.sequence_parallel:
+                out.append(
+                    f"parallelism.expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} needs "
+                    "sequence parallelism; fix: parallelism.sequence_parallel=true"
                 )
         return out
 
