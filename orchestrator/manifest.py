@@ -351,6 +351,18 @@ def _default_warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+_RESUME_NAMES = ("preflight", "compare", "blocking", "format_mismatch_table", "origin_of", "Mismatch", "RunLock")
+
+
+def __getattr__(name: str):
+    """``manifest.preflight`` etc. are :mod:`orchestrator.resume`'s (imported lazily: no cycle)."""
+    if name in _RESUME_NAMES:
+        from orchestrator import resume
+
+        return getattr(resume, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ---- CLI --------------------------------------------------------------------------------
 def _summary(manifest: dict) -> str:
     lay, mod, files = manifest["layout"], manifest["model"], manifest["files"]
