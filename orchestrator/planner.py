@@ -31,8 +31,8 @@ from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout, layout_from_config
 
 GiB = 1024 ** 3
-BYTE_TOKENIZER_VOCAB = 257
-"""Vocabulary of the byte tokenizer: 256 byte values + an end-of-document id."""
+BYTE_TOKENIZER_VOCAB = 258
+"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (runtime/data.py)."""
 DEFAULT_MFU = 0.4
 """Assumed MFU of busy time (no bubble, no recomputation) when none is given."""
 FRAMEWORK_OVERHEAD_BYTES = 2 * GiB
@@ -586,7 +586,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
     """Tokenizer vocabulary of ``cfg.data.tokenizer`` and a note when it had to be assumed.
 
-    ``byte`` -> 257. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
+    ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
     ``added_tokens`` (read with the json module); unreadable -> ``default`` (GPT-2's 50257).
     """
     tok = cfg.data.tokenizer
