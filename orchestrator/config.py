@@ -118,7 +118,7 @@ class DataConfig:
     json_key: str = "text"
     tokenizer: str = "byte"
     """byte (UTF-8 bytes, 256 ids + specials, no download) or a path to a tokenizer.json file."""
-    cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,~/.cache/orchestrator}"
+    cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}"
     """Where prepared .bin/.idx files and dataset indices are cached."""
     split: str = "98,2,0"
     stdlib_max_mb: float = 8.0

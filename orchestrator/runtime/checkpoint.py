@@ -88,10 +88,13 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
     path = iter_dir(cfg, iteration)
     rank = torch.distributed.get_rank()
     if rank == 0:
+        if path.exists():
+            # A directory already here is either a torn save (no manifest) or an older save of the
+            # same iteration: move it aside (never delete), so the new digest covers only new files.
+            from orchestrator.manifest import set_aside
+
+            set_aside(path, tag="replaced" if (path / "manifest.json").exists() else "torn")
         path.mkdir(parents=True, exist_ok=True)
-        stale = path / "manifest.json"
-        if stale.exists():  # re-saving the same iteration: invalidate the old marker first
-            stale.unlink()
     torch.distributed.barrier()
     state = _model_sharded_state_dict(model)
     state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state))

@@ -74,6 +74,11 @@ PATCHED_MODULES = (
     "megatron.core.tensor_parallel.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.pipeline_parallel.utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.torch",
 )
 
 _ACTIVE = False

@@ -108,6 +108,7 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from orchestrator import manifest as mf
+    from orchestrator import resume
 
     info = init_distributed(cfg)
     if info.device == "cpu":
@@ -137,12 +138,14 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     data_identity = prepared.identity(cfg.data)
     tok_identity = tokenizer_identity(cfg.data)
     origin: Optional[Dict[str, object]] = None
-    latest = mf.preflight(cfg, layout, data_fingerprint=prepared.fingerprint, tokenizer=tok_identity) \
-        if cfg.checkpoint.auto_resume else None
+    # Same check as the launcher's, again: the config or the directory may have changed since submission.
+    latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint, tokenizer=tok_identity,
+                              warn=(lambda msg: print(f"[orchestrator] warning: {msg}", flush=True)) if rank0
+                              else (lambda msg: None))
     if latest is not None:
         progress = ckpt.load(Path(latest.path), model, optimizer, scheduler)
         iteration, consumed = progress["iteration"], progress["consumed_samples"]
-        origin = {"resumed_from": str(latest.path)}
+        origin = resume.origin_of(latest)
         if rank0:
             print(f"[orchestrator] resumed from {latest.path} at iteration {iteration}", flush=True)
     elif cfg.checkpoint.init_from:
@@ -235,10 +238,9 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
                 save(iteration, consumed)
             status = "exited"
             break
-    if status == "completed" and cfg.checkpoint.save_at_end and \
-            (not ckpt.iter_dir(cfg, iteration).joinpath("manifest.json").exists() or iteration == start_iteration):
-        if iteration > start_iteration or latest is None:
-            save(iteration, consumed)
+    already_saved = latest is not None and iteration == start_iteration  # resumed a finished run
+    if status == "completed" and cfg.checkpoint.save_at_end and not already_saved:
+        save(iteration, consumed)
 
     # ---- summary ------------------------------------------------------------------------------
     rss = torch.tensor([_max_rss_mb()], dtype=torch.float64)
@@ -251,6 +253,7 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         "tokens_per_step": tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
         "host": socket.gethostname(), "device": info.device, "time": time.time(),
+        "rank": info.rank, "logging_rank": is_logger,
     }
     metrics.write(summary)
     shutdown()

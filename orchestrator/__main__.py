@@ -1,0 +1,121 @@
+"""``python -m orchestrator [+experiment=NAME] [overrides]`` — compose, validate, plan, preflight, submit.
+
+The entry reads top to bottom:
+
+1. Hydra composes ``conf/`` against the typed schema; :func:`to_job_config` ends OmegaConf's reach.
+2. The parallel layout is built and validated (pure Python, no torch): bad arithmetic stops here.
+3. The derived numbers are printed. ``plan=true`` prints the planner's estimates and stops;
+   ``dry_run=true`` also prints the submission (the sbatch script on SLURM) and stops.
+4. Data are prepared on this machine (tokenized, indexed, sample indices cached).
+5. Preflight: a checkpoint in the run directory with a different layout is refused now,
+   before anything is queued; a run lock refuses a second live run on the same directory.
+6. submitit submits one task per rank and, by default, waits and streams progress.
+
+User errors (:class:`~orchestrator.errors.OrchestratorError`) print one ``error:`` message and
+exit with code 2 (1 for a failed job); there is no traceback for them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+from orchestrator.config import JobConfig, register_configs, to_job_config
+from orchestrator.errors import OrchestratorError
+from orchestrator.layout import ParallelLayout, layout_from_config
+
+
+def say(message: str) -> None:
+    print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
+
+
+def validate(cfg: JobConfig) -> ParallelLayout:
+    """The validated layout of ``cfg`` (raises LayoutError / ConfigError)."""
+    return layout_from_config(cfg).validate()
+
+
+def show_plan(cfg: JobConfig) -> None:
+    from orchestrator import planner
+
+    print(planner.format_plan(planner.plan(cfg)), flush=True)
+    suggestions = planner.suggest(cfg)
+    if suggestions:
+        print(planner.format_suggestions(suggestions), flush=True)
+
+
+def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
+    if cfg.cluster.kind == "slurm":
+        from orchestrator.sbatch import render_sbatch
+
+        print(render_sbatch(cfg, layout.world_size, f"{cfg.run.dir}/submitit"), flush=True)
+    else:
+        say(f"would start {layout.world_size} local processes (submitit LocalExecutor) in {cfg.run.dir}")
+
+
+def prepare_data(cfg: JobConfig):
+    """Tokenize/index the data and build GPTDataset's sample indices once, before any rank starts."""
+    from orchestrator.runtime.data import build_tokenizer, build_train_dataset, prepare, samples_needed
+
+    prepared = prepare(cfg.data)
+    build_train_dataset(cfg, prepared, build_tokenizer(cfg.data), samples_needed(cfg))
+    return prepared
+
+
+def run(cfg: JobConfig) -> Optional[dict]:
+    """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run)."""
+    layout = validate(cfg)
+    say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
+    say(layout.summary())
+    if cfg.plan or cfg.dry_run:
+        show_plan(cfg)
+        if cfg.dry_run:
+            dry_run(cfg, layout)
+        return None
+
+    from orchestrator import resume
+    from orchestrator.runtime.data import tokenizer_identity
+    from orchestrator.submit import launch
+
+    prepared = prepare_data(cfg)
+    latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint,
+                              tokenizer=tokenizer_identity(cfg.data), warn=lambda m: say(f"warning: {m}"))
+    if latest is not None:
+        say(f"will resume from {latest.path} (iteration {latest.iteration})")
+    lock = resume.RunLock(cfg.run.dir)
+    if cfg.cluster.kind == "local" or cfg.cluster.wait:
+        with lock:
+            summary = launch(cfg, layout, prepared)
+    else:
+        holder = lock.holder()
+        if holder is not None and lock.stale_reason(holder) is None:
+            lock.acquire()  # raises RunLockedError naming the holder
+        summary = launch(cfg, layout, prepared)
+    if summary.get("status") in ("completed", "exited", "stopped"):
+        step = summary.get("step_time_median_s")
+        say(f"{summary['status']}: iteration {summary.get('iteration')} | lm loss {summary.get('lm_loss'):.4f}"
+            + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
+            + f" | job {summary.get('job_id')}")
+    return summary
+
+
+def _entry(dcfg: Any) -> Optional[float]:
+    try:
+        cfg = to_job_config(dcfg)
+        summary = run(cfg)
+    except OrchestratorError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    if summary and summary.get("lm_loss") is not None:
+        return float(summary["lm_loss"])
+    return None
+
+
+def main() -> None:
+    import hydra
+
+    register_configs()
+    hydra.main(config_path="../conf", config_name="config", version_base="1.3")(_entry)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Submission through submitit: ``cluster.kind=local`` (LocalExecutor) or ``slurm``.
+
+:func:`launch` submits one job whose tasks are the ranks, then (``cluster.wait``)
+watches it: it streams progress from ``<run.dir>/metrics.jsonl``, reads each
+task's submitit result file, cancels the whole job as soon as one rank fails
+(the others would otherwise block in a collective until the process-group
+timeout), and bounds every wait by the job's time limit plus a margin. On SLURM
+the job's state comes from ``squeue``/``scontrol`` (accounting may be absent, and
+submitit polls sacct rarely), so a job cancelled outside our control is
+reported, not waited on forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from orchestrator.config import JobConfig, to_dict
+from orchestrator.errors import JobFailedError, SubmissionError
+from orchestrator.layout import ParallelLayout
+
+SUBMITIT_DIR = "submitit"
+METRICS = "metrics.jsonl"
+
+
+def make_executor(cfg: JobConfig, world_size: int):
+    """A configured submitit executor writing its files under ``<run.dir>/submitit``."""
+    import submitit
+
+    folder = Path(cfg.run.dir) / SUBMITIT_DIR
+    c = cfg.cluster
+    if c.kind == "local":
+        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
+                                          python=c.python)
+        params: Dict[str, Any] = dict(nodes=1, tasks_per_node=world_size, timeout_min=c.timeout_min,
+                                      signal_delay_s=c.signal_delay_s)
+        if c.gpus_per_node:
+            params["gpus_per_node"] = c.gpus_per_node
+        executor.update_parameters(**params)
+        return executor
+    from orchestrator.sbatch import executor_parameters
+
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
+                                      python=c.python)
+    executor.update_parameters(**executor_parameters(cfg, world_size))
+    return executor
+
+
+def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
+    """Environment every rank gets: ``cluster.env`` plus CPU thread defaults for local CPU runs."""
+    env = {k: str(v) for k, v in cfg.cluster.env.items()}
+    if cfg.cluster.kind == "local" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    return env
+
+
+# ------------------------------------------------------------------ state of a submitted job
+def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
+    if not path.exists():
+        return None
+    from submitit.core.utils import pickle_load
+
+    try:
+        return pickle_load(path)
+    except Exception:  # being written
+        return None
+
+
+def _slurm_state(job_id: str) -> str:
+    """SLURM state of ``job_id`` from squeue, else scontrol ('UNKNOWN' when neither knows it)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        state = out.stdout.strip().splitlines()
+        if out.returncode == 0 and state:
+            return state[0].strip()
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+        for token in out.stdout.split():
+            if token.startswith("JobState="):
+                return token.split("=", 1)[1]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "UNKNOWN"
+
+
+_SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "UNKNOWN"}
+
+
+def _stderr_tail(job, task: int, lines: int = 25) -> str:
+    try:
+        paths = job.task(task).paths
+        text = ""
+        for p in (paths.stderr, paths.stdout):
+            if Path(p).exists():
+                text = Path(p).read_text(errors="replace")
+                if "Traceback" in text or "Error" in text:
+                    break
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
+
+
+class _Progress:
+    """Streams new lines of metrics.jsonl: a rich progress bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, path: Path, total: int, enabled: bool = True):
+        self.path, self.total = path, total
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.last: Optional[Dict[str, Any]] = None
+        self.bar = None
+        self.enabled = enabled
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"), TimeRemainingColumn())
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("r") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "lm_loss" in rec and "event" not in rec:
+                self.last = rec
+                self._show(rec)
+
+    def _show(self, rec: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        text = (f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "
+                f"{rec['tokens_per_s']:.0f} tok/s")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=rec["iteration"], description=text)
+        else:
+            print(f"  iteration {rec['iteration']}/{self.total} | {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def cancel(job, cfg: JobConfig) -> None:
+    """Stop every task of ``job`` now. Local: SIGKILL the rank processes (the controller then
+    exits on its own); SLURM: scancel."""
+    if cfg.cluster.kind != "local":
+        try:
+            job.cancel(check=False)
+        except Exception:
+            pass
+        return
+    import psutil
+
+    process = getattr(job, "_process", None)
+    if process is None:
+        return
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        process.wait(timeout=30)
+    except Exception:
+        process.kill()
+
+
+def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = None) -> List[Dict[str, Any]]:
+    """Block until every task of ``job`` ends; return the per-rank summaries.
+
+    Raises :class:`JobFailedError` (with the failing rank's last lines) when a rank fails, the
+    job is cancelled, or it outlives ``cluster.timeout_min`` x (requeues + 1) plus 5 minutes.
+    """
+    c = cfg.cluster
+    deadline = time.time() + 60 * c.timeout_min * (c.max_num_timeout + 1) + 300
+    results: Dict[int, Tuple[str, Any]] = {}
+    ended_since: Optional[float] = None
+    try:
+        while True:
+            if progress is not None:
+                progress.poll()
+            for i in range(world_size):
+                if i not in results:
+                    r = _read_result(Path(job.task(i).paths.result_pickle))
+                    if r is not None:
+                        results[i] = r
+            failed = [i for i, r in results.items() if r[0] != "success"]
+            if failed:
+                cancel(job, cfg)
+                rank = failed[0]
+                detail = results[rank][1]
+                tail = str(detail).strip().splitlines()[-15:] if detail else []
+                raise JobFailedError(
+                    f"job {job.job_id} failed on rank {rank}:\n" + "\n".join(tail) +
+                    f"\nlogs: {job.task(rank).paths.stderr}")
+            if len(results) == world_size:
+                return [results[i][1] for i in range(world_size)]
+            if c.kind == "local":
+                ended = job.state != "RUNNING"
+                state = job.state
+            else:
+                state = _slurm_state(str(job.job_id))
+                ended = state in _SLURM_ENDED
+            if ended:
+                # Allow result files a moment to land after the processes exit.
+                ended_since = ended_since or time.time()
+                if time.time() - ended_since > 15:
+                    missing = [i for i in range(world_size) if i not in results]
+                    raise JobFailedError(
+                        f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
+                        f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")
+            if time.time() > deadline:
+                cancel(job, cfg)
+                raise JobFailedError(f"job {job.job_id} did not finish before the launcher's bound "
+                                     f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min); cancelled")
+            time.sleep(c.poll_interval_s)
+    except KeyboardInterrupt:
+        cancel(job, cfg)
+        raise
+    finally:
+        if progress is not None:
+            progress.poll()
+            progress.close()
+
+
+def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
+    """Submit the training job (one task per rank); returns the submitit job."""
+    from orchestrator.runtime.job import TrainJob
+
+    executor = make_executor(cfg, layout.world_size)
+    payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size))
+    try:
+        job = executor.submit(payload)
+    except Exception as exc:
+        raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
+    _record(cfg, job)
+    return job
+
+
+def _record(cfg: JobConfig, job) -> None:
+    try:
+        from orchestrator.status import record_submission
+    except ImportError:
+        return
+    try:
+        record_submission(cfg.run.dir, str(job.job_id), cfg.cluster.kind,
+                          {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)})
+    except TypeError:
+        record_submission(cfg.run.dir, str(job.job_id), cfg.cluster.kind)
+
+
+def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
+    """Submit and (with ``cluster.wait``) wait; returns the logging rank's summary (or ``{job_id}``)."""
+    job = submit(cfg, layout, prepared)
+    print(f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}, {layout.world_size} tasks)\n"
+          f"[orchestrator]   run dir: {cfg.run.dir}\n"
+          f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/", flush=True)
+    if not cfg.cluster.wait:
+        return {"job_id": str(job.job_id), "status": "submitted"}
+    progress = _Progress(Path(cfg.run.dir) / METRICS, cfg.training.train_iters, enabled=show_progress)
+    summaries = wait(job, cfg, layout.world_size, progress)
+    best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), None)
+    summary = dict(best or (summaries[-1] if summaries and isinstance(summaries[-1], dict) else {}))
+    summary["job_id"] = str(job.job_id)
+    return summary
