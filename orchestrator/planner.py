@@ -272,7 +272,7 @@ class Plan:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
 
 
 # ---- parameters ---------------------------------------------------------------------------
@@ -678,13 +678,16 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_distributed_optimizer: bool = True):
+def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_distributed_optimizer: bool = True,
+               state_dp: bool = False):
     """Valid (layout, recipe) pairs over the same world size, GBS, CP and EP.
 
     Varies TP (<= ``max_tp``, sequence parallel whenever TP > 1), PP, VPP (null or 2..8 chunks),
     MBS (powers of two and the current one), recomputation (none / selective / full uniform 1 /
     the current one) and the distributed optimizer. Each layout passes ``ParallelLayout.problems()``.
+    DP stays stated (set to the derived value) when the config stated it or ``state_dp``.
     """
+    state_dp = state_dp or layout.stated_data_parallel_size is not None
     world, cp = layout.world_size, layout.context_parallel_size
     mbs_options = sorted({1, 2, 4, 8, 16, 32, layout.micro_batch_size})
     recomputes = {(None, None, None), ("selective", None, None), ("full", "uniform", 1),
@@ -702,6 +705,8 @@ def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_di
                     cand = replace(layout, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=vpp, sequence_parallel=tp > 1,
                                    micro_batch_size=mbs, stated_data_parallel_size=None)
+                    if state_dp:
+                        cand = replace(cand, stated_data_parallel_size=cand.data_parallel_size)
                     if cand.problems():
                         continue
                     for g, method, n in recomputes:
@@ -737,7 +742,9 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
         return []
     cpu = cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node)
     found: Dict[Tuple[str, ...], Suggestion] = {}
-    for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu):
+    # cluster=local without tasks_per_node takes its world size from TP x PP x CP x DP: keep DP stated.
+    local_world = cfg.cluster.kind == "local" and cfg.cluster.tasks_per_node is None
+    for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world):
         pl = plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node)
         if not pl.fits or (current is not None and current.fits and pl.step_time_s >= 0.99 * current.step_time_s):
             continue
@@ -787,10 +794,11 @@ def format_plan(plan: Plan) -> str:
         ("framework overhead (assumed)", [c.overhead for c in cols]),
         ("total", [c.total for c in cols]),
     ]
-    lines.append(f"memory per GPU, GiB{'':<33}" + "".join(f"{'stage ' + str(r):>10}" for r in shown))
+    unit, scale = ("GiB", GiB) if plan.peak_bytes - plan.worst.overhead >= GiB else ("MiB", 2 ** 20)
+    lines.append(f"memory per GPU, {unit}{'':<33}" + "".join(f"{'stage ' + str(r):>10}" for r in shown))
     for label, vals in rows:
         count = label.endswith("in flight")
-        lines.append(f"  {label:<50}" + "".join(f"{x:>10}" if count else f"{x / GiB:>10.2f}" for x in vals))
+        lines.append(f"  {label:<50}" + "".join(f"{x:>10}" if count else f"{x / scale:>10.2f}" for x in vals))
     lines.append("  activations on the worst stage by recomputation: "
                  + ", ".join(f"{k} {_gib(val)}" for k, val in plan.activations_by_recompute.items()))
     sched = f"interleaved, v={v}" if lay.interleaved else "1F1B"
@@ -799,7 +807,7 @@ def format_plan(plan: Plan) -> str:
         f"{p - 1}/({v} x {m}) = {plan.bubble_overhead:.1%}; idle share of step = (p-1)/(v m + p-1) = "
         f"{plan.bubble_fraction:.1%}",
         f"FLOPs per step: model {plan.model_flops:.3e} (3 x forward; 72 B s l h^2 (1 + s/6h + V/12lh) for GPT), "
-        f"hardware {plan.hardware_flops:.3e} (with recompute)",
+        f"hardware {plan.hardware_flops:.3e} (model + recomputation)",
         f"step time at assumed MFU {plan.mfu_assumed:.2f} of busy compute: {plan.step_time_s:.3g} s = compute "
         f"{plan.compute_s:.3g} + TP comm {plan.tp_comm_s:.3g} + PP comm {plan.pp_comm_s:.3g} + bubble "
         f"{plan.bubble_s:.3g} + DP comm "

@@ -306,3 +306,14 @@ def test_planning_imports_neither_torch_nor_megatron():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_local_suggestions_keep_the_world_size():
+    # cluster=local without tasks_per_node: world = TP x PP x CP x DP, so DP must stay stated.
+    cfg = JobConfig(parallelism=ParallelismConfig(pipeline_model_parallel_size=2, data_parallel_size=2))
+    suggestions = planner.suggest(cfg, always=True)
+    assert suggestions
+    for s in suggestions:
+        again = planner.plan(apply_overrides(cfg, s.overrides))
+        assert again.layout.world_size == 4
+        assert again.step_time_s == pytest.approx(s.plan.step_time_s)
