@@ -1,0 +1,336 @@
+"""Render, then submit: the SLURM side of a job as pure functions of the config.
+
+:func:`executor_parameters` maps :class:`~orchestrator.config.ClusterConfig` onto the keyword
+arguments of submitit's ``AutoExecutor(cluster="slurm").update_parameters`` (constructor arguments:
+:func:`executor_init_kwargs`); :func:`slurm_executor_parameters` gives the same in
+``SlurmExecutor.update_parameters`` names (constructor: ``python=python_command(cfg)``). :func:`render_sbatch`
+feeds the same parameters to submitit's own renderer (``submitit.slurm.slurm._make_sbatch_string``,
+the function ``SlurmExecutor`` calls when it writes the script it hands to ``sbatch``), so the
+preview *is* the submitted script; a test compares the two byte for byte.
+
+No torch, no megatron, no subprocess: this runs on a login node in milliseconds.
+
+Quoting — what a user types never becomes shell by accident:
+
+* ``#SBATCH`` values (job name, partition, account, qos, constraint, exclude, mem, log paths,
+  ``additional_parameters``) are ``shlex.quote``-d by submitit and read by ``sbatch`` (not bash;
+  they are comments to the shell). Control characters (a newline could end the comment and start a
+  shell line) are refused here with a :class:`ConfigError`.
+* The srun line: log paths and every ``cluster.srun_args`` item are quoted by submitit; the python
+  executable (``cluster.python``, a path, not a command line) and the submitit folder are quoted here.
+* ``cluster.env`` becomes ``export KEY=<shlex.quote(value)>`` lines; keys must be identifiers.
+* ``cluster.setup`` lines are **shell on purpose** (``module load``, ``source venv/bin/activate``):
+  they are copied verbatim. Everything else is data.
+
+Script layout (the ``# setup`` section, in this order): ``unset`` of the torch.distributed variables
+the submitting shell may carry (sbatch exports the submitter's environment and submitit's
+``TorchDistributedEnvironment.export()`` refuses to overwrite them), then ``cluster.setup``, then
+the ``cluster.env`` exports (so presets win over whatever a ``module load`` sets).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from orchestrator.errors import ConfigError, LayoutError
+
+# Variables a submitting shell may carry that would confuse the job's torch.distributed setup.
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+# sbatch long options (slurm 22.05 `sbatch --help`, plus options of later releases). A key of
+# cluster.additional_parameters must be one of them (after `_` -> `-`), so a typo fails before
+# the job is queued instead of being rejected by sbatch or, worse, silently ignored.
+SBATCH_OPTIONS = frozenset(
+    """
+    account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment
+    constraint container container-id contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu
+    cpus-per-task deadline delay-boot dependency distribution error exclude exclusive export
+    export-file extra extra-node-info get-user-env gid gpu-bind gpu-freq gpus gpus-per-node
+    gpus-per-socket gpus-per-task gres gres-flags hint hold ignore-pbs input job-name
+    kill-on-invalid-dep licenses mail-type mail-user mcs-label mem mem-bind mem-per-cpu mem-per-gpu
+    mincpus network nice no-kill no-requeue nodefile nodelist nodes ntasks ntasks-per-core
+    ntasks-per-gpu ntasks-per-node ntasks-per-socket oom-kill-step open-mode output overcommit
+    oversubscribe partition power prefer priority profile propagate qos reboot requeue reservation
+    resv-ports segment signal sockets-per-node spread-job switches thread-spec threads-per-core time
+    time-min tmp tres-bind tres-per-task uid use-min-nodes wait-all-nodes wckey x11
+    """.split()
+)
+
+# Options the orchestrator sets itself (from ClusterConfig or through submitit): giving them in
+# cluster.additional_parameters would silently override the managed value. Value: what to set instead.
+MANAGED_OPTIONS: Dict[str, str] = {
+    "job-name": "run.name",
+    "partition": "cluster.partition",
+    "account": "cluster.account",
+    "qos": "cluster.qos",
+    "constraint": "cluster.constraint",
+    "exclude": "cluster.exclude",
+    "mem": "cluster.mem",
+    "time": "cluster.timeout_min",
+    "nodes": "cluster.nodes",
+    "ntasks": "cluster.nodes and cluster.tasks_per_node",
+    "ntasks-per-node": "cluster.tasks_per_node",
+    "cpus-per-task": "cluster.cpus_per_task",
+    "gpus-per-node": "cluster.gpus_per_node",
+    "gpus": "cluster.gpus_per_node (one task per GPU)",
+    "gpus-per-task": "cluster.gpus_per_node (one task per GPU)",
+    "ntasks-per-gpu": "cluster.gpus_per_node and cluster.tasks_per_node",
+    "signal": "cluster.signal_delay_s",
+    "requeue": "cluster.max_num_timeout (0 disables requeueing)",
+    "no-requeue": "cluster.max_num_timeout=0",
+    "output": "nothing: submitit writes the logs under its folder",
+    "error": "nothing: submitit writes the logs under its folder",
+    "open-mode": "nothing: submitit appends to its logs (a requeued job continues them)",
+    "array": "nothing: one job per run (sweeps submit one job per point)",
+    "wrap": "nothing: the script is generated",
+}
+
+# Keys of submitit's renderer that are not sbatch options: a user putting them into
+# additional_parameters means another config key.
+_NOT_SBATCH = {
+    "setup": "cluster.setup",
+    "srun-args": "cluster.srun_args",
+    "signal-delay-s": "cluster.signal_delay_s",
+    "timeout-min": "cluster.timeout_min",
+    "tasks-per-node": "cluster.tasks_per_node",
+    "max-num-timeout": "cluster.max_num_timeout",
+    "env": "cluster.env",
+    "python": "cluster.python",
+}
+
+_MEM_RE = re.compile(r"^\d+([KMGT]B?)?$", re.IGNORECASE)
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_OPTION_RE = re.compile(r"^[a-z][a-z0-9-]*$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _no_control(key: str, value: Any) -> str:
+    """``str(value)``, refusing control characters (a newline would end an ``#SBATCH`` comment)."""
+    text = str(value)
+    if _CONTROL_RE.search(text):
+        raise ConfigError(
+            f"{key}={text!r} contains a control character (newline, tab, ...), which cannot go into an "
+            f"sbatch directive; fix: remove it"
+        )
+    return text
+
+
+def job_name(cfg) -> str:
+    """The SLURM job name of a run: ``run.name`` (validated, quoted later by submitit)."""
+    name = cfg.run.name or "orchestrator"
+    return _no_control("run.name", name)
+
+
+def tasks_per_node(cfg) -> int:
+    """``cluster.tasks_per_node``, or one task per GPU when null."""
+    c = cfg.cluster
+    tasks = c.tasks_per_node if c.tasks_per_node is not None else c.gpus_per_node
+    if not tasks or tasks < 1:
+        raise LayoutError(
+            f"cluster.tasks_per_node={c.tasks_per_node} and cluster.gpus_per_node={c.gpus_per_node}: "
+            f"the number of tasks per node is unknown; fix: set cluster.tasks_per_node (CPU jobs) "
+            f"or cluster.gpus_per_node (one task per GPU)"
+        )
+    return tasks
+
+
+def _additional_parameters(cfg) -> Dict[str, Any]:
+    """Validated ``cluster.additional_parameters`` plus the managed ``requeue`` flag.
+
+    Keys are normalised to sbatch spelling (``_`` -> ``-``). A ``false`` or ``null`` value means
+    "option not given" and is dropped (submitit would render ``--exclusive=False``).
+    """
+    c = cfg.cluster
+    out: Dict[str, Any] = {}
+    seen: Dict[str, str] = {}
+    for raw_key, value in (c.additional_parameters or {}).items():
+        key = str(raw_key).strip().lstrip("-").replace("_", "-").lower()
+        where = f"cluster.additional_parameters.{raw_key}"
+        if not _OPTION_RE.match(key):
+            raise ConfigError(f"{where}: {raw_key!r} is not an sbatch option name; fix: use e.g. reservation or mail-type")
+        if key in seen:
+            raise ConfigError(f"{where}: the same sbatch option as cluster.additional_parameters.{seen[key]} (--{key}); fix: keep one")
+        seen[key] = str(raw_key)
+        if key in MANAGED_OPTIONS:
+            raise ConfigError(
+                f"{where}: --{key} is set by the orchestrator and must not be overridden here; "
+                f"fix: remove it and set {MANAGED_OPTIONS[key]}"
+            )
+        if key in _NOT_SBATCH:
+            raise ConfigError(f"{where}: not an sbatch option; fix: set {_NOT_SBATCH[key]} instead")
+        if key not in SBATCH_OPTIONS:
+            close = difflib.get_close_matches(key, sorted(SBATCH_OPTIONS), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(
+                f"{where}: --{key} is not an sbatch option; {hint}"
+                f"fix: use a valid sbatch long option name (see `man sbatch`)"
+            )
+        if key in ("mem-per-cpu", "mem-per-gpu") and c.mem is not None:
+            raise ConfigError(f"{where} and cluster.mem={c.mem!r} both set the memory; fix: keep one (cluster.mem=null)")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out[key] = True
+            continue
+        if isinstance(value, (list, dict)):
+            raise ConfigError(f"{where}={value!r}: sbatch option values are scalars; fix: e.g. a comma-separated string")
+        out[key] = _no_control(where, value)
+    if c.max_num_timeout > 0:
+        out["requeue"] = True
+    return out
+
+
+def _setup_lines(cfg) -> List[str]:
+    """The ``# setup`` section: unset dist vars, ``cluster.setup`` (shell), ``cluster.env`` exports (quoted)."""
+    c = cfg.cluster
+    lines = ["unset " + " ".join(_DIST_VARS)]
+    for i, line in enumerate(c.setup or []):
+        if not isinstance(line, str):
+            raise ConfigError(f"cluster.setup[{i}]={line!r} must be a shell line (string)")
+        lines.append(line)
+    for key, value in (c.env or {}).items():
+        if not _ENV_KEY_RE.match(str(key)):
+            raise ConfigError(
+                f"cluster.env.{key}: {key!r} is not a valid environment variable name "
+                f"(letters, digits, underscore; not starting with a digit)"
+            )
+        if value is None:
+            raise ConfigError(f"cluster.env.{key} is null; fix: give a string value or remove the key")
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    return lines
+
+
+def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
+    """Keyword arguments for ``submitit.AutoExecutor(cluster="slurm").update_parameters``.
+
+    Generic submitit names where submitit has one (``name``, ``timeout_min``, ``nodes``,
+    ``tasks_per_node``, ``gpus_per_node``, ``cpus_per_task``), ``slurm_*`` otherwise. Unset
+    (null) values are left out, so the site's defaults apply. Raises :class:`ConfigError` for
+    values that cannot go into an sbatch script, and :class:`LayoutError` when
+    ``nodes x tasks_per_node`` is not ``world_size``.
+    """
+    c = cfg.cluster
+    if c.kind != "slurm":
+        raise ConfigError(f"cluster.kind={c.kind!r}: there is no sbatch script for it; fix: cluster=slurm or cluster=slurm_dev")
+    if not isinstance(c.nodes, int) or c.nodes < 1:
+        raise ConfigError(f"cluster.nodes={c.nodes!r} must be a positive integer")
+    tasks = tasks_per_node(cfg)
+    if c.nodes * tasks != world_size:
+        raise LayoutError(
+            f"the allocation has cluster.nodes x tasks per node = {c.nodes} x {tasks} = {c.nodes * tasks} tasks "
+            f"but the layout needs world size {world_size}; fix: change cluster.nodes or cluster.tasks_per_node"
+        )
+    if not isinstance(c.timeout_min, int) or c.timeout_min < 1:
+        raise ConfigError(f"cluster.timeout_min={c.timeout_min!r} must be a positive number of minutes")
+    if not 0 <= c.signal_delay_s < min(65536, c.timeout_min * 60):
+        raise ConfigError(
+            f"cluster.signal_delay_s={c.signal_delay_s} must be >= 0 and shorter than the time limit "
+            f"(cluster.timeout_min={c.timeout_min} -> {c.timeout_min * 60} s); otherwise USR2 arrives at the start"
+        )
+    if c.max_num_timeout < 0:
+        raise ConfigError(f"cluster.max_num_timeout={c.max_num_timeout} must be >= 0")
+    if c.gpus_per_node < 0:
+        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} must be >= 0")
+    if c.cpus_per_task is not None and c.cpus_per_task < 1:
+        raise ConfigError(f"cluster.cpus_per_task={c.cpus_per_task} must be >= 1 or null")
+
+    params: Dict[str, Any] = {
+        "name": job_name(cfg),
+        "timeout_min": c.timeout_min,
+        "nodes": c.nodes,
+        "tasks_per_node": tasks,
+    }
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    if c.cpus_per_task is not None:
+        params["cpus_per_task"] = c.cpus_per_task
+    if c.mem is not None:
+        mem = _no_control("cluster.mem", c.mem).strip()
+        if not _MEM_RE.match(mem):
+            raise ConfigError(
+                f"cluster.mem={c.mem!r} is not an sbatch memory size; fix: e.g. 500G, 64000M, or 0 (all of the node's memory)"
+            )
+        params["slurm_mem"] = mem
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(c, key)
+        if value is not None and str(value) != "":
+            params[f"slurm_{key}"] = _no_control(f"cluster.{key}", value)
+    params["slurm_signal_delay_s"] = int(c.signal_delay_s)
+    additional = _additional_parameters(cfg)
+    if additional:
+        params["slurm_additional_parameters"] = additional
+    params["slurm_setup"] = _setup_lines(cfg)
+    srun_args = []
+    for i, arg in enumerate(c.srun_args or []):
+        srun_args.append(_no_control(f"cluster.srun_args[{i}]", arg))
+    if srun_args:
+        params["slurm_srun_args"] = srun_args
+    return params
+
+
+def slurm_executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
+    """The same parameters in ``submitit.SlurmExecutor.update_parameters`` names
+    (``job_name``, ``time``, ``ntasks_per_node``, ``partition``, ``setup``, ...).
+
+    Use with ``SlurmExecutor(folder, max_num_timeout=..., python=python_command(cfg))``.
+    """
+    return _renderer_kwargs(executor_parameters(cfg, world_size))
+
+
+def python_command(cfg) -> str:
+    """The quoted python executable that runs each task (``cluster.python`` or this interpreter)."""
+    python = cfg.cluster.python or sys.executable
+    return shlex.quote(_no_control("cluster.python", python))
+
+
+def executor_init_kwargs(cfg) -> Dict[str, Any]:
+    """Constructor arguments for ``submitit.AutoExecutor(folder, cluster="slurm", **kwargs)``."""
+    return {"slurm_max_num_timeout": cfg.cluster.max_num_timeout, "slurm_python": python_command(cfg)}
+
+
+def _renderer_kwargs(params: Dict[str, Any]) -> Dict[str, Any]:
+    """AutoExecutor names -> ``_make_sbatch_string`` names, as AutoExecutor + SlurmExecutor convert them."""
+    from submitit.slurm.slurm import SlurmExecutor, _convert_mem
+
+    generic = SlurmExecutor._equivalence_dict()
+    out: Dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key.startswith("slurm_"):
+            out[key[len("slurm_"):]] = value
+        elif key == "mem_gb":
+            out["mem"] = _convert_mem(value)
+        elif key in generic:
+            out[generic[key]] = value
+        else:
+            raise ConfigError(f"internal: unknown submitit parameter {key!r}")
+    return out
+
+
+def render_sbatch(cfg, world_size: int, folder: Union[str, Path]) -> str:
+    """The exact sbatch script submitit writes for this config and submitit ``folder``.
+
+    ``folder`` is the executor's folder (it may contain ``%j``); it is made absolute as submitit does.
+    """
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = executor_parameters(cfg, world_size)
+    folder_path = Path(_no_control("submitit folder", folder)).expanduser().absolute()
+    command = " ".join([python_command(cfg), "-u -m submitit.core._submit", shlex.quote(str(folder_path))])
+    return _make_sbatch_string(command=command, folder=folder_path, **_renderer_kwargs(params))
+
+
+def srun_line(script: str) -> Optional[str]:
+    """The srun command line of a rendered script (for printing next to it)."""
+    for line in script.splitlines():
+        if line.startswith("srun "):
+            return line
+    return None
