@@ -1,0 +1,324 @@
+"""The timeout / preemption contract: signal -> save -> requeue -> resume.
+
+Inside the job (every rank)::
+
+    stop = StopRequest(max_requeues=cfg.cluster.max_num_timeout, run_dir=cfg.run.dir)
+    stop.install()                      # at start, after torch.distributed is up or before: both work
+    ...
+    # at each iteration boundary:
+    if stop.requested():                # collective: every rank must call it, every iteration
+        save_checkpoint(...)            # collective save; the manifest is written last
+        stop.requeue_or_exit("signal")  # never returns
+
+What happens:
+
+* SLURM sends ``USR2`` ``cluster.signal_delay_s`` before the time limit (``#SBATCH --signal=USR2@N``;
+  the signal goes to every task of the step) and ``SIGTERM`` on preemption or ``scancel``. The
+  handlers installed by :meth:`StopRequest.install` only set a flag: a signal can land in the
+  middle of a collective, so the decision waits for the next iteration boundary.
+* :meth:`StopRequest.requested` all-reduces the flag (MAX) so every rank stops after the *same*
+  iteration, even when the signal reached ranks at different moments.
+* :meth:`StopRequest.requeue_or_exit` synchronises the ranks (so the save is complete everywhere),
+  then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` when ``SLURM_RESTART_COUNT`` (0 when unset)
+  < ``max_requeues`` and the job is still ``RUNNING``; every rank then raises :class:`Requeued`
+  (exit code :data:`REQUEUE_EXIT_CODE`). Otherwise — local runs, requeues used up, a cancelled
+  job, a failed ``scontrol`` — every rank raises :class:`Stopped` (:data:`STOP_EXIT_CODE`).
+  SLURM restarts the batch script from the top in the same job id; the run resumes from its
+  latest checkpoint (auto-resume through the manifest check), and ``install()`` prints the
+  restart count on rank 0.
+
+Why it works with submitit (verified against submitit 1.5.4, ``core/submission.py`` and
+``core/job_environment.py``):
+
+* submitit's ``process_job`` installs its own handlers (``USR2`` -> checkpoint-and-requeue, which
+  for a callable without a ``checkpoint`` method raises ``UncompletedJobError`` on timeout and
+  so writes an *error* result; ``SIGTERM`` -> log and ignore) **before** it calls the job
+  function. ``install()`` runs inside the job function, so ours replace them.
+* submitit writes ``<job>_<task>_result.pkl`` as ``("success", value)`` when the function returns
+  and ``("error", traceback)`` when it raises an ``Exception``. A launcher (and ``Job.done()``)
+  treats the first result file as the end of the job. :class:`Requeued` and :class:`Stopped` are
+  ``SystemExit`` subclasses, which ``except Exception`` does not catch: **no result file is
+  written**, so a requeued job leaves nothing a waiting launcher could read as success (or as
+  failure), and after the restart the same result paths receive the real outcome.
+* A ``scancel`` also delivers ``SIGTERM``, and ``scontrol requeue`` happily requeues a job in
+  ``COMPLETING``/``CANCELLED`` state (seen on slurm 22.05). So the job's state is checked first:
+  only a ``RUNNING`` job is requeued; a cancelled one stops.
+* After ``scontrol requeue`` SLURM signals the tasks (``SIGTERM``, caught, harmless) and kills
+  them after ``KillWait``; the ranks exit first. The requeued job becomes eligible again after
+  SLURM's requeue delay (``cred_expire``, 120 s by default; the dev cluster sets 10 s).
+
+Only this module's functions touch signals; torch is imported lazily inside the methods.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+REQUEUE_EXIT_CODE = 75
+"""Exit status of every rank after a successful requeue (EX_TEMPFAIL: "try again later")."""
+STOP_EXIT_CODE = 76
+"""Exit status after a graceful stop without requeue (not a success: training did not finish)."""
+_EXIT_WATCHDOG_S = 60.0
+
+
+class Requeued(SystemExit):
+    """Raised on every rank once the job is requeued. A ``SystemExit``: submitit writes no result."""
+
+    def __init__(self, reason: str):
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.reason = reason
+
+
+class Stopped(SystemExit):
+    """Raised on every rank after a graceful stop that is not requeued (local run, requeues used
+    up, job cancelled). A ``SystemExit``: no result file, the job does not count as a success."""
+
+    def __init__(self, reason: str):
+        super().__init__(STOP_EXIT_CODE)
+        self.reason = reason
+
+
+def on_slurm() -> bool:
+    """Whether this process is a task of a SLURM job (submitit's SLURM executor, or plain srun)."""
+    executor = os.environ.get("SUBMITIT_EXECUTOR")
+    if executor is not None:
+        return executor == "slurm"
+    return "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
+
+
+def restart_count() -> int:
+    """How many times SLURM restarted this job (``SLURM_RESTART_COUNT``; 0 when unset)."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def slurm_job_id() -> Optional[str]:
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch is always there in the runtime
+        pass
+    for key in ("SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID", "RANK"):
+        if key in os.environ:
+            try:
+                return int(os.environ[key])
+            except ValueError:
+                pass
+    return 0
+
+
+def _slurm_job_state(job_id: str) -> Optional[str]:
+    """``JobState`` from ``scontrol show job`` (lines after the first: the job name cannot fake it)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    for line in out.stdout.splitlines()[1:]:
+        for token in line.split():
+            if token.startswith("JobState="):
+                return token.split("=", 1)[1]
+    return None
+
+
+class StopRequest:
+    """Signal flag + collective stop decision + requeue. One instance per process.
+
+    ``max_requeues``: requeue while ``SLURM_RESTART_COUNT`` is below it (``cluster.max_num_timeout``).
+    ``run_dir``: when given, rank 0 appends a ``requeued``/``stopped`` event to
+    ``<run_dir>/jobs.jsonl`` (read by ``python -m orchestrator.status``).
+    """
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self, max_requeues: int = 0, run_dir: Optional[str] = None, log=None):
+        self.max_requeues = int(max_requeues)
+        self.run_dir = run_dir
+        self._flag = False
+        self.signal_name: Optional[str] = None
+        self.signal_time: Optional[float] = None
+        self._previous: dict = {}
+        self._log = log or (lambda msg: print(f"[orchestrator] {msg}", file=sys.stderr, flush=True))
+
+    # ---- signals ---------------------------------------------------------------------------
+    def install(self) -> "StopRequest":
+        """Register the flag-setting handler for USR2 and SIGTERM (replacing submitit's).
+
+        Must run in the main thread (Python's rule for signal handlers). On rank 0 of a restarted
+        SLURM job it prints the restart count.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StopRequest.install() must be called from the main thread (signal handlers)")
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        if on_slurm() and _rank() == 0:
+            count = restart_count()
+            if count:
+                self._log(f"SLURM job {slurm_job_id()} restarted: requeue {count} of at most {self.max_requeues} "
+                          f"(SLURM_RESTART_COUNT={count})")
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were in place before :meth:`install`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any = None) -> None:  # signal handler: set a flag, nothing else
+        if not self._flag:
+            self.signal_name = signal.Signals(signum).name
+            self.signal_time = time.time()
+        self._flag = True
+
+    def trigger(self, name: str = "manual") -> None:
+        """Request a stop from code (tests, an external trigger file, ...)."""
+        if not self._flag:
+            self.signal_name, self.signal_time = name, time.time()
+        self._flag = True
+
+    @property
+    def local_flag(self) -> bool:
+        """Whether this process received a stop signal (no communication)."""
+        return self._flag
+
+    # ---- collective decision ---------------------------------------------------------------
+    def requested(self, group=None) -> bool:
+        """True on every rank when any rank received a signal (all-reduce MAX over ``group``).
+
+        Collective when torch.distributed is initialised: every rank must call it at the same
+        point. Without a process group it is the local flag.
+        """
+        local = self._flag
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        device = "cpu"
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        result = bool(flag.item())
+        if result and not local:
+            self.trigger("peer")  # another rank got the signal; remember it for requeue_or_exit
+        return result
+
+    def _all_max(self, value: int, group=None) -> int:
+        """MAX of ``value`` over the ranks (a barrier too); ``value`` without a process group."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return value
+        device = "cpu"
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    # ---- requeue or stop -------------------------------------------------------------------
+    def _decide(self) -> "tuple[bool, str]":
+        """(requeue?, why) — evaluated on rank 0."""
+        if not on_slurm():
+            return False, "not a SLURM job (local run): stopped after saving"
+        job_id = slurm_job_id()
+        if not job_id:
+            return False, "SLURM_JOB_ID is not set"
+        count = restart_count()
+        if count >= self.max_requeues:
+            return False, (f"requeues used up: SLURM_RESTART_COUNT={count} >= cluster.max_num_timeout="
+                           f"{self.max_requeues}")
+        state = _slurm_job_state(job_id)
+        if state is not None and state != "RUNNING":
+            return False, f"job {job_id} is {state} (cancelled or ending), not requeued"
+        return True, f"requeue {count + 1} of at most {self.max_requeues}"
+
+    def requeue_or_exit(self, reason: str = "", group=None) -> None:
+        """Requeue the SLURM job (rank 0) and exit every rank; never returns.
+
+        Call on every rank after the checkpoint is saved. Raises :class:`Requeued` or
+        :class:`Stopped` (``SystemExit`` subclasses: submitit writes no result file).
+        """
+        rank = _rank()
+        why = reason or "stop requested"
+        if self.signal_name:
+            why += f" ({self.signal_name})"
+        # 1. every rank has saved and arrived; rank 0 says whether it will requeue
+        want = 0
+        detail = ""
+        if rank == 0:
+            want, detail = self._decide()
+            want = int(want)
+        want = self._all_max(want, group)
+        # 2. rank 0 requeues; 3. everybody learns whether that worked
+        done = 0
+        if rank == 0 and want:
+            job_id = slurm_job_id() or ""
+            try:
+                out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+                if out.returncode == 0:
+                    done = 1
+                else:
+                    detail = f"`scontrol requeue {job_id}` failed: {out.stderr.strip() or out.returncode}"
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                detail = f"`scontrol requeue {job_id}` failed: {exc}"
+        done = self._all_max(done, group) if want else 0
+        event = "requeued" if done else "stopped"
+        if rank == 0:
+            self._log(f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}" if on_slurm()
+                      else f"{why}: checkpoint saved; {event}: {detail}")
+            self._record(event, why, detail)
+        _flush_streams()
+        if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task: this process must end now
+            _arm_exit_watchdog(REQUEUE_EXIT_CODE if done else STOP_EXIT_CODE)
+        if done:
+            raise Requeued(f"{why}: {detail}")
+        raise Stopped(f"{why}: {detail}")
+
+    def _record(self, event: str, why: str, detail: str) -> None:
+        if not self.run_dir:
+            return
+        try:
+            from orchestrator.status import record_event
+
+            record_event(self.run_dir, event, job_id=slurm_job_id() or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+                         restart_count=restart_count(), reason=why, detail=detail, signal=self.signal_name)
+        except Exception as exc:  # never let bookkeeping block the exit
+            self._log(f"could not record the {event} event: {exc}")
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _arm_exit_watchdog(code: int) -> None:
+    """Make sure a submitit task ends even if interpreter shutdown hangs (a non-daemon thread
+    left by a library): a daemon thread ``os._exit``s after a minute. Only armed inside submitit
+    tasks, so a test that catches :class:`Stopped` in-process is not killed later."""
+
+    def _kill() -> None:
+        time.sleep(_EXIT_WATCHDOG_S)
+        os._exit(code)
+
+    threading.Thread(target=_kill, name="orchestrator-exit-watchdog", daemon=True).start()

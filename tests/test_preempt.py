@@ -1,0 +1,160 @@
+"""The timeout/preemption contract without SLURM: flag, collective decision, exit without a result.
+
+The SLURM half (scontrol requeue, restart count, cancelled jobs not requeued) is in tests/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runtime import preempt
+from orchestrator.runtime.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, StopRequest, Stopped
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Job functions below run in submitit tasks, which cannot import this test module: ship them by value.
+import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in ("SUBMITIT_EXECUTOR", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_signal_only_sets_a_flag_and_local_run_stops(clean_env, tmp_path):
+    before = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
+    stop = StopRequest(max_requeues=3, run_dir=str(tmp_path)).install()
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.local_flag and stop.requested() and stop.signal_name == "SIGUSR2"
+        with pytest.raises(Stopped) as info:
+            stop.requeue_or_exit("time limit")
+        assert info.value.code == STOP_EXIT_CODE
+        assert "local run" in info.value.reason
+        assert not isinstance(info.value, Exception)  # submitit's `except Exception` must not catch it
+    finally:
+        stop.uninstall()
+    assert (signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)) == before
+    from orchestrator.status import read_records
+
+    events = read_records(tmp_path)
+    assert [e["event"] for e in events] == ["stopped"] and events[0]["signal"] == "SIGUSR2"
+
+
+def test_sigterm_is_caught_too(clean_env):
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested() and stop.signal_name == "SIGTERM"
+    finally:
+        stop.uninstall()
+
+
+def test_exit_codes_and_types():
+    assert issubclass(Requeued, SystemExit) and issubclass(Stopped, SystemExit)
+    assert Requeued("x").code == REQUEUE_EXIT_CODE != Stopped("x").code == STOP_EXIT_CODE
+    # submitit's LocalExecutor restarts tasks that exit with 144; ours must differ
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    assert LOCAL_REQUEUE_RETURN_CODE not in (REQUEUE_EXIT_CODE, STOP_EXIT_CODE)
+
+
+def test_decision_on_slurm(monkeypatch):
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "RUNNING")
+    stop = StopRequest(max_requeues=2)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert stop._decide() == (True, "requeue 2 of at most 2")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    ok, why = stop._decide()
+    assert not ok and "requeues used up" in why
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "COMPLETING")  # after scancel
+    ok, why = stop._decide()
+    assert not ok and "COMPLETING" in why
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")  # a local job inside an allocation is not SLURM's
+    assert not preempt.on_slurm()
+
+
+_WORKER = textwrap.dedent("""
+    import os, signal, sys, torch, torch.distributed as dist
+    from orchestrator.runtime.preempt import StopRequest
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+    stop = StopRequest(max_requeues=3).install()
+    for it in range(1, 50):
+        if rank == 1 and it == 3:
+            os.kill(os.getpid(), signal.SIGUSR2)   # only rank 1 gets the signal
+        t = torch.ones(1); dist.all_reduce(t)       # "training"
+        if stop.requested():
+            print(f"rank {rank} stops after iteration {it} local={stop.signal_name}", flush=True)
+            stop.requeue_or_exit("test")
+    print("never stopped", flush=True)
+""")
+
+
+def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    init = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), init], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [STOP_EXIT_CODE, STOP_EXIT_CODE], outs
+    assert "rank 0 stops after iteration 3 local=peer" in outs[0]
+    assert "rank 1 stops after iteration 3 local=SIGUSR2" in outs[1]
+
+
+def _job_gets_usr2():
+    """Runs inside a submitit task: our handler must replace submitit's (which would requeue)."""
+    import os
+    import signal
+    import time
+
+    from orchestrator.runtime.preempt import StopRequest
+
+    stop = StopRequest().install()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    for _ in range(100):
+        if stop.local_flag:
+            break
+        time.sleep(0.01)
+    return ("ok", stop.signal_name, os.environ.get("SUBMITIT_EXECUTOR"))
+
+
+def _job_stops():
+    from orchestrator.runtime.preempt import StopRequest
+
+    stop = StopRequest()
+    stop.trigger("test")
+    stop.requeue_or_exit("test")
+
+
+def test_submitit_handler_replaced_and_stop_leaves_no_result(clean_env, tmp_path):
+    import submitit
+
+    executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
+    executor.update_parameters(timeout_min=2)
+    job = executor.submit(_job_gets_usr2)
+    assert job.result() == ("ok", "SIGUSR2", "local")
+
+    job = executor.submit(_job_stops)
+    job.wait()  # LocalJob: bounded by the process' life
+    assert not Path(job.paths.result_pickle).exists()  # neither "success" nor "error"
+    assert "stopped" in Path(job.paths.stderr).read_text()
