@@ -203,6 +203,14 @@ class ClusterConfig:
 
 
 @dataclass
+class SweepConfig:
+    """Multirun (``python -m orchestrator -m ...``) behaviour; single runs ignore it (orchestrator/sweep.py)."""
+
+    run_predicted_oom: bool = False
+    """Run points the planner predicts do not fit on ``gpu``; false records them as skipped_oom_predicted."""
+
+
+@dataclass
 class RunConfig:
     """Identity and location of a run."""
 
@@ -224,6 +232,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: bool = False
     """Print the plan (layout, memory, bubble, FLOPs) and stop."""
     dry_run: bool = False
