@@ -115,6 +115,20 @@ def cpu_step_time(cfg) -> float:
     return planner.plan_layout(planner.layout_from_config(cfg), shape, planner.recipe_of(cfg), CPU).step_time_s
 
 
+def fit(rows) -> None:
+    """Least squares: net ~ a x states + b x activations + c (MiB). a, b near 1 and c near 0 = calibrated."""
+    import numpy as np
+
+    if len(rows) < 4:
+        return
+    X = np.array([[r[3], r[4], 1.0] for r in rows])
+    y = np.array([r[6] for r in rows])
+    (a, b, c), *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ np.array([a, b, c])
+    print(f"fit: measured net = {a:.2f} x states + {b:.2f} x activations + {c:.0f} MiB "
+          f"(rms residual {float(np.sqrt(np.mean(resid ** 2))):.0f} MiB)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
@@ -174,6 +188,7 @@ def main() -> int:
     if errors:
         print(f"mean |error| {sum(errors) / len(errors):.0%} over {len(errors)} ranks; "
               f"baselines (MiB/rank): " + ", ".join(f"{k}: {sum(v) / len(v):.0f}" for k, v in baselines.items()))
+        fit(rows)
     if len(times) > 1:
         ref = next(iter(times))
         m0, p0 = times[ref]

@@ -7,11 +7,11 @@ times are seconds. Sources:
 
 * [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM" (arXiv:2104.04473): pipeline bubble (section 2.2),
-  FLOPs per iteration (section 5.1).
+  FLOPs per iteration (section 5.1 and its appendix).
 * [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198): activation memory per layer (section 4), pipeline
   in-flight factor (section 4.2.3), selective/full recomputation (section 5), model vs
-  hardware FLOPs (section 6.3).
+  hardware FLOPs utilisation (section 6).
 * [M] Megatron-Core's distributed-optimizer guide: bytes per parameter for weights,
   gradients and optimizer state, with and without sharding over DP.
 
@@ -216,7 +216,7 @@ class Plan:
     pp_comm_s: float
     dp_comm_s: float
     model_flops: float
-    """Per optimizer step, without recomputation ([K22] 6.3 'model FLOPs')."""
+    """Per optimizer step, without recomputation ([K22] section 6: "model FLOPs")."""
     hardware_flops: float
     """Per optimizer step, with recomputation ('hardware FLOPs')."""
     notes: List[str] = field(default_factory=list)
@@ -383,22 +383,27 @@ def _in_flight(layout: ParallelLayout, stage: int) -> int:
 
 def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, stage: int,
                        vp: int, granularity: Optional[str]) -> Tuple[float, int]:
-    """(bytes, in-flight chunks) of activations on one GPU of ``stage`` at its peak."""
+    """(bytes, in-flight chunks) of activations on one GPU of ``stage`` at its peak.
+
+    Stored activations of the in-flight chunks ([K22]) plus a working set that [K22] does not
+    count: while one layer runs backward, gradients of its activations live next to them, taken
+    as one layer's full activations (and, with full recomputation, the rebuilt layers on top).
+    """
     e, t = recipe.param_bytes, layout.tensor_model_parallel_size
     p, chunk_layers = layout.pipeline_model_parallel_size, layout.layers_per_virtual_stage
     full = layer_activation_bytes(shape, layout, e, selective=False)
     sbh = shape.seq_length / layout.context_parallel_size * layout.micro_batch_size * shape.hidden_size
     sbh_local = sbh / t if layout.sequence_parallel else sbh
     flight = _in_flight(layout, stage)
-    transient = 0.0
+    transient = full  # backward working set of one layer
     if granularity == "full":
         n = max(1, min(recipe.recompute_num_layers or 1, chunk_layers))
         if recipe.recompute_method == "block":  # first n layers keep only their input
             per_chunk = n * e * sbh_local + (chunk_layers - n) * full
-            transient = full
+            transient += full
         else:  # uniform: one stored input per group of n layers; a group is rebuilt in backward
             per_chunk = math.ceil(chunk_layers / n) * e * sbh_local
-            transient = n * full
+            transient += n * full
     else:
         per_chunk = chunk_layers * layer_activation_bytes(shape, layout, e, selective=granularity == "selective")
     total = flight * per_chunk + transient
@@ -445,7 +450,7 @@ def flops_per_step(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp
     Model FLOPs = 3 x forward (backward = 2 x forward), [N21] 5.1; for standard GPT this equals
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)). Hardware FLOPs add what recomputation redoes:
     full = one more forward of the recomputed layers ([N21]'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
-    when every layer is recomputed), selective = the attention core again ([K22] 6.3).
+    when every layer is recomputed), selective = the attention core again ([K22] sections 5-6).
     """
     tokens = layout.tokens_per_step
     dense, attn = _layer_forward_flops_per_token(shape)
