@@ -13,6 +13,11 @@ The entry reads top to bottom:
 
 User errors (:class:`~orchestrator.errors.OrchestratorError`) print one ``error:`` message and
 exit with code 2 (1 for a failed job); there is no traceback for them.
+
+Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): each point runs the same pipeline as
+one job, one after another; a point's error is recorded in its ``point.json`` instead of exiting,
+and after the last point :mod:`orchestrator.sweep` prints the ranked results table and sets the
+exit code (1 if a point failed, 2 if one was invalid).
 """
 
 from __future__ import annotations
@@ -76,6 +81,10 @@ def run(cfg: JobConfig) -> Optional[dict]:
     from orchestrator.runtime.data import tokenizer_identity
     from orchestrator.submit import launch
 
+    if cfg.checkpoint.init_from:
+        from orchestrator.manifest import read_manifest
+
+        read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
     prepared = prepare_data(cfg)
     latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint,
                               tokenizer=tokenizer_identity(cfg.data), warn=lambda m: say(f"warning: {m}"))
@@ -99,6 +108,11 @@ def run(cfg: JobConfig) -> Optional[dict]:
 
 
 def _entry(dcfg: Any) -> Optional[float]:
+    from orchestrator import sweep
+
+    point = sweep.current_point()
+    if point is not None:  # multirun: record the point (never sys.exit), see orchestrator/sweep.py
+        return sweep.run_point(dcfg, point, run)
     try:
         cfg = to_job_config(dcfg)
         summary = run(cfg)
@@ -113,8 +127,13 @@ def _entry(dcfg: Any) -> Optional[float]:
 def main() -> None:
     import hydra
 
+    from orchestrator import sweep
+
     register_configs()
     hydra.main(config_path="../conf", config_name="config", version_base="1.3")(_entry)()
+    code = sweep.finish()  # None after a single run; after a multirun: table printed, exit code
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
