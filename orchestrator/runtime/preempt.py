@@ -136,6 +136,46 @@ def _slurm_job_state(job_id: str) -> Optional[str]:
     return None
 
 
+def _slurm_restarts(job_id: str) -> Optional[int]:
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.stdout.splitlines()[1:]:
+        for token in line.split():
+            if token.startswith("Restarts=") and token[9:].isdigit():
+                return int(token[9:])
+    return None
+
+
+def _ignore_sigterm() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
+    """``scontrol requeue job_id``: (requeued?, problem).
+
+    SLURM answers a requeue by signalling every process of the job, ``scontrol`` included
+    (seen: it died of SIGTERM, status -15, *after* the requeue was done). So scontrol runs with
+    SIGTERM ignored, and a non-zero status is checked against the job's restart count.
+    """
+    if not job_id:
+        return False, "SLURM_JOB_ID is not set"
+    before = _slurm_restarts(job_id)
+    try:
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
+                             preexec_fn=_ignore_sigterm)
+        if out.returncode == 0:
+            return True, ""
+        problem = f"`scontrol requeue {job_id}` failed: {out.stderr.strip() or out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problem = f"`scontrol requeue {job_id}` failed: {exc}"
+    after = _slurm_restarts(job_id)
+    if before is not None and after is not None and after > before:
+        return True, ""  # it did requeue; only the reply was lost
+    return False, problem
+
+
 class StopRequest:
     """Signal flag + collective stop decision + requeue. One instance per process.
 
@@ -270,15 +310,10 @@ class StopRequest:
         # 2. rank 0 requeues; 3. everybody learns whether that worked
         done = 0
         if rank == 0 and want:
-            job_id = slurm_job_id() or ""
-            try:
-                out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-                if out.returncode == 0:
-                    done = 1
-                else:
-                    detail = f"`scontrol requeue {job_id}` failed: {out.stderr.strip() or out.returncode}"
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                detail = f"`scontrol requeue {job_id}` failed: {exc}"
+            ok, problem = _scontrol_requeue(slurm_job_id() or "")
+            done = int(ok)
+            if problem:
+                detail = problem
         done = self._all_max(done, group) if want else 0
         event = "requeued" if done else "stopped"
         if rank == 0:
