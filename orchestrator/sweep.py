@@ -116,7 +116,11 @@ def write_atomic(path: Path, data: "str | bytes") -> None:
 
 
 def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(str(text).rstrip().splitlines()[-lines:])
+    """The error's last lines, after its first line (which usually names the job and rank)."""
+    all_lines = str(text).rstrip().splitlines()
+    if len(all_lines) <= lines:
+        return "\n".join(all_lines)
+    return "\n".join([all_lines[0], "..."] + all_lines[-(lines - 1):])
 
 
 # ====================================================================== one point (in the driver)
@@ -250,8 +254,8 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         _record(point, record, "failed", _tail(f"{type(exc).__name__}: {exc}"),
                 job_id=_job_id_from_message(str(exc)))
         return None
-    except Exception:
-        _record(point, record, "failed", _tail(traceback.format_exc()))
+    except Exception as exc:
+        _record(point, record, "failed", _exception_reason(exc))
         return None
     if summary is None:
         _record(point, record, "planned", "plan/dry_run: nothing ran")
@@ -265,6 +269,15 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     _record(point, record, status, reason, job_id=job_id)
     loss = summary.get("lm_loss")
     return float(loss) if isinstance(loss, (int, float)) else None
+
+
+def _exception_reason(exc: BaseException, frames: int = 6, message_lines: int = 8) -> str:
+    """An unexpected exception's last frames, then its type and message (the message first lines)."""
+    tb = traceback.format_tb(exc.__traceback__)[-frames:]
+    message = "".join(traceback.format_exception_only(type(exc), exc)).rstrip().splitlines()
+    if len(message) > message_lines:
+        message = message[:message_lines] + ["..."]
+    return "".join(tb).rstrip() + "\n" + "\n".join(message)
 
 
 def _status_of_summary(summary: Dict[str, Any]) -> Tuple[str, str]:
