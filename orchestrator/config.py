@@ -133,6 +133,7 @@ class TrainingConfig:
     micro_batch_size: int = 4
     global_batch_size: int = 16
     train_iters: int = 200
+    """Optimizer steps to train in total (0: build, initialise and save the iteration-0 checkpoint)."""
     seed: int = 1234
     log_interval: int = 1
     precision: str = "fp32"
@@ -270,7 +271,7 @@ def check_choices(cfg: JobConfig) -> None:
     positive = [
         ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
         ("model", "seq_length"), ("model", "max_position_embeddings"),
-        ("training", "micro_batch_size"), ("training", "global_batch_size"), ("training", "train_iters"),
+        ("training", "micro_batch_size"), ("training", "global_batch_size"),
         ("parallelism", "tensor_model_parallel_size"), ("parallelism", "pipeline_model_parallel_size"),
         ("parallelism", "context_parallel_size"), ("parallelism", "expert_model_parallel_size"),
         ("cluster", "nodes"),
@@ -279,6 +280,9 @@ def check_choices(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, group), key)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{group}.{key}={value!r} must be a positive integer")
+    if not isinstance(cfg.training.train_iters, int) or cfg.training.train_iters < 0:
+        raise ConfigError(f"training.train_iters={cfg.training.train_iters!r} must be >= 0 "
+                          "(0 initialises the model and saves an iteration-0 checkpoint)")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     if cfg.optimizer.clip_grad < 0:

@@ -185,6 +185,28 @@ def cancel(job, cfg: JobConfig) -> None:
         process.kill()
 
 
+def _local_dead_ranks(job, world_size: int, finished: int) -> bool:
+    """True when fewer rank processes are alive than ranks without a result (one died silently,
+    e.g. SIGKILL or the OOM killer: it leaves no result file, and its peers block in a collective)."""
+    import psutil
+
+    process = getattr(job, "_process", None)
+    if process is None or process.poll() is not None:
+        return False
+    try:
+        controller = psutil.Process(process.pid)
+        if "submitit.local._local" not in " ".join(controller.cmdline()):  # started through a shell
+            controller = next((c for c in controller.children()
+                               if "submitit.local._local" in " ".join(c.cmdline())), None)
+            if controller is None:
+                return False
+        # Direct children only: the checkpoint writer's forked helpers are grandchildren.
+        alive = [c for c in controller.children() if c.status() != psutil.STATUS_ZOMBIE]
+    except psutil.NoSuchProcess:
+        return False
+    return len(alive) + finished < world_size
+
+
 def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = None) -> List[Dict[str, Any]]:
     """Block until every task of ``job`` ends; return the per-rank summaries.
 
@@ -194,6 +216,7 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
     c = cfg.cluster
     deadline = time.time() + 60 * c.timeout_min * (c.max_num_timeout + 1) + 300
     results: Dict[int, Tuple[str, Any]] = {}
+    started = time.time()
     ended_since: Optional[float] = None
     try:
         while True:
@@ -215,6 +238,20 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                     f"\nlogs: {job.task(rank).paths.stderr}")
             if len(results) == world_size:
                 return [results[i][1] for i in range(world_size)]
+            if c.kind == "local" and time.time() - started > 5 and _local_dead_ranks(job, world_size, len(results)):
+                time.sleep(2.0)  # a rank may have exited right after writing its result
+                for i in range(world_size):
+                    if i not in results:
+                        r = _read_result(Path(job.task(i).paths.result_pickle))
+                        if r is not None:
+                            results[i] = r
+                if _local_dead_ranks(job, world_size, len(results)):
+                    missing = [i for i in range(world_size) if i not in results]
+                    cancel(job, cfg)
+                    raise JobFailedError(
+                        f"job {job.job_id}: a rank process died without a result (killed? out of memory?); "
+                        f"ranks without results: {missing}; the others were stopped.\n"
+                        f"logs: {Path(job.task(missing[0]).paths.stderr).parent}/")
             if c.kind == "local":
                 ended = job.state != "RUNNING"
                 state = job.state

@@ -205,9 +205,10 @@ def megatron_version() -> str:
     return version("megatron-core")
 
 
-def check_supported() -> None:
-    """Raise :class:`BackendError` when the installed megatron-core is not one this layer knows."""
-    ver = megatron_version()
+def check_supported(version: "str | None" = None) -> None:
+    """Raise :class:`BackendError` when megatron-core ``version`` (default: the installed one) is not
+    one this layer was checked against, or psutil is missing."""
+    ver = version or megatron_version()
     if not ver.startswith(SUPPORTED_MEGATRON):
         raise BackendError(
             f"the CPU backend was written for megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)}, "

@@ -154,9 +154,14 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str) -> tuple:
             position_embedding_type=cfg.model.position_embedding_type,
             vp_stage=stage,
         )
-        chunk.model_type = getattr(chunk, "model_type", None)
         if device == "cuda":
             chunk.cuda(torch.cuda.current_device())
+        if cfg.training.precision in ("bf16", "fp16"):
+            # Megatron keeps half-precision weights in a Float16Module (casts inputs/outputs);
+            # the optimizer then holds fp32 main params (Float16OptimizerWithFloat16Params).
+            from megatron.core.transformer.module import Float16Module
+
+            chunk = Float16Module(tf_config, chunk)
         chunks.append(chunk)
     return chunks, tf_config, padded
 
@@ -215,8 +220,10 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside a DDP wrapper."""
-    return getattr(module, "module", module)
+    """The GPTModel inside DDP (and Float16Module) wrappers."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
 
 
 def count_parameters(model: List[torch.nn.Module]) -> int:

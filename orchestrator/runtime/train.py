@@ -118,6 +118,7 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     if info.world_size != layout.world_size:
         raise RuntimeError(f"job has {info.world_size} ranks but the layout needs {layout.world_size}")
     t, s = cfg.training, cfg.model.seq_length
+    tensor_device = "cuda" if info.device == "cuda" else "cpu"  # nccl reduces CUDA tensors only
     initialize_parallel_state(cfg, t.seed, info.device)
 
     tokenizer = build_tokenizer(cfg.data)
@@ -200,9 +201,9 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         iteration += 1
         consumed += t.global_batch_size
         # lm loss: mean over micro-batches on the last stage, then over DP.
-        loss_tensor = torch.zeros(1, dtype=torch.float64)
+        loss_tensor = torch.zeros(1, dtype=torch.float64, device=tensor_device)
         if ps.is_pipeline_last_stage(ignore_virtual=True) and losses:
-            loss_tensor[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+            loss_tensor[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)  # nats/token
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             torch.distributed.all_reduce(loss_tensor, group=ps.get_data_parallel_group())
             loss_tensor /= dp_size
@@ -243,8 +244,8 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         save(iteration, consumed)
 
     # ---- summary ------------------------------------------------------------------------------
-    rss = torch.tensor([_max_rss_mb()], dtype=torch.float64)
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(info.world_size)]
+    rss = torch.tensor([_max_rss_mb()], dtype=torch.float64, device=tensor_device)
+    gathered = [torch.zeros(1, dtype=torch.float64, device=tensor_device) for _ in range(info.world_size)]
     torch.distributed.all_gather(gathered, rss)
     summary = {
         "event": "summary", "status": status, "iteration": iteration, "lm_loss": last_loss,

@@ -1,0 +1,149 @@
+"""Orchestrator overhead: steady-state step time vs a plain megatron-core loop, same model and layout.
+
+Runs, in this one invocation:
+1. a bare megatron-core loop (hand-written here: TransformerConfig → GPTModel per stage → DDP →
+   get_megatron_optimizer → get_forward_backward_func, fixed in-memory token batches, no data
+   pipeline, no logging, no checkpoints) on ``--world`` gloo processes;
+2. ``python -m orchestrator`` with the same model, layout and batch settings
+   (checkpoint saves off) and reads ``step_time_median_s`` from its metrics.jsonl.
+
+Prints both medians and the ratio orchestrator / bare (target <= 1.05). CPU timings on a shared
+2-core machine are noisy: the bench alternates the two ``--repeats`` times and reports medians.
+
+    python bench/overhead.py                      # gpt_tiny, pp2_dp2, 40 iterations x 2 repeats
+    python bench/overhead.py --parallelism none --iters 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
+
+
+def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: int, mbs: int, gbs: int,
+                 port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from orchestrator.runtime import cpu
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    cpu.activate()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    seq, vocab = 128, 384 if tp == 1 else 512
+    config = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, bias_activation_fusion=False,
+                               masked_softmax_fusion=False, bias_dropout_fusion=False,
+                               gradient_accumulation_fusion=False, persist_layer_norm=False,
+                               deallocate_pipeline_outputs=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                     max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 256, (mbs, seq), generator=gen)
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
+             "position_ids": torch.arange(seq).expand(mbs, seq), "loss_mask": torch.ones(mbs, seq)}
+
+    def step(it, m):
+        out = m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return out, lambda o: ((o.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum(), {})
+
+    fb = get_forward_backward_func()
+    dp = ps.get_data_parallel_world_size()
+    m = gbs // (mbs * dp)
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        fb(forward_step_func=step, data_iterator=iter([None] * m), model=[ddp], num_microbatches=m,
+           seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        opt.step()
+        torch.distributed.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if rank == world - 1:
+        Path(out).write_text(json.dumps({"median_s": statistics.median(times)}))
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def bare(tp, pp, dp, iters, warmup, mbs, gbs) -> float:
+    import torch.multiprocessing as mp
+
+    world = tp * pp * dp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "bare.json")
+        mp.spawn(_bare_worker, args=(world, tp, pp, iters, warmup, mbs, gbs, 29000 + os.getpid() % 1000, out),
+                 nprocs=world)
+        return json.loads(Path(out).read_text())["median_s"]
+
+
+def orchestrated(parallelism, iters, warmup, mbs, gbs, root: Path, tag: str) -> float:
+    subprocess.run([sys.executable, "-m", "orchestrator", f"parallelism={parallelism}", f"run.root={root}",
+                    f"run.name=bench_{tag}", f"training.train_iters={iters}", f"training.timing_warmup_iters={warmup}",
+                    f"training.micro_batch_size={mbs}", f"training.global_batch_size={gbs}",
+                    "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "training.log_interval=1",
+                    "optimizer.lr_warmup_iters=0"],
+                   cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    lines = (root / f"bench_{tag}" / "metrics.jsonl").read_text().splitlines()
+    summary = [json.loads(l) for l in lines if '"summary"' in l][-1]
+    return summary["step_time_median_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parallelism", default="pp2_dp2", choices=sorted(LAYOUTS))
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    tp, pp, dp = LAYOUTS[args.parallelism]
+    bares, orchs = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(args.repeats):
+            bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs))
+            orchs.append(orchestrated(args.parallelism, args.iters, args.warmup, args.mbs, args.gbs, Path(d), str(r)))
+            print(f"repeat {r}: bare {bares[-1] * 1e3:.1f} ms/step, orchestrator {orchs[-1] * 1e3:.1f} ms/step", flush=True)
+    b, o = statistics.median(bares), statistics.median(orchs)
+    print(f"gpt_tiny {args.parallelism} (TP{tp} PP{pp} DP{dp}), MBS {args.mbs}, GBS {args.gbs}, "
+          f"{args.iters} iterations ({args.warmup} warm-up) x {args.repeats} repeats")
+    print(f"bare megatron-core: {b * 1e3:.1f} ms/step (median)")
+    print(f"orchestrator:       {o * 1e3:.1f} ms/step (median)")
+    print(f"ratio orchestrator/bare: {o / b:.3f} (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared helpers: run the real CLI in a subprocess, read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One data cache for the whole session (stdlib corpus tokenized once)."""
+    env = os.environ.get("ORCHESTRATOR_TEST_CACHE")
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        return Path(env)
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_cli(args: List[str], *, cache: Path, timeout: int = 600, check: bool = True,
+            env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m orchestrator ARGS`` in the repo, with the shared data cache."""
+    full_env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"orchestrator {' '.join(args)} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    """Per-iteration records of metrics.jsonl (events excluded), in file order."""
+    path = run_dir / "metrics.jsonl"
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines()) if "event" not in r]
+
+
+def losses_by_iteration(run_dir: Path) -> Dict[int, float]:
+    out: Dict[int, float] = {}
+    for rec in read_metrics(run_dir):
+        out[rec["iteration"]] = rec["lm_loss"]  # a resumed run's later record wins
+    return out

@@ -1,0 +1,94 @@
+"""The megatron-core CPU compatibility layer (orchestrator.runtime.cpu), exercised on real megatron code."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from orchestrator.errors import BackendError
+from orchestrator.runtime import cpu
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def single_rank_group():
+    """A real one-rank gloo process group with megatron's parallel state (TP=PP=1)."""
+    from megatron.core import parallel_state
+
+    cpu.activate()
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def test_unknown_megatron_version_is_refused():
+    with pytest.raises(BackendError, match="0.17.0"):
+        cpu.check_supported("0.17.0")
+    cpu.check_supported("0.16.1")  # the version it was written for
+
+
+def test_cuda_allocations_in_patched_modules_land_on_cpu():
+    cpu.activate()
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert p2p_communication.torch.empty((3,), device=p2p_communication.torch.cuda.current_device()).device.type == "cpu"
+    schedules.torch.cuda.synchronize()  # a no-op, not an error
+    assert schedules.torch.float32 is torch.float32  # everything else is the real torch
+
+
+def test_clip_grad_matches_torch_reference(single_rank_group):
+    from megatron.core.optimizer import clip_grads
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, reference):
+        g = torch.randn_like(p) * 10
+        p.grad, r.grad = g.clone(), g.clone()
+    grads = [p.grad for p in params]
+    total = clip_grads.get_grad_norm_fp32(grads)
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=total)
+    expected = torch.nn.utils.clip_grad_norm_(reference, max_norm=1.0)
+    assert total == pytest.approx(float(expected), rel=1e-5)
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+    assert float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_rng_tracker_forks_reproducibly_on_cpu(single_rank_group):
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched by the fork
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        b = torch.rand(4)
+    torch.testing.assert_close(a, b)
+
+
+def test_deactivate_restores_megatron():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import schedules
+
+    cpu.activate()
+    patched = clip_grads.clip_grad_by_total_norm_fp32
+    cpu.deactivate()
+    try:
+        assert schedules.torch is torch
+        assert clip_grads.clip_grad_by_total_norm_fp32 is not patched
+    finally:
+        cpu.activate()
