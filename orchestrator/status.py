@@ -329,14 +329,17 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
                events: Sequence[Dict[str, Any]] = ()) -> JobStatus:
     """Combine SLURM's view (``scontrol``), submitit's result files and the run's events."""
     job_id = str(job_id)
+    # Ask the scheduler / the process first, read result files second: a job that ends in between
+    # has written its results before it is seen as ended, never the other way round.
+    st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
+    alive = cluster == "local" and st is None and _local_alive(job_id)
     outcomes = result_outcomes(folder, job_id) if folder else {}
     own_events = [e for e in events if str(e.get("job_id")) == job_id]
     stopped = any(e.get("event") == "stopped" for e in own_events)
     complete = bool(num_tasks) and len(outcomes) >= num_tasks
-    st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
     if st is None:
         st = JobStatus(state="unknown", job_id=job_id, cluster=cluster)
-        if cluster == "local" and _local_alive(job_id) and not complete:
+        if alive and not complete:
             st.state = "running"
     st.results = outcomes
     errors = sorted(r for r, o in outcomes.items() if o != "success")
@@ -431,12 +434,16 @@ def wait_for_job(job, timeout_s: float, poll_s: float = 2.0,
     last_key = None
     ended_at: Optional[float] = None
     while True:
-        st = job_status(job_id, cluster, folder, num_tasks)
-        if cluster == "local" and st.state in ("unknown", "running"):
+        running = False
+        if cluster == "local":
             try:
-                st.state = "running" if not job.done() else st.state
+                running = not job.done()  # before reading result files (see job_status)
             except Exception:  # pragma: no cover - defensive
                 pass
+        st = job_status(job_id, cluster, folder, num_tasks)
+        if running and st.state in ("unknown", "running", "failed") and len(st.results) < num_tasks \
+                and not any(o != "success" for o in st.results.values()):
+            st.state, st.detail = "running", ""
         key = (st.state, st.slurm_state, st.restarts)
         if on_change is not None and key != last_key:
             on_change(st)

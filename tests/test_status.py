@@ -145,7 +145,7 @@ def test_wait_for_local_job(tmp_path):
     job = executor.submit(_sleep_then, 7, 0.5)
     seen = []
     st = status.wait_for_job(job, timeout_s=120, poll_s=0.2, on_change=lambda s: seen.append(s.state))
-    assert st.state == "completed" and st.results == {0: "success", 1: "success"}
+    assert st.state == "completed" and st.results == {0: "success", 1: "success"}, st
     assert seen[-1] == "completed"
 
     job = executor.submit(_sleep_then, 7, 30)
