@@ -15,6 +15,7 @@ a CPU pseudo-preset; absolute CPU times mean little, ratios tell whether the mod
     python bench/calibrate_memory.py                 # all configs (several minutes on 2 cores)
     python bench/calibrate_memory.py --only pp2_mbs2 --iters 4
     python bench/calibrate_memory.py --shared-baseline   # one 1-rank baseline instead of one per layout
+    python bench/calibrate_memory.py --plan-speed        # only time the planner (100-point grid, suggest)
 
 Global rank r sits on pipeline stage r // (world / PP) (Megatron's default order tp-cp-ep-dp-pp).
 This is a benchmark, not a test: it takes minutes and its numbers depend on the machine.
@@ -129,13 +130,42 @@ def fit(rows) -> None:
           f"(rms residual {float(np.sqrt(np.mean(resid ** 2))):.0f} MiB)")
 
 
+def plan_speed() -> None:
+    """Time a 100-point grid of plans and one suggest() for the 6.7B model on 128 GPUs (pure Python)."""
+    from orchestrator.layout import ParallelLayout
+
+    shape = planner.ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                               max_position_embeddings=2048, vocab_size=50257)
+    grid = [ParallelLayout(world_size=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           micro_batch_size=mbs, global_batch_size=2048, sequence_parallel=tp > 1, num_layers=32,
+                           num_attention_heads=32, seq_length=2048, max_position_embeddings=2048)
+            for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16) for mbs in (1, 2, 4, 8, 16)]
+    gpu = planner.gpu_preset("H100")
+    start = time.perf_counter()
+    plans = [planner.plan_layout(lay, shape, planner.Recipe(), gpu) for lay in grid]
+    grid_s = time.perf_counter() - start
+    print(f"planned {len(plans)} layouts in {grid_s * 1000:.0f} ms ({grid_s / len(plans) * 1e6:.0f} us each)")
+    # The seed's job: gpt_6.7b, TP1 PP2 on 4 x 8 A100-40GB, MBS 4, GBS 256, bf16.
+    cfg = compose(["model=gpt_6.7b", "cluster.kind=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
+                   "parallelism.pipeline_model_parallel_size=2", "training.micro_batch_size=4",
+                   "training.global_batch_size=256", "training.precision=bf16", "gpu=A100-40GB"], REPO / "runs" / "x")
+    start = time.perf_counter()
+    found = planner.suggest(cfg)
+    print(f"suggest() for the seed's job, every candidate layout planned: "
+          f"{(time.perf_counter() - start) * 1000:.0f} ms, {len(found)} suggestions")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--iters", type=int, default=3, help="training iterations per run (first is not timed)")
     ap.add_argument("--only", action="append", help="run only these configs (repeatable)")
     ap.add_argument("--shared-baseline", action="store_true", help="one 1-rank tiny baseline for every layout")
+    ap.add_argument("--plan-speed", action="store_true", help="only time the planner and exit")
     args = ap.parse_args()
+    if args.plan_speed:
+        plan_speed()
+        return 0
     root = Path(args.root or tempfile.mkdtemp(prefix="calibrate_"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     names = args.only or list(CONFIGS)

@@ -564,8 +564,9 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
             overhead=FRAMEWORK_OVERHEAD_BYTES))
     alt_full = recipe if recipe.recompute_granularity == "full" else replace(
         recipe, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    ends = {0, p - 1}  # middle stages hold fewer micro-batches and neither embedding nor logits
     by_recompute = {
-        name: max(_stage_activations(shape, layout, rec, r, vp, g)[0] for r in range(p))
+        name: max(_stage_activations(shape, layout, rec, r, vp, g)[0] for r in ends)
         for name, rec, g in (("none", recipe, None), ("selective", recipe, "selective"), ("full", alt_full, "full"))
     }
     overhead, fraction = bubble(p, layout.num_microbatches, layout.vpp)
