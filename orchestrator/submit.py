@@ -45,11 +45,12 @@ def make_executor(cfg: JobConfig, world_size: int):
             params["gpus_per_node"] = c.gpus_per_node
         executor.update_parameters(**params)
         return executor
-    from orchestrator.sbatch import executor_parameters
+    from orchestrator.sbatch import python_command, slurm_executor_parameters
 
+    # python_command quotes the interpreter path (submitit would put cluster.python in unquoted).
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
-                                      python=c.python)
-    executor.update_parameters(**executor_parameters(cfg, world_size))
+                                      python=python_command(cfg))
+    executor.update_parameters(**slurm_executor_parameters(cfg, world_size))
     return executor
 
 
@@ -290,20 +291,15 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
         job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
-    _record(cfg, job)
+    _record(cfg, job, layout.world_size)
     return job
 
 
-def _record(cfg: JobConfig, job) -> None:
-    try:
-        from orchestrator.status import record_submission
-    except ImportError:
-        return
-    try:
-        record_submission(cfg.run.dir, str(job.job_id), cfg.cluster.kind,
-                          {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)})
-    except TypeError:
-        record_submission(cfg.run.dir, str(job.job_id), cfg.cluster.kind)
+def _record(cfg: JobConfig, job, world_size: int) -> None:
+    from orchestrator.status import record_submission
+
+    record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
+                      {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=world_size)
 
 
 def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:

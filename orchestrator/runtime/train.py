@@ -92,11 +92,9 @@ def _versions() -> Dict[str, str]:
 
 def _stop_request(cfg: JobConfig):
     """The preemption/timeout contract (``orchestrator.runtime.preempt``), when available."""
-    try:
-        from orchestrator.runtime.preempt import StopRequest
-    except ImportError:
-        return None
-    stop = StopRequest(max_requeues=cfg.cluster.max_num_timeout)
+    from orchestrator.runtime.preempt import StopRequest
+
+    stop = StopRequest(max_requeues=cfg.cluster.max_num_timeout, run_dir=cfg.run.dir)
     stop.install()
     return stop
 
