@@ -1,0 +1,444 @@
+"""The results table of a sweep, rebuilt from the sweep directory alone.
+
+:func:`write_summary` reads every ``<sweep dir>/<num>/point.json`` (written by
+:mod:`orchestrator.sweep`) and the point's ``metrics.jsonl`` and writes ``summary.csv``,
+``summary.md`` and ``summary.png`` atomically. It needs nothing from the process that ran the
+sweep, so it works at any time: a point still running is read from its ``metrics.jsonl`` (and its
+job's state from :mod:`orchestrator.status`); a point whose sweep process is gone is
+``interrupted``; points Hydra has not started yet (reproduced from ``multirun.yaml``) are
+``pending``.
+
+Statuses: ``completed``, ``planned`` (``plan=true``/``dry_run=true``: nothing ran),
+``invalid``, ``skipped_oom_predicted``, ``failed``, ``interrupted``, ``stopped`` (preempted and
+not requeued), and while the sweep runs ``pending``, ``running``, ``submitted``.
+
+Measured numbers come only from the point's ``metrics.jsonl`` (its final ``summary`` record, or
+the per-iteration records while it runs); predicted ones only from :mod:`orchestrator.planner`:
+
+* step time: median over the iterations after ``training.timing_warmup_iters`` (seconds);
+* tokens/s = tokens per step (GBS x seq_length) / step time; samples/s = GBS / step time;
+* TFLOP/s per device = model FLOPs per step / step time / world size / 1e12, with model FLOPs
+  per step from :func:`orchestrator.planner.flops_per_step`: 3 x the forward FLOPs (backward =
+  2 x forward), no recomputation counted -- for a standard GPT 72 B s l h^2 (1 + s/(6h) +
+  V/(12 l h)). Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+  GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), section 5.1, which reports per-GPU
+  throughput this way (their 96 B s l h^2 variant adds the extra forward of full recomputation);
+* peak memory per rank (measured): the largest ``peak_rss_mb_per_rank`` (process max RSS, MiB;
+  while running, the logging rank's ``max_rss_mb``); predicted memory: the planner's worst stage on
+  the ``gpu`` preset (MiB) -- on CPU runs the two measure different things (host RSS vs GPU memory);
+* bubble fraction: the planner's (p-1)/(v m + p-1) (Narayanan et al. 2021, section 2.2).
+
+Rows are ranked by measured tokens/s, fastest first; rows without a measurement follow in point order.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import socket
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+POINT_FILE = "point.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"
+MiB = 2 ** 20
+
+FINAL = ("completed", "planned", "invalid", "skipped_oom_predicted", "failed", "interrupted", "stopped")
+FAILURES = ("failed", "interrupted", "stopped")
+UNFINISHED = ("pending", "running", "submitted", "requeued")
+
+COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s", "tokens_per_s",
+           "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "bubble_fraction", "reason"]
+"""The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
+EXTRA_COLUMNS = ["timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
+                 "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
+
+
+def write_atomic(path: Path, data: "str | bytes") -> None:
+    """Write ``path`` through a temporary file in the same directory, fsync, rename (readers never
+    see half a file; concurrent writers each rename a complete one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def job_id_in(run_dir: Path) -> Optional[str]:
+    """The newest submitit job id under ``<run_dir>/submitit`` (``<id>_submitted.pkl``)."""
+    folder = Path(run_dir) / "submitit"
+    if not folder.is_dir():
+        return None
+    found = [(p.stat().st_mtime, p.name.split("_")[0]) for p in folder.glob("*_submitted.pkl")]
+    return max(found)[1] if found else None
+
+
+def status_of_summary(summary: Dict[str, Any]) -> Tuple[str, str]:
+    s = summary.get("status")
+    if s == "completed":
+        return "completed", ""
+    if s == "exited":
+        return "completed", f"stopped early at iteration {summary.get('iteration')} (training.exit_after_iters)"
+    if s == "stopped":
+        return "stopped", f"stopped by a signal at iteration {summary.get('iteration')} and not requeued"
+    return "failed", f"the job ended with status {s!r}"
+
+
+def exit_code(rows: Sequence[Dict[str, Any]], unfinished_ok: bool = False) -> int:
+    """1 if a point failed (or is unfinished, unless ``unfinished_ok``), 2 if one was invalid, else 0."""
+    statuses = {r["status"] for r in rows}
+    bad = set(FAILURES) | (set() if unfinished_ok else set(UNFINISHED))
+    if statuses & bad:
+        return 1
+    if "invalid" in statuses:
+        return 2
+    return 0
+
+
+def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    out: List[Dict[str, Any]] = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
+    """What the point's job measured, from ``<run_dir>/metrics.jsonl`` only.
+
+    Finished job (its last record is the ``summary`` event): that record's step-time median,
+    timed iterations, tokens per step, and the largest of ``peak_rss_mb_per_rank``.
+    Running job: the per-iteration records after the last event, the first ``warmup_iters`` of
+    this job excluded (as the training loop does), median of their ``step_time_s``; memory is the
+    logging rank's ``max_rss_mb`` (the only rank that writes records).
+    Empty dict when nothing was measured yet.
+    """
+    records = _read_jsonl(Path(run_dir) / METRICS_FILE)
+    if not records:
+        return {}
+    last_event = max((i for i, r in enumerate(records) if "event" in r), default=-1)
+    if last_event >= 0 and records[last_event].get("event") == "summary":
+        s = records[last_event]
+        per_rank = [x for x in s.get("peak_rss_mb_per_rank") or [] if isinstance(x, (int, float))]
+        return {"source": "summary", "job_status": s.get("status"), "iteration": s.get("iteration"),
+                "lm_loss": s.get("lm_loss"), "step_time_median_s": s.get("step_time_median_s"),
+                "timed_iterations": s.get("timed_iterations"), "tokens_per_step": s.get("tokens_per_step"),
+                "peak_rss_mib": max(per_rank) if per_rank else None}
+    start = int(records[last_event].get("iteration") or 0) if last_event >= 0 else 0
+    iters = [r for r in records[last_event + 1:] if "step_time_s" in r and "iteration" in r]
+    if not iters:
+        return {}
+    timed = [r["step_time_s"] for r in iters if r["iteration"] - start > warmup_iters]
+    rss = [r["max_rss_mb"] for r in iters if isinstance(r.get("max_rss_mb"), (int, float))]
+    return {"source": "running", "job_status": "running", "iteration": iters[-1]["iteration"],
+            "lm_loss": iters[-1].get("lm_loss"), "step_time_median_s": statistics.median(timed) if timed else None,
+            "timed_iterations": len(timed), "tokens_per_step": None, "peak_rss_mib": max(rss) if rss else None}
+
+
+def _split(override: str) -> Tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key, value
+
+
+def expected_points(sweep_dir: Path) -> Tuple[List[List[str]], List[str]]:
+    """(override list per point number, swept keys) reproduced from ``multirun.yaml``, as Hydra's
+    basic sweeper expands them; ([], []) when that is not possible (another sweeper, globs)."""
+    path = Path(sweep_dir) / "multirun.yaml"
+    if not path.exists():
+        return [], []
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        conf = OmegaConf.load(path)
+        args = list(OmegaConf.select(conf, "hydra.overrides.task", default=[]) or [])
+        params = OmegaConf.select(conf, "hydra.sweeper.params", default=None)
+        if params:
+            args = [f"{k}={v}" for k, v in OmegaConf.to_container(params).items()] + args
+        parsed = OverridesParser.create().parse_overrides(args)
+        swept = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+        batches = BasicSweeper.split_arguments(parsed, None)
+        return (batches[0] if batches else []), swept
+    except Exception:
+        return [], []
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_status(run_dir: Path) -> Tuple[Optional[str], str]:
+    """(state, detail) of the point's job from :mod:`orchestrator.status` (None if unknown)."""
+    try:
+        from orchestrator.status import run_status
+    except ImportError:
+        return None, ""
+    try:
+        rs = run_status(run_dir)
+    except Exception:
+        return None, ""
+    state = rs.state
+    detail = "\n".join(rs.failure[1]) if getattr(rs, "failure", None) else (rs.job.detail if rs.job else "")
+    return (None if state == "unknown" else state), detail
+
+
+def _resolve_status(point: Dict[str, Any], run_dir: Path, meas: Dict[str, Any]) -> Tuple[str, str]:
+    """The status a row shows: final statuses as recorded; for unfinished ones, what the job and
+    its metrics say now."""
+    status, reason = point.get("status", "running"), point.get("reason", "")
+    if status in FINAL:
+        return status, reason
+    if meas.get("source") == "summary":
+        return status_of_summary({"status": meas.get("job_status"), "iteration": meas.get("iteration")})
+    state, detail = _live_status(run_dir)
+    if state in ("failed", "cancelled"):
+        return "failed", detail or f"job {state}"
+    if state == "stopped":
+        return "stopped", detail
+    if state in ("pending", "running", "requeued"):
+        return ("submitted" if state == "pending" else state), reason
+    driver = point.get("driver") or {}
+    if driver.get("host") == socket.gethostname() and not _pid_alive(driver.get("pid")) and state is None:
+        return "interrupted", f"the sweep process (pid {driver.get('pid')}) ended before this point finished"
+    return status, reason
+
+
+def _number(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def collect(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """One row per point (ranked: measured points by tokens/s, fastest first, then the rest by
+    point number) and the swept keys."""
+    sweep_dir = Path(sweep_dir)
+    expected, swept = expected_points(sweep_dir)
+    dirs = {int(p.name): p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()} if sweep_dir.is_dir() else {}
+    points: Dict[int, Dict[str, Any]] = {}
+    for num in sorted(set(dirs) | set(range(len(expected)))):
+        path = dirs.get(num, sweep_dir / str(num)) / POINT_FILE
+        try:
+            points[num] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            started = num in dirs
+            points[num] = {"point": num, "overrides": expected[num] if num < len(expected) else [],
+                           "status": "running" if started else "pending", "run_dir": str(sweep_dir / str(num))}
+    if not swept:  # no multirun.yaml: the keys whose values differ between points
+        values: Dict[str, set] = {}
+        for p in points.values():
+            for k, v in map(_split, p.get("overrides", [])):
+                values.setdefault(k, set()).add(v)
+        swept = [k for k, vs in values.items() if len(vs) > 1 or len(points) == 1]
+    rows = [_row(num, p, swept) for num, p in points.items()]
+    ranked = sorted((r for r in rows if r["tokens_per_s"] is not None), key=lambda r: -r["tokens_per_s"])
+    for i, r in enumerate(ranked, 1):
+        r["rank"] = i
+    rest = [r for r in rows if r["tokens_per_s"] is None]
+    return ranked + rest, swept
+
+
+def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
+    run_dir = Path(point.get("run_dir") or "")
+    lay, pl = point.get("layout") or {}, point.get("plan") or {}
+    warmup = (point.get("training") or {}).get("timing_warmup_iters", 0)
+    meas = measured(run_dir, warmup) if point.get("status") not in ("invalid", "skipped_oom_predicted") else {}
+    status, reason = _resolve_status(point, run_dir, meas)
+    ov = dict(map(_split, point.get("overrides", [])))
+    step = _number(meas.get("step_time_median_s"))
+    tokens_per_step = _number(meas.get("tokens_per_step")) or _number(lay.get("tokens_per_step"))
+    gbs, world, flops = _number(lay.get("global_batch_size")), _number(lay.get("world_size")), _number(pl.get("model_flops"))
+    row: Dict[str, Any] = {
+        "rank": None, "point": num,
+        "overrides": " ".join(f"{k}={ov[k]}" for k in swept if k in ov) or " ".join(point.get("overrides", [])),
+        "job_id": point.get("job_id") or job_id_in(run_dir), "status": status,
+        "step_time_median_s": step,
+        "tokens_per_s": tokens_per_step / step if step and tokens_per_step else None,
+        "samples_per_s": gbs / step if step and gbs else None,
+        "tflops_per_device": flops / step / world / 1e12 if step and flops and world else None,
+        "peak_rss_mib": _number(meas.get("peak_rss_mib")),
+        "predicted_mib": pl["peak_bytes"] / MiB if _number(pl.get("peak_bytes")) else None,
+        "bubble_fraction": _number(pl.get("bubble_fraction")),
+        "reason": reason or "",
+        "timed_iterations": meas.get("timed_iterations"), "iteration": meas.get("iteration"),
+        "lm_loss": _number(meas.get("lm_loss")), "world_size": lay.get("world_size"),
+        "global_batch_size": lay.get("global_batch_size"), "tokens_per_step": tokens_per_step,
+        "model_flops_per_step": flops, "gpu": pl.get("gpu"), "run_dir": str(run_dir),
+    }
+    if status == "running" and meas.get("source") == "running" and not row["reason"]:
+        row["reason"] = (f"running: iteration {meas.get('iteration')}/{(point.get('training') or {}).get('train_iters')}"
+                         " (memory: logging rank so far)")
+    for k in swept:
+        row[k] = ov.get(k)
+    return row
+
+
+# ====================================================================== writing the summary
+def _cell(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def to_csv(rows: Sequence[Dict[str, Any]], swept: Sequence[str]) -> str:
+    """CSV with full-precision numbers (Python's repr: they round-trip to the metrics' values)."""
+    buf = io.StringIO()
+    cols = COLUMNS + [k for k in swept if k not in COLUMNS] + EXTRA_COLUMNS
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for r in rows:
+        w.writerow([_cell(r.get(c)) for c in cols])
+    return buf.getvalue()
+
+
+def short_reason(reason: str, width: int = 160) -> str:
+    """One line of a multi-line reason: the exception line when there is one, else the first line."""
+    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip() and not ln.strip().startswith("logs:")]
+    if not lines:
+        return ""
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*:", ln)]
+    text = errors[-1] if errors else lines[0]
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> str:
+    head = ["rank", "point", "overrides", "job id", "status", "step time median (ms)", "tokens/s", "samples/s",
+            "TFLOP/s per device", "peak memory per rank (MiB, measured)",
+            f"predicted memory (MiB, {gpu or 'planner'})", "bubble", "reason"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [_cell(r["rank"]) or "-", str(r["point"]), f"`{r['overrides']}`" if r["overrides"] else "",
+                 _cell(r["job_id"]) or "-", r["status"],
+                 _fmt(r["step_time_median_s"] * 1000 if r["step_time_median_s"] is not None else None, ".1f"),
+                 _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["samples_per_s"], ".2f"),
+                 _fmt(r["tflops_per_device"], ".3g"), _fmt(r["peak_rss_mib"], ",.0f"),
+                 _fmt(r["predicted_mib"], ",.0f"), _fmt(r["bubble_fraction"], ".1%"), short_reason(r["reason"])]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _as_float(v: Any) -> Optional[float]:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def plot(rows: Sequence[Dict[str, Any]], swept: Sequence[str], path: Path, title: str = "") -> None:
+    """PNG: tokens/s and peak memory per rank (measured, and the planner's prediction) against the
+    first swept key; one line per combination of the other swept keys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xkey = swept[0] if swept else "point"
+    others = list(swept[1:])
+    xs_raw = [r.get(xkey) if swept else r["point"] for r in sorted(rows, key=lambda r: r["point"])]
+    numeric = all(_as_float(v) is not None for v in xs_raw) and bool(xs_raw)
+    categories = list(dict.fromkeys(str(v) for v in xs_raw))
+
+    def xpos(r: Dict[str, Any]) -> float:
+        v = r.get(xkey) if swept else r["point"]
+        return _as_float(v) if numeric else float(categories.index(str(v)))
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in others), []).append(r)
+    for key, members in groups.items():
+        label = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(others, key)) or None
+        color = None
+        got = sorted((r for r in members if r["tokens_per_s"] is not None), key=xpos)
+        if got:
+            line = ax_t.plot([xpos(r) for r in got], [r["tokens_per_s"] for r in got], marker="o", label=label)[0]
+            color = line.get_color()
+            mem = [r for r in got if r["peak_rss_mib"] is not None]
+            ax_m.plot([xpos(r) for r in mem], [r["peak_rss_mib"] for r in mem], marker="o", color=color,
+                      label=f"measured peak RSS {label or ''}".strip())
+        pred = sorted((r for r in members if r["predicted_mib"] is not None), key=xpos)
+        if pred:
+            ax_m.plot([xpos(r) for r in pred], [r["predicted_mib"] for r in pred], linestyle="--", marker="s",
+                      alpha=0.7, color=color, label=f"predicted ({pred[0].get('gpu')}) {label or ''}".strip())
+        for r in members:
+            if r["tokens_per_s"] is None:
+                ax_t.scatter([xpos(r)], [0], marker="x", color="red")
+                ax_t.annotate(r["status"], (xpos(r), 0), textcoords="offset points", xytext=(3, 6), fontsize=7,
+                              rotation=45, color="red")
+    for ax, ylabel in ((ax_t, "tokens/s (median step after warm-up)"), (ax_m, "peak memory per rank, MiB")):
+        ax.set_xlabel(xkey)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if not numeric:
+            ax.set_xticks(range(len(categories)), categories, rotation=20)
+        else:
+            ticks = sorted({_as_float(v) for v in xs_raw})
+            if len(ticks) > 2 and all(t > 0 and t.is_integer() and (int(t) & (int(t) - 1)) == 0 for t in ticks):
+                ax.set_xscale("log", base=2)  # 1, 2, 4, 8: evenly spaced
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    speeds = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None]
+    if speeds:
+        ax_t.set_ylim(0, 1.1 * max(speeds))
+    n_meas = sum(1 for r in rows if r["tokens_per_s"] is not None)
+    fig.suptitle(f"{title} -- {n_meas} of {len(rows)} points measured".strip(" -"))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+def write_summary(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Rebuild summary.csv, summary.md and summary.png from the sweep directory; return (rows, swept keys)."""
+    sweep_dir = Path(sweep_dir)
+    rows, swept = collect(sweep_dir)
+    gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
+    write_atomic(sweep_dir / SUMMARY_CSV, to_csv(rows, swept))
+    md = (f"# Sweep {sweep_dir}\n\nRanked by measured tokens/s (median step time after warm-up). "
+          f"Swept: {', '.join(swept) or '-'}.\n\n" + to_markdown(rows, ", ".join(gpus) or None))
+    write_atomic(sweep_dir / SUMMARY_MD, md)
+    plot(rows, swept, sweep_dir / SUMMARY_PNG, title=f"{sweep_dir.parent.name}/{sweep_dir.name}")
+    return rows, swept
+
+
+def format_report(sweep_dir: Path, rows: Sequence[Dict[str, Any]], swept: Sequence[str]) -> str:
+    """The ranked table as printed at the end of a sweep (and by ``summarize``)."""
+    gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = [f"[sweep] {len(rows)} point(s) in {sweep_dir}: "
+             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+             "[sweep] ranked by measured tokens/s:", to_markdown(rows, ", ".join(gpus) or None).rstrip()]
+    best = next((r for r in rows if r["rank"] == 1), None)
+    if best is not None:
+        lines.append(f"[sweep] fastest: point {best['point']} ({best['overrides']}): "
+                     f"{best['tokens_per_s']:,.0f} tokens/s, median step {best['step_time_median_s'] * 1000:.1f} ms")
+    lines.append(f"[sweep] table: {sweep_dir / SUMMARY_CSV}, {sweep_dir / SUMMARY_MD}; plot: {sweep_dir / SUMMARY_PNG}")
+    return "\n".join(lines)
