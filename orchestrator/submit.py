@@ -186,26 +186,56 @@ def cancel(job, cfg: JobConfig) -> None:
         process.kill()
 
 
-def _local_dead_ranks(job, world_size: int, finished: int) -> bool:
-    """True when fewer rank processes are alive than ranks without a result (one died silently,
-    e.g. SIGKILL or the OOM killer: it leaves no result file, and its peers block in a collective)."""
+def _local_alive_ranks(job) -> Optional[set]:
+    """Ranks whose local task process is alive (None when the controller is gone or unreadable).
+
+    Tasks are the controller's direct children; each carries its rank in SUBMITIT_LOCAL_GLOBALID
+    (the checkpoint writer's forked helpers are grandchildren and are not counted).
+    """
     import psutil
 
     process = getattr(job, "_process", None)
     if process is None or process.poll() is not None:
-        return False
+        return None
     try:
         controller = psutil.Process(process.pid)
         if "submitit.local._local" not in " ".join(controller.cmdline()):  # started through a shell
             controller = next((c for c in controller.children()
                                if "submitit.local._local" in " ".join(c.cmdline())), None)
             if controller is None:
-                return False
-        # Direct children only: the checkpoint writer's forked helpers are grandchildren.
-        alive = [c for c in controller.children() if c.status() != psutil.STATUS_ZOMBIE]
+                return None
+        alive = set()
+        for child in controller.children():
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rank = child.environ().get("SUBMITIT_LOCAL_GLOBALID")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if rank is not None:
+                alive.add(int(rank))
+        return alive
     except psutil.NoSuchProcess:
-        return False
-    return len(alive) + finished < world_size
+        return None
+
+
+def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
+    """Local ranks that exited without writing a result (SIGKILL, OOM killer); re-checked after 1 s."""
+    for attempt in range(2):
+        alive = _local_alive_ranks(job)
+        if alive is None or len(alive) == 0 and not results:
+            return []  # not started yet, or the controller is gone (handled by the state check)
+        for i in range(world_size):
+            if i not in results:
+                r = _read_result(Path(job.task(i).paths.result_pickle))
+                if r is not None:
+                    results[i] = r
+        dead = [i for i in range(world_size) if i not in results and i not in alive]
+        if not dead:
+            return []
+        if attempt == 0:
+            time.sleep(1.0)  # a rank may have been between writing its result and exiting
+    return dead
 
 
 def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = None) -> List[Dict[str, Any]]:
@@ -230,29 +260,26 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                         results[i] = r
             failed = [i for i, r in results.items() if r[0] != "success"]
             if failed:
+                # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the
+                # error above is its peers' broken collective: say so.
+                dead = _dead_ranks(job, world_size, results) if c.kind == "local" else []
                 cancel(job, cfg)
                 rank = failed[0]
                 detail = results[rank][1]
                 tail = str(detail).strip().splitlines()[-15:] if detail else []
+                cause = (f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else "")
                 raise JobFailedError(
-                    f"job {job.job_id} failed on rank {rank}:\n" + "\n".join(tail) +
+                    f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail) +
                     f"\nlogs: {job.task(rank).paths.stderr}")
             if len(results) == world_size:
                 return [results[i][1] for i in range(world_size)]
-            if c.kind == "local" and time.time() - started > 5 and _local_dead_ranks(job, world_size, len(results)):
-                time.sleep(2.0)  # a rank may have exited right after writing its result
-                for i in range(world_size):
-                    if i not in results:
-                        r = _read_result(Path(job.task(i).paths.result_pickle))
-                        if r is not None:
-                            results[i] = r
-                if _local_dead_ranks(job, world_size, len(results)):
-                    missing = [i for i in range(world_size) if i not in results]
+            if c.kind == "local" and time.time() - started > 5:
+                dead = _dead_ranks(job, world_size, results)
+                if dead:
                     cancel(job, cfg)
                     raise JobFailedError(
-                        f"job {job.job_id}: a rank process died without a result (killed? out of memory?); "
-                        f"ranks without results: {missing}; the others were stopped.\n"
-                        f"logs: {Path(job.task(missing[0]).paths.stderr).parent}/")
+                        f"job {job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
+                        f"the other ranks were stopped.\nlogs: {Path(job.task(dead[0]).paths.stderr).parent}/")
             if c.kind == "local":
                 ended = job.state != "RUNNING"
                 state = job.state
