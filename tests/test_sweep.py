@@ -186,8 +186,12 @@ def test_summarize_reads_running_points_from_their_metrics(tmp_path):
                 "max_rss_mb": 400.0 + i} for i, t in enumerate(steps)]
     _write_point(sd, 0, "running", records, pid=os.getpid())           # the driver is alive: running
     _write_point(sd, 1, "running", records[:2], pid=2 ** 22 + 12345)    # a gone driver, no job: interrupted
+    # Hydra's record of the whole sweep: 3 points, the third not started yet.
+    (sd / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - +experiment=gpt_pp2_dp2\n"
+                                      "    - training.micro_batch_size=1,2,4\n")
     rows, swept = sweep.write_summary(sd)
     assert swept == ["training.micro_batch_size"]
+    assert [(r["point"], r["status"], r["overrides"]) for r in rows][-1] == (2, "pending", "training.micro_batch_size=4")
     by_point = {r["point"]: r for r in rows}
     run = by_point[0]
     assert run["status"] == "running" and run["rank"] == 1
