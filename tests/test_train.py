@@ -134,3 +134,23 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir):
     assert max(killed) == 14
     for it in range(resumed_at + 1, 15):
         assert abs(full[it] - killed[it]) <= 1e-5 * abs(full[it]), (it, full[it], killed[it])
+
+
+def test_reshard_opt_in_continues_with_the_same_losses(tmp_path, cache_dir):
+    """PP=2 checkpoint resumed with PP=1 and checkpoint.allow_reshard=true: torch_dist reshards model
+    and optimizer state; losses after the resume match the uninterrupted PP=2 run (1e-3 rel)."""
+    common = SMALL + ["+experiment=gpt_pp2_dp2", f"run.root={tmp_path}", "training.train_iters=7",
+                      "checkpoint.save_interval=null"]
+    run_cli(common + ["run.name=full"], cache=cache_dir)
+    run_cli(common + ["run.name=cut", "training.exit_after_iters=4"], cache=cache_dir)
+    refused = run_cli(common + ["run.name=cut", "parallelism.pipeline_model_parallel_size=1"], cache=cache_dir,
+                      check=False)
+    assert refused.returncode == 2 and "checkpoint.allow_reshard=true" in refused.stderr
+    run_cli(common + ["run.name=cut", "parallelism.pipeline_model_parallel_size=1", "checkpoint.allow_reshard=true"],
+            cache=cache_dir)
+    full, cut = losses_by_iteration(tmp_path / "full"), losses_by_iteration(tmp_path / "cut")
+    for it in range(5, 8):
+        assert abs(full[it] - cut[it]) <= 1e-3 * abs(full[it]), (it, full[it], cut[it])
+    manifest = json.loads((tmp_path / "cut" / "checkpoints" / "iter_0000007" / "manifest.json").read_text())
+    assert manifest["layout"]["pipeline_model_parallel_size"] == 1
+    assert "parallelism.pipeline_model_parallel_size" in manifest["origin"]["resharded"]
