@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator import planner  # noqa: E402  (pure Python: no torch in this process)
+from orchestrator import planner, suggest  # noqa: E402  (pure Python: no torch in this process)
 from orchestrator.config import register_configs, to_job_config  # noqa: E402
 
 MiB = 2 ** 20
@@ -150,7 +150,7 @@ def plan_speed() -> None:
                    "parallelism.pipeline_model_parallel_size=2", "training.micro_batch_size=4",
                    "training.global_batch_size=256", "training.precision=bf16", "gpu=A100-40GB"], REPO / "runs" / "x")
     start = time.perf_counter()
-    found = planner.suggest(cfg)
+    found = suggest.suggest(cfg)
     print(f"suggest() for the seed's job, every candidate layout planned: "
           f"{(time.perf_counter() - start) * 1000:.0f} ms, {len(found)} suggestions")
 

@@ -25,9 +25,15 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from pathlib import Path
+
 from orchestrator.config import JobConfig, register_configs, to_job_config
 from orchestrator.errors import OrchestratorError
 from orchestrator.layout import ParallelLayout, layout_from_config
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+"""The Hydra config tree (repository checkout; install with ``pip install -e .``)."""
 
 
 def say(message: str) -> None:
@@ -40,12 +46,12 @@ def validate(cfg: JobConfig) -> ParallelLayout:
 
 
 def show_plan(cfg: JobConfig) -> None:
-    from orchestrator import planner
+    from orchestrator import planner, suggest
 
     print(planner.format_plan(planner.plan(cfg)), flush=True)
-    suggestions = planner.suggest(cfg)
+    suggestions = suggest.suggest(cfg)
     if suggestions:
-        print(planner.format_suggestions(suggestions), flush=True)
+        print(suggest.format_suggestions(suggestions), flush=True)
 
 
 def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
@@ -130,7 +136,9 @@ def main() -> None:
     from orchestrator import sweep
 
     register_configs()
-    hydra.main(config_path="../conf", config_name="config", version_base="1.3")(_entry)()
+    # An absolute path: Hydra resolves a relative one against the calling module, which differs
+    # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_entry)()
     code = sweep.finish()  # None after a single run; after a multirun: table printed, exit code
     if code:
         sys.exit(code)

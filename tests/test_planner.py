@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator import planner
+from orchestrator import planner, suggest
 from orchestrator.config import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
                                  TrainingConfig)
 from orchestrator.errors import ConfigError, LayoutError
@@ -222,7 +222,7 @@ def test_seed_plan_with_distributed_optimizer_and_recompute_fits_at_both_micro_b
 @pytest.mark.parametrize("mbs", [4, 8])
 def test_seed_suggestions_are_valid_fit_and_reproduce(mbs):
     cfg = seed_cfg(mbs)
-    suggestions = planner.suggest(cfg, vocab_size=SEED_VOCAB, limit=5)
+    suggestions = suggest.suggest(cfg, vocab_size=SEED_VOCAB, limit=5)
     assert len(suggestions) == 5
     times = [s.plan.step_time_s for s in suggestions]
     assert times == sorted(times)
@@ -233,7 +233,7 @@ def test_seed_suggestions_are_valid_fit_and_reproduce(mbs):
         assert lay.tensor_model_parallel_size <= 8
         again = planner.plan(apply_overrides(cfg, s.overrides), vocab_size=SEED_VOCAB)
         assert again.fits and again.step_time_s == pytest.approx(s.plan.step_time_s)
-    text = planner.format_suggestions(suggestions)
+    text = suggest.format_suggestions(suggestions)
     assert suggestions[0].overrides[0] in text and "fastest first" in text
 
 
@@ -252,8 +252,8 @@ def test_plan_uses_the_config_gpu_and_byte_vocab():
     plan = planner.plan(cfg)
     assert plan.gpu.name == "A100-80GB" and plan.padded_vocab_size == 384 and plan.fits
     assert any("runs on CPU" in n for n in plan.notes)
-    assert planner.suggest(cfg) == []  # fits, no bubble: nothing to suggest
-    assert all(not s.plan.recipe.use_distributed_optimizer for s in planner.suggest(cfg, always=True))
+    assert suggest.suggest(cfg) == []  # fits, no bubble: nothing to suggest
+    assert all(not s.plan.recipe.use_distributed_optimizer for s in suggest.suggest(cfg, always=True))
 
 
 @pytest.mark.parametrize("parallelism,model,training,numbers", [
@@ -284,7 +284,7 @@ def test_suggest_repairs_an_invalid_layout():
     cfg = JobConfig(parallelism=ParallelismConfig(pipeline_model_parallel_size=4), model=ModelConfig(num_layers=30),
                     training=TrainingConfig(micro_batch_size=1, global_batch_size=4),
                     cluster=ClusterConfig(name="slurm", kind="slurm", nodes=1, gpus_per_node=4))
-    suggestions = planner.suggest(cfg, limit=3)
+    suggestions = suggest.suggest(cfg, limit=3)
     assert suggestions and all(30 % s.plan.layout.pipeline_model_parallel_size == 0 for s in suggestions)
 
 
@@ -301,7 +301,8 @@ def test_a_100_point_grid_plans_quickly():
 
 
 def test_planning_imports_neither_torch_nor_megatron():
-    code = ("import sys, orchestrator.config, orchestrator.layout, orchestrator.planner, orchestrator.errors;"
+    code = ("import sys, orchestrator.config, orchestrator.layout, orchestrator.planner, orchestrator.suggest, "
+            "orchestrator.errors;"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'));"
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -311,7 +312,7 @@ def test_planning_imports_neither_torch_nor_megatron():
 def test_local_suggestions_keep_the_world_size():
     # cluster=local without tasks_per_node: world = TP x PP x CP x DP, so DP must stay stated.
     cfg = JobConfig(parallelism=ParallelismConfig(pipeline_model_parallel_size=2, data_parallel_size=2))
-    suggestions = planner.suggest(cfg, always=True)
+    suggestions = suggest.suggest(cfg, always=True)
     assert suggestions
     for s in suggestions:
         again = planner.plan(apply_overrides(cfg, s.overrides))
