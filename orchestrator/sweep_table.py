@@ -56,7 +56,7 @@ UNFINISHED = ("pending", "running", "submitted", "requeued")
 COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s", "tokens_per_s",
            "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "bubble_fraction", "reason"]
 """The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
-EXTRA_COLUMNS = ["timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
+EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
                  "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
 
 
@@ -136,10 +136,12 @@ def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
     if last_event >= 0 and records[last_event].get("event") == "summary":
         s = records[last_event]
         per_rank = [x for x in s.get("peak_rss_mb_per_rank") or [] if isinstance(x, (int, float))]
+        gpu_rank = [x for x in s.get("peak_gpu_mem_mb_per_rank") or [] if isinstance(x, (int, float))]
         return {"source": "summary", "job_status": s.get("status"), "iteration": s.get("iteration"),
                 "lm_loss": s.get("lm_loss"), "step_time_median_s": s.get("step_time_median_s"),
                 "timed_iterations": s.get("timed_iterations"), "tokens_per_step": s.get("tokens_per_step"),
-                "peak_rss_mib": max(per_rank) if per_rank else None}
+                "peak_rss_mib": max(per_rank) if per_rank else None,
+                "peak_gpu_mib": max(gpu_rank) if gpu_rank else None}
     start = int(records[last_event].get("iteration") or 0) if last_event >= 0 else 0
     iters = [r for r in records[last_event + 1:] if "step_time_s" in r and "iteration" in r]
     if not iters:
@@ -278,6 +280,7 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
         "samples_per_s": gbs / step if step and gbs else None,
         "tflops_per_device": flops / step / world / 1e12 if step and flops and world else None,
         "peak_rss_mib": _number(meas.get("peak_rss_mib")),
+        "peak_gpu_mib": _number(meas.get("peak_gpu_mib")),  # GPU runs: torch.cuda.max_memory_allocated
         "predicted_mib": pl["peak_bytes"] / MiB if _number(pl.get("peak_bytes")) else None,
         "bubble_fraction": _number(pl.get("bubble_fraction")),
         "reason": reason or "",

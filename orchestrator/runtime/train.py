@@ -40,7 +40,13 @@ METRICS = "metrics.jsonl"
 
 
 def _max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    """Peak resident set size of this process, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _max_gpu_mb(device: str) -> Optional[float]:
+    """Peak CUDA memory allocated by torch on this rank's GPU, MiB (None on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -101,6 +107,12 @@ def _stop_request(cfg: JobConfig):
 
 def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict."""
+    # First thing: replace submitit's USR2 handler. A signal that lands during the start-up (the
+    # megatron import, model build and checkpoint load take tens of seconds, minutes at scale)
+    # would otherwise reach submitit's handler, which fails a non-checkpointable job ("timed-out
+    # and not checkpointable") instead of requeueing it. Ours only sets a flag: the first
+    # iteration boundary then saves and requeues.
+    stop = _stop_request(cfg)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -177,7 +189,6 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         print(f"[orchestrator] device={info.device} backend={info.backend} "
               f"params on rank 0: {count_parameters(model):,}", flush=True)
 
-    stop = _stop_request(cfg)
     forward_backward = get_forward_backward_func()
     step_times: List[float] = []
     tokens_per_step = layout.tokens_per_step
@@ -215,7 +226,8 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
                 "iteration": iteration, "consumed_samples": consumed, "lm_loss": last_loss, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                "skipped": not update_ok, "max_rss_mb": _max_rss_mb(), "time": time.time(),
+                "skipped": not update_ok, "max_rss_mb": _max_rss_mb(),
+                "max_gpu_mem_mb": _max_gpu_mb(info.device), "time": time.time(),
             }
             metrics.write(record)
             if is_logger:
@@ -225,7 +237,9 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         save_now = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
         if save_now and iteration < t.train_iters:
             save(iteration, consumed)
-        if stop is not None and stop.requested():
+        # Not after the last iteration: a signal then must not requeue a finished run (the
+        # restarted job would only find nothing left to train); the final save follows anyway.
+        if stop is not None and iteration < t.train_iters and stop.requested():
             if not save_now:
                 save(iteration, consumed)
             status = "stopped"
@@ -242,18 +256,20 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
         save(iteration, consumed)
 
     # ---- summary ------------------------------------------------------------------------------
-    rss = torch.tensor([_max_rss_mb()], dtype=torch.float64, device=tensor_device)
-    gathered = [torch.zeros(1, dtype=torch.float64, device=tensor_device) for _ in range(info.world_size)]
-    torch.distributed.all_gather(gathered, rss)
+    peaks = torch.tensor([_max_rss_mb(), _max_gpu_mb(info.device) or 0.0], dtype=torch.float64, device=tensor_device)
+    gathered = [torch.zeros(2, dtype=torch.float64, device=tensor_device) for _ in range(info.world_size)]
+    torch.distributed.all_gather(gathered, peaks)
     summary = {
         "event": "summary", "status": status, "iteration": iteration, "lm_loss": last_loss,
         "step_time_median_s": statistics.median(step_times) if step_times else None,
         "timed_iterations": len(step_times),
         "tokens_per_step": tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
+        "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if info.device == "cuda" else None,
         "host": socket.gethostname(), "device": info.device, "time": time.time(),
         "rank": info.rank, "logging_rank": is_logger,
     }
     metrics.write(summary)
     shutdown()
+    stop.training_done()  # a late time-limit USR2 must not kill the process during its teardown
     return summary
