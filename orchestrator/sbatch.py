@@ -270,9 +270,22 @@ def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
     srun_args = []
     for i, arg in enumerate(c.srun_args or []):
         srun_args.append(_no_control(f"cluster.srun_args[{i}]", arg))
-    if srun_args:
-        params["slurm_srun_args"] = srun_args
+    if not any(_is_kill_on_bad_exit(a) for a in srun_args):
+        srun_args.insert(0, KILL_ON_BAD_EXIT)
+    params["slurm_srun_args"] = srun_args
     return params
+
+
+KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"
+"""Always on the srun line (unless ``cluster.srun_args`` says otherwise, e.g. ``--kill-on-bad-exit=0``):
+the ranks of one job are useless without each other, so when one task exits non-zero or is killed
+(OOM killer, a dead GPU) srun ends the whole step at once instead of leaving its peers blocked in
+a collective until the process-group timeout (NCCL notices a dead peer late, or never). A requeue
+or a graceful stop is unaffected: every rank has saved and passed a barrier before any exits."""
+
+
+def _is_kill_on_bad_exit(arg: str) -> bool:
+    return arg.startswith("--kill-on-bad-exit") or arg == "-K" or (arg.startswith("-K") and arg[2:] in ("0", "1"))
 
 
 def slurm_executor_parameters(cfg, world_size: int) -> Dict[str, Any]:

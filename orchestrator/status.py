@@ -301,7 +301,8 @@ def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Opt
             continue
         if summary is None and rec.get("event") == "summary":
             summary = rec
-        if iteration is None and "iteration" in rec and "lm_loss" in rec:
+        # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
+        if iteration is None and "iteration" in rec and "lm_loss" in rec and "event" not in rec:
             iteration, loss = rec["iteration"], rec["lm_loss"]
         if iteration is not None and summary is not None:
             break

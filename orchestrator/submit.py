@@ -74,24 +74,40 @@ def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
         return None
 
 
-def _slurm_state(job_id: str) -> str:
-    """SLURM state of ``job_id`` from squeue, else scontrol ('UNKNOWN' when neither knows it)."""
+def _slurm_state(job_id: str) -> Tuple[str, int]:
+    """(SLURM state, requeues so far) of ``job_id`` from ``scontrol show job``, else the state from
+    squeue (('UNKNOWN', 0) when neither knows it)."""
+    from orchestrator.status import parse_scontrol_job
+
     try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+        fields = parse_scontrol_job(out.stdout) if out.returncode == 0 else {}
+        if fields.get("JobState"):
+            restarts = fields.get("Restarts", "0")
+            return fields["JobState"], int(restarts) if restarts.isdigit() else 0
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
         state = out.stdout.strip().splitlines()
         if out.returncode == 0 and state:
-            return state[0].strip()
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-        for token in out.stdout.split():
-            if token.startswith("JobState="):
-                return token.split("=", 1)[1]
+            return state[0].strip(), 0
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return "UNKNOWN"
+    return "UNKNOWN", 0
 
 
 _SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED", "UNKNOWN"}
+
+
+def _srun_errors(job, lines: int = 6) -> str:
+    """srun's own error lines from the batch log (e.g. ``srun: error: node: task 1: Killed``): the
+    rank that died first, which its peers' broken-collective errors do not name."""
+    try:
+        path = Path(job.paths.stderr)  # the batch script's stderr (task 0's log) holds srun's messages
+        found = [line for line in path.read_text(errors="replace").splitlines()
+                 if line.startswith("srun: error:") and "task" in line]
+        return "\n".join(found[-lines:])
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
 
 
 def _stderr_tail(job, task: int, lines: int = 25) -> str:
@@ -242,15 +258,26 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
     """Block until every task of ``job`` ends; return the per-rank summaries.
 
     Raises :class:`JobFailedError` (with the failing rank's last lines) when a rank fails, the
-    job is cancelled, or it outlives ``cluster.timeout_min`` x (requeues + 1) plus 5 minutes.
+    job is cancelled, or it runs longer than ``cluster.timeout_min`` x (requeues + 1) plus 5
+    minutes. On SLURM, time spent PENDING (in the queue, before the start or after a requeue)
+    does not count towards that bound, and a requeue is reported and waited through: the requeued
+    job writes its results into the same files when it finishes.
     """
     c = cfg.cluster
-    deadline = time.time() + 60 * c.timeout_min * (c.max_num_timeout + 1) + 300
+    bound_s = 60 * c.timeout_min * (c.max_num_timeout + 1) + 300
+    counted_s = 0.0  # time the job has been running (not pending) while we waited
+    last_poll = time.time()
     results: Dict[int, Tuple[str, Any]] = {}
     started = time.time()
     ended_since: Optional[float] = None
+    requeues = 0
+    state = ""
     try:
         while True:
+            now = time.time()
+            if c.kind == "local" or state != "PENDING":
+                counted_s += now - last_poll
+            last_poll = now
             if progress is not None:
                 progress.poll()
             for i in range(world_size):
@@ -268,9 +295,10 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 detail = results[rank][1]
                 tail = str(detail).strip().splitlines()[-15:] if detail else []
                 cause = (f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else "")
+                srun = _srun_errors(job) if c.kind != "local" else ""
                 raise JobFailedError(
                     f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail) +
-                    f"\nlogs: {job.task(rank).paths.stderr}")
+                    (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}")
             if len(results) == world_size:
                 return [results[i][1] for i in range(world_size)]
             if c.kind == "local" and time.time() - started > 5:
@@ -284,20 +312,36 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 ended = job.state != "RUNNING"
                 state = job.state
             else:
-                state = _slurm_state(str(job.job_id))
+                state, restarts = _slurm_state(str(job.job_id))
                 ended = state in _SLURM_ENDED
+                if restarts > requeues:  # PENDING/REQUEUED after a requeue: not an end, keep waiting
+                    requeues = restarts
+                    print(f"[orchestrator] job {job.job_id} requeued ({requeues} of at most {c.max_num_timeout}); "
+                          f"it resumes from its latest checkpoint when SLURM restarts it", flush=True)
+            cancelled = c.kind != "local" and state.startswith("CANCELLED")
             if ended:
-                # Allow result files a moment to land after the processes exit.
+                # Allow result files a moment to land after the processes exit (the state is
+                # re-read every poll, so a transient answer does not end the wait).
                 ended_since = ended_since or time.time()
-                if time.time() - ended_since > 15:
+                if time.time() - ended_since > (3 if cancelled else 15):
                     missing = [i for i in range(world_size) if i not in results]
+                    if cancelled:
+                        raise JobFailedError(
+                            f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
+                            f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
+                            f"logs: {Path(job.paths.stderr).parent}/")
+                    srun = _srun_errors(job) if c.kind != "local" else ""
                     raise JobFailedError(
                         f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
+                        + (f"{srun}\n" if srun else "") +
                         f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")
-            if time.time() > deadline:
+            else:
+                ended_since = None
+            if counted_s > bound_s:
                 cancel(job, cfg)
                 raise JobFailedError(f"job {job.job_id} did not finish before the launcher's bound "
-                                     f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min); cancelled")
+                                     f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min "
+                                     f"of running time); cancelled")
             time.sleep(c.poll_interval_s)
     except KeyboardInterrupt:
         cancel(job, cfg)

@@ -219,6 +219,19 @@ class StopRequest:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
+    def training_done(self) -> None:
+        """Training has ended normally: ignore ``USR2`` from now on, until the process exits.
+
+        SLURM may send the time-limit warning while a job that just finished is tearing down
+        (``--signal=USR2@N`` fires up to 60 s early). Python's finalization puts the default
+        disposition back for signals with a Python handler, and ``USR2``'s default is to
+        terminate: the task then dies of it after writing its success result and SLURM records
+        the whole job as FAILED (exit code 140), seen on the dev cluster. ``SIG_IGN`` survives
+        finalization. ``SIGTERM`` (scancel, preemption) keeps ending the process.
+        """
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
     def _handle(self, signum: int, frame: Any = None) -> None:  # signal handler: set a flag, nothing else
         if not self._flag:
             self.signal_name = signal.Signals(signum).name

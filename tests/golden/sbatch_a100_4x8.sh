@@ -32,4 +32,4 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/runs/gpt_6.7b_tp2_pp2/submitit/%j_%t_log.out --error /shared/runs/gpt_6.7b_tp2_pp2/submitit/%j_%t_log.err --cpu-bind=none /opt/venvs/megatron/bin/python -u -m submitit.core._submit /shared/runs/gpt_6.7b_tp2_pp2/submitit
+srun --unbuffered --output /shared/runs/gpt_6.7b_tp2_pp2/submitit/%j_%t_log.out --error /shared/runs/gpt_6.7b_tp2_pp2/submitit/%j_%t_log.err --kill-on-bad-exit=1 --cpu-bind=none /opt/venvs/megatron/bin/python -u -m submitit.core._submit /shared/runs/gpt_6.7b_tp2_pp2/submitit

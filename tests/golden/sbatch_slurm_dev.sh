@@ -23,4 +23,4 @@ export OMP_NUM_THREADS=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /runs/gpt_pp2_dp2/submitit/%j_%t_log.out --error /runs/gpt_pp2_dp2/submitit/%j_%t_log.err <PYTHON> -u -m submitit.core._submit /runs/gpt_pp2_dp2/submitit
+srun --unbuffered --output /runs/gpt_pp2_dp2/submitit/%j_%t_log.out --error /runs/gpt_pp2_dp2/submitit/%j_%t_log.err --kill-on-bad-exit=1 <PYTHON> -u -m submitit.core._submit /runs/gpt_pp2_dp2/submitit
