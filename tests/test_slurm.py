@@ -11,7 +11,6 @@ orchestrator.runtime.preempt works with submitit's result files.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -239,22 +238,3 @@ def test_cancelled_job_is_not_requeued(tmp_path):
     again = status.slurm_job_status(job.job_id)
     assert again.state == "cancelled" and again.restarts == 0, again
     assert not list((run / "submitit").glob("*_result.pkl"))
-
-
-@pytest.mark.slow
-def test_time_limit_signal_requeues(tmp_path):
-    """The real thing: `#SBATCH --time=2 --signal=USR2@30`. SLURM may send the signal up to 60 s
-    early (its timer resolution), so the first run just trains until asked to stop."""
-    state = tmp_path / "state"
-    state.mkdir()
-    run = tmp_path / "run"
-    cfg = dev_cfg(run, timeout_min=2, signal_delay_s=30, max_num_timeout=1)
-    # first run: 200 s of steps, longer than the limit (the signal comes 30-90 s in); second run: quick
-    job = submit(cfg, run / "submitit", _train_like, str(state), 1000, 0.2, 1, str(run))
-    st = status.wait_for_job(job, timeout_s=400, poll_s=2)
-    assert st.state == "completed" and st.restarts == 1, (st, job.stderr())
-    results = job.results()
-    assert {r["restarts"] for r in results} == {1} and {r["end"] for r in results} == {1000}
-    assert 0 < min(r["start"] for r in results) < 1000
-    events = [r["event"] for r in status.read_records(run) if r["event"] in ("requeued", "stopped")]
-    assert events == ["requeued"], events
