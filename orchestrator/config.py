@@ -120,7 +120,8 @@ class DataConfig:
     """byte (UTF-8 bytes, 256 ids + specials, no download) or a path to a tokenizer.json file."""
     cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}"
     """Where prepared .bin/.idx files and dataset indices are cached."""
-    split: str = "98,2,0"
+    split: str = "100,0,0"
+    """Train/valid/test split weights of each dataset (no evaluation runs yet: all of it trains)."""
     stdlib_max_mb: float = 8.0
     """stdlib: how many MB of source text to take (sorted, deterministic)."""
 
@@ -283,6 +284,9 @@ def check_choices(cfg: JobConfig) -> None:
     if not isinstance(cfg.training.train_iters, int) or cfg.training.train_iters < 0:
         raise ConfigError(f"training.train_iters={cfg.training.train_iters!r} must be >= 0 "
                           "(0 initialises the model and saves an iteration-0 checkpoint)")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr} is above optimizer.lr={cfg.optimizer.lr}; "
+                          "fix: min_lr <= lr")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     if cfg.optimizer.clip_grad < 0:

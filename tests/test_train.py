@@ -44,12 +44,16 @@ def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir):
     assert a[20] < a[1] - 0.5  # and it learns
 
 
-@pytest.mark.parametrize("parallelism", ["pp2_vpp2_dp2", "tp2_pp2", "pp4"])
-def test_other_layouts_train(tmp_path, cache_dir, parallelism):
-    run_cli(SMALL + [f"parallelism={parallelism}", f"run.root={tmp_path}", "run.name=x",
-                     "training.train_iters=8", "checkpoint.save_at_end=false"], cache=cache_dir)
+@pytest.mark.parametrize("parallelism", ["pp2_vpp2_dp2", "tp2_pp2"])
+def test_other_layouts_train_and_checkpoint(tmp_path, cache_dir, parallelism):
+    """Interleaved 1F1B (two model chunks per rank) and tensor parallel train, save and resume."""
+    common = SMALL + [f"parallelism={parallelism}", f"run.root={tmp_path}", "run.name=x", "training.train_iters=8"]
+    run_cli(common + ["training.exit_after_iters=6"], cache=cache_dir)
+    assert (tmp_path / "x" / "checkpoints" / "iter_0000006" / "manifest.json").exists()
+    resumed = run_cli(common, cache=cache_dir)
+    assert "iter_0000006" in resumed.stdout
     losses = losses_by_iteration(tmp_path / "x")
-    assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values())
+    assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
     assert losses[8] < losses[1] - 0.3
 
 

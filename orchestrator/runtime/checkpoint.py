@@ -45,12 +45,12 @@ def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, object]
 
 
 def _model_dict_for_optimizer(state: Dict[str, object]) -> Dict[str, object]:
+    """The model part of ``state`` for ``optimizer.sharded_state_dict``: megatron walks its nested
+    values to map parameters, so with several chunks (VPP) each chunk stays under its own key
+    (merging them would let chunk 1's local layer names overwrite chunk 0's)."""
     if "model" in state:
         return state["model"]  # type: ignore[return-value]
-    merged: Dict[str, object] = {}
-    for key in sorted(k for k in state if k.startswith("model")):
-        merged.update(state[key])  # type: ignore[arg-type]
-    return merged
+    return {key: state[key] for key in sorted(state) if key.startswith("model")}
 
 
 class _Watchdog:
