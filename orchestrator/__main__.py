@@ -40,9 +40,36 @@ def say(message: str) -> None:
     print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
 
 
+def check_device(cfg: JobConfig) -> None:
+    """Refuse, before submission, what the job's device cannot run (raises ConfigError).
+
+    A local job without ``cluster.gpus_per_node`` runs on CPU (submitit hides the GPUs): there
+    bf16/fp16, the distributed optimizer (megatron-core 0.16.1's tensor-type checks),
+    ``training.device=cuda`` and context parallelism (Transformer Engine attention) cannot run.
+    """
+    from orchestrator.errors import ConfigError
+
+    if not (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
+        return
+    where = "cluster=local without cluster.gpus_per_node runs on CPU"
+    if cfg.training.device == "cuda":
+        raise ConfigError(f"training.device=cuda but {where}; fix: cluster.gpus_per_node=<n> or training.device=auto")
+    if cfg.training.precision != "fp32":
+        raise ConfigError(f"training.precision={cfg.training.precision} needs a GPU ({where}); "
+                          "fix: training.precision=fp32, or cluster.gpus_per_node=<n>")
+    if cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError(f"optimizer.use_distributed_optimizer=true is GPU-only in megatron-core 0.16.1 ({where}); "
+                          "fix: optimizer.use_distributed_optimizer=false")
+    if cfg.parallelism.context_parallel_size > 1:
+        raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size} needs "
+                          f"Transformer Engine attention on GPUs ({where}); fix: context_parallel_size=1")
+
+
 def validate(cfg: JobConfig) -> ParallelLayout:
     """The validated layout of ``cfg`` (raises LayoutError / ConfigError)."""
-    return layout_from_config(cfg).validate()
+    layout = layout_from_config(cfg).validate()
+    check_device(cfg)
+    return layout
 
 
 def show_plan(cfg: JobConfig) -> None:
@@ -95,6 +122,10 @@ def run(cfg: JobConfig) -> Optional[dict]:
     latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint,
                               tokenizer=tokenizer_identity(cfg.data), warn=lambda m: say(f"warning: {m}"))
     if latest is not None:
+        if latest.iteration >= cfg.training.train_iters:
+            say(f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
+                f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
+            return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
     lock = resume.RunLock(cfg.run.dir)
     if cfg.cluster.kind == "local" or cfg.cluster.wait:
@@ -125,6 +156,10 @@ def _entry(dcfg: Any) -> Optional[float]:
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted: the job's ranks were stopped; run the same command again to resume from the "
+              "latest checkpoint", file=sys.stderr, flush=True)
+        sys.exit(130)
     if summary and summary.get("lm_loss") is not None:
         return float(summary["lm_loss"])
     return None
@@ -136,6 +171,13 @@ def main() -> None:
     from orchestrator import sweep
 
     register_configs()
+    import signal
+
+    def _interrupt(signum, frame):  # a closed terminal or `kill` stops the local ranks too, like Ctrl-C
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     # An absolute path: Hydra resolves a relative one against the calling module, which differs
     # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_entry)()

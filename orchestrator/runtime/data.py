@@ -56,7 +56,10 @@ def tokenizer_identity(data: DataConfig) -> Dict[str, object]:
     """What identifies the tokenizer in a manifest (name, vocab size, file digest)."""
     if data.tokenizer == "byte":
         return {"name": "byte-level", "vocab_size": BYTE_VOCAB + 2, "eod": BYTE_VOCAB, "pad": BYTE_VOCAB + 1}
-    digest = hashlib.sha256(Path(data.tokenizer).expanduser().read_bytes()).hexdigest()[:16]
+    path = Path(data.tokenizer).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.tokenizer={data.tokenizer!r}: no such file; fix: 'byte' or a path to tokenizer.json")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return {"name": "huggingface", "path": str(data.tokenizer), "sha256": digest}
 
 

@@ -336,6 +336,7 @@ class StopRequest:
         _flush_streams()
         if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task: this process must end now
             _arm_exit_watchdog(REQUEUE_EXIT_CODE if done else STOP_EXIT_CODE)
+            _destroy_process_groups()
         if done:
             raise Requeued(f"{why}: {detail}")
         raise Stopped(f"{why}: {detail}")
@@ -358,6 +359,21 @@ def _flush_streams() -> None:
             stream.flush()
         except Exception:
             pass
+
+
+def _destroy_process_groups() -> None:
+    """Tear down megatron's groups and the default process group before exiting: a gloo group
+    still alive at interpreter shutdown can abort the process ("terminate called without an
+    active exception", exit -6) instead of the intended exit code."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # best effort: the exit watchdog still bounds the shutdown
+        pass
 
 
 def _arm_exit_watchdog(code: int) -> None:
