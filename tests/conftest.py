@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,22 @@ from typing import Dict, List
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=1)
+def slurm_unavailable_reason() -> str:
+    """Why the SLURM dev cluster (launch/slurm-dev-up.sh) cannot be used, or "" when it answers."""
+    if shutil.which("sinfo") is None:
+        return "sinfo not found (install with launch/slurm-dev-install.sh)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%a %t"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return "sinfo did not answer within 15 s"
+    if out.returncode != 0:
+        return f"sinfo failed: {out.stderr.strip()[:200]}"
+    if not out.stdout.strip():
+        return "no partition 'dev' (start the dev cluster: launch/slurm-dev-up.sh)"
+    return ""
 
 
 @pytest.fixture(scope="session")

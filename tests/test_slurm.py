@@ -11,7 +11,6 @@ orchestrator.runtime.preempt works with submitit's result files.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from conftest import slurm_unavailable_reason
 from orchestrator import sbatch, status
 from orchestrator.config import JobConfig, register_configs, to_job_config
 
@@ -27,21 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
 
 
-def _slurm_answers() -> str:
-    if shutil.which("sinfo") is None:
-        return "sinfo not found (install with launch/slurm-dev-install.sh)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%a %t"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 15 s"
-    if out.returncode != 0:
-        return f"sinfo failed: {out.stderr.strip()[:200]}"
-    if not out.stdout.strip():
-        return "no partition 'dev' (start the dev cluster: launch/slurm-dev-up.sh)"
-    return ""
 
 
-_REASON = _slurm_answers()
+_REASON = slurm_unavailable_reason()
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(bool(_REASON), reason=f"SLURM dev cluster not reachable: {_REASON}")]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,25 +36,13 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from conftest import REPO, losses_by_iteration, read_metrics
+from conftest import REPO, losses_by_iteration, read_metrics, slurm_unavailable_reason
 from orchestrator import sbatch, status
 
 
-def _slurm_answers() -> str:
-    if shutil.which("sinfo") is None:
-        return "sinfo not found (install with launch/slurm-dev-install.sh)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%a %t"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 15 s"
-    if out.returncode != 0:
-        return f"sinfo failed: {out.stderr.strip()[:200]}"
-    if not out.stdout.strip():
-        return "no partition 'dev' (start the dev cluster: launch/slurm-dev-up.sh)"
-    return ""
 
 
-_REASON = _slurm_answers()
+_REASON = slurm_unavailable_reason()
 
 
 def needs_slurm(test):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Dict, List
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, slurm_unavailable_reason
 
 from orchestrator import sweep
 
@@ -218,19 +217,9 @@ def test_exit_code_rules():
 
 
 # ---------------------------------------------------------------- SLURM: the same sweep, points queued at once
-def _slurm_reason() -> str:
-    if shutil.which("sinfo") is None:
-        return "sinfo not found"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%a"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return "sinfo did not answer within 15 s"
-    return "" if out.returncode == 0 and "up" in out.stdout else f"no dev partition up: {out.stderr.strip()[:200]}"
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(bool(_slurm_reason()), reason=f"SLURM dev cluster not reachable: {_slurm_reason()}")
+@pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
 def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cache_dir):
     proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "training.micro_batch_size=2,4", *SHORT,
                     "cluster.timeout_min=5", "cluster.max_num_timeout=0", f"run.root={tmp_path}", "run.name=slurm"],
