@@ -16,9 +16,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

@@ -9,7 +9,7 @@ fields onto ``TransformerConfig``, ``GPTModel``, ``DistributedDataParallel``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
