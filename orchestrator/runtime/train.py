@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from orchestrator.config import JobConfig
+from orchestrator.errors import OrchestratorError
 from orchestrator.layout import layout_from_config
 from orchestrator.runtime import checkpoint as ckpt
 from orchestrator.runtime import cpu as cpu_backend
@@ -149,10 +150,21 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     data_identity = prepared.identity(cfg.data)
     tok_identity = tokenizer_identity(cfg.data)
     origin: Optional[Dict[str, object]] = None
-    # Same check as the launcher's, again: the config or the directory may have changed since submission.
-    latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint, tokenizer=tok_identity,
-                              warn=(lambda msg: print(f"[orchestrator] warning: {msg}", flush=True)) if rank0
-                              else (lambda msg: None))
+    # Same check as the launcher's, again: the config or the directory may have changed since
+    # submission. Rank 0 verifies (hashing every checkpoint file once, not once per rank) and
+    # tells the others which checkpoint to load, or the error that stops them all.
+    verdict: List[object] = [None]
+    if rank0:
+        try:
+            verdict[0] = ("ok", resume.preflight(
+                cfg, layout, data_fingerprint=prepared.fingerprint, tokenizer=tok_identity,
+                warn=lambda msg: print(f"[orchestrator] warning: {msg}", flush=True)))
+        except OrchestratorError as exc:
+            verdict[0] = ("error", exc)
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    outcome, latest = verdict[0]  # type: ignore[misc]
+    if outcome == "error":
+        raise latest  # type: ignore[misc]
     if latest is not None:
         progress = ckpt.load(Path(latest.path), model, optimizer, scheduler)
         iteration, consumed = progress["iteration"], progress["consumed_samples"]
