@@ -34,6 +34,14 @@ from typing import List, Optional
 from orchestrator.errors import LayoutError
 
 
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                      tensor_model_parallel_size: int = 1) -> int:
+    """Megatron's rule: the embedding has ``vocab_size`` rounded up to a multiple of
+    ``make_vocab_size_divisible_by x TP`` rows (so every TP shard gets an equal, aligned slice)."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
 def _nearby_multiples(value: int, step: int, count: int = 2) -> List[int]:
     """The ``count`` multiples of ``step`` just below and above ``value`` (positive only)."""
     below = [(value // step - i) * step for i in range(count)]

@@ -65,12 +65,6 @@ def iteration_dir(save_dir: "str | os.PathLike", iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
-    """Megatron's rule: pad the vocab up to a multiple of ``make_vocab_size_divisible_by x TP``."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
 # ---- collection -----------------------------------------------------------------
 def collect_versions() -> Dict[str, Optional[str]]:
     """orchestrator, megatron-core, torch, hydra-core and python versions (no imports of them)."""

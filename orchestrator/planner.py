@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
-from orchestrator.layout import ParallelLayout, layout_from_config
+from orchestrator.layout import ParallelLayout, layout_from_config, padded_vocab_size
 
 GiB = 1024 ** 3
 BYTE_TOKENIZER_VOCAB = 258
@@ -276,12 +276,6 @@ def _gib(n: float) -> str:
 
 
 # ---- parameters ---------------------------------------------------------------------------
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
-    """Megatron's padding: round up to a multiple of ``make_vocab_size_divisible_by x TP``."""
-    multiple = make_vocab_size_divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
 
 def _layer_params(shape: ModelShape) -> Tuple[int, int, int, int]:
     """(TP-replicated, TP-sharded, expert-replicated, expert-sharded) parameters of one layer.

@@ -51,9 +51,9 @@ from typing import Callable, Dict, List, Optional
 
 from orchestrator.config import JobConfig, to_dict
 from orchestrator.errors import ResumeMismatchError, RunLockedError
-from orchestrator.layout import ParallelLayout
+from orchestrator.layout import ParallelLayout, padded_vocab_size
 from orchestrator.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
-                                   latest_complete, padded_vocab_size, save_dir_of)
+                                   latest_complete, save_dir_of)
 
 REFUSE, RESHARD, WARN = "refuse", "reshard", "warn"
 

@@ -17,7 +17,8 @@ from orchestrator.config import JobConfig, from_dict
 from orchestrator.errors import ManifestError, ResumeMismatchError, RunLockedError
 from orchestrator.layout import layout_from_config
 from orchestrator.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, iteration_dir, latest_complete,
-                                   list_checkpoints, padded_vocab_size, read_manifest, save_dir_of, write_manifest)
+                                   list_checkpoints, read_manifest, save_dir_of, write_manifest)
+from orchestrator.layout import padded_vocab_size
 from orchestrator.resume import RunLock, blocking, compare, format_mismatch_table, origin_of, preflight
 
 REPO = Path(__file__).resolve().parent.parent

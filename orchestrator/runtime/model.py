@@ -15,12 +15,7 @@ import torch
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import BackendError, ConfigError
-
-
-def padded_vocab_size(vocab_size: int, cfg: JobConfig) -> int:
-    """Megatron's rule: round the vocab up to a multiple of ``make_vocab_size_divisible_by x TP``."""
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallelism.tensor_model_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+from orchestrator.layout import padded_vocab_size
 
 
 def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
@@ -138,7 +133,8 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str) -> tuple:
 
     tf_config = transformer_config(cfg, device)
     spec = layer_spec(cfg, device)
-    padded = padded_vocab_size(vocab_size, cfg)
+    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
+                               cfg.parallelism.tensor_model_parallel_size)
     vpp = tf_config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
