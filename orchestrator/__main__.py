@@ -25,57 +25,23 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from pathlib import Path
 
-from orchestrator.config import JobConfig, register_configs, to_job_config
+from orchestrator.spec.schema import JobConfig, register_configs, to_job_config
 from orchestrator.errors import OrchestratorError
-from orchestrator.layout import ParallelLayout, layout_from_config
-
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-"""The Hydra config tree (repository checkout; install with ``pip install -e .``)."""
+from orchestrator.spec.checks import validate
+from orchestrator.spec.layout import ParallelLayout
 
 
 def say(message: str) -> None:
     print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
 
 
-def check_device(cfg: JobConfig) -> None:
-    """Refuse, before submission, what the job's device cannot run (raises ConfigError).
-
-    A local job without ``cluster.gpus_per_node`` runs on CPU (submitit hides the GPUs): there
-    bf16/fp16, the distributed optimizer (megatron-core 0.16.1's tensor-type checks),
-    ``training.device=cuda`` and context parallelism (Transformer Engine attention) cannot run.
-    """
-    from orchestrator.errors import ConfigError
-
-    if not (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
-        return
-    where = "cluster=local without cluster.gpus_per_node runs on CPU"
-    if cfg.training.device == "cuda":
-        raise ConfigError(f"training.device=cuda but {where}; fix: cluster.gpus_per_node=<n> or training.device=auto")
-    if cfg.training.precision != "fp32":
-        raise ConfigError(f"training.precision={cfg.training.precision} needs a GPU ({where}); "
-                          "fix: training.precision=fp32, or cluster.gpus_per_node=<n>")
-    if cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(f"optimizer.use_distributed_optimizer=true is GPU-only in megatron-core 0.16.1 ({where}); "
-                          "fix: optimizer.use_distributed_optimizer=false")
-    if cfg.parallelism.context_parallel_size > 1:
-        raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size} needs "
-                          f"Transformer Engine attention on GPUs ({where}); fix: context_parallel_size=1")
-
-
-def validate(cfg: JobConfig) -> ParallelLayout:
-    """The validated layout of ``cfg`` (raises LayoutError / ConfigError)."""
-    layout = layout_from_config(cfg).validate()
-    check_device(cfg)
-    return layout
-
-
 def show_plan(cfg: JobConfig) -> None:
-    from orchestrator import planner, suggest
+    from orchestrator.plan import memory as planner
+    from orchestrator.plan import suggest
+    from orchestrator.plan.report import format_plan
 
-    print(planner.format_plan(planner.plan(cfg)), flush=True)
+    print(format_plan(planner.plan(cfg)), flush=True)
     suggestions = suggest.suggest(cfg)
     if suggestions:
         print(suggest.format_suggestions(suggestions), flush=True)
@@ -83,7 +49,7 @@ def show_plan(cfg: JobConfig) -> None:
 
 def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
     if cfg.cluster.kind == "slurm":
-        from orchestrator.sbatch import render_sbatch
+        from orchestrator.submit.sbatch import render_sbatch
 
         print(render_sbatch(cfg, layout.world_size, f"{cfg.run.dir}/submitit"), flush=True)
     else:
@@ -110,12 +76,13 @@ def run(cfg: JobConfig) -> Optional[dict]:
             dry_run(cfg, layout)
         return None
 
-    from orchestrator import resume
+    from orchestrator.ckpt import resume
+    from orchestrator.ckpt.lock import RunLock
     from orchestrator.runtime.data import tokenizer_identity
-    from orchestrator.submit import launch
+    from orchestrator.submit.executor import launch
 
     if cfg.checkpoint.init_from:
-        from orchestrator.manifest import read_manifest
+        from orchestrator.ckpt.manifest import read_manifest
 
         read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
     prepared = prepare_data(cfg)
@@ -127,7 +94,7 @@ def run(cfg: JobConfig) -> Optional[dict]:
                 f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
             return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
-    lock = resume.RunLock(cfg.run.dir)
+    lock = RunLock(cfg.run.dir)
     if cfg.cluster.kind == "local" or cfg.cluster.wait:
         with lock:
             summary = launch(cfg, layout, prepared)
@@ -145,7 +112,7 @@ def run(cfg: JobConfig) -> Optional[dict]:
 
 
 def _entry(dcfg: Any) -> Optional[float]:
-    from orchestrator import sweep
+    from orchestrator.sweep import driver as sweep
 
     point = sweep.current_point()
     if point is not None:  # multirun: record the point (never sys.exit), see orchestrator/sweep.py
@@ -165,10 +132,22 @@ def _entry(dcfg: Any) -> Optional[float]:
     return None
 
 
+TOOLS = {
+    "manifest": "orchestrator.ckpt.cli",
+    "status": "orchestrator.submit.status",
+    "sweep": "orchestrator.sweep.driver",
+}
+"""Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
+        import importlib
+
+        sys.exit(importlib.import_module(TOOLS[sys.argv[1]]).main(sys.argv[2:]))
     import hydra
 
-    from orchestrator import sweep
+    from orchestrator.sweep import driver as sweep
 
     register_configs()
     import signal
@@ -180,7 +159,9 @@ def main() -> None:
         signal.signal(sig, _interrupt)
     # An absolute path: Hydra resolves a relative one against the calling module, which differs
     # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_entry)()
+    from orchestrator.spec.compose import conf_dir
+
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_entry)()
     code = sweep.finish()  # None after a single run; after a multirun: table printed, exit code
     if code:
         sys.exit(code)

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig, from_dict
+from orchestrator.spec.schema import JobConfig, from_dict
 from orchestrator.errors import ManifestError, ResumeMismatchError, RunLockedError
-from orchestrator.layout import layout_from_config
-from orchestrator.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, iteration_dir, latest_complete,
+from orchestrator.spec.layout import layout_from_config
+from orchestrator.ckpt.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, iteration_dir, latest_complete,
                                    list_checkpoints, read_manifest, save_dir_of, write_manifest)
-from orchestrator.layout import padded_vocab_size
-from orchestrator.resume import RunLock, blocking, compare, format_mismatch_table, origin_of, preflight
+from orchestrator.spec.layout import padded_vocab_size
+from orchestrator.ckpt.lock import RunLock
+from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
 
 REPO = Path(__file__).resolve().parent.parent
 BYTE_VOCAB = 257  # 256 byte ids + end-of-document
@@ -294,7 +295,7 @@ def test_preflight_refuses_to_overwrite_without_auto_resume(cfg):
 
 
 # ---- run lock -------------------------------------------------------------------------------------------
-HOLD = ("import sys; from orchestrator.resume import RunLock; "
+HOLD = ("import sys; from orchestrator.ckpt.lock import RunLock; "
         "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()")
 
 
@@ -332,7 +333,7 @@ def test_clean_release_lets_the_next_run_in(tmp_path):
 
 # ---- CLI and purity -----------------------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.manifest", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator", "manifest", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
 
 
@@ -349,7 +350,7 @@ def test_cli_show_and_list(cfg):
 
 
 def test_cli_check_composes_the_config_and_exits_1_on_mismatch(tmp_path):
-    from orchestrator.manifest import compose_config
+    from orchestrator.spec.compose import compose_config
 
     run_dir = tmp_path / "run"
     base = ["+experiment=gpt_pp2_dp2", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -368,6 +369,6 @@ def test_cli_check_composes_the_config_and_exits_1_on_mismatch(tmp_path):
 
 
 def test_manifest_modules_do_not_import_torch():
-    code = ("import sys, orchestrator.manifest, orchestrator.resume; "
+    code = ("import sys, orchestrator.ckpt.cli, orchestrator.ckpt.resume, orchestrator.ckpt.lock; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator import planner, suggest
-from orchestrator.config import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
+from orchestrator.plan import memory as planner, suggest
+from orchestrator.plan.report import format_plan
+from orchestrator.spec.schema import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
                                  TrainingConfig)
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.layout import ParallelLayout
-from orchestrator.planner import GiB, ModelShape, Recipe
+from orchestrator.spec.layout import ParallelLayout
+from orchestrator.plan.memory import GiB, ModelShape, Recipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SEED_VOCAB = 51200  # GPT-2's 50257 padded as Megatron did at TP 8 (128 x 8)
@@ -202,7 +203,7 @@ def test_seed_plan_as_configured_does_not_fit(mbs):
     # Model states alone (2 + 4 + 12 bytes x 3.44 B parameters) exceed the 40 GiB.
     assert st.weights + st.gradients + st.optimizer > 40 * GiB
     assert plan.reason.startswith("does not fit: stage 0 needs") and "A100-40GB" in plan.reason
-    text = planner.format_plan(plan)
+    text = format_plan(plan)
     for needle in ("world size 32 = TP 1 x PP 2 x CP 1 x DP 16", "layers per stage = 32 / 2 = 16",
                    "with distributed optimizer (/DP 16)", "pipeline bubble (1F1B", "verdict: does not fit"):
         assert needle in text
@@ -301,7 +302,7 @@ def test_a_100_point_grid_plans_quickly():
 
 
 def test_planning_imports_neither_torch_nor_megatron():
-    code = ("import sys, orchestrator.config, orchestrator.layout, orchestrator.planner, orchestrator.suggest, "
+    code = ("import sys, orchestrator.spec.schema, orchestrator.spec.layout, orchestrator.spec.checks, orchestrator.plan.memory, orchestrator.plan.report, orchestrator.plan.suggest, "
             "orchestrator.errors;"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'));"
             "print(bad); sys.exit(1 if bad else 0)")

@@ -47,7 +47,7 @@ def test_signal_only_sets_a_flag_and_local_run_stops(clean_env, tmp_path):
     finally:
         stop.uninstall()
     assert (signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)) == before
-    from orchestrator.status import read_records
+    from orchestrator.submit.status import read_records
 
     events = read_records(tmp_path)
     assert [e["event"] for e in events] == ["stopped"] and events[0]["signal"] == "SIGUSR2"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import sbatch
-from orchestrator.config import ClusterConfig, JobConfig, register_configs, to_job_config
+from orchestrator.submit import sbatch
+from orchestrator.spec.schema import ClusterConfig, JobConfig, register_configs, to_job_config
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.layout import world_size_of
+from orchestrator.spec.layout import world_size_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -295,6 +295,6 @@ def test_auto_executor_accepts_every_parameter(fake_slurm):
 
 
 def test_sbatch_module_is_torch_free():
-    code = ("import sys, orchestrator.sbatch as s; "
+    code = ("import sys, orchestrator.submit.sbatch as s; "
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

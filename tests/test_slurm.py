@@ -20,8 +20,9 @@ import cloudpickle
 import pytest
 
 from conftest import slurm_unavailable_reason
-from orchestrator import sbatch, status
-from orchestrator.config import JobConfig, register_configs, to_job_config
+from orchestrator.ckpt import history
+from orchestrator.submit import jobs, sbatch, status
+from orchestrator.spec.schema import JobConfig, register_configs, to_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
@@ -52,7 +53,7 @@ def submit(cfg: JobConfig, folder: Path, fn, *args):
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm", **sbatch.executor_init_kwargs(cfg))
     executor.update_parameters(**sbatch.executor_parameters(cfg, 4))
     job = executor.submit(fn, *args)
-    status.record_submission(cfg.run.dir, job.job_id, cfg.cluster,
+    history.record_submission(cfg.run.dir, job.job_id, cfg.cluster,
                              {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=4)
     return job
 
@@ -162,7 +163,7 @@ def test_four_ranks_run_and_script_is_the_rendered_one(tmp_path):
 def test_scancel_is_reported_within_60_s(tmp_path):
     cfg = dev_cfg(tmp_path / "run")
     job = submit(cfg, tmp_path / "run" / "submitit", _sleep, 600)
-    wait_until(lambda: status.slurm_job_status(job.job_id).state == "running", 120, "the job to run")
+    wait_until(lambda: jobs.slurm_job_status(job.job_id).state == "running", 120, "the job to run")
     time.sleep(2)
     t0 = time.monotonic()
     scancel(job.job_id)
@@ -204,7 +205,7 @@ def test_usr2_saves_requeues_and_resumes(tmp_path):
     saved = int((state / "progress_0").read_text())
     assert {r["start"] for r in results} == {saved} and {r["end"] for r in results} == {60}
     assert {r["restarts"] for r in results} == {1}
-    events = [r for r in status.read_records(run) if r["event"] == "requeued"]
+    events = [r for r in history.read_records(run) if r["event"] == "requeued"]
     assert len(events) == 1 and events[0]["signal"] == "SIGUSR2" and events[0]["restart_count"] == 0
     log = Path(job.paths.stderr).read_text()
     assert "requeued SLURM job" in log and "requeue 1 of at most 1" in log
@@ -223,6 +224,6 @@ def test_cancelled_job_is_not_requeued(tmp_path):
     st = status.wait_for_job(job, timeout_s=60, poll_s=1)
     assert st.state == "cancelled"
     time.sleep(5)
-    again = status.slurm_job_status(job.job_id)
+    again = jobs.slurm_job_status(job.job_id)
     assert again.state == "cancelled" and again.restarts == 0, again
     assert not list((run / "submitit").glob("*_result.pkl"))

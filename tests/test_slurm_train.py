@@ -12,7 +12,7 @@ mocks. Skipped, with the reason, when `sinfo` does not answer. Every wait is bou
   resume point, equal an uninterrupted local run (1e-5 relative).
 * scancel while the launcher waits: reported as cancelled (non-zero exit) within 60 s.
 * A rank killed with SIGKILL: the launcher reports it and the job ends instead of hanging.
-* `python -m orchestrator.status` lists each run with its state, requeues, last iteration and loss.
+* `python -m orchestrator status` lists each run with its state, requeues, last iteration and loss.
 
 Time (2 cores): SLURM sends `--signal=USR2@30` of a 2-minute job 60-90 s after it starts
 (slurmctld checks time limits every 30 s and warns up to 30 s early); a requeued job restarts
@@ -37,7 +37,8 @@ from typing import Dict, List, Optional
 import pytest
 
 from conftest import REPO, losses_by_iteration, read_metrics, slurm_unavailable_reason
-from orchestrator import sbatch, status
+from orchestrator.ckpt import history
+from orchestrator.submit import jobs, sbatch, status
 
 
 
@@ -110,7 +111,7 @@ def wait_until(predicate, timeout_s: float, what: str, cli: Optional[Cli] = None
 
 def submitted_job(run_dir: Path) -> Optional[str]:
     """The job id of the run's (latest) submission record, once the launcher has submitted."""
-    jobs = [r for r in status.read_records(run_dir) if r.get("event") == "submitted"]
+    jobs = [r for r in history.read_records(run_dir) if r.get("event") == "submitted"]
     return str(jobs[-1]["job_id"]) if jobs else None
 
 
@@ -135,8 +136,8 @@ def assert_losses_match(slurm: Dict[int, float], local: Dict[int, float], iterat
 
 
 def status_rows(root: Path) -> Dict[str, dict]:
-    """`python -m orchestrator.status ROOT --json`, keyed by run directory name; the table too."""
-    cmd = [sys.executable, "-m", "orchestrator.status", str(root)]
+    """`python -m orchestrator status ROOT --json`, keyed by run directory name; the table too."""
+    cmd = [sys.executable, "-m", "orchestrator", "status", str(root)]
     table = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     out = subprocess.run(cmd + ["--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -173,7 +174,7 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
     """`--kill-on-bad-exit=1` on every srun line unless cluster.srun_args says otherwise."""
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.config import register_configs, to_job_config
+    from orchestrator.spec.schema import register_configs, to_job_config
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -230,9 +231,9 @@ def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, 
 
     # SLURM and the job records: requeued, restarted, completed (the batch script ends a moment
     # after the ranks have written their results).
-    st = wait_until(lambda: (s := status.slurm_job_status(job_id)) and s.ended and s, 60, "SLURM to end the job")
+    st = wait_until(lambda: (s := jobs.slurm_job_status(job_id)) and s.ended and s, 60, "SLURM to end the job")
     assert st.state == "completed" and st.restarts == len(stops) >= 1, (st, stops)
-    requeued = [r for r in status.read_records(run_dir) if r["event"] == "requeued"]
+    requeued = [r for r in history.read_records(run_dir) if r["event"] == "requeued"]
     assert [r["restart_count"] for r in requeued] == list(range(len(stops))), requeued
     assert all(r["job_id"] == job_id and r["signal"] == "SIGUSR2" for r in requeued), requeued
 
@@ -291,7 +292,7 @@ def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):
     assert code == 1 and elapsed < 60, (code, elapsed, cli.describe())
     assert f"job {job_id} was cancelled" in cli.stderr, cli.describe()
     assert "Traceback" not in cli.stderr
-    st = status.slurm_job_status(job_id)
+    st = jobs.slurm_job_status(job_id)
     assert st.state == "cancelled" and st.restarts == 0, st  # SIGTERM of scancel: stopped, not requeued
     rows = status_rows(tmp_path)
     assert rows["slurm"]["state"] == "cancelled" and rows["slurm"]["iteration"] >= 2, rows["slurm"]
@@ -314,7 +315,7 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
         code = cli.wait(60)
         elapsed = time.monotonic() - t0
         print(f"launcher ended {elapsed:.1f} s after the {'scancel' if 'scancel' in cli.out_path.parent.parent.name else 'kill'}")
-        wait_until(lambda: status.slurm_job_status(job_id).state not in ("running", "pending"), 60,
+        wait_until(lambda: jobs.slurm_job_status(job_id).state not in ("running", "pending"), 60,
                    "the job to end")
     finally:
         cli.kill()

@@ -11,7 +11,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from orchestrator import status
+from orchestrator.ckpt import history
+from orchestrator.submit import jobs, status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ def make_run(tmp_path: Path, name: str, job_id: str, cluster: str = "slurm", tas
     run = tmp_path / "runs" / name
     folder = run / "submitit"
     folder.mkdir(parents=True)
-    status.record_submission(run, job_id, cluster, {"stdout": str(folder / f"{job_id}_0_log.out"),
+    history.record_submission(run, job_id, cluster, {"stdout": str(folder / f"{job_id}_0_log.out"),
                                                     "stderr": str(folder / f"{job_id}_0_log.err")}, num_tasks=tasks)
     with open(run / "metrics.jsonl", "w") as f:
         for it, loss in metrics:
@@ -38,20 +39,20 @@ def make_run(tmp_path: Path, name: str, job_id: str, cluster: str = "slurm", tas
 
 def test_records_append_atomically_and_concurrently(tmp_path):
     run = tmp_path / "run"
-    threads = [threading.Thread(target=status.record_event, args=(run, "tick"), kwargs={"n": i}) for i in range(20)]
+    threads = [threading.Thread(target=history.record_event, args=(run, "tick"), kwargs={"n": i}) for i in range(20)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    records = status.read_records(run)
+    records = history.read_records(run)
     assert sorted(r["n"] for r in records) == list(range(20))
     assert not [p for p in run.iterdir() if p.name.startswith(".jobs.jsonl.")]  # no temp files left
 
 
 def test_record_submission_fields(tmp_path):
-    rec = status.record_submission(tmp_path, 42, "slurm", {"stdout": "/x/sub/42_0_log.out"}, num_tasks=4)
+    rec = history.record_submission(tmp_path, 42, "slurm", {"stdout": "/x/sub/42_0_log.out"}, num_tasks=4)
     assert rec["job_id"] == "42" and rec["folder"] == "/x/sub" and rec["num_tasks"] == 4
-    assert status.read_records(tmp_path) == [rec]
+    assert history.read_records(tmp_path) == [rec]
 
 
 def test_completed_and_failed_from_result_files(tmp_path, monkeypatch):
@@ -69,7 +70,7 @@ def test_completed_and_failed_from_result_files(tmp_path, monkeypatch):
 
 def test_failure_from_stderr_when_no_result(tmp_path, monkeypatch):
     monkeypatch.setattr(status, "slurm_job_status",
-                        lambda job_id: status.JobStatus(state="failed", job_id=job_id, slurm_state="OUT_OF_MEMORY"))
+                        lambda job_id: jobs.JobStatus(state="failed", job_id=job_id, slurm_state="OUT_OF_MEMORY"))
     run = make_run(tmp_path, "oom", "13")
     (run / "submitit" / "13_0_log.err").write_text("fine\n")
     (run / "submitit" / "13_1_log.err").write_text("step 1\nslurmstepd: error: Detected 1 oom-kill event(s)\n")
@@ -80,10 +81,10 @@ def test_failure_from_stderr_when_no_result(tmp_path, monkeypatch):
 
 def test_stopped_and_requeued_events(tmp_path, monkeypatch):
     run = make_run(tmp_path, "stop", "14")
-    status.record_event(run, "requeued", job_id="14", restart_count=0)
-    status.record_event(run, "stopped", job_id="14", restart_count=1)
+    history.record_event(run, "requeued", job_id="14", restart_count=0)
+    history.record_event(run, "stopped", job_id="14", restart_count=1)
     monkeypatch.setattr(status, "slurm_job_status",
-                        lambda job_id: status.JobStatus(state="failed", job_id=job_id, slurm_state="FAILED", restarts=1))
+                        lambda job_id: jobs.JobStatus(state="failed", job_id=job_id, slurm_state="FAILED", restarts=1))
     s = status.run_status(run)
     assert s.state == "stopped" and s.job.restarts == 1
 
@@ -93,7 +94,7 @@ def test_parse_scontrol_ignores_fake_fields_in_job_name():
             '   UserId=root(0) GroupId=root(0) MCS_label=N/A\n'
             '   JobState=PENDING Reason=BeginTime Dependency=(null)\n'
             '   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0\n')
-    fields = status.parse_scontrol_job(text)
+    fields = jobs.parse_scontrol_job(text)
     assert fields["JobId"] == "7" and fields["JobState"] == "PENDING" and fields["Restarts"] == "1"
 
 
@@ -106,7 +107,7 @@ def test_slurm_state_mapping(monkeypatch, raw, restarts, state):
     out = subprocess.CompletedProcess([], 0, stdout=f"JobId=5 JobName=j\n   JobState={raw} Reason=None\n"
                                                      f"   Restarts={restarts} ExitCode=0:0\n", stderr="")
     monkeypatch.setattr(status, "_run", lambda cmd: out)
-    st = status.slurm_job_status("5")
+    st = jobs.slurm_job_status("5")
     assert (st.state, st.restarts, st.slurm_state) == (state, restarts, raw)
 
 
@@ -114,7 +115,7 @@ def test_cli_lists_runs(tmp_path, monkeypatch):
     run = make_run(tmp_path, "local_ok", "999999", cluster="local")
     for r in range(2):
         write_result(run / "submitit", "999999", r, "success", {})
-    out = subprocess.run([sys.executable, "-m", "orchestrator.status", str(tmp_path / "runs")],
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path / "runs")],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()[:2]
@@ -123,7 +124,7 @@ def test_cli_lists_runs(tmp_path, monkeypatch):
 
 
 def test_status_module_is_torch_free():
-    code = "import sys, orchestrator.status; assert 'torch' not in sys.modules"
+    code = "import sys, orchestrator.submit.status; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, run_cli, slurm_unavailable_reason
 
-from orchestrator import sweep
+from orchestrator.sweep import driver as sweep
 
 SHORT = ["training.train_iters=5", "training.timing_warmup_iters=1", "data.stdlib_max_mb=2",
          "checkpoint.save_at_end=false"]

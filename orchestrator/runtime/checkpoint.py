@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import ManifestError
 
 CHECKPOINTS = "checkpoints"
@@ -90,7 +90,7 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
         if path.exists():
             # A directory already here is either a torn save (no manifest) or an older save of the
             # same iteration: move it aside (never delete), so the new digest covers only new files.
-            from orchestrator.manifest import set_aside
+            from orchestrator.ckpt.manifest import set_aside
 
             set_aside(path, tag="replaced" if (path / "manifest.json").exists() else "torn")
         path.mkdir(parents=True, exist_ok=True)

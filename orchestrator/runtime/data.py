@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
-from orchestrator.config import DataConfig, JobConfig
+from orchestrator.spec.schema import DataConfig, JobConfig
 from orchestrator.errors import DataError
 
 BYTE_VOCAB = 256

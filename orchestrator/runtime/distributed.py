@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
 
 

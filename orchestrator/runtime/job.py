@@ -21,7 +21,7 @@ class TrainJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
-        from orchestrator.config import from_dict
+        from orchestrator.spec.schema import from_dict
         from orchestrator.runtime.data import PreparedData
         from orchestrator.runtime.train import run
 

@@ -1,6 +1,6 @@
 """Build megatron-core objects from the typed config: parallel state, GPT chunks, DDP, optimizer, LR schedule.
 
-Nothing here re-implements megatron-core: it maps :class:`~orchestrator.config.JobConfig`
+Nothing here re-implements megatron-core: it maps :class:`~orchestrator.spec.schema.JobConfig`
 fields onto ``TransformerConfig``, ``GPTModel``, ``DistributedDataParallel``,
 ``get_megatron_optimizer`` and ``OptimizerParamScheduler`` by name, explicitly
 (no ``**kwargs`` passed through).
@@ -13,9 +13,9 @@ from typing import List
 
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.layout import padded_vocab_size
+from orchestrator.spec.layout import padded_vocab_size
 
 
 def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:

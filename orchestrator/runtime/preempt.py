@@ -345,7 +345,7 @@ class StopRequest:
         if not self.run_dir:
             return
         try:
-            from orchestrator.status import record_event
+            from orchestrator.ckpt.history import record_event
 
             record_event(self.run_dir, event, job_id=slurm_job_id() or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
                          restart_count=restart_count(), reason=why, detail=detail, signal=self.signal_name)

@@ -26,9 +26,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import OrchestratorError
-from orchestrator.layout import layout_from_config
+from orchestrator.ckpt.rundir import METRICS_FILE
+from orchestrator.spec.checks import validate
 from orchestrator.runtime import checkpoint as ckpt
 from orchestrator.runtime import cpu as cpu_backend
 from orchestrator.runtime.data import (MicroBatchIterator, PreparedData, build_tokenizer,
@@ -37,7 +38,6 @@ from orchestrator.runtime.distributed import init_distributed, shutdown
 from orchestrator.runtime.model import (build_model_and_optimizer, count_parameters, initialize_parallel_state,
                                         unwrap)
 
-METRICS = "metrics.jsonl"
 
 
 def _max_rss_mb() -> float:
@@ -118,14 +118,14 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from orchestrator import manifest as mf
-    from orchestrator import resume
+    from orchestrator.ckpt import manifest as mf
+    from orchestrator.ckpt import resume
 
     info = init_distributed(cfg)
     if info.device == "cpu":
         cpu_backend.activate()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    layout = layout_from_config(cfg).validate()
+    layout = validate(cfg)
     if info.world_size != layout.world_size:
         raise RuntimeError(f"job has {info.world_size} ranks but the layout needs {layout.world_size}")
     t, s = cfg.training, cfg.model.seq_length
@@ -142,7 +142,7 @@ def run(cfg: JobConfig, prepared: PreparedData) -> Dict[str, object]:
 
     is_logger = (ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0
                  and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
-    metrics = MetricsWriter(Path(cfg.run.dir) / METRICS, is_logger)
+    metrics = MetricsWriter(Path(cfg.run.dir) / METRICS_FILE, is_logger)
     rank0 = info.rank == 0
 
     # ---- resume / init ------------------------------------------------------------------------

@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError, OrchestratorError
-from orchestrator.sweep_table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, measured,
-                                      short_reason, status_of_summary, write_atomic, write_summary)
+from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, measured,
+                                      short_reason, status_of_summary, write_summary)
+from orchestrator.io import write_atomic
 
 __all__ = ["COLUMNS", "Point", "current_point", "exit_code", "finish", "main", "measured", "run_point",
            "write_summary"]
@@ -145,9 +146,9 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     ``run_fn`` is the single-run pipeline (``orchestrator.__main__.run``): JobConfig in, the
     logging rank's summary out (None for plan/dry-run).
     """
-    from orchestrator import planner
-    from orchestrator.config import to_job_config
-    from orchestrator.layout import layout_from_config
+    from orchestrator.plan import memory as planner
+    from orchestrator.spec.schema import to_job_config
+    from orchestrator.spec.checks import validate
 
     _DRIVER.sweep_dir = point.sweep_dir
     record: Dict[str, Any] = {
@@ -157,7 +158,7 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     }
     try:
         cfg = to_job_config(dcfg)
-        layout = layout_from_config(cfg).validate()
+        layout = validate(cfg)
         record["training"] = {"train_iters": cfg.training.train_iters,
                               "timing_warmup_iters": cfg.training.timing_warmup_iters}
         record["layout"] = {
@@ -229,7 +230,7 @@ def _wait_submitted(point: Point, cfg: Any, world_size: int, job_id: str) -> Non
     """Wait (bounded, as a single run's wait) for one SLURM point's job and record how it ended."""
     import submitit
 
-    from orchestrator.submit import SUBMITIT_DIR, wait
+    from orchestrator.submit.executor import SUBMITIT_DIR, wait
 
     record = json.loads((point.run_dir / POINT_FILE).read_text())
     job = submitit.SlurmJob(folder=point.run_dir / SUBMITIT_DIR, job_id=job_id, tasks=tuple(range(world_size)))

@@ -21,12 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.config import JobConfig, to_dict
+from orchestrator.spec.schema import JobConfig, to_dict
 from orchestrator.errors import JobFailedError, SubmissionError
-from orchestrator.layout import ParallelLayout
+from orchestrator.spec.layout import ParallelLayout
+from orchestrator.ckpt.rundir import METRICS_FILE, SUBMITIT_DIR
 
-SUBMITIT_DIR = "submitit"
-METRICS = "metrics.jsonl"
 
 
 def make_executor(cfg: JobConfig, world_size: int):
@@ -44,7 +43,7 @@ def make_executor(cfg: JobConfig, world_size: int):
             params["gpus_per_node"] = c.gpus_per_node
         executor.update_parameters(**params)
         return executor
-    from orchestrator.sbatch import python_command, slurm_executor_parameters
+    from orchestrator.submit.sbatch import python_command, slurm_executor_parameters
 
     # python_command quotes the interpreter path (submitit would put cluster.python in unquoted).
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
@@ -76,7 +75,7 @@ def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
 def _slurm_state(job_id: str) -> Tuple[str, int]:
     """(SLURM state, requeues so far) of ``job_id`` from ``scontrol show job``, else the state from
     squeue (('UNKNOWN', 0) when neither knows it)."""
-    from orchestrator.status import parse_scontrol_job
+    from orchestrator.submit.jobs import parse_scontrol_job
 
     try:
         out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
@@ -366,7 +365,7 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
 
 
 def _record(cfg: JobConfig, job, world_size: int) -> None:
-    from orchestrator.status import record_submission
+    from orchestrator.ckpt.history import record_submission
 
     record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
                       {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=world_size)
@@ -380,7 +379,7 @@ def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: b
           f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/", flush=True)
     if not cfg.cluster.wait:
         return {"job_id": str(job.job_id), "status": "submitted"}
-    progress = _Progress(Path(cfg.run.dir) / METRICS, cfg.training.train_iters, enabled=show_progress)
+    progress = _Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
     summaries = wait(job, cfg, layout.world_size, progress)
     best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), None)
     summary = dict(best or (summaries[-1] if summaries and isinstance(summaries[-1], dict) else {}))

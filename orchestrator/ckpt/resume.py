@@ -32,27 +32,19 @@ Every difference is one of three kinds:
 Run-local settings (``run.*``, ``cluster.*`` except the world size, ``checkpoint.*``,
 logging, ``data.cache_dir``, group names) are not compared.
 
-:class:`RunLock` keeps two runs out of one run directory.
+The run lock is :class:`orchestrator.ckpt.lock.RunLock`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import socket
-import subprocess
-import time
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from orchestrator.config import JobConfig, to_dict
-from orchestrator.errors import ResumeMismatchError, RunLockedError
-from orchestrator.layout import ParallelLayout, padded_vocab_size
-from orchestrator.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
+from orchestrator.spec.schema import JobConfig, to_dict
+from orchestrator.errors import ResumeMismatchError
+from orchestrator.spec.layout import ParallelLayout, padded_vocab_size
+from orchestrator.ckpt.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
                                    latest_complete, save_dir_of)
 
 REFUSE, RESHARD, WARN = "refuse", "reshard", "warn"
@@ -300,117 +292,3 @@ def origin_of(info: CheckpointInfo) -> dict:
 
 
 # ---- run lock -------------------------------------------------------------------------
-class RunLock:
-    """``<run_dir>/orchestrator.lock``: one live run per run directory.
-
-    Taken by linking a fully written temporary file into place (atomic, NFS-safe). A second
-    holder gets RunLockedError naming the holder's pid, host and SLURM job id; the holder is
-    never disturbed. A lock is stale (and taken over) when its pid is dead on this host, when
-    the pid was reused (start time differs), when it belongs to an earlier attempt of this
-    same SLURM job (requeue), or when ``squeue`` says its job no longer exists.
-    """
-
-    NAME = "orchestrator.lock"
-
-    def __init__(self, run_dir: "str | os.PathLike"):
-        self.path = Path(run_dir) / self.NAME
-        self.token: Optional[str] = None
-
-    def holder(self) -> Optional[dict]:
-        """The holder's record, None when unlocked ({} when unreadable)."""
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}
-
-    def _me(self) -> dict:
-        import psutil
-
-        return {"pid": os.getpid(), "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "create_time": psutil.Process().create_time(),
-                "token": uuid.uuid4().hex}
-
-    def stale_reason(self, holder: dict) -> Optional[str]:
-        """Why ``holder`` is dead, or None when it may be alive."""
-        import psutil
-
-        me = self._me()
-        pid, host, job = holder.get("pid"), holder.get("host"), holder.get("job_id")
-        if host == me["host"] and isinstance(pid, int):
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    return f"pid {pid} on {host} has exited"
-                if abs(proc.create_time() - float(holder.get("create_time") or 0)) > 1:
-                    return f"pid {pid} on {host} is now another process"
-                return None
-            except psutil.NoSuchProcess:
-                return f"pid {pid} on {host} is dead"
-        if job and job == me["job_id"]:
-            return f"earlier attempt of this SLURM job {job} (requeued)"
-        if job and shutil.which("squeue"):
-            try:
-                r = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=15)
-            except (OSError, subprocess.SubprocessError):
-                return None
-            if (r.returncode == 0 and not r.stdout.strip()) or "Invalid job id" in r.stderr:
-                return f"SLURM job {job} no longer exists"
-        return None
-
-    def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = self._me()
-        tmp = self.path.with_name(f".{self.NAME}.{me['token']}")
-        tmp.write_text(json.dumps(me))
-        try:
-            for _ in range(5):
-                try:
-                    os.link(tmp, self.path)
-                    self.token = me["token"]
-                    return self
-                except FileExistsError:
-                    pass
-                holder = self.holder()
-                if holder is None:
-                    continue  # released meanwhile
-                reason = self.stale_reason(holder) if holder else None
-                if reason is None:
-                    raise RunLockedError(
-                        f"{self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
-                        f"{holder.get('host')}, SLURM job {holder.get('job_id') or '-'}, since {holder.get('started')}); "
-                        f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}")
-                self._break(holder)
-            raise RunLockedError(f"{self.path}: could not take the lock (contended); try again")
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _break(self, holder: dict) -> None:
-        tomb = self.path.with_name(f".{self.NAME}.stale.{uuid.uuid4().hex}")
-        try:
-            os.rename(self.path, tomb)
-        except FileNotFoundError:
-            return
-        try:
-            taken = json.loads(tomb.read_text())
-        except (OSError, ValueError):
-            taken = {}
-        if taken.get("token") != holder.get("token"):  # a fresh lock slipped in: put it back
-            try:
-                os.link(tomb, self.path)
-            except FileExistsError:
-                pass
-        tomb.unlink(missing_ok=True)
-
-    def release(self) -> None:
-        holder = self.holder()
-        if self.token and holder and holder.get("token") == self.token:
-            self.path.unlink(missing_ok=True)
-        self.token = None
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -44,8 +44,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from orchestrator.ckpt.rundir import METRICS_FILE
+from orchestrator.io import read_jsonl, write_atomic
+
 POINT_FILE = "point.json"
-METRICS_FILE = "metrics.jsonl"
 SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"
 MiB = 2 ** 20
 
@@ -58,18 +60,6 @@ COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s
 """The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
 EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
                  "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
-
-
-def write_atomic(path: Path, data: "str | bytes") -> None:
-    """Write ``path`` through a temporary file in the same directory, fsync, rename (readers never
-    see half a file; concurrent writers each rename a complete one)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def job_id_in(run_dir: Path) -> Optional[str]:
@@ -103,22 +93,6 @@ def exit_code(rows: Sequence[Dict[str, Any]], unfinished_ok: bool = False) -> in
     return 0
 
 
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    out: List[Dict[str, Any]] = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
     """What the point's job measured, from ``<run_dir>/metrics.jsonl`` only.
 
@@ -129,7 +103,7 @@ def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
     logging rank's ``max_rss_mb`` (the only rank that writes records).
     Empty dict when nothing was measured yet.
     """
-    records = _read_jsonl(Path(run_dir) / METRICS_FILE)
+    records = read_jsonl(Path(run_dir) / METRICS_FILE)
     if not records:
         return {}
     last_event = max((i for i, r in enumerate(records) if "event" in r), default=-1)
@@ -195,7 +169,7 @@ def _pid_alive(pid: Any) -> bool:
 def _live_status(run_dir: Path) -> Tuple[Optional[str], str]:
     """(state, detail) of the point's job from :mod:`orchestrator.status` (None if unknown)."""
     try:
-        from orchestrator.status import run_status
+        from orchestrator.submit.status import run_status
     except ImportError:
         return None, ""
     try:

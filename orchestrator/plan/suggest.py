@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError
-from orchestrator.layout import ParallelLayout
-from orchestrator.planner import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, _gpus_per_node,
+from orchestrator.spec.layout import ParallelLayout
+from orchestrator.plan.memory import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, _gpus_per_node,
                                   gpu_preset, layout_from_config, plan_layout, recipe_of, recipe_problems,
                                   vocab_size_of)
 

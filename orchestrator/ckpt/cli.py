@@ -1,0 +1,102 @@
+"""``python -m orchestrator manifest`` — inspect checkpoints and check a config against one.
+
+    python -m orchestrator manifest show  <ckpt_dir> [--json] [--no-verify]
+    python -m orchestrator manifest check <ckpt_dir> -- <hydra overrides...>   # exit 0 ok, 1 refused
+    python -m orchestrator manifest list  <run_dir | save_dir>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from orchestrator.ckpt.manifest import MANIFEST_NAME, list_checkpoints, read_manifest
+
+def _summary(manifest: dict) -> str:
+    lay, mod, files = manifest["layout"], manifest["model"], manifest["files"]
+    vpp = lay.get("virtual_pipeline_model_parallel_size")
+    return "\n".join([
+        f"iteration {manifest['iteration']}  consumed_samples {manifest['consumed_samples']}  "
+        f"created {manifest.get('created')} on {manifest.get('host')}",
+        f"layout: world {lay['world_size']} = TP {lay['tensor_model_parallel_size']} x PP "
+        f"{lay['pipeline_model_parallel_size']} x CP {lay['context_parallel_size']} x DP "
+        f"{lay['data_parallel_size']}; VPP {vpp}; EP {lay['expert_model_parallel_size']}; "
+        f"SP {lay['sequence_parallel']}; layers/stage {lay['layers_per_stage']}",
+        f"batch: MBS {lay['micro_batch_size']} GBS {lay['global_batch_size']} "
+        f"num_microbatches {lay['num_microbatches']}",
+        f"model: {mod['num_layers']} layers, hidden {mod['hidden_size']}, heads {mod['num_attention_heads']}, "
+        f"seq {mod['seq_length']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
+        f"tokenizer: {json.dumps(manifest['tokenizer'], sort_keys=True)}",
+        f"data: {json.dumps({k: v for k, v in manifest['data'].items()}, sort_keys=True)}",
+        f"checkpoint: {json.dumps(manifest['checkpoint'], sort_keys=True)}",
+        f"versions: {json.dumps(manifest['versions'], sort_keys=True)}",
+        f"origin: {json.dumps(manifest.get('origin'))}",
+        f"files: {files['count']} files, {files['bytes']} bytes, {files['mode']} digest {files['sha256'][:16]}",
+    ])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.spec.layout import layout_from_config
+    from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
+    from orchestrator.spec.compose import compose_config
+
+    parser = argparse.ArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_show = sub.add_parser("show", help="print a checkpoint's manifest")
+    p_show.add_argument("ckpt_dir")
+    p_show.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    p_show.add_argument("--no-verify", action="store_true", help="skip re-digesting the checkpoint files")
+    p_check = sub.add_parser("check", help="compare a config (Hydra overrides) with a checkpoint; exit 1 if refused")
+    p_check.add_argument("ckpt_dir")
+    p_check.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
+    p_check.add_argument("--config-dir", default=None, help="Hydra config dir (default: the repo's conf/)")
+    p_list = sub.add_parser("list", help="list a run's checkpoints with iteration, layout and status")
+    p_list.add_argument("run_dir")
+    p_list.add_argument("--no-verify", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "show":
+            directory = Path(args.ckpt_dir)
+            directory = directory.parent if directory.name == MANIFEST_NAME else directory
+            manifest = read_manifest(directory, verify=not args.no_verify)
+            print(json.dumps(manifest, indent=1, sort_keys=True) if args.json else
+                  f"{directory / MANIFEST_NAME}\n{_summary(manifest)}")
+            return 0
+        if args.cmd == "check":
+            directory = Path(args.ckpt_dir)
+            manifest = read_manifest(directory)
+            overrides = list(args.overrides)
+            if not any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides):
+                overrides.append(f"run.dir={directory.resolve().parent.parent}")
+            cfg = compose_config(overrides, args.config_dir)
+            layout = layout_from_config(cfg)
+            mismatches = compare(manifest, cfg, layout, data_fingerprint=None, tokenizer=None)
+            print(format_mismatch_table(mismatches) if mismatches else
+                  f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})")
+            refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
+            if refused:
+                print(f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
+                      if all(x.reshardable for x in refused) else
+                      f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry")
+            return 1 if refused else 0
+        root = Path(args.run_dir)
+        save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+        infos = list_checkpoints(save_dir, verify=not args.no_verify)
+        if not infos:
+            print(f"{save_dir}: no checkpoints")
+        for info in infos:
+            lay = (info.manifest or {}).get("layout") or {}
+            shape = (f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
+                     f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
+                     f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}") if lay else "-"
+            extra = f"consumed {info.manifest['consumed_samples']}" if info.manifest else info.reason
+            print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}")
+        return 0
+    except OrchestratorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code

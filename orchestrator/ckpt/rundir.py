@@ -1,0 +1,27 @@
+"""What a run directory holds, by name (``<run.root>/<run.name>/``). Defined once, used everywhere.
+
+::
+
+    <run.dir>/
+      metrics.jsonl        per-iteration records and the job summary (runtime, read by status/sweep)
+      jobs.jsonl           attempt history: submissions and job events (ckpt.history)
+      orchestrator.lock    the run lock (ckpt.lock)
+      config.yaml          the resolved config of the run that started (entry)
+      checkpoints/iter_XXXXXXX/{..., manifest.json}
+      submitit/            submitit's job scripts, logs and result pickles
+"""
+
+from pathlib import Path
+from typing import Union
+
+METRICS_FILE = "metrics.jsonl"
+JOBS_FILE = "jobs.jsonl"
+LOCK_FILE = "orchestrator.lock"
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+SUBMITIT_DIR = "submitit"
+
+
+def metrics_path(run_dir: Union[str, Path]) -> Path:
+    """``<run_dir>/metrics.jsonl``."""
+    return Path(run_dir) / METRICS_FILE

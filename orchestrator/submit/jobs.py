@@ -1,0 +1,235 @@
+"""Where a submitted job is: SLURM's view (``scontrol``), submitit's result files, the run's events.
+
+:func:`job_status` says ``pending``, ``running``, ``requeued``, ``completed``, ``failed``,
+``cancelled`` or ``stopped`` (``unknown`` when nothing answers). SLURM jobs are asked with
+``scontrol show job`` (accounting, hence ``sacct``, may be absent — it is on the dev cluster —
+and submitit polls it at most every 10 minutes); submitit's result files
+(``<job>_<rank>_result.pkl``) fill in when SLURM no longer knows the job (after ``MinJobAge``)
+and for local runs. No torch import. Subprocess calls are bounded (30 s).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+STATES = ("pending", "running", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
+ENDED = frozenset({"completed", "failed", "cancelled", "stopped"})
+
+# SLURM job states (squeue/scontrol long names) -> ours.
+_SLURM_RUNNING = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
+                  "STAGE_OUT", "POWER_UP_NODE"}
+_SLURM_REQUEUED = {"REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"}
+_SLURM_FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+                 "REVOKED"}
+PathLike = Union[str, Path]
+
+
+@dataclass
+class JobStatus:
+    """Where one submitted job is. ``state`` is one of :data:`STATES`."""
+
+    state: str
+    job_id: str
+    cluster: str = "slurm"
+    slurm_state: Optional[str] = None
+    """SLURM's own state (e.g. TIMEOUT, OUT_OF_MEMORY) when SLURM still knows the job."""
+    restarts: int = 0
+    """Requeues so far (SLURM ``Restarts``)."""
+    exit_code: Optional[str] = None
+    reason: Optional[str] = None
+    results: Dict[int, str] = field(default_factory=dict)
+    """rank -> "success"/"error" from submitit's result files."""
+    detail: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def describe(self) -> str:
+        parts = [self.state]
+        if self.slurm_state and self.slurm_state.lower() != self.state:
+            parts.append(f"({self.slurm_state})")
+        if self.restarts:
+            parts.append(f"after {self.restarts} requeue{'s' if self.restarts > 1 else ''}")
+        if self.detail:
+            parts.append(f"- {self.detail}")
+        return " ".join(parts)
+
+
+# ---- SLURM ---------------------------------------------------------------------------------------
+
+def _run(cmd: Sequence[str]) -> Optional[subprocess.CompletedProcess]:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def parse_scontrol_job(text: str) -> Dict[str, str]:
+    """``Key=Value`` fields of ``scontrol show job`` output.
+
+    The first line (``JobId=... JobName=...``) is skipped apart from JobId: a job name may contain
+    spaces and ``Key=`` text, and must not be able to fake a state.
+    """
+    lines = text.splitlines()
+    out: Dict[str, str] = {}
+    if lines:
+        m = re.match(r"\s*JobId=(\S+)", lines[0])
+        if m:
+            out["JobId"] = m.group(1)
+    for line in lines[1:]:
+        for token in line.split():
+            if "=" in token:
+                key, value = token.split("=", 1)
+                out.setdefault(key, value)
+    return out
+
+
+def slurm_job_status(job_id: str) -> Optional[JobStatus]:
+    """The job's state from ``scontrol show job``; None when SLURM does not (or no longer) know it."""
+    out = _run(["scontrol", "show", "job", str(job_id)])
+    if out is None or out.returncode != 0 or not out.stdout.strip():
+        return None
+    fields = parse_scontrol_job(out.stdout)
+    raw = fields.get("JobState")
+    if not raw:
+        return None
+    restarts = int(fields.get("Restarts", "0") or 0) if fields.get("Restarts", "0").isdigit() else 0
+    reason = fields.get("Reason")
+    if raw == "PENDING":
+        state = "requeued" if restarts else "pending"
+    elif raw in _SLURM_REQUEUED:
+        state = "requeued"
+    elif raw in _SLURM_RUNNING:
+        state = "running"
+    elif raw == "COMPLETED":
+        state = "completed"
+    elif raw == "CANCELLED":
+        state = "cancelled"
+    elif raw in _SLURM_FAILED:
+        state = "failed"
+    else:
+        state = "unknown"
+    return JobStatus(state=state, job_id=str(job_id), cluster="slurm", slurm_state=raw, restarts=restarts,
+                     exit_code=fields.get("ExitCode"), reason=None if reason in (None, "None") else reason)
+
+
+# ---- submitit files ------------------------------------------------------------------------------
+
+def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
+    """rank -> "success"/"error" (or "unreadable") from submitit's ``<job>_<rank>_result.pkl`` files."""
+    folder = Path(folder)
+    out: Dict[int, str] = {}
+    if not folder.is_dir():
+        return out
+    pattern = re.compile(rf"^{re.escape(str(job_id))}_(\d+)_result\.pkl$")
+    for path in folder.iterdir():
+        m = pattern.match(path.name)
+        if not m:
+            continue
+        try:
+            with open(path, "rb") as f:
+                outcome = pickle.load(f)[0]
+        except Exception:
+            outcome = "unreadable"
+        out[int(m.group(1))] = outcome if outcome in ("success", "error") else "unreadable"
+    return out
+
+
+def _result_error(folder: Path, job_id: str, rank: int) -> Optional[str]:
+    try:
+        with open(folder / f"{job_id}_{rank}_result.pkl", "rb") as f:
+            outcome, value = pickle.load(f)
+        return str(value) if outcome == "error" else None
+    except Exception:
+        return None
+
+
+def failed_rank_tail(folder: PathLike, job_id: str, num_tasks: Optional[int] = None,
+                     lines: int = 15) -> Optional[Tuple[int, List[str]]]:
+    """(rank, last lines) of the first rank that failed: its error result, else the first stderr
+    log that shows a traceback or an error. None when no rank shows one."""
+    folder = Path(folder)
+    outcomes = result_outcomes(folder, job_id)
+    for rank in sorted(r for r, o in outcomes.items() if o == "error"):
+        text = _result_error(folder, job_id, rank)
+        if text:
+            return rank, text.rstrip().splitlines()[-lines:]
+    ranks = range(num_tasks) if num_tasks else sorted(
+        int(m.group(1)) for p in (folder.iterdir() if folder.is_dir() else [])
+        if (m := re.match(rf"^{re.escape(str(job_id))}_(\d+)_log\.err$", p.name)))
+    for rank in ranks:
+        path = folder / f"{job_id}_{rank}_log.err"
+        if not path.exists():
+            continue
+        text = _tail_text(path)
+        if re.search(r"Traceback|Error|error:|Killed|CANCELLED", text):
+            return rank, text.rstrip().splitlines()[-lines:]
+    return None
+
+
+def _tail_text(path: Path, max_bytes: int = 65536) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        return f.read().decode(errors="replace")
+
+
+def _local_alive(pid: str) -> bool:
+    try:
+        p = int(pid)
+        os.kill(p, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    try:  # a recycled pid is not our job
+        cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        return b"submitit" in cmdline or b"python" in cmdline
+    except OSError:
+        return True
+
+
+# ---- status of a job / a run ---------------------------------------------------------------------
+
+def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num_tasks: Optional[int] = None,
+               events: Sequence[Dict[str, Any]] = ()) -> JobStatus:
+    """Combine SLURM's view (``scontrol``), submitit's result files and the run's events."""
+    job_id = str(job_id)
+    # Ask the scheduler / the process first, read result files second: a job that ends in between
+    # has written its results before it is seen as ended, never the other way round.
+    st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
+    alive = cluster == "local" and st is None and _local_alive(job_id)
+    outcomes = result_outcomes(folder, job_id) if folder else {}
+    own_events = [e for e in events if str(e.get("job_id")) == job_id]
+    stopped = any(e.get("event") == "stopped" for e in own_events)
+    complete = bool(num_tasks) and len(outcomes) >= num_tasks
+    if st is None:
+        st = JobStatus(state="unknown", job_id=job_id, cluster=cluster)
+        if alive and not complete:
+            st.state = "running"
+    st.results = outcomes
+    errors = sorted(r for r, o in outcomes.items() if o != "success")
+    if errors:
+        st.state, st.detail = "failed", f"rank {errors[0]} raised an exception"
+    elif complete and st.state not in ("cancelled", "failed"):
+        st.state = "completed"
+    elif st.state == "unknown" and outcomes and not num_tasks:
+        st.state = "completed"
+    elif stopped and st.state in ("failed", "unknown"):
+        st.state, st.detail = "stopped", "stopped after saving a checkpoint (not requeued)"
+    elif st.state == "completed" and num_tasks and not complete and folder:
+        st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
+    elif st.state == "unknown" and cluster == "local":
+        st.state, st.detail = "failed", "the local job ended without result files"
+    return st

@@ -1,0 +1,147 @@
+"""Run status: the latest job of each run directory, its state and progress; the status CLI.
+
+``python -m orchestrator status [runs_root]`` lists the runs under a directory with state, job
+id, requeues, last iteration and last loss, and a failed run's failing-rank error lines.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from orchestrator.ckpt.history import PathLike, read_records
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
+from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
+
+def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Optional[Dict[str, Any]]]:
+    """(last iteration, last lm_loss, last summary record) from ``<run_dir>/metrics.jsonl``."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None, None, None
+    iteration = loss = summary = None
+    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if summary is None and rec.get("event") == "summary":
+            summary = rec
+        # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
+        if iteration is None and "iteration" in rec and "lm_loss" in rec and "event" not in rec:
+            iteration, loss = rec["iteration"], rec["lm_loss"]
+        if iteration is not None and summary is not None:
+            break
+    return iteration, loss, summary
+
+
+@dataclass
+class RunStatus:
+    """One run directory: its latest job, state and progress."""
+
+    run_dir: str
+    job: Optional[JobStatus]
+    iteration: Optional[int] = None
+    lm_loss: Optional[float] = None
+    jobs: int = 0
+    failure: Optional[Tuple[int, List[str]]] = None
+
+    @property
+    def state(self) -> str:
+        return self.job.state if self.job else "unknown"
+
+
+def run_status(run_dir: PathLike) -> RunStatus:
+    """State of the latest job of a run, its progress and (failed) the failing rank's last lines."""
+    records = read_records(run_dir)
+    submissions = [r for r in records if r.get("event") == "submitted"]
+    iteration, loss, summary = last_metrics(run_dir)
+    rs = RunStatus(run_dir=str(run_dir), job=None, iteration=iteration, lm_loss=loss, jobs=len(submissions))
+    if not submissions:
+        if summary is not None:  # a run without records (older runs, direct runtime use)
+            state = {"completed": "completed", "stopped": "stopped", "exited": "stopped"}.get(summary.get("status"), "unknown")
+            rs.job = JobStatus(state=state, job_id="-", cluster="?")
+        return rs
+    last = submissions[-1]
+    job_id, cluster = str(last.get("job_id")), str(last.get("cluster", "slurm"))
+    folder = last.get("folder")
+    st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
+    if st.state == "unknown" and summary is not None and summary.get("status") == "completed":
+        st.state = "completed"
+    requeues = sum(1 for r in records if r.get("event") == "requeued" and str(r.get("job_id")) == job_id)
+    st.restarts = max(st.restarts, requeues)
+    rs.job = st
+    if st.state == "failed" and folder:
+        rs.failure = failed_rank_tail(folder, job_id, last.get("num_tasks"))
+    return rs
+
+
+def find_runs(root: PathLike) -> List[Path]:
+    """Run directories under ``root`` (those holding jobs.jsonl or metrics.jsonl), sorted."""
+    root = Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if JOBS_FILE in filenames or METRICS_FILE in filenames:
+            found.append(Path(dirpath))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in (CHECKPOINTS_DIR, SUBMITIT_DIR))
+    return sorted(found)
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def _fmt_loss(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None) -> str:
+    rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS")]
+    for s in statuses:
+        name = str(Path(s.run_dir).relative_to(root)) if root and Path(s.run_dir) != root else str(s.run_dir)
+        j = s.job
+        rows.append((name or ".", j.describe() if j else "unknown", j.job_id if j else "-", j.cluster if j else "-",
+                     str(j.restarts) if j else "-", "-" if s.iteration is None else str(s.iteration),
+                     _fmt_loss(s.lm_loss)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for s in statuses:
+        if s.failure:
+            rank, tail = s.failure
+            lines.append("")
+            lines.append(f"{s.run_dir}: rank {rank} failed; last lines:")
+            lines.extend("    " + t for t in tail)
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator status",
+                                     description="List runs with their job state, last iteration and last loss.")
+    parser.add_argument("runs_root", nargs="?", default="runs", help="directory holding run directories (default: runs)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    args = parser.parse_args(argv)
+    root = Path(args.runs_root)
+    if not root.exists():
+        print(f"error: {root} does not exist", file=sys.stderr)
+        return 2
+    statuses = [run_status(d) for d in find_runs(root)]
+    if args.json:
+        for s in statuses:
+            d = asdict(s)
+            d["state"] = s.state
+            print(json.dumps(d, default=str))
+        return 0
+    if not statuses:
+        print(f"no runs under {root}")
+        return 0
+    print(format_table(statuses, root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
