@@ -36,8 +36,8 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator import planner, suggest  # noqa: E402  (pure Python: no torch in this process)
-from orchestrator.config import register_configs, to_job_config  # noqa: E402
+from orchestrator.plan import memory as planner, suggest  # noqa: E402  (pure Python: no torch in this process)
+from orchestrator.spec.schema import register_configs, to_job_config  # noqa: E402
 
 MiB = 2 ** 20
 # Big enough that model states and activations stand out of a ~430 MiB baseline, small enough for 2 cores.
@@ -132,7 +132,7 @@ def fit(rows) -> None:
 
 def plan_speed() -> None:
     """Time a 100-point grid of plans and one suggest() for the 6.7B model on 128 GPUs (pure Python)."""
-    from orchestrator.layout import ParallelLayout
+    from orchestrator.spec.layout import ParallelLayout
 
     shape = planner.ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
                                max_position_embeddings=2048, vocab_size=50257)
