@@ -1,0 +1,150 @@
+"""What a plan is computed from: GPU presets, the model shape, the training recipe, constants.
+
+Pure Python. Units: bytes, FLOP/s, bytes/s. Sources as in :mod:`orchestrator.plan.memory`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from orchestrator.errors import ConfigError
+
+GiB = 1024 ** 3
+BYTE_TOKENIZER_VOCAB = 258
+"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (runtime/data.py)."""
+DEFAULT_MFU = 0.4
+"""Assumed MFU of busy time (no bubble, no recomputation) when none is given."""
+FRAMEWORK_OVERHEAD_BYTES = 2 * GiB
+"""Per-GPU allowance for the CUDA context, NCCL/cuBLAS workspaces and allocator slack."""
+LARGE_BUBBLE = 0.2
+"""A bubble fraction above this makes :func:`suggest` look for alternatives."""
+BUS_EFFICIENCY = 0.7
+"""Share of the link bandwidth a ring collective achieves (assumed)."""
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """One accelerator: total memory (bytes, as nvidia-smi reports it) and dense peak FLOP/s."""
+
+    name: str
+    memory_bytes: int
+    peak_flops_16bit: float
+    """Dense bf16/fp16 tensor-core peak (no sparsity)."""
+    peak_flops_fp32: float
+    """Dense FP32 peak without TF32 (PyTorch's default for matmuls)."""
+    intra_node_bw: float
+    """NVLink bandwidth per GPU and direction, bytes/s."""
+    inter_node_bw: float
+    """Network bandwidth per GPU (one NIC per GPU), bytes/s."""
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit
+
+
+GPU_PRESETS: Dict[str, GpuPreset] = {
+    p.name: p
+    for p in (
+        # NVLink 3 (300 GB/s per direction), HDR InfiniBand 200 Gb/s per GPU
+        GpuPreset("A100-40GB", 40960 * 2 ** 20, 312e12, 19.5e12, 300e9, 25e9),
+        GpuPreset("A100-80GB", 81920 * 2 ** 20, 312e12, 19.5e12, 300e9, 25e9),
+        # SXM5 80GB / SXM 141GB: NVLink 4 (450 GB/s per direction), NDR 400 Gb/s per GPU
+        GpuPreset("H100", 81559 * 2 ** 20, 989e12, 67e12, 450e9, 50e9),
+        GpuPreset("H200", 143771 * 2 ** 20, 989e12, 67e12, 450e9, 50e9),
+    )
+}
+
+
+def gpu_preset(name: str) -> GpuPreset:
+    """The preset called ``name`` (case-insensitive); ConfigError naming ``gpu`` otherwise."""
+    for key, preset in GPU_PRESETS.items():
+        if key.lower() == str(name).lower():
+            return preset
+    raise ConfigError(f"gpu={name!r} is not a known GPU preset; fix: gpu= one of {', '.join(GPU_PRESETS)}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The GPT shape facts the estimates need (Megatron TransformerConfig names)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int = BYTE_TOKENIZER_VOCAB
+    """Tokenizer vocabulary before padding."""
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    """Megatron's default top-k; only used when ``num_moe_experts`` is set."""
+
+    @classmethod
+    def from_model_config(cls, m, vocab_size: int = BYTE_TOKENIZER_VOCAB) -> "ModelShape":
+        """From an :class:`orchestrator.spec.schema.ModelConfig`."""
+        return cls(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+            seq_length=m.seq_length, vocab_size=vocab_size, num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size, max_position_embeddings=m.max_position_embeddings,
+            position_embedding_type=m.position_embedding_type, normalization=m.normalization,
+            activation=m.activation, add_bias_linear=m.add_bias_linear,
+            untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout, num_moe_experts=m.num_moe_experts,
+        )
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Training choices that change memory or FLOPs but not the layout."""
+
+    precision: str = "bf16"
+    """fp32, bf16 or fp16: weights and activations are 4 or 2 bytes per element."""
+    recompute_granularity: Optional[str] = None
+    """None, "selective" (core attention recomputed) or "full" (layer inputs only)."""
+    recompute_method: Optional[str] = None
+    """With full: "uniform" (groups of recompute_num_layers) or "block" (first N layers per chunk)."""
+    recompute_num_layers: Optional[int] = None
+    use_distributed_optimizer: bool = False
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.9
+    grad_reduce_in_fp32: bool = True
+    """Megatron-LM accumulates bf16 gradients in fp32 (``--accumulate-allreduce-grads-in-fp32``)."""
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.precision == "fp32" or self.grad_reduce_in_fp32 else 2
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state per parameter before DP sharding ([M]'s table minus weights and grads).
+
+        Adam keeps two fp32 moments (8); mixed precision adds fp32 master weights (4) and, with
+        16-bit gradients, an fp32 master gradient (4): 8 / 12 / 16 for fp32 / bf16+fp32 grads /
+        16-bit grads, i.e. totals of 16 / 18 / 20 bytes per parameter with weights and gradients.
+        SGD keeps one momentum buffer (none when momentum is 0).
+        """
+        states = 2 if self.optimizer == "adam" else (1 if self.sgd_momentum else 0)
+        master = 0 if self.precision == "fp32" else (4 if self.grad_bytes == 4 else 8)
+        return 4 * states + master
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
