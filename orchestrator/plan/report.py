@@ -5,6 +5,7 @@ Pure Python; formats a :class:`orchestrator.plan.memory.Plan`.
 
 from __future__ import annotations
 
+from orchestrator.text import table
 from orchestrator.plan.memory import GiB, Plan, _gib
 
 def _num(n: float) -> str:
@@ -45,10 +46,10 @@ def format_plan(plan: Plan) -> str:
         ("total", [c.total for c in cols]),
     ]
     unit, scale = ("GiB", GiB) if plan.peak_bytes - plan.worst.overhead >= GiB else ("MiB", 2 ** 20)
-    lines.append(f"memory per GPU, {unit}{'':<33}" + "".join(f"{'stage ' + str(r):>10}" for r in shown))
-    for label, vals in rows:
-        count = label.endswith("in flight")
-        lines.append(f"  {label:<50}" + "".join(f"{x:>10}" if count else f"{x / scale:>10.2f}" for x in vals))
+    cells = [[label] + [str(x) if label.endswith("in flight") else f"{x / scale:.2f}" for x in vals]
+             for label, vals in rows]
+    lines.append(table([f"memory per GPU, {unit}"] + [f"stage {r}" for r in shown], cells,
+                       right=range(1, len(shown) + 1)))
     lines.append("  activations on the worst stage by recomputation: "
                  + ", ".join(f"{k} {_gib(val)}" for k, val in plan.activations_by_recompute.items()))
     sched = f"interleaved, v={v}" if lay.interleaved else "1F1B"

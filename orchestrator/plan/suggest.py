@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError
+from orchestrator.text import table
 from orchestrator.spec.layout import ParallelLayout
 from orchestrator.plan.memory import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, _gpus_per_node,
                                   gpu_preset, layout_from_config, plan_layout, recipe_of, recipe_problems,
@@ -134,16 +135,14 @@ def format_suggestions(suggestions: Sequence[Suggestion]) -> str:
     """A table of suggestions, each with the Hydra overrides that select it."""
     if not suggestions:
         return "suggestions: none needed (the layout fits and its bubble is small) or none found"
-    head = f"{'#':>2} {'TP':>3} {'PP':>3} {'VPP':>4} {'DP':>4} {'MBS':>4} {'recompute':>10} {'distopt':>7} " \
-           f"{'mem GiB':>8} {'bubble':>7} {'step s':>8} {'tokens/s':>10}"
-    lines = ["suggestions (fastest first; each fits):", head]
+    rows = []
     for i, s in enumerate(suggestions, 1):
-        pl = s.plan
-        lay, rec = pl.layout, pl.recipe
-        lines.append(f"{i:>2} {lay.tensor_model_parallel_size:>3} {lay.pipeline_model_parallel_size:>3} "
-                     f"{lay.virtual_pipeline_model_parallel_size or '-':>4} {lay.data_parallel_size:>4} "
-                     f"{lay.micro_batch_size:>4} {rec.recompute_granularity or '-':>10} "
-                     f"{'yes' if rec.use_distributed_optimizer else 'no':>7} {pl.peak_bytes / GiB:>8.1f} "
-                     f"{pl.bubble_fraction:>7.1%} {pl.step_time_s:>8.3g} {pl.tokens_per_s:>10,.0f}")
-        lines.append("     " + " ".join(s.overrides))
-    return "\n".join(lines)
+        lay, rec, pl = s.plan.layout, s.plan.recipe, s.plan
+        rows.append((i, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
+                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size, lay.micro_batch_size,
+                     rec.recompute_granularity, "yes" if rec.use_distributed_optimizer else "no",
+                     f"{pl.peak_bytes / GiB:.1f}", f"{pl.bubble_fraction:.1%}", f"{pl.step_time_s:.3g}",
+                     f"{pl.tokens_per_s:,.0f}"))
+    text = table(["#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "distopt", "mem GiB", "bubble", "step s",
+                  "tokens/s"], rows, title="suggestions (fastest first; each fits):", right=range(12))
+    return text + "\n" + "\n".join(f"  #{i}: {' '.join(s.overrides)}" for i, s in enumerate(suggestions, 1))
