@@ -94,15 +94,8 @@ def run(cfg: JobConfig) -> Optional[dict]:
                 f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
             return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
-    lock = RunLock(cfg.run.dir)
-    if cfg.cluster.kind == "local" or cfg.cluster.wait:
-        with lock:
-            summary = launch(cfg, layout, prepared)
-    else:
-        holder = lock.holder()
-        if holder is not None and lock.stale_reason(holder) is None:
-            lock.acquire()  # raises RunLockedError naming the holder
-        summary = launch(cfg, layout, prepared)
+    RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
+    summary = launch(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):
         step = summary.get("step_time_median_s")
         say(f"{summary['status']}: iteration {summary.get('iteration')} | lm loss {summary.get('lm_loss'):.4f}"

@@ -21,9 +21,13 @@ from orchestrator.ckpt.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, i
 from orchestrator.spec.layout import padded_vocab_size
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
+from orchestrator.runtime.data import PreparedData, tokenizer_identity
+from orchestrator.spec.schema import DataConfig
 
 REPO = Path(__file__).resolve().parent.parent
-BYTE_VOCAB = 257  # 256 byte ids + end-of-document
+BYTE_ID = tokenizer_identity(DataConfig(tokenizer="byte"))
+"""What the runtime records for the byte tokenizer (test_data checks it against megatron's tokenizer)."""
+BYTE_VOCAB = BYTE_ID["vocab_size"]  # 258: 256 byte ids + <eod> + <pad>
 
 
 def pp2_dp2(run_dir: Path) -> JobConfig:
@@ -46,7 +50,8 @@ def changed(cfg: JobConfig, **sections) -> JobConfig:
 
 def save_checkpoint(cfg: JobConfig, iteration: int, *, manifest: bool = True, digest: str = "sha256",
                     fingerprint: str = "fp-1", tokenizer: dict | None = None) -> Path:
-    """What the runtime does: dist_checkpointing files first, manifest last."""
+    """What the runtime does (runtime/train.py write_manifest): dist_checkpointing files first, then the
+    manifest with the tokenizer identity, the data identity and the versions it records."""
     layout = layout_from_config(cfg).validate()
     path = iteration_dir(save_dir_of(cfg), iteration)
     path.mkdir(parents=True)
@@ -59,8 +64,8 @@ def save_checkpoint(cfg: JobConfig, iteration: int, *, manifest: bool = True, di
                            checkpoint_dir=str(path), vocab_size=BYTE_VOCAB,
                            padded_vocab_size=padded_vocab_size(BYTE_VOCAB, cfg.model.make_vocab_size_divisible_by,
                                                                layout.tensor_model_parallel_size),
-                           tokenizer=tokenizer or {"type": "byte", "vocab_size": BYTE_VOCAB},
-                           data={"fingerprint": fingerprint}, rng_and_data_state={"seed": cfg.training.seed},
+                           tokenizer=tokenizer or BYTE_ID,
+                           data=PreparedData([], None, fingerprint, str(cfg.data.cache_dir)).identity(cfg.data),
                            digest=digest)
         write_manifest(path, m)
     return path
@@ -81,7 +86,8 @@ def test_manifest_records_layout_config_versions_and_env(cfg, monkeypatch):
     assert m["layout"]["pipeline_model_parallel_size"] == 2 and m["layout"]["data_parallel_size"] == 2
     assert m["layout"]["world_size"] == 4 and m["layout"]["layers_per_stage"] == 2
     assert m["batch"] == {"micro_batch_size": 4, "global_batch_size": 16, "num_microbatches": 2}
-    assert m["model"]["vocab_size"] == 257 and m["model"]["padded_vocab_size"] == 384
+    assert m["model"]["vocab_size"] == 258 and m["model"]["padded_vocab_size"] == 384
+    assert m["tokenizer"] == {"spec": "byte", **BYTE_ID} and m["data"]["fingerprint"] == "fp-1"
     assert m["checkpoint"]["format"] == "torch_dist" and m["checkpoint"]["distributed_optimizer"] is False
     assert set(m["versions"]) >= {"orchestrator", "megatron-core", "torch", "python"}
     assert m["env"]["NCCL_DEBUG"] == "INFO" and "NCCL_IB_SECRET_TOKEN" not in m["env"]
@@ -213,7 +219,7 @@ def test_compare_names_each_changed_key_and_its_override(cfg, name):
     manifest = read_manifest(save_checkpoint(cfg, 50))
     new = changed(cfg, **changes)
     mismatches = compare(manifest, new, layout_from_config(new), data_fingerprint="fp-1",
-                         tokenizer={"type": "byte", "vocab_size": BYTE_VOCAB})
+                         tokenizer=BYTE_ID)
     by_key = {m.key: m for m in mismatches}
     assert key in by_key, format_mismatch_table(mismatches)
     assert by_key[key].override == override and by_key[key].kind == kind
@@ -225,7 +231,7 @@ def test_compare_names_each_changed_key_and_its_override(cfg, name):
 def test_same_config_matches(cfg):
     manifest = read_manifest(save_checkpoint(cfg, 50))
     assert compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-1",
-                   tokenizer={"type": "byte", "vocab_size": BYTE_VOCAB}) == []
+                   tokenizer=BYTE_ID) == []
 
 
 def test_tp_change_also_changes_the_padded_vocab(cfg):
@@ -234,7 +240,7 @@ def test_tp_change_also_changes_the_padded_vocab(cfg):
     pad = {m.key: m for m in compare(manifest, new, layout_from_config(new), data_fingerprint=None, tokenizer=None)}
     m = pad["model.padded_vocab_size"]
     assert (m.checkpoint, m.requested, m.kind) == (384, 512, "refuse")
-    assert "make_vocab_size_divisible_by=192" in m.note  # ceil(257/384) x 384 = 384 at TP=2
+    assert "make_vocab_size_divisible_by=192" in m.note  # ceil(258/384) x 384 = 384 at TP=2
     keep = changed(new, model={"make_vocab_size_divisible_by": 192})
     kinds = {m.key: m.kind for m in compare(manifest, keep, layout_from_config(keep), data_fingerprint=None,
                                              tokenizer=None)}
@@ -243,12 +249,16 @@ def test_tp_change_also_changes_the_padded_vocab(cfg):
                         allow_reshard=True)
 
 
-def test_data_content_and_tokenizer_identity(cfg):
-    manifest = read_manifest(save_checkpoint(cfg, 50, tokenizer={"type": "byte", "vocab_size": 257, "sha256": "aa"}))
-    found = {m.key: m for m in compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-2",
-                                       tokenizer={"type": "byte", "vocab_size": 300, "sha256": "bb"})}
+def test_data_content_and_tokenizer_identity(cfg, tmp_path):
+    manifest = read_manifest(save_checkpoint(cfg, 50))
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    tok.write_text('{"model": {"type": "BPE", "vocab": {"a": 0}}}')
+    hf = tokenizer_identity(DataConfig(tokenizer=str(tok)))  # what the runtime records for a tokenizer.json
+    found = {m.key: m for m in compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-2", tokenizer=hf)}
     assert found["data.fingerprint"].kind == "refuse" and found["data.fingerprint"].requested == "fp-2"
-    assert found["tokenizer.sha256"].kind == "refuse" and found["model.vocab_size"].requested == 300
+    assert found["tokenizer.name"].kind == "refuse" and found["tokenizer.name"].checkpoint == "byte-level"
+    assert found["tokenizer.sha256"].kind == "refuse" and found["tokenizer.sha256"].requested == hf["sha256"]
 
 
 def test_warn_only_changes_resume_with_a_warning(cfg):
@@ -354,18 +364,23 @@ def test_cli_check_composes_the_config_and_exits_1_on_mismatch(tmp_path):
 
     run_dir = tmp_path / "run"
     base = ["+experiment=gpt_pp2_dp2", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
-    try:
-        cfg = compose_config(base)
-    except Exception as exc:  # the schema's data.cache_dir default must be quoted for OmegaConf to parse '~'
-        if "token recognition error at: '~'" in str(exc):
-            pytest.xfail(f"orchestrator/config.py data.cache_dir default does not parse: {exc}")
-        raise
+    cfg = compose_config(base)
     ckpt = save_checkpoint(cfg, 50)
     same = cli("check", str(ckpt), "--", *base)
     assert same.returncode == 0, same.stdout + same.stderr
     other = cli("check", str(ckpt), "--", *base, "parallelism.pipeline_model_parallel_size=1")
     assert other.returncode == 1, other.stdout + other.stderr
     assert "parallelism.pipeline_model_parallel_size=2" in other.stdout
+
+
+def test_data_cache_dir_default_composes(tmp_path, monkeypatch):
+    """The schema's default ``${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}`` parses and resolves."""
+    from orchestrator.spec.compose import compose_config
+
+    monkeypatch.delenv("ORCHESTRATOR_CACHE", raising=False)
+    assert compose_config([f"run.dir={tmp_path}"]).data.cache_dir == "~/.cache/orchestrator"
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path / "cache"))
+    assert compose_config([f"run.dir={tmp_path}"]).data.cache_dir == str(tmp_path / "cache")
 
 
 def test_manifest_modules_do_not_import_torch():

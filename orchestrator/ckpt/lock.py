@@ -1,7 +1,9 @@
 """The run lock: one live run per run directory (``<run_dir>/orchestrator.lock``).
 
-The job's rank 0 holds it for the job's life (local or SLURM, waited on or detached); a requeued
-attempt of the same SLURM job takes it over. No torch import.
+The job's rank 0 holds it for the job's life (local or SLURM, waited on or detached; see
+:mod:`orchestrator.runtime.job`); a requeued attempt of the same SLURM job takes it over. The
+launcher only :meth:`~RunLock.probe` s it, to refuse early when a live run holds the directory.
+No torch import.
 """
 
 from __future__ import annotations
@@ -53,31 +55,55 @@ class RunLock:
                 "token": uuid.uuid4().hex}
 
     def stale_reason(self, holder: dict) -> Optional[str]:
-        """Why ``holder`` is dead, or None when it may be alive."""
+        """Why ``holder`` is dead, or None when it may be alive.
+
+        In order: its pid alive on this host (same start time) means alive; an earlier attempt of
+        this same SLURM job is stale (requeue); a SLURM job that ``squeue`` still lists is alive,
+        even when its pid is gone (requeued and pending again), one it no longer lists is stale;
+        otherwise a pid dead (or reused) on this host is stale, and a holder on another host
+        without a SLURM job is taken as alive.
+        """
         import psutil
 
         me = self._me()
         pid, host, job = holder.get("pid"), holder.get("host"), holder.get("job_id")
+        pid_gone: Optional[str] = None
         if host == me["host"] and isinstance(pid, int):
             try:
                 proc = psutil.Process(pid)
                 if proc.status() == psutil.STATUS_ZOMBIE:
-                    return f"pid {pid} on {host} has exited"
-                if abs(proc.create_time() - float(holder.get("create_time") or 0)) > 1:
-                    return f"pid {pid} on {host} is now another process"
-                return None
+                    pid_gone = f"pid {pid} on {host} has exited"
+                elif abs(proc.create_time() - float(holder.get("create_time") or 0)) > 1:
+                    pid_gone = f"pid {pid} on {host} is now another process"
+                else:
+                    return None
             except psutil.NoSuchProcess:
-                return f"pid {pid} on {host} is dead"
+                pid_gone = f"pid {pid} on {host} is dead"
         if job and job == me["job_id"]:
             return f"earlier attempt of this SLURM job {job} (requeued)"
         if job and shutil.which("squeue"):
             try:
-                r = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=15)
+                r = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True,
+                                   timeout=15)
             except (OSError, subprocess.SubprocessError):
-                return None
+                return pid_gone
             if (r.returncode == 0 and not r.stdout.strip()) or "Invalid job id" in r.stderr:
                 return f"SLURM job {job} no longer exists"
-        return None
+            if r.returncode == 0:
+                return None  # listed: running elsewhere, or requeued and pending
+        return pid_gone
+
+    def _refusal(self, holder: dict) -> RunLockedError:
+        return RunLockedError(
+            f"run.dir: {self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
+            f"{holder.get('host')}, SLURM job {holder.get('job_id') or '-'}, since {holder.get('started')}); "
+            f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}")
+
+    def probe(self) -> None:
+        """Raise RunLockedError naming the holder when a live run holds the lock; take nothing."""
+        holder = self.holder()
+        if holder is not None and self.stale_reason(holder) is None:
+            raise self._refusal(holder)
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,10 +123,7 @@ class RunLock:
                     continue  # released meanwhile
                 reason = self.stale_reason(holder) if holder else None
                 if reason is None:
-                    raise RunLockedError(
-                        f"{self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
-                        f"{holder.get('host')}, SLURM job {holder.get('job_id') or '-'}, since {holder.get('started')}); "
-                        f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}")
+                    raise self._refusal(holder)
                 self._break(holder)
             raise RunLockedError(f"{self.path}: could not take the lock (contended); try again")
         finally:

@@ -5,34 +5,48 @@
   through megatron-core's HuggingFace wrapper.
 * :func:`prepare` — turns the ``data`` config into Megatron indexed datasets
   (``.bin``/``.idx`` prefixes) on the launching machine, cached by content
-  fingerprint, and builds the GPTDataset sample indices once, before any rank
-  starts (so no rank waits at a barrier while rank 0 builds them).
-* :func:`build_train_dataset` / :class:`MicroBatchIterator` — megatron-core's
-  ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, sampled in
-  Megatron's pretraining order: global batch ``k`` holds samples
-  ``[k*GBS, (k+1)*GBS)``; within it, micro-batch ``j`` of DP rank ``r`` holds
-  samples ``k*GBS + j*MBS*DP + r*MBS + [0, MBS)``. The order depends only on the
-  consumed-sample count, so every layout sees the same global batches.
+  fingerprint (:func:`data_fingerprint`, cheap: it hashes the files, it does not tokenize).
+  It prints, per source, documents, tokens, skipped lines and empty documents.
+* :func:`build_train_dataset` — megatron-core's ``GPTDataset`` (a ``BlendedDataset`` over several
+  prefixes) through ``BlendedMegatronDatasetBuilder``. The launcher calls it once, before any rank
+  starts, to build and cache every sample index; the ranks then only load those files (no rank
+  waits at a barrier while rank 0 builds). Megatron's blended index build asks
+  ``torch.distributed.get_rank()`` on a cold cache; the launcher has no process group, so that one
+  build runs inside a process group of one (gloo over an in-process ``HashStore``: no port, no
+  network), destroyed right after — a real world of size 1, in which megatron's own rank-0 path
+  builds and caches, rather than a copy of megatron's private cache-file naming.
+* :class:`MicroBatchIterator` — samples in Megatron's pretraining order: global batch ``k`` holds
+  samples ``[k*GBS, (k+1)*GBS)``; within it, micro-batch ``j`` of DP rank ``r`` holds samples
+  ``k*GBS + j*MBS*DP + r*MBS + [0, MBS)``. The order depends only on the consumed-sample count, so
+  every layout sees the same global batches.
+
+Corpus reading, its fault policy and the counts printed: :mod:`orchestrator.runtime.corpus`.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import json
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from orchestrator.spec.schema import DataConfig, JobConfig
 from orchestrator.errors import DataError
+from orchestrator.runtime.corpus import fingerprint_files, prepare_source, stdlib_documents
+from orchestrator.spec.schema import DataConfig, JobConfig
 
 BYTE_VOCAB = 256
 """Byte ids 0..255; ``<eod>`` is id 256 and ``<pad>`` 257, so the unpadded vocab is 258."""
+
+Log = Callable[[str], None]
+
+
+def _say(message: str) -> None:
+    print(f"[orchestrator] {message}", flush=True)
 
 
 def build_tokenizer(data: DataConfig):
@@ -63,76 +77,13 @@ def tokenizer_identity(data: DataConfig) -> Dict[str, object]:
     return {"name": "huggingface", "path": str(data.tokenizer), "sha256": digest}
 
 
-# ---------------------------------------------------------------- corpus sources
-def stdlib_documents(max_mb: float) -> List[Path]:
-    """This Python's standard-library ``.py`` files, sorted, up to ``max_mb`` MB: real text, offline."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts)
-    out, total, budget = [], 0, int(max_mb * 1e6)
-    for path in files:
-        size = path.stat().st_size
-        if size == 0:
-            continue
-        if total + size > budget:
-            break
-        out.append(path)
-        total += size
-    if not out:
-        raise DataError(f"data.kind=stdlib: no .py files under {root}; fix: use data=jsonl with your own text")
-    return out
-
-
-def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); fix the line or the file") from None
-            if key not in rec or not isinstance(rec[key], str):
-                raise DataError(f"{path}:{lineno}: no string field {key!r}; fix: set data.json_key to the text field")
-            yield rec[key]
-
-
-def _fingerprint_files(paths: List[Path], extra: str) -> str:
-    h = hashlib.sha256(extra.encode())
-    for p in paths:
-        h.update(str(p.name).encode())
-        with p.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:20]
-
-
-def _write_indexed(prefix: Path, documents: Iterator[str], tokenizer) -> int:
-    """Tokenize documents into ``prefix.bin``/``prefix.idx`` (megatron IndexedDatasetBuilder). Returns doc count."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
-    tmp = prefix.with_name(prefix.name + ".tmp")
-    builder = IndexedDatasetBuilder(str(tmp) + ".bin", dtype=dtype)
-    n = 0
-    for text in documents:
-        ids = tokenizer.tokenize(text)
-        if len(ids) == 0:
-            continue
-        ids = list(ids) + [tokenizer.eod]
-        builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-        n += 1
-    if n == 0:
-        raise DataError(f"no non-empty documents to write into {prefix}")
-    builder.finalize(str(tmp) + ".idx")
-    os.replace(str(tmp) + ".bin", str(prefix) + ".bin")
-    os.replace(str(tmp) + ".idx", str(prefix) + ".idx")
-    return n
-
-
 @dataclass(frozen=True)
 class PreparedData:
-    """Indexed-dataset prefixes and blend weights ready for GPTDataset (paths without .bin/.idx)."""
+    """Indexed-dataset prefixes and blend weights ready for GPTDataset (paths without .bin/.idx).
+
+    ``weights``: one per prefix (equal when ``data.weights`` is null and there are several), None
+    for a single prefix.
+    """
 
     prefixes: List[str]
     weights: Optional[List[float]]
@@ -140,7 +91,8 @@ class PreparedData:
     cache_dir: str
 
     def identity(self, data: DataConfig) -> Dict[str, object]:
-        return {"kind": data.kind, "paths": list(data.paths), "weights": self.weights,
+        """The data identity a manifest records: kind, paths, blend weights, split and content fingerprint."""
+        return {"kind": data.kind, "paths": list(data.paths), "weights": self.weights, "split": data.split,
                 "fingerprint": self.fingerprint}
 
 
@@ -148,61 +100,80 @@ def _cache_root(data: DataConfig) -> Path:
     return Path(os.path.expanduser(data.cache_dir))
 
 
-def prepare(data: DataConfig) -> PreparedData:
-    """Make the ``data`` config trainable: indexed datasets on disk, cached by content.
-
-    Raises :class:`DataError` for missing files, bad JSON or mismatched blend weights.
-    """
-    root = _cache_root(data)
-    root.mkdir(parents=True, exist_ok=True)
-    if data.weights is not None and len(data.weights) != len(data.paths):
-        raise DataError(
-            f"data.weights has {len(data.weights)} entries but data.paths has {len(data.paths)}; "
-            "fix: one weight per path, or data.weights=null"
-        )
-    if data.kind == "mock":
-        return PreparedData(prefixes=[], weights=None, fingerprint="mock", cache_dir=str(root))
-    tok_id = json.dumps(tokenizer_identity(data), sort_keys=True)
-    if data.kind == "indexed":
-        if not data.paths:
-            raise DataError("data.kind=indexed needs data.paths (dataset prefixes); fix: data.paths=[/path/prefix]")
-        files = []
-        for p in data.paths:
-            for ext in (".bin", ".idx"):
+def _sources(data: DataConfig) -> List[Tuple[str, List[Path]]]:
+    """(name, files) of each source to tokenize; raises DataError for missing paths."""
+    if data.kind == "stdlib":
+        return [("stdlib", stdlib_documents(data.stdlib_max_mb))]
+    if not data.paths:
+        raise DataError(f"data.paths: data.kind={data.kind} needs at least one path; "
+                        f"fix: data.paths=[/path/{'file.jsonl' if data.kind == 'jsonl' else 'prefix'}]")
+    out = []
+    for i, p in enumerate(data.paths):
+        if data.kind == "indexed":
+            for ext in (".idx", ".bin"):
                 f = Path(os.path.expanduser(p) + ext)
                 if not f.exists():
-                    raise DataError(f"data.paths entry {p!r}: {f} does not exist; fix: give the prefix of a .bin/.idx pair")
-            files.append(Path(os.path.expanduser(p) + ".idx"))
-        return PreparedData([os.path.expanduser(p) for p in data.paths], data.weights,
-                            _fingerprint_files(files, tok_id), str(root))
-    tokenizer = build_tokenizer(data)
-    if data.kind == "stdlib":
-        groups = [("stdlib", stdlib_documents(data.stdlib_max_mb))]
-    else:
-        if not data.paths:
-            raise DataError("data.kind=jsonl needs data.paths; fix: data.paths=[/path/file.jsonl]")
-        groups = []
-        for p in data.paths:
+                    raise DataError(f"data.paths[{i}]: {f} does not exist; fix: give the prefix of a .bin/.idx pair")
+            out.append((p, [Path(os.path.expanduser(p) + ".idx")]))
+        else:
             path = Path(os.path.expanduser(p))
-            if not path.exists():
-                raise DataError(f"data.paths entry {p!r} does not exist; fix the path")
-            groups.append((path.stem, [path]))
-    prefixes, prints = [], []
-    for stem, files in groups:
-        fp = _fingerprint_files(files, tok_id + data.json_key)
-        prints.append(fp)
-        prefix = root / "prepared" / f"{stem}-{fp}"
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(prefix) + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent launchers prepare once
-            if not (Path(str(prefix) + ".bin").exists() and Path(str(prefix) + ".idx").exists()):
-                if data.kind == "stdlib":
-                    docs = (f.read_text(encoding="utf-8", errors="replace") for f in files)
-                else:
-                    docs = _iter_jsonl(files[0], data.json_key)
-                _write_indexed(prefix, docs, tokenizer)
-        prefixes.append(str(prefix))
-    return PreparedData(prefixes, data.weights, hashlib.sha256("".join(prints).encode()).hexdigest()[:20], str(root))
+            if not path.is_file():
+                raise DataError(f"data.paths[{i}]: {p!r} does not exist; fix the path")
+            out.append((path.stem, [path]))
+    return out
+
+
+def _check_weights(data: DataConfig) -> None:
+    if data.weights is not None and len(data.weights) != len(data.paths):
+        raise DataError(f"data.weights: {len(data.weights)} weights for {len(data.paths)} data.paths; "
+                        "fix: one weight per path, or data.weights=null")
+
+
+def data_fingerprint(data: DataConfig) -> str:
+    """The content fingerprint :func:`prepare` reports, without tokenizing anything (it hashes the
+    source files): for a resume check before the expensive preparation. Raises DataError."""
+    _check_weights(data)
+    if data.kind == "mock":
+        return "mock"
+    return _fingerprint(data, _sources(data))[0]
+
+
+def _fingerprint(data: DataConfig, sources: List[Tuple[str, List[Path]]]) -> Tuple[str, List[str]]:
+    """(the data's fingerprint, one per source). Indexed prefixes hash their .idx files together."""
+    tok_id = json.dumps(tokenizer_identity(data), sort_keys=True)
+    if data.kind == "indexed":
+        return fingerprint_files([f for _, files in sources for f in files], tok_id), []
+    prints = [fingerprint_files(files, tok_id + data.json_key) for _, files in sources]
+    return hashlib.sha256("".join(prints).encode()).hexdigest()[:20], prints
+
+
+def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
+    """Make the ``data`` config trainable: indexed datasets on disk, cached by content.
+
+    Prints one line per source (documents, tokens, skipped lines, empty documents) and one warning
+    line per file with skipped lines. Raises :class:`DataError` for missing files, mismatched blend
+    weights or a file without any usable document.
+    """
+    _check_weights(data)
+    root = _cache_root(data)
+    root.mkdir(parents=True, exist_ok=True)
+    if data.kind == "mock":
+        return PreparedData(prefixes=[], weights=None, fingerprint="mock", cache_dir=str(root))
+    sources = _sources(data)
+    fingerprint, prints = _fingerprint(data, sources)
+    if data.kind == "indexed":
+        prefixes = [os.path.expanduser(p) for p in data.paths]
+    else:
+        tokenizer = build_tokenizer(data)
+        prefixes = []
+        for (name, files), fp in zip(sources, prints):
+            prefix = root / "prepared" / f"{name}-{fp}"
+            prepare_source(data, prefix, name, files, tokenizer, log)
+            prefixes.append(str(prefix))
+    weights = None
+    if len(prefixes) > 1:
+        weights = [float(w) for w in data.weights] if data.weights else [1.0 / len(prefixes)] * len(prefixes)
+    return PreparedData(prefixes, weights, fingerprint, str(root))
 
 
 # ---------------------------------------------------------------- datasets
@@ -227,20 +198,43 @@ def _dataset_config(cfg: JobConfig, prepared: PreparedData, tokenizer):
     )
 
 
-def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
-    """megatron-core GPTDataset (or MockGPTDataset) with at least ``num_samples`` samples of seq_length+1 tokens.
+@contextlib.contextmanager
+def _process_group_of_one(needed: bool) -> Iterator[None]:
+    """A gloo process group of world size 1 (in-process HashStore: no port, no network) for the
+    ``with`` block, when ``needed`` and none exists; destroyed afterwards. See the module docstring."""
+    import torch.distributed as dist
 
-    Safe to call without torch.distributed (the launcher does it once to build and cache
-    the sample indices) and inside the job (every rank then loads from the cache).
+    if not needed or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
+    """megatron-core GPTDataset (or MockGPTDataset; a BlendedDataset over several prefixes) with at
+    least ``num_samples`` samples of seq_length+1 tokens.
+
+    Called by the launcher without torch.distributed, once, to build and cache every index under
+    ``<cache_dir>/indices``, and inside the job, where every rank then loads those files.
+    Raises DataError for an empty train split or a blend that oversamples a source.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     config = _dataset_config(cfg, prepared, tokenizer)
     cls = MockGPTDataset if cfg.data.kind == "mock" else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    try:
+        with _process_group_of_one(needed=len(prepared.prefixes) > 1):
+            train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    except IndexError as exc:  # megatron: "The train blend oversamples the contributing datasets ..."
+        raise DataError(f"data.weights: {str(exc).split('. ')[0]}; fix: change data.weights or add data") from None
     if train is None:
-        raise DataError(f"the train split is empty (data.split={cfg.data.split!r}); fix: give the train split weight")
+        raise DataError(f"data.split: the train split is empty (data.split={cfg.data.split!r}); "
+                        "fix: give the train split weight")
     return train
 
 

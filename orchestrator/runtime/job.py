@@ -1,9 +1,27 @@
-"""The callable every submitted task runs (pickled by submitit; imports torch only when called)."""
+"""The callable every submitted task runs (pickled by submitit; imports torch only when called).
+
+The run lock lives with the job: before anything starts (no torch import, no process group), the
+job's rank 0 takes :class:`~orchestrator.ckpt.lock.RunLock` on ``run.dir`` and holds it until the
+job ends — local or SLURM, waited on or detached. It writes its decision to
+``<run.dir>/submitit/<job_id>_lock.json`` (atomically; with the SLURM attempt number), and every
+other rank waits for that file (at most :data:`DECISION_TIMEOUT_S`) before it joins the process
+group. A refused job therefore stops on every rank at once with the same one-line error naming the
+holder, and trains nothing; no rank is left waiting in a collective. A job that is requeued keeps
+the lock: its next attempt (same SLURM job id) takes it over.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from typing import Any, Dict, Optional
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+DECISION_TIMEOUT_S = 300.0
+"""How long a rank other than 0 waits for rank 0's lock decision (rank 0 takes seconds; a
+``squeue`` call per stale check is bounded at 15 s)."""
 
 
 class TrainJob:
@@ -22,7 +40,93 @@ class TrainJob:
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
         from orchestrator.spec.schema import from_dict
-        from orchestrator.runtime.data import PreparedData
-        from orchestrator.runtime.train import run
 
-        return run(from_dict(self.config), PreparedData(**self.prepared))
+        cfg = from_dict(self.config)
+        with hold_run_lock(cfg.run.dir):
+            from orchestrator.runtime.data import PreparedData
+            from orchestrator.runtime.train import run
+
+            return run(cfg, PreparedData(**self.prepared))
+
+
+def _whoami() -> Tuple[int, Optional[str], int]:
+    """(global rank, job id, SLURM attempt) from submitit's job environment; (RANK or 0, None, 0)
+    outside a submitit job."""
+    import submitit
+
+    try:
+        env = submitit.JobEnvironment()
+    except RuntimeError:
+        return int(os.environ.get("RANK", "0")), None, 0
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return env.global_rank, str(env.job_id), int(attempt) if attempt.isdigit() else 0
+
+
+def decision_path(run_dir: "str | os.PathLike", job_id: str) -> Path:
+    """Where rank 0 of job ``job_id`` writes its lock decision."""
+    from orchestrator.ckpt.rundir import SUBMITIT_DIR
+
+    return Path(run_dir) / SUBMITIT_DIR / f"{job_id}_lock.json"
+
+
+@contextlib.contextmanager
+def hold_run_lock(run_dir: str) -> Iterator[None]:
+    """Rank 0: take the run lock (RunLockedError naming the holder when a live run has it), publish
+    the decision, hold the lock for the block and release it after (not when the job is requeued).
+    Other ranks: wait for the decision and raise the same RunLockedError when it is a refusal."""
+    from orchestrator.ckpt.lock import RunLock
+    from orchestrator.errors import RunLockedError
+    from orchestrator.io import write_atomic
+    from orchestrator.runtime.preempt import Requeued
+
+    rank, job_id, attempt = _whoami()
+    if rank != 0:
+        if job_id is not None:
+            _await_decision(decision_path(run_dir, job_id), attempt)
+        yield
+        return
+    lock = RunLock(run_dir)
+    decision: Dict[str, Any] = {"job_id": job_id, "attempt": attempt, "time": time.time()}
+    try:
+        lock.acquire()
+    except RunLockedError as exc:
+        if job_id is not None:
+            write_atomic(decision_path(run_dir, job_id), json.dumps({**decision, "ok": False, "error": str(exc)}))
+            from orchestrator.ckpt.history import record_event
+
+            record_event(run_dir, "lock_refused", job_id=job_id, holder=lock.holder())
+        raise
+    if job_id is not None:
+        write_atomic(decision_path(run_dir, job_id), json.dumps({**decision, "ok": True}))
+    requeued = False
+    try:
+        yield
+    except Requeued:
+        requeued = True  # the next attempt of this job takes the lock over
+        raise
+    finally:
+        if not requeued:
+            lock.release()
+
+
+def _await_decision(path: Path, attempt: int, timeout_s: float = DECISION_TIMEOUT_S) -> None:
+    """Wait for rank 0's decision of this attempt (written after this process started, so a file
+    left by an earlier job that had the same id is never read); raise its refusal."""
+    import psutil
+
+    from orchestrator.errors import RunLockedError
+
+    started = psutil.Process().create_time() - 60.0  # ranks start within seconds of each other
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            decision = json.loads(path.read_text())
+        except (OSError, ValueError):
+            decision = None
+        if decision and decision.get("attempt") == attempt and float(decision.get("time", 0)) >= started:
+            if not decision.get("ok"):
+                raise RunLockedError(decision.get("error") or "rank 0 could not take the run lock")
+            return
+        time.sleep(0.2)
+    raise RunLockedError(f"rank 0 did not decide on the run lock within {timeout_s:.0f} s ({path} not written); "
+                         "fix: see rank 0's log")

@@ -1,0 +1,145 @@
+"""Corpus preparation and data blends, with real files, megatron-core's tokenizer and datasets.
+
+* Corpus faults (one policy: skip and count): a JSONL fixture with each bad line type prepares,
+  the counts and a warning line naming the file and each first bad line number are printed, no
+  temporary file is left; a file without any document is refused in one line.
+* A two-file blend prepares from a cold cache in the launcher (no process group there), trains,
+  the ranks only load the indices the launcher built, and changing the weights is refused with a
+  diff naming data.weights.
+
+Text: /work/shared/data/tinyshakespeare.jsonl (skipped, saying so, where it is absent).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import pytest
+
+from conftest import REPO, read_metrics, run_cli
+from orchestrator.errors import DataError
+from orchestrator.runtime import corpus
+from orchestrator.runtime.data import build_tokenizer, prepare, tokenizer_identity
+from orchestrator.spec.schema import DataConfig
+
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.jsonl"
+needs_text = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not found")
+
+
+def speeches(start: int, count: int) -> List[str]:
+    """``count`` JSONL lines of tinyshakespeare.jsonl from line ``start`` (0-based), as bytes-safe text."""
+    with SHAKESPEARE.open(encoding="utf-8") as f:
+        return [line.rstrip("\n") for i, line in enumerate(f) if start <= i < start + count]
+
+
+def leftovers(cache: Path) -> List[str]:
+    return sorted(p.name for p in cache.rglob("*") if ".tmp" in p.name)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return build_tokenizer(DataConfig())
+
+
+def test_identity_is_megatrons_byte_tokenizer(byte_tokenizer):
+    ident = tokenizer_identity(DataConfig())
+    assert ident["vocab_size"] == byte_tokenizer.vocab_size == 258 and ident["eod"] == byte_tokenizer.eod == 256
+
+
+@needs_text
+def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer):
+    good = speeches(0, 3)
+    lines = [good[0].encode(),                       # 1 document
+             b'{"text": "caf\xe9 au lait"}',           # 2 invalid UTF-8 (latin-1 byte)
+             b'{"text": "unterminated',                # 3 not JSON
+             b'{"id": 7, "body": "no text key"}',      # 4 without the text key
+             b'{"text": ""}',                          # 5 empty document
+             b'',                                      # 6 blank
+             b'{"text": "\\ud800 lone surrogate"}',     # 7 text the tokenizer rejects
+             b'["text", "not an object"]',             # 8 without the text key (not an object)
+             good[1].encode(), b'{"text": 42}',        # 9 document, 10 text not a string
+             good[2].encode()]                         # 11 document
+    path = tmp_path / "corpus.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cache = tmp_path / "cache"
+    said: List[str] = []
+    prepared = prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache)), log=said.append)
+    texts = [json.loads(g)["text"] for g in good]
+    tokens = sum(len(t.encode()) + 1 for t in texts)  # UTF-8 bytes + one <eod> each
+    summary = [s for s in said if s.startswith("data corpus: ")]
+    assert summary and summary[0].startswith(
+        f"data corpus: 3 documents, {tokens:,} tokens, 7 skipped lines, 1 empty documents"), said
+    warning, = [s for s in said if s.startswith("warning: ")]
+    assert warning == (f"warning: {path}: skipped 7 lines: 1 invalid UTF-8 (first: line 2), 1 not JSON (first: "
+                       "line 3), 3 without a string 'text' field (first: line 4), 1 blank (first: line 6), "
+                       "1 text the tokenizer rejects (first: line 7)"), warning
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prepared.prefixes[0], mmap=True)
+    assert len(ds) == 3
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == list(text.encode()) + [byte_tokenizer.eod]
+    assert leftovers(cache) == []
+    again: List[str] = []  # cached: the same counts and warning, nothing tokenized
+    prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache)), log=again.append)
+    assert [s.split(" (")[0] for s in again] == [s.split(" (")[0] for s in said if not s.startswith("preparing")]
+
+
+def test_a_file_without_documents_is_refused_in_one_line_and_leaves_nothing(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": ""}\nnot json\n\xff\xfe\n')
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError) as err:
+        prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache)), log=lambda _: None)
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg and "no usable document" in msg and "1 empty documents" in msg
+    assert leftovers(cache) == [] and not list(cache.rglob("*.bin"))
+
+
+def test_a_failure_while_writing_removes_the_temporary_files(tmp_path, byte_tokenizer):
+    def documents():
+        yield 1, "first document"
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a preparation
+
+    prefix = tmp_path / "prepared" / "x"
+    prefix.parent.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        corpus._write_indexed(prefix, documents(), byte_tokenizer, corpus.CorpusStats(), "x.jsonl")
+    assert list(prefix.parent.iterdir()) == []
+
+
+# ---- a blend through the CLI ------------------------------------------------------------------------
+@needs_text
+def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(speeches(0, 2000)) + "\n")
+    b.write_text("\n".join(speeches(2000, 2000)) + "\n")
+    cache = tmp_path / "cache"  # cold
+    run_dir = tmp_path / "run"
+    common = ["parallelism=none", "data=jsonl", f"data.paths=[{a},{b}]", f"run.dir={run_dir}",
+              "training.train_iters=4", "checkpoint.save_interval=2", "training.global_batch_size=8",
+              "training.micro_batch_size=4"]
+    first = run_cli(common + ["data.weights=[0.5,0.5]"], cache=cache, timeout=400)
+    assert "data a: 2,000 documents" in first.stdout and "data b: 2,000 documents" in first.stdout
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    manifest = json.loads((run_dir / "checkpoints" / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["data"]["weights"] == [0.5, 0.5] and manifest["config"]["data"]["weights"] == [0.5, 0.5]
+    # The ranks loaded the indices the launcher built (before submission); none was rebuilt in the job.
+    submitted = min(r["time"] for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
+                    if r["event"] == "submitted")
+    indices = sorted((cache / "indices").iterdir())
+    assert any("BlendedDataset" in p.name for p in indices)
+    assert all(p.stat().st_mtime < submitted for p in indices), [(p.name, p.stat().st_mtime, submitted) for p in indices]
+
+    refused = run_cli(common + ["data.weights=[0.7,0.3]", "training.train_iters=6"], cache=cache, check=False)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    err = refused.stderr.strip().splitlines()
+    assert err[0].startswith("error: ") and "Traceback" not in refused.stderr
+    row, = [line for line in err if line.startswith("data.weights ")]
+    assert "[0.5,0.5]" in row and "[0.7,0.3]" in row and "refused" in row
+    assert "data.weights=[0.5,0.5]" in refused.stderr  # the override that matches the checkpoint
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]  # nothing trained
+    assert np.isfinite([r["lm_loss"] for r in read_metrics(run_dir)]).all()

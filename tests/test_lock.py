@@ -1,0 +1,114 @@
+"""The run lock lives with the job: rank 0 holds it, every other rank follows rank 0's decision.
+
+Real processes only: a holder process, real local submitit jobs submitted by the production
+executor (orchestrator.submit.executor) and waited on with its production wait, the real CLI. The
+two-detached-SLURM-jobs case is in test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from orchestrator.ckpt import history
+from orchestrator.ckpt.lock import RunLock
+from orchestrator.errors import JobFailedError, RunLockedError
+from orchestrator.runtime.data import prepare
+from orchestrator.runtime.job import decision_path
+from orchestrator.spec.checks import validate
+from orchestrator.spec.compose import compose_config
+from orchestrator.submit import executor, jobs
+
+HOLD = ("import sys; from orchestrator.ckpt.lock import RunLock; "
+        "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A live process holding the run lock of ``tmp_path / 'run'``."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc, run_dir
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_job_is_refused_on_every_rank_and_trains_nothing(holder, tmp_path):
+    """A job submitted past the launcher (as a second detached job would be) while another run holds
+    the lock: rank 0 refuses naming the holder, rank 1 stops with the same error instead of waiting
+    in a collective, nothing is trained, the holder's lock is untouched."""
+    proc, run_dir = holder
+    cfg = compose_config(["parallelism.data_parallel_size=2", f"run.dir={run_dir}", "data=mock",
+                          f"data.cache_dir={tmp_path / 'cache'}"])
+    layout = validate(cfg)
+    lock_before = (run_dir / RunLock.NAME).read_text()
+    job = executor.submit(cfg, layout, prepare(cfg.data))
+    folder = run_dir / "submitit"
+    deadline = time.monotonic() + 120
+    while len(jobs.result_outcomes(folder, job.job_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert jobs.result_outcomes(folder, job.job_id) == {0: "error", 1: "error"}  # each rank ended on its own
+    for rank in (0, 1):
+        error = str(job.task(rank).exception())
+        assert "RunLockedError" in error and f"pid {proc.pid} on host" in error, error
+    with pytest.raises(JobFailedError, match=f"in use by another run \\(pid {proc.pid}"):
+        executor.wait(job, cfg, layout.world_size)  # the production wait reports it
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / RunLock.NAME).read_text() == lock_before and proc.poll() is None
+    decision = json.loads(decision_path(run_dir, job.job_id).read_text())
+    assert decision["ok"] is False and decision["attempt"] == 0
+    refused = [r for r in history.read_records(run_dir) if r["event"] == "lock_refused"]
+    assert [r["job_id"] for r in refused] == [str(job.job_id)] and refused[0]["holder"]["pid"] == proc.pid
+
+
+def test_launcher_probe_refuses_in_one_line_before_submitting(holder, tmp_path):
+    proc, run_dir = holder
+    out = run_cli(["data=mock", f"run.dir={run_dir}", "training.train_iters=2"], cache=tmp_path / "cache",
+                  check=False, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: run.dir: ") and f"pid {proc.pid}" in lines[0], lines
+    assert not (run_dir / "submitit").exists()
+
+
+def _take(run_dir: Path, env: dict) -> subprocess.CompletedProcess:
+    code = ("import sys; from orchestrator.ckpt.lock import RunLock; from orchestrator.errors import RunLockedError\n"
+            "try:\n    RunLock(sys.argv[1]).acquire(); print('taken')\n"
+            "except RunLockedError as e:\n    print('refused', e)")
+    return subprocess.run([sys.executable, "-c", code, str(run_dir)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_requeued_attempt_takes_over_its_own_lock(tmp_path):
+    """The lock of SLURM job 987654321 whose process is gone: the next attempt of that job takes it over;
+    while the holding process lives, another job is refused."""
+    run_dir = tmp_path / "run"
+    first = _take(run_dir, {"SLURM_JOB_ID": "987654321"})  # exits without releasing, like a requeued rank 0
+    assert first.stdout.strip() == "taken"
+    held = json.loads((run_dir / RunLock.NAME).read_text())
+    assert held["job_id"] == "987654321"
+    assert RunLock(run_dir).stale_reason(held) is not None  # its pid is dead
+    again = _take(run_dir, {"SLURM_JOB_ID": "987654321"})
+    assert again.stdout.strip() == "taken", again.stdout + again.stderr
+    assert json.loads((run_dir / RunLock.NAME).read_text())["token"] != held["token"]
+
+
+def test_probe_takes_nothing(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.probe()  # unlocked: nothing to say
+    assert not (tmp_path / RunLock.NAME).exists()
+    with RunLock(tmp_path):
+        with pytest.raises(RunLockedError, match=r"^run.dir: .* is in use by another run \(pid \d+"):
+            RunLock(tmp_path).probe()
+    lock.probe()
