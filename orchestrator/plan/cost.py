@@ -7,6 +7,7 @@ Sources: [N21] Narayanan et al. 2021 (bubble, section 2.2; FLOPs, section 5.1 an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Tuple
 
 from orchestrator.plan.inputs import BUS_EFFICIENCY, GpuPreset, ModelShape, Recipe
@@ -68,42 +69,55 @@ def flops_per_step(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp
     return model, sum(stages), stages
 
 
-def comm_seconds(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, gpu: GpuPreset,
-                 params_per_gpu: int, gpus_per_node: int = 8) -> Tuple[float, float, float]:
-    """(TP, PP, DP) communication seconds per step on one GPU; a rough model, assumed not overlapped.
+@dataclass(frozen=True)
+class CommVolume:
+    """What one GPU moves per step for one parallel dimension: bytes, calls, and over which link."""
+
+    bytes: float
+    """Bytes each GPU sends per step (ring factors included)."""
+    calls: int
+    """Collectives or point-to-point messages per step (each pays a latency)."""
+    intra_node: bool
+    """True when the group's span of consecutive ranks fits in one node (NVLink), else the network."""
+
+
+def comm_volumes(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, params_per_gpu: int,
+                 gpus_per_node: int = 8) -> Tuple[CommVolume, CommVolume, CommVolume]:
+    """(TP, PP, DP) communication of one GPU per step; a rough model, assumed not overlapped.
 
     TP ([K22] 4.2.2): every layer all-reduces its e s b h output twice forward and twice backward
     (sequence parallel turns each into a reduce-scatter + all-gather of the same volume), twice more
     when a full-recompute forward reruns it; a ring moves 2(t-1)/t of the buffer per GPU.
     DP: the gradients once per step, 2(d-1)/d x gradient bytes (distributed optimizer:
-    reduce-scatter of gradients + all-gather of weights, (d-1)/d x both).
+    reduce-scatter of gradients + all-gather of weights, (d-1)/d x both), one bucketed call.
     PP: each micro-batch chunk sends its e s b h / (t if SP) output forward and receives its gradient,
     so interleaving multiplies this by v ([N21] 2.2.2). Megatron orders ranks tp-cp-ep-dp-pp, so a
     group uses NVLink while its span of consecutive ranks fits in a node (TP for TP, TP x CP x DP for
-    DP, world/PP for PP neighbours), else the network. Links reach ``BUS_EFFICIENCY`` of nominal.
-    MoE all-to-all is left out.
+    DP, world/PP for PP neighbours), else the network. MoE all-to-all is left out.
     """
     t, cp, dp = layout.tensor_model_parallel_size, layout.context_parallel_size, layout.data_parallel_size
-    p = layout.pipeline_model_parallel_size
-
-    def bw(span: int) -> float:
-        return BUS_EFFICIENCY * (gpu.intra_node_bw if span <= gpus_per_node else gpu.inter_node_bw)
-
+    p, m = layout.pipeline_model_parallel_size, layout.num_microbatches
     buffer = recipe.param_bytes * shape.seq_length / cp * layout.micro_batch_size * shape.hidden_size
-    tp_s = pp_s = 0.0
+    tp = pp = dpv = CommVolume(0.0, 0, True)
     if p > 1:
         sent = buffer / t if layout.sequence_parallel else buffer
-        pp_s = layout.num_microbatches * layout.vpp * 2 * sent / bw(layout.world_size // p + 1)
+        calls = m * layout.vpp * 2
+        pp = CommVolume(calls * sent, calls, layout.world_size // p + 1 <= gpus_per_node)
     if t > 1:
-        calls = 6 if recipe.recompute_granularity == "full" else 4
-        tp_s = layout.num_microbatches * layout.layers_per_stage * calls * 2 * (t - 1) / t * buffer / bw(t)
-    dp_s = 0.0
+        calls = m * layout.layers_per_stage * (6 if recipe.recompute_granularity == "full" else 4)
+        tp = CommVolume(calls * 2 * (t - 1) / t * buffer, calls, t <= gpus_per_node)
     if dp > 1:
         if recipe.use_distributed_optimizer:
             volume = (dp - 1) / dp * params_per_gpu * (recipe.grad_bytes + recipe.param_bytes)
         else:
             volume = 2 * (dp - 1) / dp * params_per_gpu * recipe.grad_bytes
-        dp_s = volume / bw(t * cp * dp)
-    return tp_s, pp_s, dp_s
+        dpv = CommVolume(volume, 1, t * cp * dp <= gpus_per_node)
+    return tp, pp, dpv
 
 
+def comm_seconds(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, gpu: GpuPreset,
+                 params_per_gpu: int, gpus_per_node: int = 8) -> Tuple[float, float, float]:
+    """(TP, PP, DP) seconds per step on one GPU: :func:`comm_volumes` over the preset's links, which
+    reach ``BUS_EFFICIENCY`` of nominal bandwidth (latency not counted)."""
+    return tuple(v.bytes / (BUS_EFFICIENCY * (gpu.intra_node_bw if v.intra_node else gpu.inter_node_bw))
+                 for v in comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node))  # type: ignore[return-value]

@@ -55,12 +55,42 @@ GPU_PRESETS: Dict[str, GpuPreset] = {
 }
 
 
-def gpu_preset(name: str) -> GpuPreset:
-    """The preset called ``name`` (case-insensitive); ConfigError naming ``gpu`` otherwise."""
+CPU_PRESET = "cpu"
+"""``gpu=cpu``: plan for this machine's CPU, one rank's share of it (see :func:`cpu_preset`)."""
+
+
+def host_memory_bytes() -> int:
+    """This machine's total memory (``/proc/meminfo`` MemTotal; ``sysconf`` elsewhere), bytes."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_preset(ranks_on_host: int = 1) -> GpuPreset:
+    """This machine's CPU as a device: its memory shared by ``ranks_on_host`` ranks.
+
+    FLOP/s and bandwidths are nominal placeholders (a core's fp32 FLOP/s, a memory copy); a
+    calibrated :class:`orchestrator.plan.profile.DeviceProfile` replaces them.
+    """
+    return GpuPreset(CPU_PRESET, host_memory_bytes() // max(1, ranks_on_host), 1e10, 1e10, 2e9, 2e9)
+
+
+def gpu_preset(name: str, ranks_on_host: int = 1) -> GpuPreset:
+    """The preset called ``name`` (case-insensitive; ``cpu``: :func:`cpu_preset`); ConfigError naming ``gpu`` otherwise."""
+    if str(name).lower() == CPU_PRESET:
+        return cpu_preset(ranks_on_host)
     for key, preset in GPU_PRESETS.items():
         if key.lower() == str(name).lower():
             return preset
-    raise ConfigError(f"gpu={name!r} is not a known GPU preset; fix: gpu= one of {', '.join(GPU_PRESETS)}")
+    raise ConfigError(f"gpu={name!r} is not a known GPU preset; fix: gpu= one of {', '.join(GPU_PRESETS)} "
+                      f"or {CPU_PRESET} (this machine's CPU)")
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
+from orchestrator.spec.checks import recompute_problems
 from orchestrator.spec.layout import ParallelLayout, layout_from_config, padded_vocab_size
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
-from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES,  # noqa: F401
-                                     GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape, Recipe, _gib, gpu_preset)
+from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
+                                     FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
+                                     Recipe, _gib, gpu_preset)
+from orchestrator.plan.profile import DeviceProfile, device_profile, step_terms
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -87,6 +90,12 @@ class Plan:
     hardware_flops: float
     """Per optimizer step, with recomputation ('hardware FLOPs')."""
     notes: List[str] = field(default_factory=list)
+    framework_s: float = 0.0
+    """Framework time of the pipelined part (layer and chunk passes); only with a device profile."""
+    fixed_s: float = 0.0
+    """Fixed framework time per step; only with a device profile."""
+    profile: Optional[DeviceProfile] = None
+    """The device profile whose constants priced this plan (None: the preset's assumptions)."""
 
     @property
     def worst(self) -> StageMemory:
@@ -102,12 +111,13 @@ class Plan:
 
     @property
     def bubble_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s) * self.bubble_overhead
+        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s) * self.bubble_overhead
 
     @property
     def step_time_s(self) -> float:
-        """(compute + TP comm + PP comm) x (1 + (p-1)/(v m)) + DP comm, seconds."""
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s + self.dp_comm_s
+        """(compute + TP comm + PP comm + framework) x (1 + (p-1)/(v m)) + DP comm + fixed, seconds."""
+        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s + self.bubble_s
+                + self.dp_comm_s + self.fixed_s)
 
     @property
     def mfu_predicted(self) -> float:
@@ -274,26 +284,19 @@ def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe
 # ---- the plan -----------------------------------------------------------------------------
 
 def recipe_problems(recipe: Recipe, layout: ParallelLayout) -> List[str]:
-    """Megatron's recomputation rules (TransformerConfig.__post_init__), checked before submission."""
-    out: List[str] = []
-    g, per_rank = recipe.recompute_granularity, layout.layers_per_stage
-    if g == "full":
-        if recipe.recompute_method not in ("uniform", "block"):
-            out.append(f"model.recompute_granularity=full needs model.recompute_method uniform or block "
-                       f"(got {recipe.recompute_method!r}); fix: model.recompute_method=uniform")
-        n = recipe.recompute_num_layers
-        if n is None or not 1 <= n <= per_rank:
-            out.append(f"model.recompute_num_layers={n} must be between 1 and the layers per pipeline rank "
-                       f"({per_rank}) with recompute_granularity=full; fix: model.recompute_num_layers=1")
-    elif g == "selective" and recipe.recompute_num_layers is not None:
-        out.append(f"model.recompute_num_layers={recipe.recompute_num_layers} must be null with "
-                   "recompute_granularity=selective; fix: model.recompute_num_layers=null")
-    return out
+    """Megatron's recomputation rules (:func:`orchestrator.spec.checks.recompute_problems`, the one copy)."""
+    return recompute_problems(recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers,
+                              layout.layers_per_stage)
 
 
 def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: GpuPreset,
-                mfu: float = DEFAULT_MFU, validate: bool = True, gpus_per_node: int = 8) -> Plan:
+                mfu: float = DEFAULT_MFU, validate: bool = True, gpus_per_node: int = 8,
+                profile: Optional[DeviceProfile] = None) -> Plan:
     """Plan one layout. Raises LayoutError / ConfigError when a Megatron rule is broken.
+
+    With a ``profile`` (:mod:`orchestrator.plan.profile`) its constants replace the assumptions:
+    framework overhead, states and activation factors for memory; achieved FLOP/s, link bandwidths,
+    call latency and framework time per pass for the step time (``mfu`` is then unused).
 
     ``mfu`` is the assumed model-FLOPs utilisation of busy compute time (no bubble, no
     recomputation, no communication). Step time, in seconds:
@@ -322,11 +325,17 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
             optimizer=sharded if recipe.use_distributed_optimizer else unsharded,
             optimizer_unsharded=unsharded, optimizer_sharded=sharded, activations=act, in_flight=flight,
             overhead=FRAMEWORK_OVERHEAD_BYTES))
+    if profile is not None:  # calibrated memory: overhead + factors x the planner's terms
+        sf, af = profile.states_factor, profile.activation_factor
+        stages = [replace(st, weights=sf * st.weights, gradients=sf * st.gradients, optimizer=sf * st.optimizer,
+                          optimizer_unsharded=sf * st.optimizer_unsharded, optimizer_sharded=sf * st.optimizer_sharded,
+                          activations=af * st.activations, overhead=profile.memory_overhead_bytes) for st in stages]
     alt_full = recipe if recipe.recompute_granularity == "full" else replace(
         recipe, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     ends = {0, p - 1}  # middle stages hold fewer micro-batches and neither embedding nor logits
+    act_factor = profile.activation_factor if profile is not None else 1.0
     by_recompute = {
-        name: max(_stage_activations(shape, layout, rec, r, vp, g)[0] for r in ends)
+        name: act_factor * max(_stage_activations(shape, layout, rec, r, vp, g)[0] for r in ends)
         for name, rec, g in (("none", recipe, None), ("selective", recipe, "selective"), ("full", alt_full, "full"))
     }
     overhead, fraction = bubble(p, layout.num_microbatches, layout.vpp)
@@ -334,6 +343,11 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     peak = gpu.peak_flops(recipe.precision)
     compute = max(stage_flops) / (layout.world_size / p * peak * mfu)
     tp_s, pp_s, dp_s = comm_seconds(shape, layout, recipe, gpu, max(st.params for st in stages), gpus_per_node)
+    framework = fixed = 0.0
+    if profile is not None:
+        sec = step_terms(shape, layout, recipe, vp, max(st.params for st in stages), gpus_per_node).seconds(profile)
+        compute, tp_s, pp_s, dp_s, framework, fixed = (sec[k] for k in ("compute", "tp", "pp", "dp", "framework",
+                                                                        "fixed"))
     tied_copy = vp * shape.hidden_size if (p > 1 and not shape.untie_embeddings_and_output_weights) else 0
     rep, sh, erep, esh = _layer_params(shape)
     pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
@@ -346,7 +360,8 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         params_embedding=(vp + pos) * shape.hidden_size, params_per_stage=[s[0] for s in per_stage],
         stages=stages, activations_by_recompute=by_recompute, bubble_overhead=overhead,
         bubble_fraction=fraction, compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
-        model_flops=model, hardware_flops=hardware, notes=notes)
+        model_flops=model, hardware_flops=hardware, notes=notes, framework_s=framework, fixed_s=fixed,
+        profile=profile)
 
 
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
@@ -385,21 +400,35 @@ def _gpus_per_node(cfg) -> int:
     return cfg.cluster.gpus_per_node or 8
 
 
-def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None) -> Plan:
-    """Plan a :class:`~orchestrator.spec.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``).
+def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None,
+         profile: Any = "auto") -> Plan:
+    """Plan a :class:`~orchestrator.spec.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
 
+    ``profile``: "auto" = the device's stored calibration profile when one exists (the plan's notes say
+    which), a :class:`~orchestrator.plan.profile.DeviceProfile`, or None for the preset's assumptions.
     Raises :class:`~orchestrator.errors.LayoutError` for a broken Megatron rule and
     :class:`~orchestrator.errors.ConfigError` for an unknown GPU preset.
     """
-    preset = gpu_preset(gpu if gpu is not None else cfg.gpu)
+    layout = layout_from_config(cfg)
+    preset = gpu_preset(gpu if gpu is not None else cfg.gpu, ranks_on_host=layout.world_size // max(1, cfg.cluster.nodes))
+    if isinstance(profile, str):
+        profile = device_profile(preset, cfg.data.cache_dir)
     note = None
     if vocab_size is None:
         vocab_size, note = vocab_size_of(cfg)
     shape = ModelShape.from_model_config(cfg.model, vocab_size)
-    result = plan_layout(layout_from_config(cfg), shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
-                         gpus_per_node=_gpus_per_node(cfg))
+    result = plan_layout(layout, shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
+                         gpus_per_node=_gpus_per_node(cfg), profile=profile)
     if note:
         result.notes.append(note)
-    if cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
-        result.notes.append(f"this config runs on CPU; memory and time are for the {preset.name} preset")
+    if profile is not None:
+        result.notes.append(f"device profile {profile.summary()}")
+        if not profile.calibrated:
+            result.notes.append("calibrate it on this device: python -m orchestrator tune <overrides> (or tune.calibrate_only=true)")
+    if preset.name == CPU_PRESET:
+        result.notes.append(f"planned for this machine's CPU: {_gib(preset.memory_bytes)} of memory per rank "
+                            f"({layout.world_size // max(1, cfg.cluster.nodes)} ranks on this host)")
+    elif cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
+        result.notes.append(f"this config runs on CPU; memory and time are for the {preset.name} preset "
+                            "(gpu=cpu plans for this machine's CPU)")
     return result

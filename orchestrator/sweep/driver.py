@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError, OrchestratorError
-from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, measured,
-                                      short_reason, status_of_summary, write_summary)
+from orchestrator.plan.profile import device_of
+from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, layout_record,
+                                      measured, plan_record, short_reason, status_of_summary, write_summary)
 from orchestrator.io import write_atomic
 
 __all__ = ["COLUMNS", "Point", "current_point", "exit_code", "finish", "main", "measured", "run_point",
@@ -161,21 +162,16 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         layout = validate(cfg)
         record["training"] = {"train_iters": cfg.training.train_iters,
                               "timing_warmup_iters": cfg.training.timing_warmup_iters}
-        record["layout"] = {
-            "world_size": layout.world_size, "tensor_model_parallel_size": layout.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,
-            "data_parallel_size": layout.data_parallel_size, "micro_batch_size": layout.micro_batch_size,
-            "global_batch_size": layout.global_batch_size, "num_microbatches": layout.num_microbatches,
-            "tokens_per_step": layout.tokens_per_step}
+        record["layout"] = layout_record(layout)
         record["cluster"] = cfg.cluster.kind
         plan = planner.plan(cfg)
     except ConfigError as exc:  # LayoutError included: the validation message is the reason
         _record(point, record, "invalid", str(exc))
         return None
-    record["plan"] = {"gpu": plan.gpu.name, "fits": plan.fits, "peak_bytes": plan.peak_bytes,
-                      "bubble_fraction": plan.bubble_fraction, "model_flops": plan.model_flops,
-                      "verdict": plan.reason}
+    # "plan": the device that runs (cpu for CPU runs; its calibrated profile when stored), shown in the
+    # table; "plan_preset": the gpu preset, which decides skipped_oom_predicted.
+    record["plan"] = plan_record(planner.plan(cfg, gpu=device_of(cfg)))
+    record["plan_preset"] = plan_record(plan)
     if not plan.fits and not cfg.sweep.run_predicted_oom:
         _record(point, record, "skipped_oom_predicted",
                 f"{plan.reason}; to run it anyway: sweep.run_predicted_oom=true (or gpu=<a larger preset>)")

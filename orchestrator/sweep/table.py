@@ -25,7 +25,11 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
   throughput this way (their 96 B s l h^2 variant adds the extra forward of full recomputation);
 * peak memory per rank (measured): the largest ``peak_rss_mb_per_rank`` (process max RSS, MiB;
   while running, the logging rank's ``max_rss_mb``); predicted memory: the planner's worst stage on
-  the ``gpu`` preset (MiB) -- on CPU runs the two measure different things (host RSS vs GPU memory);
+  the device that ran (``point.json``'s ``plan``: ``cpu`` for CPU runs, else the ``gpu`` preset),
+  with its calibrated device profile when one is stored (:mod:`orchestrator.plan.profile`);
+  memory error % = 100 x (predicted - measured) / measured, measured = torch's peak allocated on
+  GPU runs, else the peak RSS;
+* predicted step time: the same plan's (seconds); step-time error % = 100 x (predicted - measured) / measured;
 * bubble fraction: the planner's (p-1)/(v m + p-1) (Narayanan et al. 2021, section 2.2).
 
 Rows are ranked by measured tokens/s, fastest first; rows without a measurement follow in point order.
@@ -56,10 +60,34 @@ FAILURES = ("failed", "interrupted", "stopped")
 UNFINISHED = ("pending", "running", "submitted", "requeued")
 
 COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s", "tokens_per_s",
-           "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "bubble_fraction", "reason"]
+           "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "memory_error_pct",
+           "predicted_step_time_s", "step_time_error_pct", "bubble_fraction", "reason"]
 """The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
 EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
                  "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
+
+
+def layout_record(layout) -> Dict[str, Any]:
+    """The layout numbers a point records (a :class:`~orchestrator.spec.layout.ParallelLayout` in)."""
+    return {"world_size": layout.world_size, "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,
+            "data_parallel_size": layout.data_parallel_size, "micro_batch_size": layout.micro_batch_size,
+            "global_batch_size": layout.global_batch_size, "num_microbatches": layout.num_microbatches,
+            "tokens_per_step": layout.tokens_per_step}
+
+
+def plan_record(plan) -> Dict[str, Any]:
+    """The planner numbers a point records (an :class:`~orchestrator.plan.memory.Plan` in)."""
+    return {"gpu": plan.gpu.name, "fits": plan.fits, "peak_bytes": plan.peak_bytes,
+            "bubble_fraction": plan.bubble_fraction, "model_flops": plan.model_flops,
+            "step_time_s": plan.step_time_s, "verdict": plan.reason,
+            "profile": plan.profile.device if plan.profile is not None else None,
+            "calibrated": bool(plan.profile is not None and plan.profile.calibrated)}
+
+
+def _error_pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    return 100.0 * (predicted - measured) / measured if predicted is not None and measured else None
 
 
 def job_id_in(run_dir: Path) -> Optional[str]:
@@ -243,6 +271,9 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
     status, reason = _resolve_status(point, run_dir, meas)
     ov = dict(map(_split, point.get("overrides", [])))
     step = _number(meas.get("step_time_median_s"))
+    predicted_mib = pl["peak_bytes"] / MiB if _number(pl.get("peak_bytes")) else None
+    predicted_step = _number(pl.get("step_time_s"))
+    measured_mib = _number(meas.get("peak_gpu_mib")) or _number(meas.get("peak_rss_mib"))
     tokens_per_step = _number(meas.get("tokens_per_step")) or _number(lay.get("tokens_per_step"))
     gbs, world, flops = _number(lay.get("global_batch_size")), _number(lay.get("world_size")), _number(pl.get("model_flops"))
     row: Dict[str, Any] = {
@@ -255,7 +286,8 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
         "tflops_per_device": flops / step / world / 1e12 if step and flops and world else None,
         "peak_rss_mib": _number(meas.get("peak_rss_mib")),
         "peak_gpu_mib": _number(meas.get("peak_gpu_mib")),  # GPU runs: torch.cuda.max_memory_allocated
-        "predicted_mib": pl["peak_bytes"] / MiB if _number(pl.get("peak_bytes")) else None,
+        "predicted_mib": predicted_mib, "memory_error_pct": _error_pct(predicted_mib, measured_mib),
+        "predicted_step_time_s": predicted_step, "step_time_error_pct": _error_pct(predicted_step, step),
         "bubble_fraction": _number(pl.get("bubble_fraction")),
         "reason": reason or "",
         "timed_iterations": meas.get("timed_iterations"), "iteration": meas.get("iteration"),
@@ -304,7 +336,8 @@ def _fmt(v: Any, spec: str) -> str:
 def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> str:
     head = ["rank", "point", "overrides", "job id", "status", "step time median (ms)", "tokens/s", "samples/s",
             "TFLOP/s per device", "peak memory per rank (MiB, measured)",
-            f"predicted memory (MiB, {gpu or 'planner'})", "bubble", "reason"]
+            f"predicted memory (MiB, {gpu or 'planner'})", "memory error", "predicted step (ms)", "step error",
+            "bubble", "reason"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         cells = [_cell(r["rank"]) or "-", str(r["point"]), f"`{r['overrides']}`" if r["overrides"] else "",
@@ -312,7 +345,9 @@ def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> st
                  _fmt(r["step_time_median_s"] * 1000 if r["step_time_median_s"] is not None else None, ".1f"),
                  _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["samples_per_s"], ".2f"),
                  _fmt(r["tflops_per_device"], ".3g"), _fmt(r["peak_rss_mib"], ",.0f"),
-                 _fmt(r["predicted_mib"], ",.0f"), _fmt(r["bubble_fraction"], ".1%"), short_reason(r["reason"])]
+                 _fmt(r["predicted_mib"], ",.0f"), _fmt(r["memory_error_pct"], "+.1f"),
+                 _fmt(r["predicted_step_time_s"] * 1000 if r["predicted_step_time_s"] is not None else None, ".1f"),
+                 _fmt(r["step_time_error_pct"], "+.0f"), _fmt(r["bubble_fraction"], ".1%"), short_reason(r["reason"])]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,371 @@
+"""The tuner's search, pure: options, candidate layouts, memory pruning, ranking, when to stop.
+
+No processes, no files: :mod:`orchestrator.sweep.tune` runs the trials and calls these.
+
+* :func:`candidates` enumerates TP x PP x VPP x MBS x recomputation x distributed optimizer x
+  sequence parallel for the base config's world size and GBS; every combination goes through the
+  one :func:`~orchestrator.spec.checks.validate` (and the planner's recomputation rules), so the
+  search never runs what a user could not.
+* :func:`price` plans each on the device that runs with the current device profile;
+  :func:`fits` keeps those whose predicted peak per rank is at most ``memory_margin`` x the limit.
+* :func:`stop_reason` says when to stop: budget (trials, minutes), no improvement by
+  ``min_gain`` over ``patience`` trials, or the model bound -- the best remaining prediction,
+  allowing the model's observed error, cannot beat the best measured step.
+* :func:`blocked` learns from crashes: the options a crashed trial had that no completed trial had
+  are suspects; remaining candidates with all of them are not run. An out-of-memory crash instead
+  lowers the margin to below that trial's prediction (:func:`margin_after_oom`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from orchestrator.errors import ConfigError
+from orchestrator.spec.layout import ParallelLayout, layout_from_config
+from orchestrator.spec.schema import JobConfig
+
+MiB = 2 ** 20
+RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None), "full": ("full", "uniform", 1)}
+"""tune.recompute values -> (model.recompute_granularity, recompute_method, recompute_num_layers)."""
+
+
+@dataclass
+class TuneConfig:
+    """``tune.*`` options of ``python -m orchestrator tune`` (lists: ``tune.mbs=1,2,4`` or ``[1,2,4]``)."""
+
+    name: Optional[str] = None
+    """Experiment name; trials in ``<run.root>/tune/<name>/<n>``. Default: ``<run.name>_tuned``."""
+    max_trials: int = 8
+    max_minutes: float = 60.0
+    patience: int = 3
+    """Stop after this many trials in a row without a step faster by ``min_gain``."""
+    min_trials: int = 3
+    """No early stop before this many trials."""
+    min_gain: float = 0.02
+    model_error_floor: float = 0.05
+    """The model's error is never taken below this (step-time noise between runs)."""
+    iters: int = 8
+    """Training iterations per trial (the first ``warmup_iters`` are not timed)."""
+    warmup_iters: int = 2
+    memory_margin: float = 0.9
+    """Run a candidate only if its predicted peak per rank <= this x the memory limit."""
+    memory_limit_mb: Optional[float] = None
+    """Per rank; default: the device's (GPU preset, or this machine's RAM / ranks on it)."""
+    tp: Optional[List[int]] = None
+    pp: Optional[List[int]] = None
+    vpp: Optional[List[Optional[int]]] = None
+    mbs: Optional[List[int]] = None
+    recompute: Optional[List[str]] = None
+    """none, selective, full (full = uniform, 1 layer per group)."""
+    distributed_optimizer: Optional[List[bool]] = None
+    sequence_parallel: Optional[List[bool]] = None
+    out: Optional[str] = None
+    """Where to write the winner (default ``conf/experiment/<name>.yaml``)."""
+    calibrate: bool = True
+    """Fit the device profile to the trials and store it."""
+    dry_run: bool = False
+    """Print the ranked candidates; run nothing."""
+    trial_timeout_min: int = 10
+
+
+_LISTS = {"tp": int, "pp": int, "vpp": int, "mbs": int, "recompute": str, "distributed_optimizer": bool,
+          "sequence_parallel": bool}
+
+
+def _scalar(text: str, kind: type, key: str) -> Any:
+    """One value as YAML (``null``, ``true``, numbers), checked against ``kind``."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else None
+    if value is None:
+        return None
+    if kind is str:
+        return str(value)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ConfigError(f"tune.{key}={text!r} is not a {kind.__name__}; fix: tune.{key}=<{kind.__name__}>")
+
+
+def parse_tune_args(args: Sequence[str]) -> TuneConfig:
+    """``tune.key=value`` strings -> :class:`TuneConfig` (ConfigError naming the key otherwise)."""
+    types = {f.name: f.type for f in fields(TuneConfig)}
+    defaults = TuneConfig()
+    values: Dict[str, Any] = {}
+    for arg in args:
+        key, eq, text = arg.partition("=")
+        key = key[len("tune."):]
+        if not eq or key not in types:
+            raise ConfigError(f"tune.{key}: unknown tune option; fix: one of {', '.join('tune.' + k for k in types)}")
+        if key in _LISTS:
+            parts = [p for p in re.split(r"\s*,\s*", text.strip().strip("[]")) if p]
+            values[key] = [_scalar(p, _LISTS[key], key) for p in parts]
+            if key == "recompute" and any(v not in RECOMPUTE for v in values[key]):
+                raise ConfigError(f"tune.recompute={text}: values must be among {', '.join(RECOMPUTE)}; "
+                                  "fix: tune.recompute=none,selective")
+        else:
+            default = getattr(defaults, key)
+            kind = type(default) if default is not None else (str if key in ("name", "out") else float)
+            values[key] = _scalar(text, kind, key)
+    opts = TuneConfig(**values)
+    for key in ("max_trials", "iters", "patience", "trial_timeout_min"):
+        if getattr(opts, key) < 1:
+            raise ConfigError(f"tune.{key}={getattr(opts, key)} must be >= 1; fix: tune.{key}=<a positive integer>")
+    if not 0 <= opts.warmup_iters < opts.iters:
+        raise ConfigError(f"tune.warmup_iters={opts.warmup_iters} must be < tune.iters={opts.iters} (some "
+                          "iterations must be timed); fix: tune.warmup_iters=1")
+    if not 0 < opts.memory_margin <= 1:
+        raise ConfigError(f"tune.memory_margin={opts.memory_margin} must be in (0, 1]; fix: tune.memory_margin=0.9")
+    return opts
+
+
+# ---- candidates --------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    """One valid layout/recipe: the overrides that select it, its config and (once priced) its plan."""
+
+    overrides: List[str]
+    cfg: JobConfig
+    layout: ParallelLayout
+    plan: Any = None
+    status: str = "candidate"
+    """candidate, pruned_memory, blocked, or the trial's status once run."""
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        lay, m = self.layout, self.cfg.model
+        parts = [f"TP{lay.tensor_model_parallel_size}", f"PP{lay.pipeline_model_parallel_size}"]
+        if lay.virtual_pipeline_model_parallel_size:
+            parts.append(f"VPP{lay.virtual_pipeline_model_parallel_size}")
+        parts += [f"DP{lay.data_parallel_size}", f"MBS{lay.micro_batch_size}"]
+        if lay.sequence_parallel:
+            parts.append("SP")
+        if m.recompute_granularity:
+            parts.append(f"recompute={m.recompute_granularity}")
+        if self.cfg.optimizer.use_distributed_optimizer:
+            parts.append("distopt")
+        return " ".join(parts)
+
+    @property
+    def features(self) -> Set[str]:
+        """Options that depart from the plainest layout (for :func:`blocked`)."""
+        lay = self.layout
+        out = {f"mbs={lay.micro_batch_size}"}
+        for name, on in (("tp", lay.tensor_model_parallel_size > 1), ("pp", lay.pipeline_model_parallel_size > 1),
+                         ("vpp", bool(lay.virtual_pipeline_model_parallel_size)), ("sp", lay.sequence_parallel),
+                         ("distopt", self.cfg.optimizer.use_distributed_optimizer)):
+            if on:
+                out.add(name)
+        if self.cfg.model.recompute_granularity:
+            out.add(f"recompute={self.cfg.model.recompute_granularity}")
+        return out
+
+
+def _show(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_space(base: JobConfig, opts: TuneConfig, world: int) -> Dict[str, List[Any]]:
+    """The values tried per knob: ``tune.*`` where given, else every divisor / power of two that can be valid."""
+    m, t = base.model, base.training
+    node = base.cluster.gpus_per_node or world
+    return {
+        "tp": opts.tp or [d for d in _divisors(world) if d <= node and m.num_attention_heads % d == 0],
+        "pp": opts.pp or [d for d in _divisors(world) if m.num_layers % d == 0],
+        "vpp": opts.vpp or [None] + [v for v in (2, 3, 4) if m.num_layers % v == 0],
+        "mbs": opts.mbs or [b for b in (1, 2, 4, 8, 16, 32, 64) if t.global_batch_size % b == 0],
+        "recompute": opts.recompute or list(RECOMPUTE),
+        "distributed_optimizer": opts.distributed_optimizer or [False, True],
+        "sequence_parallel": opts.sequence_parallel or [False, True],
+    }
+
+
+def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict[str, int]]:
+    """Valid candidates for the base config's world size, and a count of rejections by first reason.
+
+    Each combination becomes a JobConfig (base with the knobs replaced; DP stated so a local run keeps
+    its world size) and must pass :func:`~orchestrator.spec.checks.validate`.
+    """
+    from orchestrator.plan.memory import recipe_of, recipe_problems
+    from orchestrator.spec.checks import validate
+
+    world = layout_from_config(base).world_size
+    space = search_space(base, opts, world)
+    cp = base.parallelism.context_parallel_size
+    found: List[Candidate] = []
+    rejected: Dict[str, int] = {}
+    for tp, pp, vpp, mbs, rec, distopt, sp in itertools.product(*space.values()):
+        if world % (tp * pp * cp) or (sp and tp == 1):
+            continue  # not a layout of this world size / not an option
+        g, method, n = RECOMPUTE[rec]
+        cfg = replace(base,
+                      parallelism=replace(base.parallelism, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                          virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
+                                          data_parallel_size=world // (tp * pp * cp)),
+                      training=replace(base.training, micro_batch_size=mbs),
+                      model=replace(base.model, recompute_granularity=g, recompute_method=method, recompute_num_layers=n),
+                      optimizer=replace(base.optimizer, use_distributed_optimizer=distopt))
+        try:
+            layout = validate(cfg)
+            problems = recipe_problems(recipe_of(cfg), layout)
+            if problems:
+                raise ConfigError(problems[0])
+        except ConfigError as exc:
+            reason = str(exc).split(";")[0][:100]
+            rejected[reason] = rejected.get(reason, 0) + 1
+            continue
+        overrides = [f"parallelism.tensor_model_parallel_size={tp}", f"parallelism.pipeline_model_parallel_size={pp}",
+                     f"parallelism.virtual_pipeline_model_parallel_size={_show(vpp)}",
+                     f"parallelism.data_parallel_size={world // (tp * pp * cp)}",
+                     f"parallelism.sequence_parallel={_show(sp)}", f"training.micro_batch_size={mbs}",
+                     f"model.recompute_granularity={_show(g)}", f"model.recompute_method={_show(method)}",
+                     f"model.recompute_num_layers={_show(n)}", f"optimizer.use_distributed_optimizer={_show(distopt)}"]
+        found.append(Candidate(overrides, cfg, layout))
+    return found, rejected
+
+
+# ---- pricing, pruning, ranking -------------------------------------------------------------------
+
+def price(cands: Sequence[Candidate], device: str, profile: Any) -> None:
+    """Plan every candidate on ``device`` (a preset name; ``cpu``) with ``profile``."""
+    from orchestrator.plan import memory as planner
+
+    for c in cands:
+        c.plan = planner.plan(c.cfg, gpu=device, profile=profile)
+
+
+def memory_limit_bytes(cand: Candidate, opts: TuneConfig) -> float:
+    return opts.memory_limit_mb * MiB if opts.memory_limit_mb else float(cand.plan.gpu.memory_bytes)
+
+
+def fits(cand: Candidate, opts: TuneConfig, margin: float) -> bool:
+    """Predicted peak per rank <= margin x limit."""
+    return cand.plan.peak_bytes <= margin * memory_limit_bytes(cand, opts)
+
+
+def ranked(cands: Sequence[Candidate]) -> List[Candidate]:
+    """Fastest predicted step first; then least memory."""
+    return sorted(cands, key=lambda c: (c.plan.step_time_s, c.plan.peak_bytes))
+
+
+# ---- learning from trials --------------------------------------------------------------------------
+
+_OOM = re.compile(r"out of memory|OutOfMemory|MemoryError|died without a result|\bKilled\b|oom", re.IGNORECASE)
+
+
+def is_oom(reason: str) -> bool:
+    return bool(_OOM.search(reason or ""))
+
+
+def margin_after_oom(margin: float, predicted_peak: float, limit: float) -> float:
+    """After an OOM at ``predicted_peak``: at most 95% of that trial's predicted share of the limit."""
+    return min(margin, 0.95 * predicted_peak / limit)
+
+
+def suspects(crashed: Sequence[Candidate], completed: Sequence[Candidate]) -> List[Set[str]]:
+    """Per crashed (not OOM) trial: its options no completed trial had."""
+    seen: Set[str] = set().union(*(c.features for c in completed)) if completed else set()
+    return [c.features - seen for c in crashed]
+
+
+def blocked(cand: Candidate, suspect_sets: Sequence[Set[str]]) -> Optional[Set[str]]:
+    """The first suspect set ``cand`` has all of (then it is not run), else None."""
+    return next((s for s in suspect_sets if s and s <= cand.features), None)
+
+
+@dataclass
+class TrialOutcome:
+    """What the stop rule needs of one trial."""
+
+    measured_step_s: Optional[float]
+    """None when the trial did not complete."""
+    predicted_step_s: float
+    """Under the current profile (refitted after every trial)."""
+
+
+def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_predicted_s: Sequence[float],
+                elapsed_s: float, next_trial_s: float = 0.0) -> Optional[str]:
+    """Why to stop now, or None to run the next candidate.
+
+    Budget: ``max_trials`` trials run, or ``max_minutes`` would be passed by another trial of the
+    average length so far. No candidates left. After ``min_trials``: ``patience`` trials in a row
+    without a step ``min_gain`` faster than the best before; or the model bound: every remaining
+    prediction x (1 - error) >= the best measured step, error = max(``model_error_floor``, the
+    largest |measured / predicted - 1| over the completed trials).
+    """
+    if len(trials) >= opts.max_trials:
+        return f"budget: tune.max_trials={opts.max_trials} trials run"
+    if elapsed_s + next_trial_s > 60 * opts.max_minutes:
+        return f"budget: another trial would pass tune.max_minutes={opts.max_minutes:g}"
+    if not remaining_predicted_s:
+        return "every candidate that fits has been tried or ruled out"
+    done = [t for t in trials if t.measured_step_s]
+    if len(trials) < opts.min_trials or not done:
+        return None
+    best, last_gain = None, -1
+    for i, t in enumerate(trials):
+        if t.measured_step_s and (best is None or t.measured_step_s < best * (1 - opts.min_gain)):
+            best, last_gain = t.measured_step_s, i
+    if len(trials) - 1 - last_gain >= opts.patience:
+        return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
+    best = min(t.measured_step_s for t in done)
+    error = max([opts.model_error_floor] + [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done])
+    floor = min(remaining_predicted_s) * (1 - error)
+    if floor >= best:
+        return (f"model bound: the best remaining candidate is predicted at {min(remaining_predicted_s) * 1e3:.1f} ms "
+                f"(>= {floor * 1e3:.1f} ms allowing the model's {error:.0%} error) vs {best * 1e3:.1f} ms measured")
+    return None
+
+
+# ---- the winner as an experiment file ------------------------------------------------------------
+
+GROUPS = ("parallelism", "model", "optimizer", "data", "training", "cluster")
+
+
+def experiment_yaml(name: str, base_overrides: Sequence[str], knobs: Sequence[str], header: Sequence[str]) -> str:
+    """``conf/experiment/<name>.yaml`` text: the base overrides and the winner's knobs, runnable with
+    ``+experiment=<name>``; ``header`` lines become its leading comment.
+
+    Group choices become ``override /group: option`` defaults, ``+experiment=X`` includes
+    ``/experiment/X``, dotted keys become values; the knobs win over the base (written last).
+    """
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    defaults: List[Any] = []
+    values: Dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        node = values
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    knob_keys = {k.partition("=")[0] for k in knobs}
+    for o in OverridesParser.create().parse_overrides(list(base_overrides)):
+        key = o.key_or_group
+        if o.is_delete() or key in knob_keys:
+            continue
+        if key == "experiment":
+            defaults.append(f"/experiment/{o.value()}")
+        elif key in GROUPS:
+            defaults.append({f"override /{key}": o.value()})
+        else:
+            put(key, o.value())
+    for o in OverridesParser.create().parse_overrides(list(knobs)):
+        put(o.key_or_group, o.value())
+    put("run.name", name)
+    body = yaml.safe_dump({"defaults": defaults + ["_self_"], **values}, sort_keys=False, default_flow_style=False)
+    comment = "\n".join(f"# {line}".rstrip() for line in header)
+    return f"# @package _global_\n{comment}\n{body}"

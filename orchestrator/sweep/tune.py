@@ -1,0 +1,387 @@
+"""``python -m orchestrator tune [overrides] [tune.*]``: measure few layouts, keep the fastest.
+
+    python -m orchestrator tune +experiment=gpt_pp2_dp2 tune.max_trials=6 tune.max_minutes=20
+    python -m orchestrator +experiment=gpt_pp2_dp2_tuned          # run the winner
+
+Reads top to bottom (:meth:`Tuner.run`):
+
+1. Compose the base config from the Hydra overrides (:func:`~orchestrator.spec.compose.compose_config`);
+   ``tune.*`` options go to :class:`~orchestrator.sweep.search.TuneConfig`.
+2. Enumerate every layout of its world size and global batch (:func:`~orchestrator.sweep.search.candidates`,
+   each through the one ``validate``), price each on the device that runs (``cpu`` for CPU ranks,
+   else the ``gpu`` preset) with its device profile -- stored calibration, or the prior -- and drop
+   those predicted above ``tune.memory_margin`` x the memory per rank.
+3. Run the fastest predicted candidate as a real job: ``python -m orchestrator <overrides> <knobs>``
+   with ``tune.iters`` iterations, no checkpoint, in ``<run.root>/tune/<name>/<n>``; record it as a
+   sweep point (``point.json``). Fit the device profile to every trial so far
+   (:func:`~orchestrator.plan.calibrate.fit_profile`), store it (``tune.calibrate``), re-price the
+   rest, and repeat until :func:`~orchestrator.sweep.search.stop_reason` says stop.
+4. Write the sweep table (``summary.csv/.md/.png`` with predicted vs measured step time and memory),
+   ``candidates.csv`` (every valid candidate, predicted, and what became of it) and the winner as
+   ``conf/experiment/<name>.yaml`` (``tune.out``) with the evidence in its header.
+
+A crashed trial is recorded; an out-of-memory crash lowers the memory margin below its prediction,
+another crash rules out the remaining candidates that share its untested options. SLURM: with
+``cluster=slurm...`` each trial is its own job, submitted and waited for in sequence (not yet: trials
+within one allocation, or as an array). Exit code: 0 with a winner, 1 when no trial completed, 2
+for a user error (one ``error:`` line, nothing created).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.io import read_jsonl, write_atomic
+from orchestrator.sweep import search
+from orchestrator.sweep.search import Candidate, TuneConfig
+from orchestrator.sweep.table import (POINT_FILE, layout_record, measured, plan_record, short_reason, to_markdown,
+                                      write_summary)
+
+CANDIDATES_CSV = "candidates.csv"
+_SKIP_BASE = ("run.", "hydra.", "plan=", "dry_run=")
+"""Base overrides a trial replaces (its own run directory; it must run)."""
+
+
+def say(message: str) -> None:
+    print("\n".join(f"[tune] {line}" for line in str(message).splitlines()), flush=True)
+
+
+def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
+    """What every trial adds: its run directory, few iterations, no checkpoint, a bounded job."""
+    return [f"run.root={root}", f"run.name={num}", f"training.train_iters={opts.iters}",
+            f"training.timing_warmup_iters={opts.warmup_iters}", "training.exit_after_iters=null",
+            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+            "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
+            "plan=false", "dry_run=false"]
+
+
+def job_summary(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """The job's final ``summary`` record from ``metrics.jsonl`` (None when it wrote none)."""
+    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("event") == "summary"]
+    return records[-1] if records else None
+
+
+def run_cli(args: Sequence[str], log_path: Path, timeout_s: float) -> Tuple[int, float]:
+    """``python -m orchestrator ARGS`` with output to ``log_path``; (exit code, seconds).
+
+    Timeout: SIGTERM (the CLI stops its ranks), exit code 124. Ctrl-C: the same, then re-raised.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            rc = 124
+    return rc, time.time() - start
+
+
+def _log_reason(log_path: Path, lines: int = 15) -> str:
+    """The CLI's ``error:`` line and what follows it, else the log's last lines."""
+    text = log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else []
+    start = next((i for i, line in enumerate(text) if line.startswith("error:")), None)
+    return "\n".join(text[start:start + lines] if start is not None else text[-lines:])
+
+
+@dataclass
+class Trial:
+    """One candidate run as a job."""
+
+    num: int
+    cand: Candidate
+    predicted_step_s: float
+    """At selection (the prospective prediction)."""
+    predicted_peak_bytes: float
+    status: str = "running"
+    reason: str = ""
+    summary: Optional[Dict[str, Any]] = None
+    wall_s: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def step_s(self) -> Optional[float]:
+        return self.summary.get("step_time_median_s") if self.status == "completed" and self.summary else None
+
+
+class Tuner:
+    """One tune session: the base config, its candidates, the device profile, the trials."""
+
+    def __init__(self, base, overrides: List[str], opts: TuneConfig):
+        from orchestrator.plan.inputs import gpu_preset
+        from orchestrator.plan.profile import device_key, device_of, load_profile, prior_profile
+        from orchestrator.spec.layout import layout_from_config
+
+        self.base, self.opts = base, opts
+        self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
+        self.name = opts.name or f"{base.run.name}_tuned"
+        self.root = Path(base.run.root) / "tune" / self.name
+        self.device = device_of(base)
+        layout = layout_from_config(base)
+        preset = gpu_preset(self.device, ranks_on_host=layout.world_size // max(1, base.cluster.nodes))
+        self.key = device_key(self.device)
+        self.prior = prior_profile(preset, self.key)
+        stored = load_profile(self.key, base.data.cache_dir)
+        self.samples: List[Dict[str, Any]] = list(stored.samples) if stored else []
+        self.profile = stored or self.prior
+        self.margin = opts.memory_margin
+        self.trials: List[Trial] = []
+        self.start = time.time()
+        self.cands, self.rejected = search.candidates(base, opts)
+
+    # ---- choosing ---------------------------------------------------------------------------
+    def _price(self) -> None:
+        """Re-plan every candidate with the current profile; mark those over the memory margin."""
+        search.price(self.cands, self.device, self.profile)
+        for c in self.cands:
+            if c.status in ("candidate", "pruned_memory"):
+                c.status = "candidate" if search.fits(c, self.opts, self.margin) else "pruned_memory"
+
+    def _suspects(self) -> List[set]:
+        crashed = [t.cand for t in self.trials if t.status == "failed" and not search.is_oom(t.reason)]
+        return search.suspects(crashed, [t.cand for t in self.trials if t.status == "completed"])
+
+    def remaining(self) -> List[Candidate]:
+        sus = self._suspects()
+        out = []
+        for c in self.cands:
+            if c.status == "candidate" and search.blocked(c, sus):
+                c.status, c.note = "blocked", "shares the options " + ", ".join(sorted(search.blocked(c, sus))) + \
+                    " of a crashed trial"
+            if c.status == "candidate":
+                out.append(c)
+        return search.ranked(out)
+
+    def stop(self) -> Optional[str]:
+        done = [t for t in self.trials if t.wall_s]
+        next_s = sum(t.wall_s for t in done) / len(done) if done else 0.0
+        outcomes = [search.TrialOutcome(t.step_s, t.cand.plan.step_time_s) for t in self.trials]
+        return search.stop_reason(self.opts, outcomes, [c.plan.step_time_s for c in self.remaining()],
+                                  time.time() - self.start, next_s)
+
+    # ---- running ----------------------------------------------------------------------------
+    def run_trial(self, cand: Candidate) -> Trial:
+        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes)
+        cand.status = "running"
+        self.trials.append(trial)
+        run_dir = self.root / str(trial.num)
+        self._record(trial)
+        say(f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step, "
+            f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank)")
+        args = [*self.overrides, *cand.overrides, *trial_overrides(self.opts, self.root, trial.num)]
+        rc, trial.wall_s = run_cli(args, run_dir / "tune_trial.log", 60 * self.opts.trial_timeout_min + 180)
+        trial.summary = job_summary(run_dir)
+        if rc == 0 and trial.summary and trial.summary.get("status") == "completed":
+            trial.status = "completed"
+        else:
+            trial.status = "failed"
+            trial.reason = (f"timed out after {trial.wall_s:.0f} s" if rc == 124 else
+                            _log_reason(run_dir / "tune_trial.log")) or f"exit code {rc}"
+        cand.status = trial.status
+        self._record(trial)
+        step = trial.step_s
+        say(f"trial {trial.num}: {trial.status} in {trial.wall_s:.0f} s"
+            + (f": {step * 1e3:.1f} ms/step ({(step / trial.predicted_step_s - 1):+.0%} vs predicted), "
+               f"{cand.layout.tokens_per_step / step:,.0f} tokens/s" if step else f": {short_reason(trial.reason)}"))
+        return trial
+
+    def learn(self, trial: Trial) -> None:
+        """Fit the profile to every completed trial (stored when ``tune.calibrate``); after an OOM, lower the margin."""
+        from orchestrator.plan import memory as planner
+        from orchestrator.plan.calibrate import fit_profile, sample_of
+        from orchestrator.plan.profile import save_profile
+
+        if trial.status == "failed" and search.is_oom(trial.reason):
+            limit = search.memory_limit_bytes(trial.cand, self.opts)
+            self.margin = search.margin_after_oom(self.margin, trial.predicted_peak_bytes, limit)
+            say(f"out of memory: memory margin lowered to {self.margin:.2f} of {limit / search.MiB:,.0f} MiB")
+        if trial.status == "completed" and trial.summary:
+            raw = planner.plan(trial.cand.cfg, gpu=self.device, profile=None)
+            self.samples.append(sample_of(raw, trial.summary, " ".join(trial.cand.overrides),
+                                          trial.cand.cfg.cluster.gpus_per_node or 8))
+            self.profile = fit_profile(self.prior, self.samples)
+            if self.opts.calibrate:
+                save_profile(self.profile, self.base.data.cache_dir)
+        self._price()
+
+    def _record(self, trial: Trial) -> None:
+        """The trial as a sweep point (``point.json``), then the sweep table rebuilt."""
+        c, run_dir = trial.cand, self.root / str(trial.num)
+        record = {"point": trial.num, "overrides": c.overrides, "status": trial.status, "reason": trial.reason,
+                  "job_id": (trial.summary or {}).get("job_id"), "run_dir": str(run_dir),
+                  "driver": {"pid": os.getpid(), "host": os.uname().nodename}, "started": trial.started,
+                  "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
+                  "layout": layout_record(c.layout), "cluster": c.cfg.cluster.kind, "plan": plan_record(c.plan),
+                  "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s,
+                           "predicted_peak_bytes": trial.predicted_peak_bytes, "wall_s": trial.wall_s}}
+        if trial.status != "running":
+            record["ended"] = time.time()
+            record["measured"] = measured(run_dir, self.opts.warmup_iters)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / POINT_FILE, json.dumps(record, indent=1, default=str) + "\n")
+        write_summary(self.root)
+
+    # ---- the session ------------------------------------------------------------------------
+    def run(self) -> int:
+        if not self.opts.dry_run and self.root.exists() and any(self.root.iterdir()):
+            raise ConfigError(f"tune.name={self.name}: {self.root} already holds a tune; "
+                              f"fix: tune.name=<another name>, or remove {self.root}")
+        self._price()
+        self._announce()
+        if self.opts.dry_run:
+            return 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        reason = self.stop()
+        try:
+            while reason is None:
+                self.learn(self.run_trial(self.remaining()[0]))
+                reason = self.stop()
+        except KeyboardInterrupt:
+            if self.trials and self.trials[-1].status == "running":
+                trial = self.trials[-1]
+                trial.status, trial.reason = "interrupted", "interrupted (Ctrl-C) while running"
+                trial.cand.status = "interrupted"
+                self._record(trial)
+            self.finish("interrupted (Ctrl-C)")
+            return 130
+        return self.finish(reason)
+
+    def _announce(self) -> None:
+        pruned = sum(c.status == "pruned_memory" for c in self.cands)
+        rank = self.remaining()
+        say(f"{self.name}: {len(self.cands)} valid candidates on {self.device} "
+            f"({sum(self.rejected.values())} combinations refused by validate), {pruned} predicted over "
+            f"{self.margin:.0%} of the memory per rank, {len(rank)} to choose from")
+        say(f"device profile {self.profile.summary()}")
+        for c in rank[:10]:
+            say(f"  {c.plan.step_time_s * 1e3:8.1f} ms  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  {c.label}")
+
+    def finish(self, reason: str) -> int:
+        """Table, candidates.csv, the winner's experiment file; the exit code."""
+        say(f"stopped: {reason}")
+        rows, _ = write_summary(self.root)
+        write_atomic(self.root / CANDIDATES_CSV, self.candidates_csv())
+        print(to_markdown(rows, self.device), flush=True)
+        done = [t for t in self.trials if t.step_s]
+        if self.opts.calibrate and done:
+            from orchestrator.plan.profile import profile_path
+
+            say(f"device profile stored: {profile_path(self.key, self.base.data.cache_dir)}")
+        if not done:
+            say(f"no trial completed; trials in {self.root}")
+            return 1
+        best = min(done, key=lambda t: t.step_s)
+        path = self.write_winner(best, reason)
+        say(f"winner: trial {best.num}: {best.cand.label}: {best.cand.layout.tokens_per_step / best.step_s:,.0f} "
+            f"tokens/s, {best.step_s * 1e3:.1f} ms/step")
+        say(f"written: {path}\nrun it: python -m orchestrator +experiment={self.name}"
+            + (f" (with hydra.searchpath or a copy in conf/experiment/: {path} is outside conf/)"
+               if self.opts.out else ""))
+        say(f"table: {self.root / 'summary.md'}, {self.root / 'summary.csv'}, {self.root / 'summary.png'}; "
+            f"candidates: {self.root / CANDIDATES_CSV}")
+        return 0
+
+    def candidates_csv(self) -> str:
+        by_cand = {id(t.cand): t for t in self.trials}
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["candidate", "predicted_step_time_s", "predicted_peak_mib", "status", "trial",
+                    "measured_step_time_s", "overrides"])
+        for c in search.ranked(self.cands):
+            t = by_cand.get(id(c))
+            w.writerow([c.label, c.plan.step_time_s, c.plan.peak_bytes / search.MiB, c.status,
+                        "" if t is None else t.num, "" if t is None or t.step_s is None else t.step_s,
+                        " ".join(c.overrides)])
+        return buf.getvalue()
+
+    def write_winner(self, best: Trial, reason: str) -> Path:
+        from orchestrator.spec.compose import conf_dir
+
+        path = Path(self.opts.out) if self.opts.out else conf_dir() / "experiment" / f"{self.name}.yaml"
+        header = self.evidence(best, reason)
+        text = search.experiment_yaml(self.name, self.overrides, best.cand.overrides, header)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+        return path
+
+    def evidence(self, best: Trial, reason: str) -> List[str]:
+        done = sorted((t for t in self.trials if t.step_s), key=lambda t: t.step_s)
+        lay = best.cand.layout
+        peak = max((best.summary or {}).get("peak_rss_mb_per_rank") or [0])
+        lines = [f"Tuned by `python -m orchestrator tune {' '.join(self.overrides)}` on "
+                 f"{time.strftime('%Y-%m-%d %H:%M')}, device {self.key}.",
+                 f"{len(self.cands)} valid candidates, {sum(c.status == 'pruned_memory' for c in self.cands)} "
+                 f"pruned by memory (margin {self.margin:.2f}), {len(self.trials)} trials of {self.opts.iters} "
+                 f"iterations ({self.opts.warmup_iters} untimed); stopped: {reason}.",
+                 f"Winner (trial {best.num}): {best.cand.label}: {lay.tokens_per_step / best.step_s:,.0f} tokens/s, "
+                 f"median step {best.step_s * 1e3:.1f} ms (predicted {best.predicted_step_s * 1e3:.1f} ms), "
+                 f"peak {peak:,.0f} MiB/rank (predicted {best.predicted_peak_bytes / search.MiB:,.0f} MiB).",
+                 "Measured trials, fastest first:"]
+        lines += [f"  {t.step_s * 1e3:8.1f} ms  {t.cand.label}" for t in done]
+        lines += [f"  failed: {t.cand.label}: {short_reason(t.reason, 100)}" for t in self.trials if t.status == "failed"]
+        lines.append(f"Evidence: {self.root} (summary.md, candidates.csv, each trial's metrics.jsonl).")
+        return lines
+
+
+def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(``tune.*`` arguments, Hydra overrides)."""
+    tune = [a for a in argv if a.startswith("tune.")]
+    return tune, [a for a in argv if not a.startswith("tune.")]
+
+
+def compose_base(overrides: List[str]):
+    """The base JobConfig (ConfigError for anything Hydra or the schema refuses)."""
+    from orchestrator.spec.compose import compose_config
+
+    bad = [o for o in overrides if "," in o.partition("=")[2] and not o.partition("=")[2].startswith("[")]
+    if bad or "-m" in overrides or "--multirun" in overrides:
+        raise ConfigError(f"{(bad or ['-m'])[0]}: tune takes one base config, not a sweep; fix: drop the comma "
+                          "lists (tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)")
+    try:
+        return compose_config([*overrides, "run.dir=."])
+    except OrchestratorError:
+        raise
+    except Exception as exc:  # Hydra's and OmegaConf's composition errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"overrides: {first}; fix: check the override names and values") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print("tune options (tune.<name>=<value>):")
+        for f in search.TuneConfig.__dataclass_fields__.values():
+            print(f"  tune.{f.name} (default {f.default if f.default is not None else 'auto'})")
+        return 0
+    tune_args, overrides = split_args(argv)
+    try:
+        opts = search.parse_tune_args(tune_args)
+        tuner = Tuner(compose_base(overrides), overrides, opts)
+        return tuner.run()
+    except OrchestratorError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
