@@ -18,8 +18,19 @@ from orchestrator.errors import BackendError, ConfigError
 from orchestrator.spec.layout import padded_vocab_size
 
 
+def stage_seed(seed: int, pipeline_rank: int) -> int:
+    """Megatron-LM's per-stage seed: ``seed + 100 x pipeline rank`` (``_set_random_seed`` in
+    megatron/training/initialize.py), so pipeline stages do not draw identical initial weights;
+    megatron-core's ``model_parallel_cuda_manual_seed`` then offsets by TP (and EP) rank itself."""
+    return seed + 100 * pipeline_rank
+
+
 def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
-    """megatron ``initialize_model_parallel`` + model-parallel RNG seeding."""
+    """megatron ``initialize_model_parallel`` + RNG seeding as Megatron-LM does it: Python, NumPy and
+    torch seeded with :func:`stage_seed`, then megatron-core's model-parallel RNG tracker."""
+    import random
+
+    import numpy as np
     from megatron.core import parallel_state, tensor_parallel
 
     p = cfg.parallelism
@@ -31,6 +42,9 @@ def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
     )
+    seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -91,10 +105,13 @@ def transformer_config(cfg: JobConfig, device: str):
     )
 
 
-def layer_spec(cfg: JobConfig, device: str):
-    """Transformer Engine spec on GPU when installed (or asked for), megatron's local spec otherwise."""
-    from megatron.core.models.gpt import gpt_layer_specs
+def resolve_transformer_impl(cfg: JobConfig, device: str) -> str:
+    """``model.transformer_impl`` resolved for this job: ``transformer_engine`` or ``local``.
 
+    ``auto`` means Transformer Engine on GPU when it imports, the local spec otherwise. Context
+    parallelism needs Transformer Engine attention (megatron's local ``DotProductAttention`` has no
+    CP). Raises :class:`BackendError` for TE asked for but missing, or CP > 1 without TE.
+    """
     impl = cfg.model.transformer_impl
     te_ok = False
     if impl in ("auto", "transformer_engine") and device == "cuda":
@@ -109,8 +126,28 @@ def layer_spec(cfg: JobConfig, device: str):
             "model.transformer_impl=transformer_engine but Transformer Engine is not importable here "
             f"(device={device}); fix: install transformer-engine on the GPU nodes or set model.transformer_impl=local"
         )
+    cp = cfg.parallelism.context_parallel_size
+    if cp > 1 and not te_ok:
+        raise BackendError(
+            f"parallelism.context_parallel_size={cp} needs Transformer Engine attention, but this job uses the "
+            f"local layer spec (model.transformer_impl={impl}, device={device}); fix: install transformer-engine "
+            "on the GPU nodes, or parallelism.context_parallel_size=1"
+        )
+    return "transformer_engine" if te_ok else "local"
+
+
+def layer_spec(cfg: JobConfig, device: str):
+    """megatron's GPT layer spec for :func:`resolve_transformer_impl`'s choice.
+
+    Writes the resolved value back into ``cfg.model.transformer_impl``: from here on the job's
+    config says what runs (``local`` / ``transformer_engine``, never ``auto``), so the in-job resume
+    check and the manifest compare the layer spec actually used.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    cfg.model.transformer_impl = resolve_transformer_impl(cfg, device)
     num_experts = cfg.model.num_moe_experts
-    if te_ok:
+    if cfg.model.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization=cfg.model.normalization)
 

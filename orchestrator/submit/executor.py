@@ -57,6 +57,10 @@ def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
     env = {k: str(v) for k, v in cfg.cluster.env.items()}
     if cfg.cluster.kind == "local" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    if cfg.cluster.kind == "local":  # a free rendezvous port, reserved now (never the caller's MASTER_PORT)
+        from orchestrator.runtime.distributed import local_rendezvous_env
+
+        env.update(local_rendezvous_env())
     return env
 
 
