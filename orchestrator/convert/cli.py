@@ -1,0 +1,172 @@
+"""``python -m orchestrator.convert`` (also ``python -m orchestrator convert``): Megatron-LM <-> Hydra.
+
+``from-megatron FILE [--name NAME] [--out DIR] [--nodes N --gpus-per-node G] [--gpu PRESET] [--var K=V]``
+    reads a Megatron-LM launch (shell script, args YAML or JSON), writes ``DIR/experiment/NAME.yaml``
+    (``DIR`` defaults to ``./conf`` when ``./conf/experiment`` exists, i.e. in a source checkout;
+    an installed package needs ``--out``), prints every finding, then composes the experiment,
+    validates it and prints the plan (layout, memory verdict, pipeline bubble). Exit 0, or 2 with
+    one ``error:`` line when the source or the composed config is refused (the file stays written).
+``to-megatron [--out FILE] OVERRIDES...``
+    composes ``OVERRIDES`` (``+experiment=gpt_pp2_dp2 ...``), validates, and prints the Megatron-LM
+    ``pretrain_gpt.py`` launch (``#SBATCH`` + ``srun torchrun`` on SLURM, ``torchrun`` locally).
+    ``from-megatron`` of that script composes to the same config.
+
+No torch import: both run on a login node in about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from fractions import Fraction
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from orchestrator.errors import ConfigError, OrchestratorError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.convert",
+                                     description="Convert Megatron-LM launches to orchestrator experiments and back.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("from-megatron", help="a Megatron-LM script / args YAML / JSON -> conf/experiment/NAME.yaml")
+    imp.add_argument("file", help="shell script (torchrun/srun/#SBATCH), args YAML or JSON")
+    imp.add_argument("--name", help="experiment name (default: the file's name)")
+    imp.add_argument("--out", help="config directory: the file goes to OUT/experiment/NAME.yaml (default ./conf)")
+    imp.add_argument("--nodes", type=int, help="nodes, when the source has no launcher line saying it")
+    imp.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node, likewise")
+    imp.add_argument("--gpu", help="planner GPU preset written into the experiment (A100-40GB, A100-80GB, H100, H200)")
+    imp.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                     help="define a shell variable the script reads ($1, $DATA_PATH, ...)")
+    imp.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
+    exp = sub.add_parser("to-megatron", help="a composed config -> Megatron-LM pretrain_gpt.py launch script")
+    exp.add_argument("--out", help="write the script to this file instead of printing it")
+    exp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=gpt_pp2_dp2")
+    return parser
+
+
+def _variables(items: List[str]) -> Dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_]\w*|\d+", name):
+            raise ConfigError(f"--var: {item!r} is not NAME=VALUE; fix: e.g. --var DATA_PATH=/data/my_text_document")
+        out[name] = value
+    return out
+
+
+def _name(args) -> str:
+    name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.file).stem).strip("._") or "imported"
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"--name: {name!r} is not a file name for conf/experiment; fix: letters, digits, _ . -")
+    return name
+
+
+def _out_root(out: Optional[str]) -> Path:
+    if out:
+        return Path(out)
+    if not Path("conf/experiment").is_dir():
+        raise ConfigError("--out: there is no ./conf/experiment here (an installed orchestrator keeps conf/ inside "
+                          "the package); fix: --out DIR (the file goes to DIR/experiment/NAME.yaml and is used with "
+                          "hydra.searchpath=[file://DIR])")
+    return Path("conf")
+
+
+def bubble_line(layout) -> str:
+    """The pipeline bubble as an exact fraction: (PP-1)/(VPP x m), Narayanan et al. 2021 sec. 2.2."""
+    p, v, m = layout.pipeline_model_parallel_size, layout.vpp, layout.num_microbatches
+    if p == 1:
+        return "pipeline bubble: none (PP 1)"
+    frac = Fraction(p - 1, v * m)
+    shown = f"{frac.numerator}/{frac.denominator}" if frac.denominator != 1 else str(frac.numerator)
+    if layout.interleaved:
+        return (f"pipeline bubble (interleaved 1F1B): (PP - 1) / (VPP × m) = ({p} - 1) / ({v} × {m}) = {shown} "
+                f"= {float(frac):.1%} of the ideal step time")
+    return (f"pipeline bubble (1F1B): (PP - 1) / m = ({p} - 1) / {m} = {shown} = {float(frac):.1%} "
+            "of the ideal step time")
+
+
+def check(cfg):
+    """(layout, data warnings): the one ``validate`` on ``cfg`` with its data swapped for a stand-in
+    (mock data, byte tokenizer), so that everything but the data refuses; then the data checks on
+    the real config, as warnings, since a cluster's data and tokenizer files are rarely on the
+    machine that converts (the job checks them again where it runs)."""
+    import dataclasses
+
+    from orchestrator.spec.checks import validate
+
+    stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte")
+    layout = validate(dataclasses.replace(cfg, data=stand_in))
+    try:
+        validate(cfg)
+    except OrchestratorError as exc:
+        return layout, [f"{exc} (data are checked again where the job runs)"]
+    return layout, []
+
+
+def _show_plan(cfg, layout, vocab_size: Optional[int]) -> None:
+    from orchestrator.plan.memory import plan as make_plan
+    from orchestrator.plan.report import format_plan
+
+    print(format_plan(make_plan(cfg, vocab_size=vocab_size)))
+    print(bubble_line(layout))
+
+
+def from_megatron(args) -> int:
+    """Import, write, then compose + validate + plan at once (see the module docstring)."""
+    from orchestrator.convert import experiment_file
+    from orchestrator.convert.sources import read_source
+    from orchestrator.convert.to_config import convert
+
+    source = read_source(args.file, _variables(args.var))
+    name, root = _name(args), _out_root(args.out)
+    conv = convert(source, name, args.nodes, args.gpus_per_node, args.gpu)
+    path = experiment_file.write(conv, root, args.force)
+    print(experiment_file.screen(conv, str(path)), flush=True)
+    search = experiment_file.search_overrides(root)
+    try:
+        cfg = experiment_file.compose([f"+experiment={name}"], root)
+        layout, warnings = check(cfg)
+    except OrchestratorError as exc:
+        print(f"refused: {path} stays written; fix the source (or that file) and convert again", flush=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"composed +experiment={name}: valid")
+    for warning in warnings:
+        print(f"warning: {warning}")
+    _show_plan(cfg, layout, conv.vocab_size)
+    words = [*search, f"+experiment={name}", "plan=true"]
+    print("next: python -m orchestrator " + " ".join(shlex.quote(w) for w in words))
+    return 0
+
+
+def to_megatron(args) -> int:
+    """Compose, validate, print (or write) the Megatron-LM launch script."""
+    from orchestrator.convert.experiment_file import compose
+    from orchestrator.convert.from_config import export
+
+    cfg = compose(list(args.overrides))
+    layout, warnings = check(cfg)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    text = export(cfg, list(args.overrides), layout.world_size)
+    if args.out:
+        from orchestrator.io import write_atomic
+
+        write_atomic(args.out, text, fsync=False)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns the exit code (0 ok, 2 user error with one ``error:`` line)."""
+    args = _parser().parse_args(argv)
+    try:
+        return from_megatron(args) if args.command == "from-megatron" else to_megatron(args)
+    except OrchestratorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code

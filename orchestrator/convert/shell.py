@@ -1,0 +1,337 @@
+"""Read a shell script the way bash would run a Megatron-LM launch (see :mod:`orchestrator.convert.sources`).
+
+Comments, ``\\`` continuations, ``NAME=value`` / ``export`` / arrays, ``$NAME``, ``${NAME:-d}``,
+``${ARRAY[@]}``, ``$(( arithmetic ))``, ``#SBATCH`` and ``# orchestrator:`` lines, here-documents
+(skipped) and the one launch line (``[srun] [torchrun | python -m torch.distributed.run] X.py`` or
+``bash X.sh`` followed by Megatron-LM flags). Nothing is executed: ``$(command)`` stays unknown.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import os
+import re
+import shlex
+from typing import Dict, List, Optional, Tuple
+
+from orchestrator.convert.megatron_args import SHORT_OPTIONS, row
+from orchestrator.convert.sources import Launcher, Option, Source, read_flags
+from orchestrator.errors import ConfigError
+
+_ASSIGN = re.compile(r"^\s*(?:(export|local|declare(?:\s+-\w+)*)\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
+_WORD_ASSIGN = re.compile(r"^[A-Za-z_]\w*=")
+_VAR = re.compile(r"""\$\(\((?P<arith>.*?)\)\)
+    | \$\{(?P<arr>\w+)\[[@*]\]\}
+    | \$\{(?P<braced>\w+)(?::?-(?P<dflt>[^}]*))?\}
+    | \$(?P<plain>[A-Za-z_]\w*|\d)""", re.X)
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+_TORCHRUN_BOOL = {"standalone", "no-python", "run-path", "module", "m", "use-env"}
+_SRUN_BOOL = {"exclusive", "overlap", "label", "unbuffered", "kill-on-bad-exit", "no-kill", "overcommit",
+              "pty", "quiet", "verbose", "l", "u", "v", "Q", "K", "O", "X", "Z"}
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+_ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without its ``# comment`` (a ``#`` starting a word outside quotes)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            if c == quote:
+                quote = None
+            elif c == "\\" and quote == '"':
+                continue
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1] in " \t;("):
+            return line[:i]
+    return line
+
+
+def _paren_depth(text: str) -> int:
+    depth, quote = 0, None
+    for c in text:
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+    return depth
+
+
+def _logical_lines(text: str, src: Source) -> List[Tuple[int, str]]:
+    """Join continuations and multi-line arrays; collect ``#SBATCH`` and ``# orchestrator:`` lines."""
+    out: List[Tuple[int, str]] = []
+    pending, start, heredoc = "", 0, None
+    for n, raw in enumerate(text.splitlines(), 1):
+        if heredoc is not None:
+            if raw.strip() == heredoc:
+                src.notes.append(f"lines {start}-{n}: here-document not read")
+                heredoc = None
+            continue
+        stripped = raw.strip()
+        if not pending and stripped.startswith("#SBATCH"):
+            src.launcher.sbatch += _options(shlex.split(stripped[len("#SBATCH"):], comments=True), 0, set())[0]
+            continue
+        if not pending and stripped.startswith("# orchestrator:"):
+            src.orchestrator.append(stripped[len("# orchestrator:"):].strip())
+            continue
+        body = _strip_comment(raw).rstrip()
+        if not pending:
+            start = n
+        if body.endswith("\\"):
+            pending += body[:-1] + " "
+            continue
+        pending += body
+        if _ASSIGN.match(pending) and _paren_depth(pending) > 0:
+            pending += " "
+            continue
+        if pending.strip():
+            out.append((start, pending.strip()))
+            match = _HEREDOC.search(pending)
+            if match:
+                heredoc = match.group(1)
+        pending = ""
+    if pending.strip():
+        out.append((start, pending.strip()))
+    return out
+
+
+class _Scope:
+    """Shell variables and arrays seen so far; ``expand`` substitutes them like bash would."""
+
+    def __init__(self, given: Dict[str, str]):
+        self.given = dict(given)
+        self.vars: Dict[str, str] = dict(given)
+        self.arrays: Dict[str, List[str]] = {}
+        self.commands: set = set()
+        """Names assigned from ``$(command)``: never run, so their values stay unknown."""
+        self.unresolved: List[str] = []
+
+    def _miss(self, name: str, text: str) -> str:
+        if name not in self.unresolved:
+            self.unresolved.append(name)
+        return text
+
+    def _arith(self, expr: str) -> Optional[str]:
+        expr = re.sub(r"\$\{?(\w+)\}?", r"\1", expr).replace("/", "//")
+        expr = re.sub(r"[A-Za-z_]\w*", lambda m: self.vars.get(m.group(0), m.group(0)), expr)
+
+        def ev(node):
+            if isinstance(node, ast.Constant) and isinstance(node.value, int):
+                return node.value
+            if isinstance(node, ast.BinOp) and type(node.op) in _ARITH_OPS:
+                return _ARITH_OPS[type(node.op)](ev(node.left), ev(node.right))
+            if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+                return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+            raise ValueError(expr)
+
+        try:
+            return str(ev(ast.parse(expr.strip(), mode="eval").body))
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            return None
+
+    def _value(self, m: "re.Match[str]", quoted: bool) -> str:
+        if m.group("arith") is not None:
+            value = self._arith(m.group("arith"))
+            return value if value is not None else self._miss(m.group(0), m.group(0))
+        if m.group("arr"):
+            items = self.arrays.get(m.group("arr"))
+            if items is None:
+                return self._miss(m.group("arr"), "")
+            return " ".join(items) if quoted else " ".join(shlex.quote(t) for t in items)
+        name = m.group("braced") or m.group("plain")
+        if name in self.commands:
+            return self._miss("$(...)", "$" + name)
+        if name in self.vars:
+            value = self.vars[name]
+        elif name in self.arrays:
+            value = (self.arrays[name] or [""])[0]
+        elif m.group("dflt") is not None:
+            value = self.expand(m.group("dflt"))
+        else:
+            return self._miss(name, "$" + name)
+        return value.replace("\\", "\\\\").replace('"', '\\"') if quoted else value
+
+    def expand(self, text: str) -> str:
+        """``text`` with variables, arrays and arithmetic substituted (not inside single quotes)."""
+        out, i, single, double = [], 0, False, False
+        while i < len(text):
+            c = text[i]
+            if c == "'" and not double:
+                single = not single
+            elif c == '"' and not single:
+                array = re.match(r'"\$\{(\w+)\[@\]\}"', text[i:]) if not double else None
+                if array and array.group(1) in self.arrays:
+                    out.append(" ".join(shlex.quote(t) for t in self.arrays[array.group(1)]))
+                    i += array.end()
+                    continue
+                double = not double
+            elif c == "\\" and not single:
+                out.append(text[i:i + 2])
+                i += 2
+                continue
+            elif c == "$" and not single:
+                m = _VAR.match(text, i)
+                if m:
+                    out.append(self._value(m, double))
+                    i = m.end()
+                    continue
+                if text.startswith("$(", i):
+                    self._miss("$(...)", "")
+            out.append(c)
+            i += 1
+        return "".join(out)
+
+    def assign(self, name: str, rhs: str, where: str, notes: List[str]) -> Optional[str]:
+        """Record ``name=rhs`` (an array when ``rhs`` is ``( ... )``); the scalar value, if any."""
+        if name in self.given:
+            notes.append(f"{where}: {name} given with --var; the script's value is not used")
+            return self.vars[name]
+        rhs = rhs.strip()
+        if rhs.startswith("(") and rhs.endswith(")"):
+            self.arrays[name] = shlex.split(self.expand(rhs[1:-1]), comments=True)
+            return None
+        if re.search(r"\$\((?!\()|`", rhs):
+            self.commands.add(name)
+            self.vars.pop(name, None)
+            return None
+        words = shlex.split(self.expand(rhs)) if rhs else [""]
+        self.vars[name] = " ".join(words)
+        return self.vars[name]
+
+
+def _options(tokens: List[str], i: int, no_value: set) -> Tuple[List[Option], int]:
+    """Launcher options (long names) from ``tokens[i]`` up to the first word that is not an option."""
+    out: List[Option] = []
+    while i < len(tokens) and tokens[i].startswith("-") and tokens[i] != "-":
+        tok = tokens[i]
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            name, attached = name.replace("_", "-"), bool(eq)
+        else:  # -N 4 or -N4
+            name, value = SHORT_OPTIONS.get(tok[1], tok[1]), tok[2:]
+            attached = bool(value)
+        if attached:
+            out.append((name, value))
+            i += 1
+        elif name in no_value or tok.lstrip("-") in no_value or i + 1 >= len(tokens):
+            out.append((name, None))
+            i += 1
+        else:
+            out.append((name, tokens[i + 1]))
+            i += 2
+    return out, i
+
+
+def _launch(tokens: List[str]) -> Optional[Tuple[Launcher, Dict[str, str], List[str]]]:
+    """(launcher, env prefix, Megatron-LM words) of a launch line, or None for another command."""
+    launcher, env, i = Launcher(), {}, 0
+    while i < len(tokens) and _WORD_ASSIGN.match(tokens[i]):
+        name, _, value = tokens[i].partition("=")
+        env[name] = value
+        i += 1
+    while i < len(tokens):
+        tok, base = tokens[i], os.path.basename(tokens[i])
+        if base == "srun":
+            launcher.srun, i = _options(tokens, i + 1, _SRUN_BOOL)
+        elif base == "torchrun":
+            launcher.torchrun, i = _options(tokens, i + 1, _TORCHRUN_BOOL)
+        elif _PYTHON.match(base):
+            i += 1
+            while i < len(tokens) and tokens[i] in ("-u", "-O", "-B", "-E", "-s"):
+                i += 1
+            if tokens[i:i + 2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+                launcher.torchrun, i = _options(tokens, i + 2, _TORCHRUN_BOOL)
+        elif base in ("bash", "sh", "exec", "time", "nohup"):
+            i += 1
+        elif tok.endswith((".py", ".sh")):
+            launcher.program = tok
+            return launcher, env, tokens[i + 1:]
+        else:
+            return None
+    return None
+
+
+def _pick_launch(candidates: List[Tuple[int, str, Launcher, Dict[str, str], List[str]]], path: str):
+    def megatron_flags(words: List[str]) -> int:
+        return sum(1 for w in words if w.startswith("--") and row(w.split("=")[0]) is not None)
+
+    found = [c for c in candidates if megatron_flags(c[4])]
+    pretrain = [c for c in found if "pretrain" in os.path.basename(c[2].program or "")]
+    chosen = pretrain or found
+    if len(chosen) > 1:
+        lines = ", ".join(str(c[0]) for c in chosen)
+        raise ConfigError(f"FILE: {path} has {len(chosen)} Megatron-LM launch lines (lines {lines}); "
+                          "fix: keep one launch per file (split the file)")
+    return chosen[0] if chosen else None
+
+
+def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
+    """A :class:`Source` from the text of a shell script (see the module docstring)."""
+    src = Source(path=path, form="shell script")
+    scope = _Scope(variables)
+    candidates, fragments = [], []
+    for n, line in _logical_lines(text, src):
+        where = f"line {n}"
+        m = _ASSIGN.match(line)
+        if m and _single_word(m.group(3)):
+            value = scope.assign(m.group(2), m.group(3), where, src.notes)
+            if m.group(1) == "export" and value is not None:
+                src.env[m.group(2)] = value
+            continue
+        if line.startswith("export ") and "=" not in line:
+            for name in line.split()[1:]:
+                if name in scope.vars:
+                    src.env[name] = scope.vars[name]
+            continue
+        try:
+            tokens = shlex.split(scope.expand(line))
+        except ValueError as exc:
+            src.notes.append(f"{where}: not read ({exc})")
+            continue
+        if tokens and tokens[0].startswith("--"):
+            fragments.append((n, tokens))
+            continue
+        launch = _launch(tokens) if tokens else None
+        if launch is not None:
+            candidates.append((n, line, *launch))
+        else:
+            src.setup.append(line)
+    chosen = _pick_launch(candidates, path)
+    if chosen is not None:
+        n, _, launcher, env, words = chosen
+        launcher.sbatch = src.launcher.sbatch
+        src.launcher = launcher
+        src.env.update(env)
+        src.args, notes = read_flags(words, f"line {n}")
+        src.notes += notes
+    src.setup += [c[1] for c in candidates if c is not chosen]
+    if chosen is None:
+        for n, tokens in fragments:
+            args, notes = read_flags(tokens, f"line {n}")
+            src.args += args
+            src.notes += notes
+    src.notes += [f"${name} is not defined in the script (set at run time?); fix: --var {name}=VALUE if a "
+                  "converted flag needs it" for name in scope.unresolved if name != "$(...)"]
+    if "$(...)" in scope.unresolved:
+        src.notes.append("$(command) substitutions are not run; their values stay unknown")
+    return src
+
+
+def _single_word(rhs: str) -> bool:
+    """Whether ``NAME=rhs`` is a plain assignment (not ``NAME=x command args``)."""
+    rhs = rhs.strip()
+    if rhs[:1] == "(" or rhs[:2] == "$(":
+        return rhs.endswith(")") and _paren_depth(rhs) == 0
+    try:
+        return len(shlex.split(rhs)) <= 1
+    except ValueError:
+        return True
+

@@ -1,0 +1,170 @@
+"""Read a Megatron-LM launch — shell script, args YAML or JSON — into a :class:`Source`.
+
+A shell script is read the way bash would run it, as far as a launch script needs: comments,
+``\\`` line continuations, ``NAME=value`` / ``export NAME=value`` / ``NAME=( ... )`` arrays,
+``$NAME``, ``${NAME}``, ``${NAME:-default}``, ``${ARRAY[@]}`` and ``$(( arithmetic ))``,
+``#SBATCH`` lines, here-documents (skipped), and one launch line: ``[srun ...] [torchrun ... |
+python -m torch.distributed.run ...] pretrain_gpt.py --flags`` or ``bash examples/pretrain_gpt.sh
+--flags``. A file that is only flags (a fragment) is read as the flags. Nothing is executed:
+``$(command)`` and variables the script does not define stay as written and are reported
+(``--var NAME=VALUE`` defines them, positional ``$1`` included).
+
+An args YAML/JSON maps Megatron-LM names (dashed or underscored) to values: ``true`` gives the
+flag, ``false``/``null`` leaves it out, lists give several values, nested mappings are flattened.
+Lines ``# orchestrator: ...`` carry what an export from :mod:`orchestrator.convert.from_config`
+needs to come back exactly. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from orchestrator.errors import ConfigError
+
+Option = Tuple[str, Optional[str]]
+
+
+@dataclass
+class Arg:
+    """One Megatron-LM flag as written: ``--pipeline-model-parallel-size 4`` (line 7)."""
+
+    flag: str
+    values: List[str]
+    where: str
+
+    @property
+    def text(self) -> str:
+        """The flag and its values as written (for messages and comments)."""
+        return " ".join([self.flag, *self.values])
+
+
+@dataclass
+class Launcher:
+    """What ``#SBATCH``, ``srun`` and ``torchrun`` say: options as (long name, value) in order."""
+
+    sbatch: List[Option] = field(default_factory=list)
+    srun: Optional[List[Option]] = None
+    torchrun: Optional[List[Option]] = None
+    program: Optional[str] = None
+
+    def option(self, *names: str) -> Optional[Tuple[str, str]]:
+        """(value, "where it was said") of the innermost launcher option among ``names``."""
+        for where, opts in (("torchrun", self.torchrun), ("srun", self.srun), ("#SBATCH", self.sbatch)):
+            for key, value in reversed(opts or []):
+                if key in names and value is not None:
+                    return value, f"{where} --{key}{'=' if where == '#SBATCH' else ' '}{value}"
+        return None
+
+
+@dataclass
+class Source:
+    """Everything read from one file; :mod:`orchestrator.convert.to_config` maps it."""
+
+    path: str
+    form: str
+    args: List[Arg] = field(default_factory=list)
+    launcher: Launcher = field(default_factory=Launcher)
+    env: Dict[str, str] = field(default_factory=dict)
+    setup: List[str] = field(default_factory=list)
+    orchestrator: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def read_source(path: str, variables: Optional[Dict[str, str]] = None) -> Source:
+    """Read ``path`` (shell script, ``.yaml``/``.yml`` or ``.json``); raises ConfigError if unreadable."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"FILE: cannot read {path}: {exc.strerror}; fix: give a readable Megatron-LM "
+                          "script, args YAML or JSON") from None
+    suffix = p.suffix.lower()
+    if suffix == ".json":
+        try:
+            return from_mapping(json.loads(text), path, "JSON")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"FILE: {path} is not JSON ({exc.msg}, line {exc.lineno}); "
+                              "fix: repair the file") from None
+    if suffix in (".yaml", ".yml") or (suffix not in (".sh", ".bash", ".slurm", ".sbatch") and _looks_like_yaml(text)):
+        import yaml
+
+        try:
+            return from_mapping(yaml.safe_load(text) or {}, path, "YAML")
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"FILE: {path} is not YAML ({str(exc).splitlines()[0]}); fix: repair the file") from None
+    from orchestrator.convert.shell import parse_shell
+
+    return parse_shell(text, path, variables or {})
+
+
+def _looks_like_yaml(text: str) -> bool:
+    if re.search(r"(^|\s)--[a-z]", text):
+        return False
+    try:
+        import yaml
+
+        return isinstance(yaml.safe_load(text), dict)
+    except Exception:  # noqa: BLE001 - not YAML: read as shell
+        return False
+
+
+def _scalar(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def from_mapping(data, path: str, form: str) -> Source:
+    """An args mapping (``{"num-layers": 32, ...}``) or argv list (``["--num-layers", "32"]``)."""
+    src = Source(path=path, form=form)
+    if isinstance(data, list) and all(isinstance(t, str) for t in data):
+        src.args, src.notes = read_flags([str(t) for t in data], form)
+        return src
+    if not isinstance(data, dict):
+        raise ConfigError(f"FILE: {path} holds a {type(data).__name__}, not a mapping of Megatron-LM arguments; "
+                          "fix: write `num-layers: 32` style keys")
+
+    def walk(d: dict) -> None:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value)
+                continue
+            flag = "--" + str(key).strip().lstrip("-").replace("_", "-")
+            where = f"key {key!r}"
+            if value is True:
+                src.args.append(Arg(flag, [], where))
+            elif value is False or value is None:
+                src.notes.append(f"{where}: {value} -> {flag} not given")
+            elif isinstance(value, list):
+                src.args.append(Arg(flag, [_scalar(v) for v in value], where))
+            else:
+                src.args.append(Arg(flag, [_scalar(value)], where))
+
+    walk(data)
+    return src
+
+
+def read_flags(tokens: List[str], where: str) -> Tuple[List[Arg], List[str]]:
+    """Megatron-LM flags with their values (the words up to the next ``--flag``)."""
+    out: List[Arg] = []
+    notes: List[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.startswith("--") and len(tok) > 2:
+            if "=" in tok:
+                flag, value = tok.split("=", 1)
+                out.append(Arg(flag, [value], where))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(tokens) and not (tokens[j].startswith("--") and len(tokens[j]) > 2):
+                j += 1
+            out.append(Arg(tok, tokens[i + 1:j], where))
+            i = j
+        else:
+            notes.append(f"{where}: word {tok!r} before any flag not read")
+            i += 1
+    return out, notes
