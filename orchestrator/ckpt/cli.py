@@ -1,8 +1,12 @@
 """``python -m orchestrator manifest`` — inspect checkpoints and check a config against one.
 
-    python -m orchestrator manifest show  <ckpt_dir> [--json] [--no-verify]
-    python -m orchestrator manifest check <ckpt_dir> -- <hydra overrides...>   # exit 0 ok, 1 refused
-    python -m orchestrator manifest list  <run_dir | save_dir>
+    python -m orchestrator manifest show  <ckpt_dir> [--json] [--no-verify | --deep]
+    python -m orchestrator manifest check <ckpt_dir> [--deep] -- <hydra overrides...>   # exit 0 ok, 1 refused
+    python -m orchestrator manifest list  <run_dir | save_dir> [--no-verify | --deep]
+
+Verification is cheap by default (every file's size, dist_checkpointing's metadata and small files
+re-hashed); ``--deep`` re-hashes every file whose sha256 the manifest holds (``checkpoint.digest=sha256``
+records them all) and says how many it could only size-check.
 """
 
 from __future__ import annotations
@@ -34,7 +38,16 @@ def _summary(manifest: dict) -> str:
         f"versions: {json.dumps(manifest['versions'], sort_keys=True)}",
         f"origin: {json.dumps(manifest.get('origin'))}",
         f"files: {files['count']} files, {files['bytes']} bytes, {files['mode']} digest {files['sha256'][:16]}",
+        f"hosts: {' '.join(manifest['hosts']) if manifest.get('hosts') else '-'}",
     ])
+
+
+def _deep_line(manifest: dict) -> str:
+    entries = (manifest.get("files") or {}).get("entries", [])
+    hashed = sum(1 for e in entries if "sha256" in e)
+    sized = len(entries) - hashed
+    return (f"deep check: {hashed} file(s) re-hashed and matching" +
+            (f"; {sized} checked by size only (saved with checkpoint.digest=size)" if sized else ""))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -50,26 +63,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_show = sub.add_parser("show", help="print a checkpoint's manifest")
     p_show.add_argument("ckpt_dir")
     p_show.add_argument("--json", action="store_true", help="the whole manifest as JSON")
-    p_show.add_argument("--no-verify", action="store_true", help="skip re-digesting the checkpoint files")
+    p_show.add_argument("--no-verify", action="store_true", help="skip checking the checkpoint files")
+    p_show.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
     p_check = sub.add_parser("check", help="compare a config (Hydra overrides) with a checkpoint; exit 1 if refused")
     p_check.add_argument("ckpt_dir")
     p_check.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
     p_check.add_argument("--config-dir", default=None, help="Hydra config dir (default: the repo's conf/)")
+    p_check.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
     p_list = sub.add_parser("list", help="list a run's checkpoints with iteration, layout and status")
     p_list.add_argument("run_dir")
     p_list.add_argument("--no-verify", action="store_true")
+    p_list.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "show":
             directory = Path(args.ckpt_dir)
             directory = directory.parent if directory.name == MANIFEST_NAME else directory
-            manifest = read_manifest(directory, verify=not args.no_verify)
+            manifest = read_manifest(directory, verify=not args.no_verify, deep=args.deep)
             print(json.dumps(manifest, indent=1, sort_keys=True) if args.json else
                   f"{directory / MANIFEST_NAME}\n{_summary(manifest)}")
+            if args.deep and not args.json:
+                print(_deep_line(manifest))
             return 0
         if args.cmd == "check":
             directory = Path(args.ckpt_dir)
-            manifest = read_manifest(directory)
+            manifest = read_manifest(directory, deep=args.deep)
+            if args.deep:
+                print(_deep_line(manifest))
             overrides = list(args.overrides)
             if not any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides):
                 overrides.append(f"run.dir={directory.resolve().parent.parent}")
@@ -86,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1 if refused else 0
         root = Path(args.run_dir)
         save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-        infos = list_checkpoints(save_dir, verify=not args.no_verify)
+        infos = list_checkpoints(save_dir, verify=not args.no_verify, deep=args.deep)
         if not infos:
             print(f"{save_dir}: no checkpoints")
         for info in infos:

@@ -42,7 +42,12 @@ from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 SCHEMA = "orchestrator.manifest/1"
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_FORMAT = "torch_dist"
-DIGEST_MODES = ("sha256", "size")
+DIGEST_MODES = ("size", "sha256")
+METADATA_FILES = frozenset({".metadata", "metadata.json", "common.pt"})
+"""dist_checkpointing's description of a checkpoint (torch DCP's ``.metadata``: every tensor's
+shards, files and byte ranges; megatron's ``metadata.json`` and ``common.pt``): always hashed."""
+SMALL_FILE_BYTES = 1 << 20
+"""Files up to this size whose hash is recorded are re-hashed by every (cheap) verification."""
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVTE_", "GLOO_", "UCX_", "FI_", "ORCHESTRATOR_")
 _ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "OMP_NUM_THREADS", "TP_SOCKET_IFNAME",
@@ -90,15 +95,21 @@ def _hash_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "sha256") -> dict:
-    """Digest of every file under ``checkpoint_dir`` except the manifest itself.
+_KNOWN_HASHES: Dict[str, tuple] = {}
+"""Absolute path -> (size, mtime_ns, sha256) of files hashed elsewhere (:func:`remember_hashes`)."""
 
-    ``mode="sha256"`` hashes contents (threads, one per file; hashlib releases the GIL);
-    ``mode="size"`` records sizes only, for checkpoints too large to hash at every resume.
-    The digest is sha256 over ``relpath<TAB>size<TAB>hash`` lines in sorted path order.
-    """
-    if mode not in DIGEST_MODES:
-        raise ManifestError(f"digest mode {mode!r} is not one of {DIGEST_MODES}")
+
+def remember_hashes(checkpoint_dir: "str | os.PathLike", hashes: Dict[str, str]) -> None:
+    """Record sha256 digests computed elsewhere (every rank hashed its share of a checkpoint's files,
+    in parallel); :func:`file_digest` uses them while a file keeps its size and mtime."""
+    root = Path(checkpoint_dir)
+    for rel, digest in hashes.items():
+        st = os.stat(root / rel)
+        _KNOWN_HASHES[str((root / rel).resolve())] = (st.st_size, st.st_mtime_ns, digest)
+
+
+def checkpoint_files(checkpoint_dir: "str | os.PathLike") -> List[str]:
+    """Every file under ``checkpoint_dir`` except the manifest (and its temporary files), relative, sorted."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise ManifestError(f"{root}: checkpoint directory does not exist; nothing to digest")
@@ -110,13 +121,45 @@ def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "sha256") -> di
             if rel == MANIFEST_NAME or rel.startswith(f".{MANIFEST_NAME}."):
                 continue
             files.append(rel)
-    files.sort()
+    return sorted(files)
+
+
+def hash_files(checkpoint_dir: "str | os.PathLike", rels: List[str], use_known: bool = True) -> Dict[str, str]:
+    """sha256 of each of ``rels`` (threads; hashlib releases the GIL), from :func:`remember_hashes`
+    where the file is unchanged and ``use_known``."""
+    root = Path(checkpoint_dir)
+    out: Dict[str, str] = {}
+    todo: List[str] = []
+    for rel in rels:
+        known = _KNOWN_HASHES.get(str((root / rel).resolve())) if use_known else None
+        st = os.stat(root / rel)
+        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+            out[rel] = known[2]
+        else:
+            todo.append(rel)
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(todo)))) as pool:
+            out.update(zip(todo, pool.map(lambda rel: _hash_file(root / rel), todo)))
+    return out
+
+
+def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "size") -> dict:
+    """Sizes of every file under ``checkpoint_dir`` (the manifest excluded) and sha256 digests.
+
+    ``mode="size"`` (the default, ``checkpoint.digest=size``) hashes only dist_checkpointing's
+    metadata (:data:`METADATA_FILES`, kilobytes to megabytes): cheap at any checkpoint size, and
+    still catches a missing, extra, truncated or re-written-with-another-layout checkpoint.
+    ``mode="sha256"`` hashes every file (opt-in; the runtime has every rank hash its share in
+    parallel first, see :func:`remember_hashes`), for ``manifest check --deep``.
+    The ``sha256`` field is over ``relpath<TAB>size<TAB>hash`` lines in sorted path order.
+    """
+    if mode not in DIGEST_MODES:
+        raise ManifestError(f"digest mode {mode!r} is not one of {DIGEST_MODES}")
+    root = Path(checkpoint_dir)
+    files = checkpoint_files(root)
     sizes = [os.stat(root / rel).st_size for rel in files]
-    if mode == "sha256":
-        with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
-            hashes: List[Optional[str]] = list(pool.map(lambda rel: _hash_file(root / rel), files))
-    else:
-        hashes = [None] * len(files)
+    hashed = hash_files(root, [rel for rel in files if mode == "sha256" or rel in METADATA_FILES])
+    hashes = [hashed.get(rel) for rel in files]
     lines = "".join(f"{rel}\t{size}\t{h or '-'}\n" for rel, size, h in zip(files, sizes, hashes))
     return {
         "mode": mode,
@@ -137,13 +180,15 @@ def _canonical(manifest: dict) -> bytes:
 def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, consumed_samples: int,
                    checkpoint_dir: str, vocab_size: int, padded_vocab_size: int, tokenizer: dict, data: dict,
                    versions: Optional[dict] = None, env: Optional[dict] = None, origin: Optional[dict] = None,
-                   rng_and_data_state: Optional[dict] = None, digest: str = "sha256") -> dict:
+                   rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
+                   hosts: Optional[List[str]] = None) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
     path and its sha256); ``data``: identity of the data (``fingerprint`` and whatever else the
     runtime knows); ``versions``/``env`` extend what is collected here; ``origin`` says where the
-    run came from (see :func:`orchestrator.resume.origin_of`); ``digest``: ``sha256`` or ``size``.
+    run came from (see :func:`orchestrator.resume.origin_of`); ``digest``: ``size`` or ``sha256``
+    (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank.
     """
     m, d, t, o = cfg.model, cfg.data, cfg.training, cfg.optimizer
     manifest = {
@@ -152,6 +197,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "consumed_samples": int(consumed_samples),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),
+        "hosts": list(hosts) if hosts is not None else None,
         "layout": layout.as_dict(),
         "model": {
             "num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -165,6 +211,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
             "activation": m.activation, "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
             "num_moe_experts": m.num_moe_experts,
+            # the layer spec that ran: the job resolves "auto" before it saves (runtime.model.layer_spec)
+            "transformer_impl": None if m.transformer_impl == "auto" else m.transformer_impl,
         },
         "tokenizer": {"spec": d.tokenizer, **tokenizer},
         "data": {"kind": d.kind, "paths": list(d.paths), "weights": d.weights, "split": d.split,
@@ -178,7 +226,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "origin": origin,
         "state": rng_and_data_state,
         "config": to_dict(cfg),
-        "files": file_digest(checkpoint_dir, digest),
+        "files": file_digest(checkpoint_dir, digest or getattr(cfg.checkpoint, "digest", "size")),
     }
     manifest = json.loads(json.dumps(manifest, default=str))  # exactly what a reader will see
     manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
@@ -192,8 +240,12 @@ def write_manifest(checkpoint_dir: "str | os.PathLike", manifest: dict) -> Path:
     return write_atomic(Path(checkpoint_dir) / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
-def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True) -> dict:
-    """Load and check a manifest; ``verify`` also re-digests the checkpoint's files.
+def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True, deep: bool = False) -> dict:
+    """Load and check a manifest; ``verify`` also checks the checkpoint's files against it.
+
+    ``verify``: every file present with its recorded size, and the recorded hashes of the
+    dist_checkpointing metadata and of small files re-checked (milliseconds at any size);
+    ``deep``: every recorded hash re-checked (reads the whole checkpoint; ``manifest check --deep``).
 
     Raises :class:`ManifestError` naming the file for a missing, truncated, invalid, foreign or
     hand-edited manifest, and naming the changed files when the checkpoint no longer matches.
@@ -220,24 +272,26 @@ def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True) -> d
     if recorded != hashlib.sha256(_canonical(manifest)).hexdigest():
         raise ManifestError(f"{path}: manifest content does not match its manifest_sha256 "
                             f"(hand-edited or damaged); fix: restore it, or move {directory} aside")
-    if verify:
-        _verify_files(directory, manifest)
+    if verify or deep:
+        _verify_files(directory, manifest, deep)
     return manifest
 
 
-def _verify_files(directory: Path, manifest: dict) -> None:
-    recorded = manifest.get("files") or {}
-    now = file_digest(directory, recorded.get("mode", "sha256"))
-    if now["sha256"] == recorded.get("sha256"):
+def _verify_files(directory: Path, manifest: dict, deep: bool = False) -> None:
+    old = {e["path"]: e for e in (manifest.get("files") or {}).get("entries", [])}
+    now = checkpoint_files(directory)
+    sizes = {rel: os.stat(directory / rel).st_size for rel in now}
+    problems = [f"missing {p}" for p in sorted(old.keys() - sizes.keys())]
+    problems += [f"unexpected {p}" for p in sorted(sizes.keys() - old.keys())]
+    same_size = sorted(p for p in old.keys() & sizes.keys() if old[p]["size"] == sizes[p])
+    problems += [f"changed {p} (size {old[p]['size']} -> {sizes[p]})"
+                 for p in sorted(old.keys() & sizes.keys()) if old[p]["size"] != sizes[p]]
+    check = [p for p in same_size if "sha256" in old[p]
+             and (deep or p in METADATA_FILES or old[p]["size"] <= SMALL_FILE_BYTES)]
+    hashes = hash_files(directory, check, use_known=False)
+    problems += [f"changed {p} (content)" for p in check if hashes[p] != old[p]["sha256"]]
+    if not problems:
         return
-    old = {e["path"]: e for e in recorded.get("entries", [])}
-    new = {e["path"]: e for e in now["entries"]}
-    problems = [f"missing {p}" for p in sorted(old.keys() - new.keys())]
-    problems += [f"unexpected {p}" for p in sorted(new.keys() - old.keys())]
-    for p in sorted(old.keys() & new.keys()):
-        if old[p] != new[p]:
-            sizes = f"size {old[p]['size']} -> {new[p]['size']}" if old[p]["size"] != new[p]["size"] else "content"
-            problems.append(f"changed {p} ({sizes})")
     shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
     raise ManifestError(f"{directory}: checkpoint files do not match the manifest digest "
                         f"({shown or 'digest differs'}); refusing to resume from it")
@@ -257,7 +311,7 @@ class CheckpointInfo:
     """Filled by :func:`orchestrator.resume.preflight`: differences accepted for this resume."""
 
 
-def inspect_checkpoint(path: "str | os.PathLike", verify: bool = True) -> CheckpointInfo:
+def inspect_checkpoint(path: "str | os.PathLike", verify: bool = True, deep: bool = False) -> CheckpointInfo:
     """Status of one checkpoint directory (never raises for a bad manifest)."""
     path = Path(path)
     match = _ITER_RE.match(path.name)
@@ -265,7 +319,7 @@ def inspect_checkpoint(path: "str | os.PathLike", verify: bool = True) -> Checkp
     if not (path / MANIFEST_NAME).exists():
         return CheckpointInfo(iteration, path, "torn", f"{path}: no {MANIFEST_NAME} (save did not finish)")
     try:
-        manifest = read_manifest(path, verify=verify)
+        manifest = read_manifest(path, verify=verify, deep=deep)
     except ManifestError as exc:
         return CheckpointInfo(iteration, path, "corrupt", str(exc))
     if match and manifest.get("iteration") != iteration:
@@ -291,9 +345,9 @@ def _iter_dirs(save_dir: "str | os.PathLike") -> List[Path]:
                   key=lambda p: int(_ITER_RE.match(p.name).group(1)))
 
 
-def list_checkpoints(save_dir: "str | os.PathLike", verify: bool = True) -> List[CheckpointInfo]:
+def list_checkpoints(save_dir: "str | os.PathLike", verify: bool = True, deep: bool = False) -> List[CheckpointInfo]:
     """Every ``iter_*`` directory of ``save_dir``, oldest first, with its status."""
-    return [inspect_checkpoint(p, verify) for p in _iter_dirs(save_dir)]
+    return [inspect_checkpoint(p, verify, deep) for p in _iter_dirs(save_dir)]
 
 
 def latest_complete(save_dir: "str | os.PathLike", warn: Optional[Callable[[str], None]] = None, *,

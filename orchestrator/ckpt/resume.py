@@ -13,7 +13,12 @@ Every difference is one of three kinds:
             fingerprint), sequence length, optimizer type and sharding
             (``use_distributed_optimizer``), precision, checkpoint format, and context /
             expert parallel sizes (CP replicates weights and torch_dist keys experts
-            globally, but neither resume path is verified here, so they stay refused).
+            globally, but neither resume path is verified here, so they stay refused), and the
+            layer spec that ran (``local`` vs ``transformer_engine``, recorded resolved in the
+            manifest's ``model.transformer_impl``): the two specs name their state differently
+            (TE's fused layer-norm weights, ``_extra_state``) and no test here proves a torch_dist
+            load across them. A request of ``auto`` is judged where it resolves: on the launcher
+            only when the job will run on CPU (local spec), otherwise by the job itself.
 ``reshard`` carried by megatron's torch_dist format, only with ``checkpoint.allow_reshard=true``:
             TP, PP, VPP, DP (and the world size), sequence_parallel. Model weights are
             ShardedTensors with global offsets (layers keyed by global layer number), so any
@@ -22,8 +27,7 @@ Every difference is one of three kinds:
             optimizer's default ``fully_sharded_model_space`` format also reshards over
             TP/PP/DP in megatron-core 0.16.1 (``dp_reshardable`` would carry DP only). Also
             here: ``training.global_batch_size`` (consumed-sample accounting and the LR schedule
-            meaning change) and ``model.transformer_impl`` (local and Transformer Engine specs
-            share checkpoint keys through ``sharded_state_dict_keys_map``).
+            meaning change).
 ``warn``    legitimately changed on resume, reported but never refused: micro_batch_size
             (same GBS gives the same update), train_iters, learning-rate schedule and other
             optimizer hyper-parameters, seed (note: changes GPTDataset shuffling), dropout,
@@ -66,16 +70,16 @@ _REFUSE_KEYS = {
     *(f"data.{k}" for k in ("kind", "paths", "weights", "split", "json_key", "tokenizer", "stdlib_max_mb")),
     "optimizer.name", "optimizer.use_distributed_optimizer", "training.precision",
 }
-_RESHARD_KEYS = {"training.global_batch_size", "model.transformer_impl"}
+_RESHARD_KEYS = {"training.global_batch_size"}
 _IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.")
 _IGNORE_KEYS = {"plan", "dry_run", "gpu", "data.cache_dir", "data.name", "model.name", "training.name",
                 "training.log_interval", "training.timing_warmup_iters",
                 "training.exit_after_iters", "training.distributed_timeout_minutes",
-                "model.make_vocab_size_divisible_by"}  # the last one is judged by its padded vocab
+                "model.make_vocab_size_divisible_by",  # judged by its padded vocab
+                "model.transformer_impl"}  # judged by what it resolved to (_layer_spec_mismatch)
 _NOTES = {
     "training.global_batch_size": "changes tokens per step and the meaning of the LR schedule; "
                                   "consumed_samples carries the data position",
-    "model.transformer_impl": "local and Transformer Engine layer specs map to the same checkpoint keys",
     "training.seed": "the dataset shuffle order depends on the seed",
     "data.tokenizer": "token ids would mean different things",
     "optimizer.use_distributed_optimizer": "optimizer state layouts differ; checkpoint.init_from loads weights only",
@@ -133,6 +137,31 @@ def _normalized(flat: Dict[str, object]) -> Dict[str, object]:
     if flat.get("model.ffn_hidden_size") is None and isinstance(flat.get("model.hidden_size"), int):
         flat["model.ffn_hidden_size"] = 4 * flat["model.hidden_size"]
     return flat
+
+
+def layer_spec_of(config: dict) -> Optional[str]:
+    """The layer spec a run with this (``to_dict``) config uses: ``local`` / ``transformer_engine``, or
+    None while ``auto`` is undecided (a GPU job decides when it starts: TE when it imports there)."""
+    impl = (config.get("model") or {}).get("transformer_impl")
+    if impl != "auto":
+        return impl
+    cluster, device = config.get("cluster") or {}, (config.get("training") or {}).get("device")
+    on_cpu = device == "cpu" or (cluster.get("kind") == "local" and not cluster.get("gpus_per_node"))
+    return "local" if on_cpu else None
+
+
+def _layer_spec_mismatch(manifest: dict, cfg: JobConfig) -> Optional[Mismatch]:
+    """Refuse a resume across layer specs; warn when the checkpoint's spec is not known."""
+    ck = (manifest.get("model") or {}).get("transformer_impl") or layer_spec_of(manifest.get("config") or {})
+    req = layer_spec_of(to_dict(cfg))
+    if req is None or ck == req:
+        return None
+    if ck is None:
+        return Mismatch("model.transformer_impl", "unrecorded", req, None, WARN,
+                        "the checkpoint did not record which layer spec its GPU job resolved auto to; make sure it was " + req)
+    return Mismatch("model.transformer_impl", ck, req, f"model.transformer_impl={ck}", REFUSE,
+                    f"the checkpoint was trained with the {ck} layer spec; loading it into {req} is not "
+                    "verified (their parameter names and extra state differ)")
 
 
 def _kind(key: str) -> Optional[str]:
@@ -209,6 +238,9 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     if data_fingerprint is not None and ck_fp is not None and ck_fp != data_fingerprint:
         out.append(Mismatch("data.fingerprint", ck_fp, data_fingerprint, None, REFUSE,
                             "the data's content changed since the checkpoint; restore it or start a new run"))
+    spec = _layer_spec_mismatch(manifest, cfg)
+    if spec is not None:
+        out.append(spec)
     # 5. checkpoint format and software versions
     fmt = (manifest.get("checkpoint") or {}).get("format")
     if fmt != CHECKPOINT_FORMAT:

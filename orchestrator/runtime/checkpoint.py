@@ -5,7 +5,10 @@ Layout on disk::
     <run.dir>/checkpoints/iter_0000050/   megatron torch_dist shards + common.pt
                                           manifest.json   ← written last, atomically, by rank 0
 
-A directory without a verified manifest is not a checkpoint (a torn save).
+A directory without a verified manifest is not a checkpoint (a torn save). The manifest's digest
+(``checkpoint.digest``) is sizes + dist_checkpointing's metadata by default; with ``sha256`` every
+rank hashes its share of the files (file ``i`` on rank ``i mod world``) in parallel after the save and
+rank 0 gathers the digests, so no rank hashes the whole checkpoint alone.
 Model weights are saved through each chunk's ``sharded_state_dict()``, whose keys
 are global (layer offsets included), so torch_dist can reload them into another
 TP/PP/VPP split; the optimizer through ``optimizer.sharded_state_dict``.
@@ -102,10 +105,25 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
     with _Watchdog(cfg.checkpoint.save_timeout_s, f"checkpoint save to {path}"):
         dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
+        if getattr(cfg.checkpoint, "digest", "size") == "sha256":
+            _hash_in_parallel(path)
     if rank == 0:
         manifest_fn(path)
     torch.distributed.barrier()
     return path
+
+
+def _hash_in_parallel(path: Path) -> None:
+    """Every rank sha256-hashes its share of the checkpoint's files; rank 0 keeps them all for the
+    manifest (:func:`orchestrator.ckpt.manifest.remember_hashes`). Collective."""
+    from orchestrator.ckpt.manifest import checkpoint_files, hash_files, remember_hashes
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = hash_files(path, checkpoint_files(path)[rank::world], use_known=False)
+    gathered: List[object] = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    if rank == 0:
+        remember_hashes(path, {rel: digest for part in gathered for rel, digest in part.items()})  # type: ignore[union-attr]
 
 
 def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:

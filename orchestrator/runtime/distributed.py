@@ -1,26 +1,277 @@
-"""torch.distributed setup from the job environment (submitit local or SLURM).
+"""torch.distributed setup from the job environment (submitit local, SLURM, or torchrun-style).
 
-Every rank calls :func:`init_distributed` first thing. It exports MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK from submitit's job environment
-(``TorchDistributedEnvironment``; ``overwrite=True`` because sbatch exports the
-submitter's environment, which may already hold MASTER_ADDR), binds one GPU per
-task on CUDA (submitit's trap: without it every task lands on GPU 0), and
-starts the process group: nccl on GPU, gloo on CPU, unless
-``parallelism.distributed_backend`` says otherwise.
+Every rank calls :func:`init_distributed` first thing. Three decisions, each a pure function of
+the environment so it can be tested on recorded SLURM environments without a GPU:
+
+1. **Rendezvous** (:func:`rendezvous_from_env`): rank, world size, local rank and the store
+   address. On SLURM, ``MASTER_ADDR`` is the first host of the step's node list resolved to its
+   address (rank 0 runs there with the default block distribution); the port is ``MASTER_PORT``
+   when ``cluster.env`` sets one (the sbatch script unsets the submitter's), otherwise derived from
+   the job id and restart count below the Linux ephemeral range. A **local** run never takes
+   ``MASTER_ADDR``/``MASTER_PORT`` from the caller's shell: the launcher reserves a free port
+   (:func:`local_rendezvous_env`, bound then parked in TIME_WAIT so no other ``bind(0)`` gets it)
+   and passes it as ``ORCHESTRATOR_MASTER_PORT``; the store listens on 127.0.0.1.
+2. **Device binding** (:func:`choose_binding`): ``CUDA_VISIBLE_DEVICES`` is never written (SLURM's
+   ``--gpus-per-task``/``--gpu-bind`` binding stands). A task that sees exactly one GPU uses
+   ``cuda:0``; a task that sees all of the node's GPUs uses ``cuda:<local rank>``; anything else
+   (e.g. ``--gpu-bind=closest`` showing 4 of 8) is an error, as is a job that asked for GPUs on a
+   rank that sees none (no silent fallback to CPU + gloo).
+3. **Agreement** (:func:`check_agreement`): before any process group exists, every rank publishes
+   ``(host, device, backend, GPU, CUDA_VISIBLE_DEVICES)`` through the rendezvous store and reads
+   everyone's (one exchange; a process group with mixed nccl/gloo members would hang instead of
+   failing). Ranks that differ in device or backend, or two ranks on one GPU, stop the job with an
+   error naming them. The exchange also gives every rank's host (:attr:`RankInfo.hosts`).
+
+This module imports torch only inside the functions that need it (the launcher calls
+:func:`local_rendezvous_env` without it).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
+import socket
 from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-
-from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
+from orchestrator.spec.schema import JobConfig
+
+LOCAL_PORT_VAR = "ORCHESTRATOR_MASTER_PORT"
+"""The rendezvous port a local launcher reserved for its job (the only port a local run uses)."""
+SLURM_PORT_RANGE = (20000, 32000)
+"""Derived SLURM ports stay below Linux's ephemeral range (32768-60999), unlike submitit's 20000-60000."""
+_BINDING_KEY = "orchestrator/binding/{rank}"
 
 
+# ---- 1. rendezvous ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rendezvous:
+    """Who this rank is and where the rendezvous store lives."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+    """``slurm``, ``local`` (submitit LocalExecutor) or ``env`` (torchrun-style variables / one process)."""
+
+    def as_env(self) -> Dict[str, str]:
+        """The torch.distributed variables (``env://`` names) for this rank."""
+        return {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size)}
+
+
+def reserve_local_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host``, parked in TIME_WAIT for about a minute.
+
+    The port is bound, connected to and closed server side first: until TIME_WAIT ends no other
+    ``bind(0)`` or plain ``bind`` gets it, while the rendezvous store (which sets SO_REUSEADDR)
+    can. This is what lets many local runs start at once without colliding.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        with socket.create_connection((host, port), timeout=10):
+            conn, _ = server.accept()
+            conn.close()
+    return port
+
+
+def local_rendezvous_env() -> Dict[str, str]:
+    """Environment a local launcher passes to its job: a freshly reserved rendezvous port."""
+    return {LOCAL_PORT_VAR: str(reserve_local_port())}
+
+
+def _derived_port(job_id: str, restart: str = "0") -> int:
+    low, high = SLURM_PORT_RANGE
+    digest = int(hashlib.sha256(f"{job_id}:{restart}".encode()).hexdigest()[:8], 16)
+    return low + digest % (high - low)
+
+
+def _tasks_on_node(spec: str, node_id: int) -> Optional[int]:
+    """Tasks on node ``node_id`` from SLURM's ``SLURM_STEP_TASKS_PER_NODE`` syntax (``2(x3),1``)."""
+    counts: List[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "(x" in part:
+            n, times = part.rstrip(")").split("(x")
+            counts += [int(n)] * int(times)
+        else:
+            counts.append(int(part))
+    return counts[node_id] if 0 <= node_id < len(counts) else None
+
+
+def first_host(node_list: str) -> str:
+    """The first host name of a SLURM node list (``node[3-4,7],gpu1`` → ``node3``), via submitit's parser."""
+    from submitit.slurm.slurm import _parse_node_list
+
+    hosts = _parse_node_list(node_list)
+    if not hosts:
+        raise BackendError(f"SLURM node list {node_list!r} names no host")
+    return hosts[0]
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host  # let the store report it, naming the host
+
+
+def rendezvous_from_env(environ: Mapping[str, str],
+                        resolve: Callable[[str], str] = _resolve) -> Rendezvous:
+    """The rendezvous of this rank from its environment (pure but for ``resolve``, a name lookup).
+
+    Raises :class:`BackendError` when a SLURM task has no node list.
+    """
+    executor = environ.get("SUBMITIT_EXECUTOR", "")
+    if executor == "slurm" or (not executor and "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ):
+        rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
+        nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)
+        per_node = _tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""),
+                                  int(environ.get("SLURM_NODEID", 0)))
+        node_list = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        if not node_list:
+            raise BackendError("SLURM task without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: cannot find rank 0's host")
+        port = environ.get("MASTER_PORT") or _derived_port(environ.get("SLURM_JOB_ID", "0"),
+                                                           environ.get("SLURM_RESTART_COUNT", "0"))
+        return Rendezvous(rank, world, int(environ.get("SLURM_LOCALID", 0)), per_node or max(1, world // nodes),
+                          resolve(first_host(node_list)), int(port), "slurm")
+    if executor == "local":
+        world = int(environ.get("SUBMITIT_LOCAL_NTASKS", 1))
+        port = environ.get(LOCAL_PORT_VAR) or _derived_port(environ.get("SUBMITIT_LOCAL_JOB_ID", "0"))
+        return Rendezvous(int(environ.get("SUBMITIT_LOCAL_GLOBALID", 0)), world,
+                          int(environ.get("SUBMITIT_LOCAL_LOCALID", 0)), world, "127.0.0.1", int(port), "local")
+    world = int(environ.get("WORLD_SIZE", 1))
+    port = environ.get("MASTER_PORT") or environ.get(LOCAL_PORT_VAR)
+    if port is None and world > 1:
+        raise BackendError(f"WORLD_SIZE={world} but MASTER_PORT is not set; fix: launch through orchestrator "
+                           "(python -m orchestrator ...) or torchrun")
+    return Rendezvous(int(environ.get("RANK", 0)), world, int(environ.get("LOCAL_RANK", 0)),
+                      int(environ.get("LOCAL_WORLD_SIZE", world)), environ.get("MASTER_ADDR", "127.0.0.1"),
+                      int(port) if port is not None else reserve_local_port(), "env")
+
+
+# ---- 2. device binding ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceBinding:
+    """This rank's device: ``cpu``, or ``cuda`` with the index among the GPUs the task sees."""
+
+    device: str  # "cpu" or "cuda"
+    index: Optional[int]
+    backend: str  # "gloo" or "nccl"
+    gpu: Optional[str]
+    """The physical GPU as the environment names it (a CUDA_VISIBLE_DEVICES entry), None on CPU."""
+    visible: Optional[str]
+    """CUDA_VISIBLE_DEVICES as this task got it (None: unset)."""
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.index}" if self.device == "cuda" else "cpu"
+
+
+def _gpu_env(environ: Mapping[str, str]) -> str:
+    keys = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
+    shown = [f"{k}={environ[k]!r}" for k in keys if k in environ]
+    return ", ".join(shown) or "no CUDA_VISIBLE_DEVICES/SLURM GPU variables"
+
+
+def choose_binding(environ: Mapping[str, str], *, want: str, backend: str, device_count: int,
+                   gpus_per_node: int = 0, local_rank: int = 0, rank: int = 0) -> DeviceBinding:
+    """Pick this rank's device and backend; never changes ``CUDA_VISIBLE_DEVICES``.
+
+    ``want``: ``training.device`` (auto/cpu/cuda); ``backend``: ``parallelism.distributed_backend``
+    (auto/nccl/gloo); ``device_count``: ``torch.cuda.device_count()`` of this task;
+    ``gpus_per_node``: ``cluster.gpus_per_node`` (the node's GPU count when SLURM does not say,
+    ``SLURM_GPUS_ON_NODE``). Raises :class:`BackendError` (no usable GPU, ambiguous binding) or
+    :class:`ConfigError` (nccl without GPUs).
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    node_gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0) or gpus_per_node or device_count
+    who = f"rank {rank} (local rank {local_rank}) on {socket.gethostname()}"
+    if device_count == 0 and want == "cuda":
+        raise BackendError(f"training.device=cuda but {who} sees no GPU ({_gpu_env(environ)}); "
+                           "fix: request GPUs (cluster.gpus_per_node) or set training.device=cpu")
+    if device_count == 0 and want == "auto" and (gpus_per_node or int(environ.get("SLURM_GPUS_ON_NODE") or 0)):
+        raise BackendError(f"the job asked for GPUs but {who} sees none ({_gpu_env(environ)}); it would run on "
+                           "CPU + gloo while other ranks use GPUs; fix: check the GPU binding (--gpus-per-task, "
+                           "--gpu-bind), or set cluster.gpus_per_node=0 and training.device=cpu")
+    if want == "cpu" or device_count == 0:
+        if backend == "nccl":
+            raise ConfigError("parallelism.distributed_backend=nccl needs GPUs but this job runs on CPU; "
+                              "fix: parallelism.distributed_backend=gloo or auto")
+        return DeviceBinding("cpu", None, "gloo", None, visible)
+    if device_count == 1:
+        index = 0
+    elif device_count == node_gpus and local_rank < device_count:
+        index = local_rank
+    elif device_count == node_gpus:
+        raise BackendError(f"{who} has no GPU of its own: this node's {device_count} GPUs are fewer than its "
+                           f"tasks; fix: cluster.tasks_per_node <= cluster.gpus_per_node ({_gpu_env(environ)})")
+    else:
+        raise BackendError(f"{who} sees {device_count} of the node's {node_gpus} GPUs ({_gpu_env(environ)}) and "
+                           "cannot tell which is its own; fix: bind one GPU per task (--gpus-per-task=1 or "
+                           "--gpu-bind=single:1) or let every task see all of the node's GPUs (no --gpu-bind)")
+    entries = [e.strip() for e in visible.split(",")] if visible else []
+    gpu = entries[index] if index < len(entries) else str(index)
+    return DeviceBinding("cuda", index, "nccl" if backend == "auto" else backend, gpu, visible)
+
+
+# ---- 3. agreement -------------------------------------------------------------------------------------
+def _ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2,5``."""
+    out: List[str] = []
+    ordered = sorted(ranks)
+    start = prev = ordered[0]
+    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+def check_agreement(records: Sequence[Mapping[str, object]]) -> None:
+    """Raise :class:`BackendError` unless every rank has the same device and backend, each on its own GPU.
+
+    ``records[r]``: rank r's ``{"host", "device", "backend", "gpu", "visible"}``. The message names
+    the ranks (and hosts) of every group.
+    """
+    groups: Dict[Tuple[object, object], List[int]] = {}
+    for rank, rec in enumerate(records):
+        groups.setdefault((rec["device"], rec["backend"]), []).append(rank)
+    if len(groups) > 1:
+        parts = []
+        for (device, backend), ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+            hosts = sorted({str(records[r]["host"]) for r in ranks})
+            visible = sorted({str(records[r].get("visible")) for r in ranks})
+            parts.append(f"{device}/{backend} on rank(s) {_ranks(ranks)} (host {','.join(hosts)}; "
+                         f"CUDA_VISIBLE_DEVICES {'|'.join(visible)})")
+        raise BackendError("ranks disagree on device/backend: " + "; ".join(parts) +
+                           "; fix: give every task a GPU (check --gpus-per-task / --gpu-bind) or run all on CPU")
+    shared: Dict[Tuple[object, object], List[int]] = {}
+    for rank, rec in enumerate(records):
+        if rec["device"] == "cuda":
+            shared.setdefault((rec["host"], rec["gpu"]), []).append(rank)
+    clashes = [f"rank(s) {_ranks(r)} on {host} all use GPU {gpu}" for (host, gpu), r in shared.items() if len(r) > 1]
+    if clashes:
+        raise BackendError("several ranks bound to one GPU: " + "; ".join(clashes) +
+                           "; fix: one task per GPU (cluster.tasks_per_node = cluster.gpus_per_node)")
+
+
+# ---- init -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -28,67 +279,69 @@ class RankInfo:
     local_rank: int
     device: str  # "cpu" or "cuda"
     backend: str  # "gloo" or "nccl"
+    hosts: Tuple[str, ...] = ()
+    """Every rank's host name, by rank (recorded as ``hosts`` in the summary and manifest)."""
+    gpu: Optional[str] = None
 
 
-def resolve_device(cfg: JobConfig) -> str:
-    """``training.device`` resolved against what this process sees: "cuda" or "cpu"."""
-    want = cfg.training.device
-    has_cuda = torch.cuda.is_available()
-    if want == "cuda" and not has_cuda:
-        raise BackendError(
-            "training.device=cuda but this job sees no GPU (torch.cuda.is_available() is False); "
-            "fix: request GPUs (cluster.gpus_per_node) or set training.device=cpu"
-        )
-    if want == "auto":
-        return "cuda" if has_cuda else "cpu"
-    return want
+def _exchange(store, rv: Rendezvous, record: Dict[str, object], timeout: datetime.timedelta) -> List[dict]:
+    """Publish this rank's record in ``store`` and read every rank's (the one start-up exchange)."""
+    store.set(_BINDING_KEY.format(rank=rv.rank), json.dumps(record))
+    keys = [_BINDING_KEY.format(rank=r) for r in range(rv.world_size)]
+    store.wait(keys, timeout)
+    return [json.loads(store.get(key)) for key in keys]
 
 
-def _from_job_environment(bind_gpu: bool) -> None:
-    """Export torch.distributed env vars from submitit's job environment, when inside a submitit job."""
-    if "SUBMITIT_EXECUTOR" not in os.environ and "SLURM_JOB_ID" not in os.environ and "SUBMITIT_LOCAL_JOB_ID" not in os.environ:
-        # Plain `torchrun`/single process: take the environment as it is.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        return
-    import submitit
+def open_store(rv: Rendezvous, timeout: datetime.timedelta):
+    """The TCP rendezvous store (rank 0 hosts it). Raises :class:`BackendError` naming address and port."""
+    import torch.distributed as dist
 
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=bind_gpu, overwrite=True)
+    try:
+        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0, timeout,
+                             wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise BackendError(f"rank {rv.rank}: rendezvous store {rv.master_addr}:{rv.master_port} "
+                           f"({rv.source}) failed: {str(exc).splitlines()[0] if str(exc) else exc}") from None
 
 
 def init_distributed(cfg: JobConfig) -> RankInfo:
-    """Start the default process group for this rank; returns who we are.
+    """Rendezvous, bind the device, agree with every rank, start the default process group.
 
-    Raises :class:`ConfigError` if the job's task count differs from the layout's world size.
+    Raises :class:`BackendError` / :class:`ConfigError` (binding, disagreement, store failure).
     """
-    # Decide GPU binding before CUDA is initialised (CUDA_VISIBLE_DEVICES is read once).
-    bind_gpu = cfg.training.device != "cpu" and cfg.cluster.gpus_per_node > 0
-    _from_job_environment(bind_gpu)
-    device = resolve_device(cfg)
-    backend = cfg.parallelism.distributed_backend
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    if backend == "nccl" and device != "cuda":
-        raise ConfigError("parallelism.distributed_backend=nccl needs GPUs; fix: distributed_backend=gloo or auto")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":
-        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=cfg.training.distributed_timeout_minutes),
-        )
-    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+    import torch
+
+    rv = rendezvous_from_env(os.environ)
+    os.environ.update(rv.as_env())
+    device_count = torch.cuda.device_count() if cfg.training.device != "cpu" else 0
+    binding = choose_binding(os.environ, want=cfg.training.device, backend=cfg.parallelism.distributed_backend,
+                             device_count=device_count, gpus_per_node=cfg.cluster.gpus_per_node,
+                             local_rank=rv.local_rank, rank=rv.rank)
+    if binding.device == "cuda":
+        torch.cuda.set_device(binding.index)
+    timeout = datetime.timedelta(minutes=cfg.training.distributed_timeout_minutes)
+    if torch.distributed.is_initialized():  # a caller (test, notebook) made the group already
+        return RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
+                        (socket.gethostname(),) * rv.world_size, binding.gpu)
+    store = open_store(rv, timeout)
+    gpu_id = binding.gpu
+    if binding.device == "cuda":
+        uuid = getattr(torch.cuda.get_device_properties(binding.index), "uuid", None)
+        gpu_id = str(uuid) if uuid is not None else binding.gpu
+    record = {"host": socket.gethostname(), "device": binding.device, "backend": binding.backend,
+              "gpu": gpu_id, "visible": binding.visible}
+    records = _exchange(store, rv, record, timeout)
+    check_agreement(records)
+    torch.distributed.init_process_group(backend=binding.backend, store=store, rank=rv.rank,
+                                         world_size=rv.world_size, timeout=timeout)
+    return RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
+                    tuple(str(r["host"]) for r in records), binding.gpu)
 
 
 def shutdown() -> None:
     """Destroy megatron's model-parallel groups and the default process group (idempotent)."""
+    import torch
+
     try:
         from megatron.core import parallel_state
 

@@ -163,6 +163,9 @@ class CheckpointConfig:
     """Load model weights only from this checkpoint directory (no optimizer, iteration 0)."""
     save_timeout_s: float = 600.0
     """A save that takes longer fails the job instead of hanging."""
+    digest: str = "size"
+    """What the manifest digests: ``size`` (file sizes + dist_checkpointing metadata hashed; cheap at any
+    size) or ``sha256`` (every file, hashed by the ranks in parallel at save; ``manifest check --deep``)."""
 
 
 @dataclass
