@@ -25,13 +25,6 @@ def stage_seed(seed: int, pipeline_rank: int) -> int:
     return seed + 100 * pipeline_rank
 
 
-def stage_seed(seed: int, pipeline_rank: int) -> int:
-    """Megatron-LM's per-stage seed: ``seed + 100 x pipeline rank`` (``_set_random_seed`` in
-    megatron/training/initialize.py), so pipeline stages do not draw identical initial weights;
-    megatron-core's ``model_parallel_cuda_manual_seed`` then offsets by TP (and EP) rank itself."""
-    return seed + 100 * pipeline_rank
-
-
 def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
     """megatron ``initialize_model_parallel`` + RNG seeding as Megatron-LM does it: Python, NumPy and
     torch seeded with :func:`stage_seed`, then megatron-core's model-parallel RNG tracker."""
@@ -110,37 +103,6 @@ def transformer_config(cfg: JobConfig, device: str):
         persist_layer_norm=False,
         deallocate_pipeline_outputs=device == "cuda",
     )
-
-
-def resolve_transformer_impl(cfg: JobConfig, device: str) -> str:
-    """``model.transformer_impl`` resolved for this job: ``transformer_engine`` or ``local``.
-
-    ``auto`` means Transformer Engine on GPU when it imports, the local spec otherwise. Context
-    parallelism needs Transformer Engine attention (megatron's local ``DotProductAttention`` has no
-    CP). Raises :class:`BackendError` for TE asked for but missing, or CP > 1 without TE.
-    """
-    impl = cfg.model.transformer_impl
-    te_ok = False
-    if impl in ("auto", "transformer_engine") and device == "cuda":
-        try:
-            import transformer_engine  # noqa: F401
-
-            te_ok = True
-        except ImportError:
-            te_ok = False
-    if impl == "transformer_engine" and not te_ok:
-        raise BackendError(
-            "model.transformer_impl=transformer_engine but Transformer Engine is not importable here "
-            f"(device={device}); fix: install transformer-engine on the GPU nodes or set model.transformer_impl=local"
-        )
-    cp = cfg.parallelism.context_parallel_size
-    if cp > 1 and not te_ok:
-        raise BackendError(
-            f"parallelism.context_parallel_size={cp} needs Transformer Engine attention, but this job uses the "
-            f"local layer spec (model.transformer_impl={impl}, device={device}); fix: install transformer-engine "
-            "on the GPU nodes, or parallelism.context_parallel_size=1"
-        )
-    return "transformer_engine" if te_ok else "local"
 
 
 def resolve_transformer_impl(cfg: JobConfig, device: str) -> str:
