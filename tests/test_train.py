@@ -17,7 +17,7 @@ from conftest import losses_by_iteration, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["data.stdlib_max_mb=2", "training.log_interval=1"]
+SMALL = ["data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters=0"]
 
 
 def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
@@ -165,3 +165,43 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
     resumed_at = int(second.stdout.split("(iteration ")[1].split(")")[0])
     assert resumed_at in range(2, REFERENCE_ITERS, 2)
     _assert_matches(reference, run_dir, after=resumed_at, rel=1e-5)
+
+
+def _megatron_lr(steps: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:
+    """Megatron's OptimizerParamScheduler.get_lr after ``steps`` steps: linear warm-up from 0, then
+    cosine from max_lr to min_lr until ``decay`` steps, min_lr after."""
+    if warmup > 0 and steps <= warmup:
+        return max_lr * steps / warmup
+    if steps > decay:
+        return min_lr
+    ratio = (steps - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def test_resume_follows_the_new_schedule_and_dp_reshard_too(tmp_path, cache_dir):
+    """8 iterations (cosine, lr 1e-3, warm-up 2) on one rank, then train_iters doubled and lr halved on
+    DP=2 (an opt-in reshard): the preflight says which schedule runs from which iteration, iterations
+    9..16 apply the new schedule's lr (Megatron's formula, 1e-9), not the checkpoint's (min_lr by then),
+    and the new manifests record the schedule as used."""
+    common = SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=lr", "optimizer.lr_warmup_iters=2",
+                      "optimizer.lr_decay_style=cosine", "optimizer.min_lr=1e-4"]
+    run_cli(common + ["training.train_iters=8", "optimizer.lr=1e-3"], cache=cache_dir)
+    second = run_cli(common + ["training.train_iters=16", "optimizer.lr=5e-4", "parallelism.data_parallel_size=2",
+                               "checkpoint.allow_reshard=true"], cache=cache_dir)
+    assert "lr schedule: cosine over 16 its, warmup 2 its, max 0.0005, min 0.0001, from iteration 9" in second.stdout
+    lr = {r["iteration"]: r["lr"] for r in read_metrics(tmp_path / "lr")}
+    assert sorted(lr) == list(range(1, 17))
+    for it in range(1, 9):
+        assert abs(lr[it] - _megatron_lr(it - 1, 1e-3, 1e-4, 2, 8)) <= 1e-9, (it, lr[it])
+    for it in range(9, 17):  # the lr an iteration applies: the schedule after it - 1 steps
+        assert abs(lr[it] - _megatron_lr(it - 1, 5e-4, 1e-4, 2, 16)) <= 1e-9, (it, lr[it])
+    assert lr[9] > 3e-4  # the checkpoint's own schedule was at min_lr (1e-4) from iteration 9 on
+    checkpoints = tmp_path / "lr" / "checkpoints"
+    old = json.loads((checkpoints / "iter_0000008" / "manifest.json").read_text())
+    new = json.loads((checkpoints / "iter_0000016" / "manifest.json").read_text())
+    assert old["state"]["scheduler"]["max_lr"] == 1e-3 and old["state"]["scheduler"]["lr_decay_steps"] == 8
+    assert new["config"]["optimizer"]["lr"] == 5e-4 and new["config"]["training"]["train_iters"] == 16
+    assert new["state"]["scheduler"] == {**new["state"]["scheduler"], "max_lr": 5e-4, "min_lr": 1e-4,
+                                         "lr_warmup_steps": 2, "lr_decay_steps": 16, "num_steps": 16}
+    assert new["layout"]["data_parallel_size"] == 2
+    assert "parallelism.data_parallel_size" in new["origin"]["resharded"]

@@ -48,6 +48,7 @@ from typing import Callable, Dict, List, Optional
 from orchestrator.spec.schema import JobConfig, to_dict
 from orchestrator.errors import ResumeMismatchError
 from orchestrator.spec.layout import ParallelLayout, padded_vocab_size
+from orchestrator.spec.schedule import lr_schedule
 from orchestrator.ckpt.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
                                    latest_complete, save_dir_of)
 
@@ -71,10 +72,11 @@ _REFUSE_KEYS = {
     "optimizer.name", "optimizer.use_distributed_optimizer", "training.precision",
 }
 _RESHARD_KEYS = {"training.global_batch_size"}
-_IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.")
+_IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.", "logging.")
 _IGNORE_KEYS = {"plan", "dry_run", "gpu", "data.cache_dir", "data.name", "model.name", "training.name",
                 "training.log_interval", "training.timing_warmup_iters",
                 "training.exit_after_iters", "training.distributed_timeout_minutes",
+                "training.eval_interval", "training.eval_iters",
                 "model.make_vocab_size_divisible_by",  # judged by its padded vocab
                 "model.transformer_impl"}  # judged by what it resolved to (_layer_spec_mismatch)
 _NOTES = {
@@ -84,6 +86,9 @@ _NOTES = {
     "data.tokenizer": "token ids would mean different things",
     "optimizer.use_distributed_optimizer": "optimizer state layouts differ; checkpoint.init_from loads weights only",
 }
+_SCHEDULE_KEYS = {"optimizer.lr", "optimizer.min_lr", "optimizer.lr_decay_style", "optimizer.lr_warmup_iters",
+                  "optimizer.lr_decay_iters", "training.train_iters"}
+"""The config's LR schedule wins on resume (spec.schedule): the first changed key says what follows."""
 
 
 @dataclass(frozen=True)
@@ -198,11 +203,14 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     # 2. every config leaf (model shape, data, tokenizer spec, batch, optimizer, ...)
     ck_cfg = _normalized(_flatten(manifest.get("config") or {}))
     req_cfg = _normalized(_flatten(to_dict(cfg)))
+    described = False
     for key in list(dict.fromkeys([*ck_cfg, *req_cfg])):
         kind = _kind(key)
         if kind is None or ck_cfg.get(key) == req_cfg.get(key):
             continue
         note = _NOTES.get(key, "")
+        if key in _SCHEDULE_KEYS and not described:
+            note, described = lr_schedule(cfg).describe(int(manifest.get("iteration") or 0) + 1), True
         if key == "training.global_batch_size":
             note += f" (checkpoint consumed {manifest.get('consumed_samples')} samples)"
         out.append(Mismatch(key, ck_cfg.get(key), req_cfg.get(key), f"{key}={hydra_value(ck_cfg.get(key))}",

@@ -9,6 +9,7 @@
       config.yaml          the resolved config of the run that started (entry)
       checkpoints/iter_XXXXXXX/{..., manifest.json}
       submitit/            submitit's job scripts, logs and result pickles
+      tensorboard/         TensorBoard event files (runtime.metrics, logging rank)
 """
 
 from pathlib import Path
@@ -20,6 +21,7 @@ LOCK_FILE = "orchestrator.lock"
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 SUBMITIT_DIR = "submitit"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def metrics_path(run_dir: Union[str, Path]) -> Path:

@@ -214,32 +214,60 @@ def _process_group_of_one(needed: bool) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
-    """megatron-core GPTDataset (or MockGPTDataset; a BlendedDataset over several prefixes) with at
-    least ``num_samples`` samples of seq_length+1 tokens.
+def _check_splits(cfg: JobConfig, config, prepared: PreparedData) -> None:
+    """Refuse a data.split part with a weight that gets none of a prefix's documents: megatron's
+    builder would loop forever on it (GPTDataset asks for epochs of an empty range)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prepared.prefixes:
+        n = len(IndexedDataset(prefix, mmap=True))
+        for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
+            if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
+                raise DataError(f"data.split={cfg.data.split!r}: the {name} part of {Path(prefix).name} gets none "
+                                f"of its {n} documents; fix: data.split=100,0,0 training.eval_iters=0 "
+                                "(no held-out data), or more documents")
+
+
+def build_datasets(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
+    """(train, validation) megatron-core GPTDatasets (MockGPTDataset; a BlendedDataset over several
+    prefixes): train with at least ``num_samples`` samples of seq_length+1 tokens, validation with
+    :func:`valid_samples_needed` samples of ``data.split``'s held-out part (None when that is 0).
 
     Called by the launcher without torch.distributed, once, to build and cache every index under
     ``<cache_dir>/indices``, and inside the job, where every rank then loads those files.
-    Raises DataError for an empty train split or a blend that oversamples a source.
+    Raises DataError for an empty split part, or a blend that oversamples a source.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     config = _dataset_config(cfg, prepared, tokenizer)
+    _check_splits(cfg, config, prepared)
     cls = MockGPTDataset if cfg.data.kind == "mock" else GPTDataset
+    sizes = [num_samples, valid_samples_needed(cfg), 0]
     try:
         with _process_group_of_one(needed=len(prepared.prefixes) > 1):
-            train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+            train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except IndexError as exc:  # megatron: "The train blend oversamples the contributing datasets ..."
         raise DataError(f"data.weights: {str(exc).split('. ')[0]}; fix: change data.weights or add data") from None
     if train is None:
         raise DataError(f"data.split: the train split is empty (data.split={cfg.data.split!r}); "
                         "fix: give the train split weight")
-    return train
+    return train, (valid if sizes[1] else None)
+
+
+def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
+    """The train dataset of :func:`build_datasets` (which also builds and caches the validation one)."""
+    return build_datasets(cfg, prepared, tokenizer, num_samples)[0]
 
 
 def samples_needed(cfg: JobConfig) -> int:
     return cfg.training.train_iters * cfg.training.global_batch_size
+
+
+def valid_samples_needed(cfg: JobConfig) -> int:
+    """Validation samples one evaluation reads: ``training.eval_iters`` global batches (0: no evaluation)."""
+    t = cfg.training
+    return t.eval_iters * t.global_batch_size if t.train_iters > 0 else 0
 
 
 class MicroBatchIterator:

@@ -16,6 +16,7 @@ import torch
 from orchestrator.spec.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
 from orchestrator.spec.layout import padded_vocab_size
+from orchestrator.spec.schedule import lr_schedule
 
 
 def stage_seed(seed: int, pipeline_rank: int) -> int:
@@ -234,19 +235,22 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
-    decay_iters = o.lr_decay_iters or cfg.training.train_iters
+    lr = lr_schedule(cfg)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, o.lr_warmup_iters + 1),
-        lr_decay_style=o.lr_decay_style,
+        init_lr=lr.init_lr,
+        max_lr=lr.max_lr,
+        min_lr=lr.min_lr,
+        lr_warmup_steps=lr.lr_warmup_steps,
+        lr_decay_steps=lr.lr_decay_steps,
+        lr_decay_style=lr.lr_decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
-        wd_incr_steps=max(1, decay_iters),
+        wd_incr_steps=lr.lr_decay_steps,
         wd_incr_style="constant",
+        # On resume the config's schedule wins over the checkpoint's (orchestrator.spec.schedule).
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
     return Built(model=model, optimizer=optimizer, scheduler=scheduler, tf_config=tf_config,
                  padded_vocab_size=padded)

@@ -120,8 +120,9 @@ class DataConfig:
     """byte (UTF-8 bytes, 256 ids + specials, no download) or a path to a tokenizer.json file."""
     cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}"
     """Where prepared .bin/.idx files and dataset indices are cached."""
-    split: str = "100,0,0"
-    """Train/valid/test split weights of each dataset (no evaluation runs yet: all of it trains)."""
+    split: str = "98,2,0"
+    """Train/valid/test split weights of each dataset's documents (Megatron's rule); the validation
+    part is held out for training.eval_iters."""
     stdlib_max_mb: float = 8.0
     """stdlib: how many MB of source text to take (sorted, deterministic)."""
 
@@ -146,6 +147,36 @@ class TrainingConfig:
     exit_after_iters: Optional[int] = None
     """Stop (saving a checkpoint) after this many iterations in this job; for tests and sweeps."""
     distributed_timeout_minutes: int = 10
+    eval_interval: Optional[int] = 100
+    """Evaluate the validation lm loss every N iterations (and after the last); null = only after the last."""
+    eval_iters: int = 10
+    """Validation batches (of global_batch_size samples each, the same batches every time) per
+    evaluation; 0 disables evaluation. Needs a validation weight in data.split."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (``pip install orchestrator[wandb]``); off while ``project`` is null."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    """Run name; null = run.name."""
+    mode: Optional[str] = None
+    """online, offline or disabled; null = wandb's own default (the WANDB_MODE variable)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where the logging rank writes metrics besides ``<run.dir>/metrics.jsonl``."""
+
+    tensorboard: bool = True
+    """TensorBoard events under ``<run.dir>/tensorboard`` (Megatron-LM's tag names)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wandb, dict):  # from_dict / a pickled job: plain dicts travel
+            self.wandb = WandbConfig(**self.wandb)
 
 
 @dataclass
@@ -236,6 +267,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: bool = False

@@ -1,0 +1,141 @@
+"""Everything a rank builds before its first iteration, in order.
+
+:func:`build_rank` — distributed init → CPU backend (device=cpu) → the one ``validate`` →
+megatron parallel state + seeds → tokenizer → GPT chunks, DDP, optimizer, LR schedule (megatron's
+``OptimizerParamScheduler``; on resume the config's schedule wins, see
+:mod:`orchestrator.runtime.resume`) → the hooks megatron's schedules call (no_sync, finalize grads,
+loss scale).
+
+:func:`build_data` — megatron-core GPTDatasets (train, and the held-out validation split when
+``training.eval_iters > 0``) and this rank's micro-batch iterators, positioned at the consumed
+sample count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from orchestrator.spec.checks import validate
+from orchestrator.spec.layout import ParallelLayout
+from orchestrator.spec.schema import JobConfig
+from orchestrator.runtime import cpu as cpu_backend
+from orchestrator.runtime.distributed import init_distributed
+from orchestrator.runtime.model import Built, build_model_and_optimizer, initialize_parallel_state
+
+
+def say(message: str) -> None:
+    """One progress line from this rank (the launcher streams rank 0's ``[orchestrator]`` lines)."""
+    print(f"[orchestrator] {message}", flush=True)
+
+
+@dataclass
+class Rank:
+    """What one rank built: who it is, the layout, megatron's objects."""
+
+    cfg: JobConfig
+    layout: ParallelLayout
+    info: object  # runtime.distributed's DistInfo: rank, world_size, device, backend (, hosts)
+    tokenizer: object
+    built: Built
+    is_logger: bool
+    """Last pipeline stage, first TP/CP/DP rank: holds the global lm loss and writes the metrics."""
+
+    @property
+    def rank0(self) -> bool:
+        return self.info.rank == 0  # type: ignore[attr-defined]
+
+    @property
+    def device(self) -> str:
+        return self.info.device  # type: ignore[attr-defined]
+
+    @property
+    def tensor_device(self) -> str:
+        """Where small collective tensors live: nccl reduces CUDA tensors only."""
+        return "cuda" if self.device == "cuda" else "cpu"
+
+    def say(self, message: str) -> None:
+        """A progress line, from rank 0 only."""
+        if self.rank0:
+            say(message)
+
+
+def build_rank(cfg: JobConfig) -> Rank:
+    """Start this rank: process group, parallel state, model, optimizer, scheduler.
+
+    Raises ConfigError/LayoutError (the same validate as the launcher's) and RuntimeError when
+    the job's task count differs from the layout's world size.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    info = init_distributed(cfg)
+    if info.device == "cpu":
+        cpu_backend.activate()
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    layout = validate(cfg)
+    if info.world_size != layout.world_size:
+        raise RuntimeError(f"job has {info.world_size} ranks but the layout needs {layout.world_size}")
+    if info.rank == 0:
+        say(f"{info.world_size} ranks up ({info.backend} on {info.device}); building model {cfg.model.name}")
+    initialize_parallel_state(cfg, cfg.training.seed, info.device)
+    from orchestrator.runtime.data import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data)
+    built = build_model_and_optimizer(cfg, tokenizer.vocab_size, info.device)
+    model = built.model
+    tf = built.tf_config
+    tf.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
+    tf.finalize_model_grads_func = finalize_model_grads
+    tf.grad_scale_func = built.optimizer.scale_loss
+    is_logger = (ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0
+                 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+    return Rank(cfg=cfg, layout=layout, info=info, tokenizer=tokenizer, built=built, is_logger=is_logger)
+
+
+@dataclass
+class Data:
+    """This rank's data: the iterator megatron's schedule reads, and a factory for validation."""
+
+    train: object
+    """One MicroBatchIterator, or a list of them (one per model chunk, interleaved schedule)."""
+    valid: Optional[Callable[[], object]]
+    """A fresh iterator (or list) over the first ``eval_iters`` validation batches; None: no eval."""
+
+
+def _iterators(rank: Rank, dataset, consumed: int) -> object:
+    from megatron.core import parallel_state as ps
+
+    from orchestrator.runtime.data import MicroBatchIterator
+
+    mbs = rank.cfg.training.micro_batch_size
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    its: List[object] = [MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device)
+                         for _ in rank.built.model]
+    return its if len(its) > 1 else its[0]
+
+
+def build_data(rank: Rank, prepared, consumed: int) -> Data:
+    """Train iterators from ``consumed`` samples on; validation from its first sample, each time.
+
+    Raises DataError for an empty split part.
+    """
+    from orchestrator.runtime.data import build_datasets, samples_needed
+
+    train, valid = build_datasets(rank.cfg, prepared, rank.tokenizer, samples_needed(rank.cfg))
+    make_valid = (lambda: _iterators(rank, valid, 0)) if valid is not None else None
+    return Data(train=_iterators(rank, train, consumed), valid=make_valid)
+
+
+def versions() -> dict:
+    """Software versions recorded in every manifest."""
+    from importlib.metadata import version
+
+    import orchestrator
+
+    return {"orchestrator": orchestrator.__version__, "megatron-core": version("megatron-core"),
+            "torch": torch.__version__, "python": sys.version.split()[0]}

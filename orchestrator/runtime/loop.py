@@ -1,0 +1,239 @@
+"""The training loop, its evaluation, and nothing the bare megatron-core loop does not need per step.
+
+Per iteration: megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved
+1F1B, chosen by megatron from the parallel state) → ``optimizer.step()`` → ``scheduler.step(1)``.
+
+Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
+The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
+over DP, in nats per token) is reduced and read only on iterations that log, save or stop. The
+stop request (preemption/time-limit signal) is agreed on without blocking: each iteration starts a
+non-blocking MAX all-reduce of this rank's signal flag on a gloo group and reads the one started
+the iteration before, so every rank stops after the same iteration, one iteration after the signal.
+
+Evaluation (``training.eval_iters > 0``): every ``training.eval_interval`` iterations and after
+the last, the validation lm loss over the first ``eval_iters`` global batches of the held-out
+split (the same batches every time), through megatron's schedule with ``forward_only=True`` (so
+across pipeline stages), averaged like the training loss; perplexity = exp(loss).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+
+from orchestrator.runtime import cp
+from orchestrator.runtime.build import Data, Rank
+from orchestrator.runtime.metrics import Trackers, perplexity
+from orchestrator.runtime.model import unwrap
+from orchestrator.runtime.resume import Saver, Start
+from orchestrator.runtime.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
+
+
+def _forward_step(data_iterator, model):
+    """One micro-batch through one model chunk. Only chunks that embed or compute loss read data;
+    with CP > 1 each rank keeps its share of the sequence (runtime.cp)."""
+    inner = unwrap(model)
+    needs_data = getattr(inner, "pre_process", True) or getattr(inner, "post_process", True)
+    batch = cp.batch_on_this_cp_rank(next(data_iterator)) if needs_data else None
+    tokens = batch["tokens"] if batch is not None else None
+    position_ids = batch["position_ids"] if batch is not None else None
+    labels = batch["labels"] if batch is not None else None
+    output = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if batch is not None else None
+    return output, partial(cp.loss_func, loss_mask)
+
+
+class StopPoll:
+    """The stop decision of :class:`~orchestrator.runtime.preempt.StopRequest`, without a blocking
+    collective per iteration (see the module docstring). Collective: every rank polls every iteration."""
+
+    def __init__(self, stop):
+        self.stop = stop
+        self.group = torch.distributed.new_group(backend="gloo")  # CPU flag: no device sync on GPU runs
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._work = None
+
+    def requested(self) -> bool:
+        """True on every rank when any rank had received a signal by the previous poll."""
+        decided = False
+        if self._work is not None:
+            self._work.wait()
+            decided = bool(self._flag[0])
+        self._flag = torch.tensor([int(self.stop.local_flag)], dtype=torch.int32)
+        self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
+                                                  group=self.group, async_op=True)
+        if decided and not self.stop.local_flag:
+            self.stop.trigger("peer")  # another rank got the signal; requeue_or_exit names it
+        return decided
+
+    def close(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def _mean_loss(rank: Rank, per_step: List[torch.Tensor]) -> Optional[float]:
+    """Mean of ``per_step`` (each a last-stage mean over micro-batches) over the loss group, read on
+    the host; None on other stages (collective over the last stage's loss group)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.stack(per_step).double().sum().reshape(1) if per_step else torch.zeros(1, dtype=torch.float64)
+    total = total.to(rank.tensor_device)
+    group = cp.loss_group()
+    torch.distributed.all_reduce(total, group=group)
+    return float(total[0]) / (torch.distributed.get_world_size(group) * max(1, len(per_step)))
+
+
+def _step_loss(losses) -> Optional[torch.Tensor]:
+    """This iteration's mean micro-batch loss as a tensor (no host sync); None off the last stage."""
+    return torch.stack([x["lm loss"] for x in losses]).mean() if losses else None
+
+
+def evaluate(rank: Rank, forward_backward, data: Data) -> Optional[float]:
+    """Validation lm loss (nats/token) on the logging rank's stage; None on other stages.
+
+    Collective: every rank runs the same forward-only schedule.
+    """
+    t, model = rank.cfg.training, rank.built.model
+    iterators = data.valid()  # type: ignore[misc]
+    per_step: List[torch.Tensor] = []
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        for _ in range(t.eval_iters):
+            losses = forward_backward(
+                forward_step_func=_forward_step, data_iterator=iterators, model=model,
+                num_microbatches=rank.layout.num_microbatches, seq_length=rank.cfg.model.seq_length,
+                micro_batch_size=t.micro_batch_size, forward_only=True)
+            loss = _step_loss(losses)
+            if loss is not None:
+                per_step.append(loss)
+    for chunk in model:
+        chunk.train()
+    return _mean_loss(rank, per_step)
+
+
+@dataclass
+class Outcome:
+    """How the loop ended."""
+
+    status: str  # completed | exited | stopped
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    step_times: List[float] = field(default_factory=list)
+    """Per-iteration wall times (s) after the timing warm-up, for the summary's median."""
+
+
+class _Log:
+    """The logging rank's records: step times since the last record, flops, memory."""
+
+    def __init__(self, rank: Rank, trackers: Trackers, start: int):
+        self.rank, self.trackers, self.start = rank, trackers, start
+        self.window: List[float] = []
+        self.timed: List[float] = []
+        self.flops = model_flops_per_step(rank) if trackers.enabled else None
+
+    def tick(self, step_time: float, iteration: int) -> None:
+        self.window.append(step_time)
+        if iteration - self.start > self.rank.cfg.training.timing_warmup_iters:
+            self.timed.append(step_time)
+
+    def record(self, iteration: int, consumed: int, loss: float, lr: float, grad_norm, update_ok: bool) -> None:
+        step = sum(self.window) / max(1, len(self.window))  # mean over the iterations since the last record
+        self.window = []
+        if not self.trackers.enabled:
+            return
+        r = self.rank
+        rec: Dict[str, object] = {
+            "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss, "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm), "step_time_s": step,
+            "tokens_per_s": r.layout.tokens_per_step / step, "batch_size": r.cfg.training.global_batch_size,
+            "throughput_tflops": self.flops / (step * r.layout.world_size * 1e12) if self.flops else None,
+            "skipped": not update_ok, "max_rss_mb": max_rss_mb(), "max_gpu_mem_mb": max_gpu_mb(r.device),
+            "time": time.time(),
+        }
+        self.trackers.train(rec)
+        gn = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
+        print(f"iteration {iteration:6d}/{r.cfg.training.train_iters} | consumed samples {consumed:8d} | "
+              f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
+              f"tokens/s {rec['tokens_per_s']:.0f}", flush=True)
+
+    def eval(self, iteration: int, consumed: int, loss: Optional[float]) -> None:
+        if self.trackers.enabled and loss is not None:
+            t = self.rank.cfg.training
+            self.trackers.eval({"event": "eval", "iteration": iteration, "consumed_samples": consumed,
+                                "lm_loss": loss, "ppl": perplexity(loss), "eval_iters": t.eval_iters,
+                                "time": time.time()})
+            print(f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {perplexity(loss):.3f}", flush=True)
+
+
+def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
+    t = rank.cfg.training
+    return data.valid is not None and (completed or bool(t.eval_interval) and iteration % t.eval_interval == 0)
+
+
+def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
+    """Train from ``start`` to ``training.train_iters`` (or a stop / ``exit_after_iters``); collective.
+
+    ``stop``: a StopRequest; ``guard``: NaN/inf guard and heartbeat (``check`` before any save of an
+    iteration, ``beat`` after it), or None. A requested stop saves and never returns
+    (``stop.requeue_or_exit``).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cfg, t, b = rank.cfg, rank.cfg.training, rank.built
+    forward_backward = get_forward_backward_func()
+    it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
+    log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
+    status = "completed"
+    while it < t.train_iters:
+        t0 = time.perf_counter()
+        for chunk in b.model:
+            chunk.zero_grad_buffer()
+        b.optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=_forward_step, data_iterator=data.train, model=b.model,
+            num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size, forward_only=False)
+        lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
+        update_ok, grad_norm, _ = b.optimizer.step()
+        b.scheduler.step(increment=1)
+        it, consumed = it + 1, consumed + t.global_batch_size
+        log.tick(time.perf_counter() - t0, it)
+        last = it == t.train_iters
+        stopping = not last and poll.requested()
+        exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
+        save_now = bool(cfg.checkpoint.save_interval) and it % cfg.checkpoint.save_interval == 0 and not last
+        loss = None
+        if last or stopping or exiting or save_now or it % t.log_interval == 0:
+            step_loss = _step_loss(losses)
+            loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
+        if guard is not None:
+            guard.check(it, loss, grad_norm)  # raises before anything of this iteration is saved
+        if loss is not None:
+            last_loss = loss
+            if last or it % t.log_interval == 0:
+                log.record(it, consumed, loss, lr, grad_norm, update_ok)
+        if _eval_due(rank, data, it, completed=last):
+            log.eval(it, consumed, evaluate(rank, forward_backward, data))
+        if save_now or stopping or exiting:
+            saver(it, consumed)
+        if guard is not None:
+            guard.beat(it)
+        if stopping:
+            poll.close()
+            trackers.event({"event": "stopped", "iteration": it, "time": time.time()})
+            stop.requeue_or_exit("signal")
+        if exiting:
+            status = "exited"
+            break
+    poll.close()
+    return Outcome(status, it, consumed, last_loss, log.timed)

@@ -1,0 +1,128 @@
+"""In-job resume or initialisation, and the checkpoint saver that writes manifests.
+
+:func:`restore` runs the launcher's resume check again inside the job (the config or the directory
+may have changed since submission): rank 0 verifies the latest checkpoint once (hashing every file
+once, not once per rank) and broadcasts the decision — the checkpoint to load, or the error that
+stops every rank. Then every rank loads it (model, optimizer, scheduler, progress), or only the
+model weights of ``checkpoint.init_from``.
+
+The learning-rate schedule after a resume is the config's (:mod:`orchestrator.spec.schedule`):
+megatron's scheduler is built with ``override_opt_param_scheduler=True``, and the optimizer's
+param groups, which the checkpoint restores with the *old* ``max_lr``/``min_lr``, get the config's
+values back before the schedule is re-evaluated at the checkpoint's step count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.runtime import checkpoint as ckpt
+from orchestrator.runtime.build import Rank, versions
+from orchestrator.spec.schedule import lr_schedule
+
+
+@dataclass
+class Start:
+    """Where this job starts."""
+
+    iteration: int
+    consumed_samples: int
+    origin: Optional[Dict[str, object]]
+    """The manifest's ``origin``: the checkpoint resumed from (with resharded keys) or ``init_from``."""
+    resumed_from: Optional[str]
+    """The checkpoint directory loaded with its optimizer state; None for a fresh start or init_from."""
+
+
+def _verdict(rank: Rank, prepared):
+    """Rank 0's preflight, broadcast: the CheckpointInfo to load (or None); raises its error everywhere."""
+    from orchestrator.ckpt import resume as preflight
+    from orchestrator.runtime.data import tokenizer_identity
+
+    verdict: List[object] = [None]
+    if rank.rank0:
+        try:
+            verdict[0] = ("ok", preflight.preflight(
+                rank.cfg, rank.layout, data_fingerprint=prepared.fingerprint,
+                tokenizer=tokenizer_identity(rank.cfg.data),
+                warn=lambda msg: print(f"[orchestrator] warning: {msg}", flush=True)))
+        except OrchestratorError as exc:
+            verdict[0] = ("error", exc)
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    outcome, value = verdict[0]  # type: ignore[misc]
+    if outcome == "error":
+        raise value  # type: ignore[misc]
+    return value
+
+
+def apply_config_schedule(rank: Rank) -> None:
+    """Give the optimizer's param groups the config's max/min lr and re-evaluate the schedule at the
+    scheduler's step count (the checkpoint restored the old ones into the param groups)."""
+    sched = lr_schedule(rank.cfg)
+    for group in rank.built.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
+    rank.built.scheduler.step(increment=0)
+
+
+def restore(rank: Rank, prepared) -> Start:
+    """Resume from the run's latest checkpoint, or initialise from ``checkpoint.init_from``, or start fresh.
+
+    Raises ResumeMismatchError / ManifestError (same on every rank) when the checkpoint may not be used.
+    """
+    from orchestrator.ckpt.resume import origin_of
+
+    cfg, built = rank.cfg, rank.built
+    latest = _verdict(rank, prepared)
+    if latest is not None:
+        rank.say(f"loading checkpoint {latest.path}")
+        progress = ckpt.load(Path(latest.path), built.model, built.optimizer, built.scheduler)
+        apply_config_schedule(rank)
+        iteration = progress["iteration"]
+        rank.say(f"resumed from {latest.path} at iteration {iteration}; "
+                 f"{lr_schedule(cfg).describe(iteration + 1)}")
+        return Start(iteration, progress["consumed_samples"], origin_of(latest), str(latest.path))
+    if cfg.checkpoint.init_from:
+        ckpt.load(Path(cfg.checkpoint.init_from), built.model)
+        rank.say(f"model weights initialised from {cfg.checkpoint.init_from}")
+        return Start(0, 0, {"init_from": cfg.checkpoint.init_from}, None)
+    return Start(0, 0, None, None)
+
+
+class Saver:
+    """Saves a checkpoint of this rank's state; rank 0 writes the manifest last.
+
+    The manifest records the config (``optimizer.lr``, ``training.train_iters`` as run) and, under
+    ``state.scheduler``, megatron's scheduler state as used (max/min lr, warm-up and decay steps,
+    step count).
+    """
+
+    def __init__(self, rank: Rank, prepared, origin: Optional[Dict[str, object]]):
+        from orchestrator.runtime.data import tokenizer_identity
+
+        self.rank, self.origin = rank, origin
+        self.data_identity = prepared.identity(rank.cfg.data)
+        self.tokenizer = tokenizer_identity(rank.cfg.data)
+        self.versions = versions()
+
+    def _write_manifest(self, path: Path, iteration: int, consumed: int) -> None:
+        from orchestrator.ckpt import manifest as mf
+
+        r = self.rank
+        manifest = mf.build_manifest(
+            r.cfg, r.layout, iteration=iteration, consumed_samples=consumed, checkpoint_dir=str(path),
+            vocab_size=r.tokenizer.vocab_size, padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
+            tokenizer=self.tokenizer, data=self.data_identity, versions=self.versions, origin=self.origin,
+            rng_and_data_state={"scheduler": r.built.scheduler.state_dict()},
+        )
+        mf.write_manifest(str(path), manifest)
+
+    def __call__(self, iteration: int, consumed: int) -> Path:
+        """Save at ``iteration``; returns the checkpoint directory (collective: every rank calls it)."""
+        b = self.rank.built
+        self.rank.say(f"saving checkpoint {ckpt.iter_dir(self.rank.cfg, iteration).name}")
+        return ckpt.save(self.rank.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
+                         consumed_samples=consumed, manifest_fn=lambda p: self._write_manifest(p, iteration, consumed))

@@ -1,0 +1,73 @@
+"""What a rank reports when its job ends: the ``summary`` record (and its memory/throughput helpers).
+
+The summary is what submitit returns from every rank (the launcher prints the logging rank's) and
+the last record the logging rank appends to metrics.jsonl::
+
+    {"event": "summary", "status", "iteration", "lm_loss", "step_time_median_s", "timed_iterations",
+     "tokens_per_step", "peak_rss_mb_per_rank", "peak_gpu_mem_mb_per_rank", "hosts", "host",
+     "device", "rank", "logging_rank", "resumed_from", "time"}
+
+``hosts``: the host of every rank, by global rank (a hang or a failure names ranks; this names
+their machines).
+"""
+
+from __future__ import annotations
+
+import resource
+import socket
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+
+def max_rss_mb() -> float:
+    """Peak resident set size of this process, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def max_gpu_mb(device: str) -> Optional[float]:
+    """Peak CUDA memory allocated by torch on this rank's GPU, MiB (None on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None
+
+
+def model_flops_per_step(rank) -> Optional[float]:
+    """Model FLOPs of one optimizer step (the planner's count, forward + backward, no recompute);
+    None when the planner cannot count this config."""
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.plan.memory import plan
+
+    try:
+        return float(plan(rank.cfg, vocab_size=rank.built.padded_vocab_size).model_flops)
+    except (OrchestratorError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _hosts(rank) -> List[str]:
+    hosts = getattr(rank.info, "hosts", None)
+    if hosts:
+        return list(hosts)
+    out: List[object] = [None] * rank.info.world_size
+    torch.distributed.all_gather_object(out, socket.gethostname())
+    return [str(h) for h in out]
+
+
+def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
+    """This rank's summary record (collective: gathers every rank's peak memory and host)."""
+    world = rank.info.world_size
+    peaks = torch.tensor([max_rss_mb(), max_gpu_mb(rank.device) or 0.0], dtype=torch.float64,
+                         device=rank.tensor_device)
+    gathered = [torch.zeros(2, dtype=torch.float64, device=rank.tensor_device) for _ in range(world)]
+    torch.distributed.all_gather(gathered, peaks)
+    times = outcome.step_times
+    return {
+        "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss,
+        "step_time_median_s": statistics.median(times) if times else None,
+        "timed_iterations": len(times), "tokens_per_step": rank.layout.tokens_per_step,
+        "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
+        "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
+        "hosts": _hosts(rank), "host": socket.gethostname(), "device": rank.device,
+        "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
+        "time": time.time(),
+    }
