@@ -48,5 +48,18 @@ class JobFailedError(SubmissionError):
     exit_code = 1
 
 
+class NonFiniteLossError(OrchestratorError):
+    """Training produced a non-finite (NaN/inf) gradient norm or loss: the job stops at that iteration
+    before anything of it is saved (``training.nan_policy``); raised on every rank alike."""
+
+    exit_code = 1
+
+
+class DiskFullError(OrchestratorError):
+    """A checkpoint save ran out of disk space (ENOSPC); the message names the path and the free space."""
+
+    exit_code = 1
+
+
 class BackendError(OrchestratorError):
     """The installed megatron-core / torch cannot run the requested device path."""

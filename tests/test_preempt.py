@@ -50,7 +50,9 @@ def test_signal_only_sets_a_flag_and_local_run_stops(clean_env, tmp_path):
     from orchestrator.submit.status import read_records
 
     events = read_records(tmp_path)
-    assert [e["event"] for e in events] == ["stopped"] and events[0]["signal"] == "SIGUSR2"
+    assert [e["event"] for e in events] == ["stopped", "attempt_ended"] and events[0]["signal"] == "SIGUSR2"
+    # a local time-limit stop is not requeued: the attempt ends "timeout", not requeued
+    assert (events[1]["cause"], events[1]["requeued"]) == ("timeout", False)
 
 
 def test_sigterm_is_caught_too(clean_env):
@@ -87,6 +89,33 @@ def test_decision_on_slurm(monkeypatch):
     assert not ok and "COMPLETING" in why
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")  # a local job inside an allocation is not SLURM's
     assert not preempt.on_slurm()
+
+
+def test_timeouts_and_failures_are_counted_separately(monkeypatch, tmp_path):
+    """cluster.max_num_timeout counts attempts that ended in a timeout/preemption, cluster.max_failures
+    those that failed (hang, node failure, crash), both from the run's history, not SLURM's one
+    restart counter."""
+    from orchestrator.ckpt import history
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # one timeout + one hang so far
+    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "RUNNING")
+    calls = []
+    monkeypatch.setattr(preempt, "_scontrol_requeue", lambda job_id: (calls.append(job_id), (True, ""))[1])
+    history.record_attempt_ended(tmp_path, "77", 0, "timeout", iteration=10, requeued=True)
+    history.record_attempt_ended(tmp_path, "77", 1, "hang", iteration=12, requeued=True)
+    assert preempt.job_identity() == ("77", 2)
+    stop = StopRequest(max_requeues=2, run_dir=str(tmp_path))
+    assert stop._decide() == (True, "requeue 2 of at most 2")  # SLURM_RESTART_COUNT=2 alone would refuse
+    assert StopRequest(max_requeues=1, run_dir=str(tmp_path))._decide()[0] is False
+    history.record_attempt_ended(tmp_path, "77", 2, "crashed", iteration=12)
+    assert preempt.requeue_for_failure(str(tmp_path), 2) == (True, "requeued SLURM job 77 (failure 2 of at most 2 retried)")
+    ok, why = preempt.requeue_for_failure(str(tmp_path), 1)
+    assert not ok and why == "not requeued: failure 2 > cluster.max_failures=1"
+    assert calls == ["77"]
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    assert preempt.requeue_for_failure(str(tmp_path), 5) == (False, "not requeued (a local run)")
 
 
 _WORKER = textwrap.dedent("""

@@ -1,22 +1,45 @@
 """The run's attempt history: ``<run_dir>/jobs.jsonl``, one JSON object per line.
 
-Who writes: the launcher records each submission (:func:`record_submission`: job id, cluster, log
-paths, submitit folder, number of tasks); the job records its events (:func:`record_event`:
-``requeued``, ``stopped`` … from :mod:`orchestrator.runtime.preempt`). Readers:
-:mod:`orchestrator.submit.status` and the sweep table. Appends go through
-:func:`orchestrator.io.append_jsonl` (locked, whole lines). No torch import.
+Who writes what:
+
+* the launcher: each submission (:func:`record_submission`: job id, cluster, log paths, submitit
+  folder, number of tasks), and the end of an attempt the job could not record itself (ranks
+  killed, node lost, Ctrl-C: :func:`record_attempt_ended` after :func:`claim_attempt_end`);
+* the job: ``attempt_started`` (rank 0, when training starts: job id, attempt, host, iteration),
+  ``attempt_ended`` (whoever ends the attempt: rank 0 at completion or after a time-limit stop,
+  the rank that detects a hang or a crash, every rank alike for a NaN: cause, iteration reached,
+  one-line message, whether it was requeued) and events (``requeued``, ``stopped``, ``hang``,
+  ``nan`` …).
+
+An *attempt* is one run of one job: ``(job_id, attempt)`` where ``attempt`` is SLURM's restart
+count (0 for the first run, and always 0 locally). :func:`attempts` folds the records into one
+:class:`Attempt` per run — what ``python -m orchestrator status --history`` prints and what each
+checkpoint manifest copies (``history``). Exactly one ``attempt_ended`` is written per attempt:
+writers first :func:`claim_attempt_end` (an ``O_EXCL`` marker file, safe across processes and
+nodes of a shared filesystem); the loser of the race writes nothing.
+
+Appends go through :func:`orchestrator.io.append_jsonl` (locked, whole lines). No torch import.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from orchestrator.ckpt.rundir import JOBS_FILE
+from orchestrator.ckpt.rundir import HEARTBEAT_DIR, JOBS_FILE
 from orchestrator.io import append_jsonl, read_jsonl
 
 PathLike = Union[str, Path]
+
+CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "crashed", "interrupted")
+"""Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved)."""
+TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})
+"""Counted against ``cluster.max_num_timeout``."""
+FAILURE_CAUSES = frozenset({"hang", "node failure", "crashed"})
+"""Counted against ``cluster.max_failures`` (a NaN is not retried: it would recur)."""
 
 
 def record_submission(run_dir: PathLike, job_id: str, cluster: Any, log_paths: Optional[Dict[str, str]] = None,
@@ -50,3 +73,146 @@ def record_event(run_dir: PathLike, event: str, **fields: Any) -> Dict[str, Any]
 def read_records(run_dir: PathLike) -> List[Dict[str, Any]]:
     """All records of ``<run_dir>/jobs.jsonl`` (malformed lines skipped)."""
     return read_jsonl(Path(run_dir) / JOBS_FILE)
+
+
+# ---- attempts ------------------------------------------------------------------------------------
+
+def record_attempt_started(run_dir: PathLike, job_id: str, attempt: int, *, iteration: Optional[int] = None,
+                           host: Optional[str] = None, **fields: Any) -> Dict[str, Any]:
+    """``attempt_started``: training of attempt ``attempt`` of ``job_id`` begins (at ``iteration``)."""
+    return record_event(run_dir, "attempt_started", job_id=str(job_id), attempt=int(attempt), iteration=iteration,
+                        host=host, **fields)
+
+
+def record_attempt_ended(run_dir: PathLike, job_id: str, attempt: int, cause: str, *,
+                         iteration: Optional[int] = None, message: str = "", **fields: Any) -> Dict[str, Any]:
+    """``attempt_ended`` with ``cause`` (one of :data:`CAUSES`), the iteration reached and a one-line
+    ``message``. Call after winning :func:`claim_attempt_end` so each attempt ends once."""
+    if cause not in CAUSES:
+        raise ValueError(f"unknown cause {cause!r}; one of {CAUSES}")
+    return record_event(run_dir, "attempt_ended", job_id=str(job_id), attempt=int(attempt), cause=cause,
+                        iteration=iteration, message=message, **fields)
+
+
+def _marker(run_dir: PathLike, job_id: str, attempt: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(job_id))
+    return Path(run_dir) / HEARTBEAT_DIR / f"ended_{safe}_{int(attempt)}"
+
+
+def claim_attempt_end(run_dir: PathLike, job_id: str, attempt: int) -> bool:
+    """True for exactly one caller per ``(job_id, attempt)``: the one that records how it ended.
+
+    An ``O_EXCL`` marker in ``<run_dir>/heartbeat/``; when the directory cannot be written (a full
+    disk) every caller is told True, so the end is still recorded if the record fits.
+    """
+    path = _marker(run_dir, job_id, attempt)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
+def attempt_claimed(run_dir: PathLike, job_id: str, attempt: int) -> bool:
+    """Whether someone already claimed the end of this attempt."""
+    return _marker(run_dir, job_id, attempt).exists()
+
+
+@dataclass
+class Attempt:
+    """One run of one job. Times are UNIX seconds; ``cause`` is None while it runs (or when nobody
+    recorded its end)."""
+
+    job_id: str
+    attempt: int
+    start: Optional[float] = None
+    end: Optional[float] = None
+    cause: Optional[str] = None
+    iteration: Optional[int] = None
+    """Iteration reached (the last finished one)."""
+    start_iteration: Optional[int] = None
+    """Iteration it resumed from (0 for a fresh start)."""
+    host: Optional[str] = None
+    message: str = ""
+    requeued: bool = False
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
+    """Fold ``attempt_started``/``attempt_ended`` records (in file order) into one Attempt each.
+
+    A submission without an ``attempt_started`` (a job that failed before training) still shows as
+    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins.
+    """
+    out: Dict[Tuple[str, int], Attempt] = {}
+    ended: set = set()
+    for rec in records:
+        event, job_id = rec.get("event"), str(rec.get("job_id"))
+        if event == "submitted":
+            out.setdefault((job_id, 0), Attempt(job_id=job_id, attempt=0, start=rec.get("time")))
+            continue
+        if event not in ("attempt_started", "attempt_ended", "crash_decision"):
+            continue
+        key = (job_id, int(rec.get("attempt") or 0))
+        a = out.setdefault(key, Attempt(job_id=job_id, attempt=key[1]))
+        if event == "crash_decision":  # the requeue decision after a crash, recorded after its end
+            a.requeued = a.requeued or bool(rec.get("requeued"))
+        elif event == "attempt_started":
+            a.start, a.start_iteration, a.host = rec.get("time"), rec.get("iteration"), rec.get("host")
+            if a.iteration is None:
+                a.iteration = rec.get("iteration")
+        elif key not in ended:
+            ended.add(key)
+            a.end, a.cause, a.message = rec.get("time"), rec.get("cause"), rec.get("message") or ""
+            a.requeued = bool(rec.get("requeued"))
+            if rec.get("iteration") is not None:
+                a.iteration = rec.get("iteration")
+    return sorted(out.values(), key=lambda a: (a.start or a.end or 0.0, a.job_id, a.attempt))
+
+
+def count_ended(records: Iterable[Dict[str, Any]], job_id: str, causes: Iterable[str]) -> int:
+    """How many attempts of ``job_id`` ended with one of ``causes``."""
+    wanted = set(causes)
+    return sum(1 for a in attempts(records) if a.job_id == str(job_id) and a.cause in wanted)
+
+
+def history_for_manifest(run_dir: PathLike, iteration: int, train_iters: int,
+                         current: Optional[Tuple[str, int]] = None) -> List[Dict[str, Any]]:
+    """The run's attempts as plain dicts, for a checkpoint manifest saved at ``iteration``.
+
+    The attempt saving it (``current``, else the latest without an end) reports ``iteration`` and,
+    when ``iteration >= train_iters`` (the final save), cause ``completed``; otherwise no cause yet.
+    """
+    items = attempts(read_records(run_dir))
+    mine = None
+    if current is not None:
+        mine = next((a for a in items if (a.job_id, a.attempt) == (str(current[0]), int(current[1]))), None)
+    if mine is None:
+        mine = next((a for a in reversed(items) if a.end is None), None)
+    if mine is not None:
+        mine.iteration = int(iteration)
+        if iteration >= train_iters and mine.cause is None:
+            mine.cause = "completed"
+    return [a.as_dict() for a in items]
+
+
+def format_attempts(items: List[Attempt]) -> List[str]:
+    """One line per attempt: ``job 123 #0  08:01:02-08:03:10  timeout  iteration 131  (message)``."""
+    def clock(t: Optional[float]) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
+
+    lines = []
+    for a in items:
+        span = f"{clock(a.start)} .. {clock(a.end) if a.end else 'running'}"
+        cause = a.cause or ("running" if a.end is None else "?")
+        it = "-" if a.iteration is None else str(a.iteration)
+        frm = f" (from {a.start_iteration})" if a.start_iteration else ""
+        tail = f"  {a.message}" if a.message and a.cause not in ("completed",) else ""
+        lines.append(f"job {a.job_id} attempt {a.attempt}  {span}  {cause}{' (requeued)' if a.requeued else ''}  "
+                     f"iteration {it}{frm}{tail}")
+    return lines

@@ -181,15 +181,22 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
                    checkpoint_dir: str, vocab_size: int, padded_vocab_size: int, tokenizer: dict, data: dict,
                    versions: Optional[dict] = None, env: Optional[dict] = None, origin: Optional[dict] = None,
                    rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
-                   hosts: Optional[List[str]] = None) -> dict:
+                   hosts: Optional[List[str]] = None,
+                   history: Optional[list] = None) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
     path and its sha256); ``data``: identity of the data (``fingerprint`` and whatever else the
     runtime knows); ``versions``/``env`` extend what is collected here; ``origin`` says where the
     run came from (see :func:`orchestrator.resume.origin_of`); ``digest``: ``size`` or ``sha256``
-    (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank.
+    (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank;
+    ``history``: the run's attempts (default: read from ``<run.dir>/jobs.jsonl``,
+    :func:`orchestrator.ckpt.history.history_for_manifest`).
     """
+    if history is None:
+        from orchestrator.ckpt.history import history_for_manifest
+
+        history = history_for_manifest(cfg.run.dir, iteration, cfg.training.train_iters)
     m, d, t, o = cfg.model, cfg.data, cfg.training, cfg.optimizer
     manifest = {
         "schema": SCHEMA,
@@ -224,6 +231,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "versions": {**collect_versions(), **(versions or {})},
         "env": {**collect_env(), **(env or {})},
         "origin": origin,
+        "history": history,
         "state": rng_and_data_state,
         "config": to_dict(cfg),
         "files": file_digest(checkpoint_dir, digest or getattr(cfg.checkpoint, "digest", "size")),

@@ -10,6 +10,8 @@
       checkpoints/iter_XXXXXXX/{..., manifest.json}
       submitit/            submitit's job scripts, logs and result pickles
       tensorboard/         TensorBoard event files (runtime.metrics, logging rank)
+      heartbeat/rank_<r>   each rank's progress and liveness, attempt-end markers (runtime.watchdog)
+      stacks/rank_<r>.txt  every live rank's Python stacks when the hang watchdog fires
 """
 
 from pathlib import Path
@@ -21,6 +23,8 @@ LOCK_FILE = "orchestrator.lock"
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 SUBMITIT_DIR = "submitit"
+HEARTBEAT_DIR = "heartbeat"
+STACKS_DIR = "stacks"
 TENSORBOARD_DIR = "tensorboard"
 
 

@@ -19,13 +19,17 @@ What happens:
 * :meth:`StopRequest.requested` all-reduces the flag (MAX) so every rank stops after the *same*
   iteration, even when the signal reached ranks at different moments.
 * :meth:`StopRequest.requeue_or_exit` synchronises the ranks (so the save is complete everywhere),
-  then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` when ``SLURM_RESTART_COUNT`` (0 when unset)
-  < ``max_requeues`` and the job is still ``RUNNING``; every rank then raises :class:`Requeued`
+  then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` when the job's attempts that ended in a
+  timeout or preemption (``<run_dir>/jobs.jsonl``; without a run directory ``SLURM_RESTART_COUNT``)
+  are fewer than ``max_requeues`` and the job is still ``RUNNING``; every rank then raises :class:`Requeued`
   (exit code :data:`REQUEUE_EXIT_CODE`). Otherwise — local runs, requeues used up, a cancelled
   job, a failed ``scontrol`` — every rank raises :class:`Stopped` (:data:`STOP_EXIT_CODE`).
   SLURM restarts the batch script from the top in the same job id; the run resumes from its
   latest checkpoint (auto-resume through the manifest check), and ``install()`` prints the
-  restart count on rank 0.
+  restart count on rank 0. Rank 0 records the attempt's end (``timeout``, ``preempted`` or
+  ``interrupted``, with the iteration) in the run's history (:mod:`orchestrator.ckpt.history`).
+* Failures (a hang, a crash) are requeued by :func:`requeue_for_failure` against their own limit,
+  ``cluster.max_failures``, counted the same way.
 
 Why it works with submitit (verified against submitit 1.5.4, ``core/submission.py`` and
 ``core/job_environment.py``):
@@ -102,6 +106,19 @@ def restart_count() -> int:
 
 def slurm_job_id() -> Optional[str]:
     return os.environ.get("SLURM_JOB_ID")
+
+
+def job_identity() -> "tuple[str, int]":
+    """(job id, attempt) of this process: submitit's job id (``<array>_<task>`` for arrays), else
+    ``SLURM_JOB_ID`` / ``SUBMITIT_LOCAL_JOB_ID``, else ``pid-<pid>``; attempt = SLURM's restart count."""
+    job_id = None
+    try:
+        import submitit
+
+        job_id = str(submitit.JobEnvironment().job_id)
+    except Exception:  # not a submitit task
+        job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    return job_id or f"pid-{os.getpid()}", restart_count()
 
 
 def _rank() -> int:
@@ -295,19 +312,24 @@ class StopRequest:
         if not job_id:
             return False, "SLURM_JOB_ID is not set"
         count = restart_count()
+        if self.run_dir:
+            from orchestrator.ckpt.history import TIMEOUT_CAUSES, count_ended, read_records
+
+            count = count_ended(read_records(self.run_dir), job_identity()[0], TIMEOUT_CAUSES)
         if count >= self.max_requeues:
-            return False, (f"requeues used up: SLURM_RESTART_COUNT={count} >= cluster.max_num_timeout="
+            return False, (f"requeues used up: {count} timeout/preemption requeue(s) >= cluster.max_num_timeout="
                            f"{self.max_requeues}")
         state = _slurm_job_state(job_id)
         if state is not None and state != "RUNNING":
             return False, f"job {job_id} is {state} (cancelled or ending), not requeued"
         return True, f"requeue {count + 1} of at most {self.max_requeues}"
 
-    def requeue_or_exit(self, reason: str = "", group=None) -> None:
+    def requeue_or_exit(self, reason: str = "", group=None, iteration: Optional[int] = None) -> None:
         """Requeue the SLURM job (rank 0) and exit every rank; never returns.
 
         Call on every rank after the checkpoint is saved. Raises :class:`Requeued` or
-        :class:`Stopped` (``SystemExit`` subclasses: submitit writes no result file).
+        :class:`Stopped` (``SystemExit`` subclasses: submitit writes no result file). ``iteration``
+        (the one just saved; default: the running guard's last beat) goes into the attempt's record.
         """
         rank = _rank()
         why = reason or "stop requested"
@@ -332,7 +354,7 @@ class StopRequest:
         if rank == 0:
             self._log(f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}" if on_slurm()
                       else f"{why}: checkpoint saved; {event}: {detail}")
-            self._record(event, why, detail)
+            self._record(event, why, detail, iteration)
         _flush_streams()
         if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task: this process must end now
             _arm_exit_watchdog(REQUEUE_EXIT_CODE if done else STOP_EXIT_CODE)
@@ -341,16 +363,58 @@ class StopRequest:
             raise Requeued(f"{why}: {detail}")
         raise Stopped(f"{why}: {detail}")
 
-    def _record(self, event: str, why: str, detail: str) -> None:
+    def _record(self, event: str, why: str, detail: str, iteration: Optional[int] = None) -> None:
         if not self.run_dir:
             return
         try:
-            from orchestrator.ckpt.history import record_event
+            from orchestrator.ckpt import history
 
-            record_event(self.run_dir, event, job_id=slurm_job_id() or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-                         restart_count=restart_count(), reason=why, detail=detail, signal=self.signal_name)
+            job_id, attempt = job_identity()
+            history.record_event(self.run_dir, event, job_id=job_id, restart_count=restart_count(), reason=why,
+                                 detail=detail, signal=self.signal_name)
+            if iteration is None:
+                from orchestrator.runtime import guard
+
+                iteration = guard.last_iteration()
+            requeued = event == "requeued"
+            cause = ("timeout" if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
+                     else "preempted" if requeued else "interrupted")
+            if history.claim_attempt_end(self.run_dir, job_id, attempt):
+                history.record_attempt_ended(self.run_dir, job_id, attempt, cause, iteration=iteration,
+                                             message=f"{why}: {event}" + (f" ({detail})" if detail else ""),
+                                             requeued=requeued)
         except Exception as exc:  # never let bookkeeping block the exit
             self._log(f"could not record the {event} event: {exc}")
+
+
+def requeue_for_failure(run_dir: str, max_failures: int) -> "tuple[bool, str]":
+    """After a failed attempt (its end already recorded): ``scontrol requeue`` this SLURM job when its
+    failed attempts (hang, node failure, crash; this one included) are at most ``max_failures`` and it
+    is still RUNNING. Returns (requeued?, one line saying why or why not). Local runs: never."""
+    from orchestrator.ckpt.history import FAILURE_CAUSES, count_ended, read_records
+
+    if not on_slurm():
+        return False, "not requeued (a local run)"
+    job_id = slurm_job_id() or ""
+    used = count_ended(read_records(run_dir), job_identity()[0], FAILURE_CAUSES)
+    if used > max_failures:
+        return False, f"not requeued: failure {used} > cluster.max_failures={max_failures}"
+    state = _slurm_job_state(job_id)
+    if state is not None and state != "RUNNING":
+        return False, f"not requeued: job {job_id} is {state}"
+    ok, problem = _scontrol_requeue(job_id)
+    if not ok:
+        return False, f"not requeued: {problem}"
+    return True, f"requeued SLURM job {job_id} (failure {used} of at most {max_failures} retried)"
+
+
+def leave_requeued(reason: str) -> None:
+    """End this rank after another part of the job requeued it: no result file, bounded teardown."""
+    _flush_streams()
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        _arm_exit_watchdog(REQUEUE_EXIT_CODE)
+        _destroy_process_groups()
+    raise Requeued(reason)
 
 
 def _flush_streams() -> None:

@@ -147,6 +147,16 @@ class TrainingConfig:
     exit_after_iters: Optional[int] = None
     """Stop (saving a checkpoint) after this many iterations in this job; for tests and sweeps."""
     distributed_timeout_minutes: int = 10
+    hang_timeout_s: Optional[float] = 300.0
+    """Hang watchdog: a rank that makes no progress (no finished iteration) for this long, counted from
+    its first iteration (a checkpoint save is allowed checkpoint.save_timeout_s), stops the job with
+    every live rank's Python stacks in <run.dir>/stacks/; null disables it. Keep it below
+    distributed_timeout_minutes x 60, or the collective timeout ends the job first, without stacks."""
+    nan_policy: str = "stop"
+    """A non-finite gradient norm (or loss): stop (the job ends at that iteration, nothing of it saved)
+    or skip (that optimizer update is not applied, up to max_skipped_steps in a row, then stop)."""
+    max_skipped_steps: int = 3
+    """nan_policy=skip: how many consecutive non-finite steps are skipped before the job stops."""
     eval_interval: Optional[int] = 100
     """Evaluate the validation lm loss every N iterations (and after the last); null = only after the last."""
     eval_iters: int = 10
@@ -224,6 +234,8 @@ class ClusterConfig:
     """USR2 is sent this long before the time limit: save, then requeue."""
     max_num_timeout: int = 3
     """How many times a timed-out or preempted job is requeued."""
+    max_failures: int = 0
+    """SLURM: how many times a failed attempt (hang, node failure, crash) is requeued; a NaN never is."""
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     """Extra sbatch parameters, e.g. {reservation: foo}."""
     setup: List[str] = field(default_factory=list)
@@ -291,6 +303,7 @@ _CHOICES = {
     ("data", "kind"): ("stdlib", "jsonl", "indexed", "mock"),
     ("training", "precision"): ("fp32", "bf16", "fp16"),
     ("training", "device"): ("auto", "cpu", "cuda"),
+    ("training", "nan_policy"): ("stop", "skip"),
     ("cluster", "kind"): ("local", "slurm"),
 }
 

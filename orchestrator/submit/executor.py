@@ -335,6 +335,18 @@ def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
     return dead
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _is_stale(rank: int, path: Path, stale: Dict[int, float]) -> bool:
+    """Rank ``rank``'s result file still holds what a failed, requeued attempt wrote."""
+    return rank in stale and _mtime(path) == stale[rank]
+
+
 def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = None) -> List[Dict[str, Any]]:
     """Block until every task of ``job`` ends; return the per-rank summaries.
 
@@ -343,8 +355,20 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
     minutes. On SLURM, time spent PENDING (in the queue, before the start or after a requeue)
     does not count towards that bound, and a requeue is reported and waited through: the requeued
     job writes its results into the same files when it finishes.
+
+    A failure the job explained (a NaN stop, a declared hang, an orchestrator error such as a full
+    disk: :mod:`orchestrator.submit.outcome`) is reported in one line. Every rank silent (no
+    heartbeat) for ``training.hang_timeout_s`` + 60 s: the job is cancelled as hung. An end the job
+    could not record (killed ranks, a lost node, Ctrl-C) is recorded in the run's history.
     """
+    from orchestrator.runtime.watchdog import JobWatch
+    from orchestrator.submit import outcome
+
     c = cfg.cluster
+    run_dir, job_id = cfg.run.dir, str(job.job_id)
+    hang_s = cfg.training.hang_timeout_s
+    watch = JobWatch(run_dir, job_id, world_size, hang_s) if hang_s else None
+    stale: Dict[int, float] = {}  # result files of an attempt that failed and was requeued (by mtime)
     bound_s = 60 * c.timeout_min * (c.max_num_timeout + 1) + 300
     counted_s = 0.0  # time the job has been running (not pending) while we waited
     last_poll = time.time()
@@ -362,12 +386,20 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
             if progress is not None:
                 progress.poll()
             for i in range(world_size):
-                if i not in results:
+                if i not in results and not _is_stale(i, Path(job.task(i).paths.result_pickle), stale):
                     r = _read_result(Path(job.task(i).paths.result_pickle))
                     if r is not None:
                         results[i] = r
             failed = [i for i, r in results.items() if r[0] != "success"]
+            if failed and c.kind != "local" and outcome.requeued_after_failure(run_dir, job_id):
+                stale.update({i: _mtime(Path(job.task(i).paths.result_pickle)) for i in results})
+                results.clear()  # the requeued attempt writes its own results
+                failed = []
             if failed:
+                known = outcome.known_failure(run_dir, job_id, [results[i][1] for i in sorted(failed)])
+                if known:
+                    cancel(job, cfg)
+                    raise JobFailedError(f"job {job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)")
                 # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the
                 # error above is its peers' broken collective: say so.
                 dead = _dead_ranks(job, world_size, results) if c.kind == "local" else []
@@ -377,6 +409,7 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 tail = str(detail).strip().splitlines()[-15:] if detail else []
                 cause = (f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else "")
                 srun = _srun_errors(job) if c.kind != "local" else ""
+                outcome.record_end(run_dir, job_id, "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
                 raise JobFailedError(
                     f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail) +
                     (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}")
@@ -386,6 +419,10 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 dead = _dead_ranks(job, world_size, results)
                 if dead:
                     cancel(job, cfg)
+                    known = outcome.known_failure(run_dir, job_id)
+                    if known:
+                        raise JobFailedError(f"job {job_id}: {known} (logs: {Path(job.task(dead[0]).paths.stderr).parent}/)")
+                    outcome.record_end(run_dir, job_id, "crashed", f"rank(s) {dead} died without a result")
                     raise JobFailedError(
                         f"job {job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
                         f"the other ranks were stopped.\nlogs: {Path(job.task(dead[0]).paths.stderr).parent}/")
@@ -406,6 +443,11 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 ended_since = ended_since or time.time()
                 if time.time() - ended_since > (3 if cancelled else 15):
                     missing = [i for i in range(world_size) if i not in results]
+                    known = outcome.known_failure(run_dir, job_id)
+                    if known and not cancelled:
+                        raise JobFailedError(f"job {job_id} ({state}): {known} (logs: {Path(job.paths.stderr).parent}/)")
+                    outcome.record_end(run_dir, job_id, outcome.slurm_cause(state) if c.kind != "local" else "crashed",
+                                       f"job ended ({state}) without results from rank(s) {missing}")
                     if cancelled:
                         raise JobFailedError(
                             f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
@@ -418,7 +460,15 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                         f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")
             else:
                 ended_since = None
+            if watch is not None and not ended:
+                if c.kind != "local" and state != "RUNNING":
+                    watch.pause()  # pending or requeued: silence does not count
+                elif (hung := watch.hung()) is not None:
+                    cancel(job, cfg)
+                    outcome.record_end(run_dir, job_id, "hang", hung)
+                    raise JobFailedError(f"job {job_id}: {hung}")
             if counted_s > bound_s:
+                outcome.record_end(run_dir, job_id, "interrupted", "the launcher's time bound ran out")
                 cancel(job, cfg)
                 raise JobFailedError(f"job {job.job_id} did not finish before the launcher's bound "
                                      f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min "
@@ -426,6 +476,7 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
             time.sleep(c.poll_interval_s)
     except KeyboardInterrupt:
         cancel(job, cfg)
+        outcome.record_end(run_dir, job_id, "interrupted", "the launcher was interrupted (Ctrl-C or a signal)")
         raise
     finally:
         if progress is not None:

@@ -1,7 +1,9 @@
 """Where a submitted job is: SLURM's view (``scontrol``), submitit's result files, the run's events.
 
 :func:`job_status` says ``pending``, ``running``, ``requeued``, ``completed``, ``failed``,
-``cancelled`` or ``stopped`` (``unknown`` when nothing answers). SLURM jobs are asked with
+``cancelled`` or ``stopped`` (``unknown`` when nothing answers), and, from the run's attempt records
+(:mod:`orchestrator.ckpt.history`), why its latest attempt ended (``cause``: ``nan``, ``hang``,
+``crashed``, ``timeout`` …) with the job's own one-line ``message``. SLURM jobs are asked with
 ``scontrol show job`` (accounting, hence ``sacct``, may be absent — it is on the dev cluster —
 and submitit polls it at most every 10 minutes); submitit's result files
 (``<job>_<rank>_result.pkl``) fill in when SLURM no longer knows the job (after ``MinJobAge``)
@@ -47,6 +49,10 @@ class JobStatus:
     results: Dict[int, str] = field(default_factory=dict)
     """rank -> "success"/"error" from submitit's result files."""
     detail: str = ""
+    cause: Optional[str] = None
+    """Why the latest attempt ended (:data:`orchestrator.ckpt.history.CAUSES`), when recorded."""
+    message: str = ""
+    """The job's own one-line account of that end (a NaN stop, a hang)."""
 
     @property
     def ended(self) -> bool:
@@ -54,7 +60,9 @@ class JobStatus:
 
     def describe(self) -> str:
         parts = [self.state]
-        if self.slurm_state and self.slurm_state.lower() != self.state:
+        if self.cause and self.cause != self.state and self.state in ("failed", "stopped"):
+            parts.append(f"({self.cause})")
+        elif self.slurm_state and self.slurm_state.lower() != self.state:
             parts.append(f"({self.slurm_state})")
         if self.restarts:
             parts.append(f"after {self.restarts} requeue{'s' if self.restarts > 1 else ''}")
@@ -232,4 +240,18 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
         st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
     elif st.state == "unknown" and cluster == "local":
         st.state, st.detail = "failed", "the local job ended without result files"
+    _attach_cause(st, events)
     return st
+
+
+def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
+    """Fill ``cause``/``message`` from the latest attempt's end; a NaN or hang is a failure with that name."""
+    from orchestrator.ckpt.history import attempts
+
+    mine = [a for a in attempts(events) if a.job_id == st.job_id and a.end is not None]
+    if not mine:
+        return
+    last = max(mine, key=lambda a: a.attempt)
+    st.cause, st.message = last.cause, last.message
+    if last.cause in ("nan", "hang") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
+        st.state, st.detail = "failed", ""

@@ -1,7 +1,9 @@
 """Run status: the latest job of each run directory, its state and progress; the status CLI.
 
-``python -m orchestrator status [runs_root]`` lists the runs under a directory with state, job
-id, requeues, last iteration and last loss, and a failed run's failing-rank error lines.
+``python -m orchestrator status [runs_root] [--history]`` lists the runs under a directory with
+state (and why the latest attempt ended: ``failed (nan)``, ``failed (hang)`` …), job id, requeues,
+last iteration and last loss, then a failed run's own one-line account or its failing rank's error
+lines; ``--history`` adds every attempt of each run (job id, start, end, cause, iteration reached).
 No torch import.
 """
 
@@ -11,11 +13,11 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.ckpt.history import PathLike, read_records
+from orchestrator.ckpt.history import PathLike, attempts, format_attempts, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
 
@@ -52,6 +54,8 @@ class RunStatus:
     lm_loss: Optional[float] = None
     jobs: int = 0
     failure: Optional[Tuple[int, List[str]]] = None
+    attempts: List[Dict[str, Any]] = field(default_factory=list)
+    """Every attempt of the run (:class:`orchestrator.ckpt.history.Attempt` as dicts), oldest first."""
 
     @property
     def state(self) -> str:
@@ -63,7 +67,8 @@ def run_status(run_dir: PathLike) -> RunStatus:
     records = read_records(run_dir)
     submissions = [r for r in records if r.get("event") == "submitted"]
     iteration, loss, summary = last_metrics(run_dir)
-    rs = RunStatus(run_dir=str(run_dir), job=None, iteration=iteration, lm_loss=loss, jobs=len(submissions))
+    rs = RunStatus(run_dir=str(run_dir), job=None, iteration=iteration, lm_loss=loss, jobs=len(submissions),
+                   attempts=[a.as_dict() for a in attempts(records)])
     if not submissions:
         if summary is not None:  # a run without records (older runs, direct runtime use)
             state = {"completed": "completed", "stopped": "stopped", "exited": "stopped"}.get(summary.get("status"), "unknown")
@@ -78,7 +83,7 @@ def run_status(run_dir: PathLike) -> RunStatus:
     requeues = sum(1 for r in records if r.get("event") == "requeued" and str(r.get("job_id")) == job_id)
     st.restarts = max(st.restarts, requeues)
     rs.job = st
-    if st.state == "failed" and folder:
+    if st.state == "failed" and folder and not st.message:
         rs.failure = failed_rank_tail(folder, job_id, last.get("num_tasks"))
     return rs
 
@@ -100,7 +105,7 @@ def _fmt_loss(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None) -> str:
+def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False) -> str:
     rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS")]
     for s in statuses:
         name = str(Path(s.run_dir).relative_to(root)) if root and Path(s.run_dir) != root else str(s.run_dir)
@@ -111,6 +116,16 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None) -> 
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in statuses:
+        if s.job is not None and s.job.state in ("failed", "stopped") and s.job.message:
+            lines.append("")
+            cause = "" if s.job.message.startswith(f"{s.job.cause}:") else f"{s.job.cause}: "
+            lines.append(f"{s.run_dir}: {cause}{s.job.message}")
+        if history and s.attempts:
+            from orchestrator.ckpt.history import Attempt
+
+            lines.append("")
+            lines.append(f"{s.run_dir}: {len(s.attempts)} attempt(s)")
+            lines.extend("    " + t for t in format_attempts([Attempt(**a) for a in s.attempts]))
         if s.failure:
             rank, tail = s.failure
             lines.append("")
@@ -124,6 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      description="List runs with their job state, last iteration and last loss.")
     parser.add_argument("runs_root", nargs="?", default="runs", help="directory holding run directories (default: runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.add_argument("--history", action="store_true",
+                        help="every attempt of each run: job id, start, end, cause, iteration reached")
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
     if not root.exists():
@@ -139,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not statuses:
         print(f"no runs under {root}")
         return 0
-    print(format_table(statuses, root))
+    print(format_table(statuses, root, history=args.history))
     return 0
 
 

@@ -1,0 +1,445 @@
+"""The training loop's guard: NaN/inf stop (or skip), hang watchdog heartbeat, save faults, attempt records.
+
+In every rank, around the loop (``runtime.train`` / ``runtime.loop``)::
+
+    guard = Guard(cfg, run_dir, rank, host)          # heartbeat + watchdog thread; rank 0: attempt_started
+    ...
+    update_ok, grad_norm, _ = guard.step(optimizer)  # optional: optimizer.step() that never applies a
+                                                     # non-finite update and always yields the grad norm
+    guard.check(iteration, lm_loss, grad_norm)       # BEFORE any save of that iteration
+    with guard.saving(iteration):                    # a save counts as progress; ENOSPC -> DiskFullError
+        saver(iteration, consumed)
+    guard.beat(iteration)                            # after every iteration: memory only
+    ...
+    guard.close()                                    # at the end, also from a ``finally``
+
+NaN/inf (``training.nan_policy``). The decision uses the *global* gradient norm: megatron reduces it
+over the model-parallel group (and DP replicas hold identical gradients after their all-reduce), so
+every rank sees the same value and stops at the same iteration without an extra collective. Only
+on the failure path one ``all_gather`` tells which ranks hold a non-finite loss or gradients.
+
+* ``stop`` (default): :class:`~orchestrator.errors.NonFiniteLossError` on every rank, naming the
+  iteration, the value and the ranks; the loop raises before anything of that iteration is saved,
+  so the latest checkpoint stays the last good one. The attempt ends with cause ``nan``.
+* ``skip``: megatron-core 0.16.1's fp32 and bf16 optimizers have no inf/NaN check
+  (``FP32Optimizer.step``: ``prepare_grads`` returns False, the clip coefficient of a NaN norm
+  compares False, and ``step_with_ready_grads`` applies the update); only fp16's loss scaler skips
+  (``found_inf``). Megatron-LM itself stops on a NaN loss (``rerun_state_machine.validate_result``
+  with ``fatal=True``). So a step can be skipped honestly only *before* the update:
+  :meth:`Guard.step` runs megatron's own sequence (``prepare_grads`` → ``get_grad_norm`` → clip →
+  ``step_with_ready_grads``) and leaves out the last two for a non-finite norm. Weights and
+  optimizer moments are then untouched; the loop should not advance the LR schedule for a step
+  with ``update_ok=False`` (Megatron-LM's rule). Up to ``training.max_skipped_steps`` consecutive
+  skips, then stop. A loop that calls ``optimizer.step()`` itself has already applied the update:
+  with ``skip`` it is then stopped, saying so.
+* ``optimizer.clip_grad=0``: megatron returns no grad norm. :meth:`Guard.step` computes it anyway
+  (the same reduction clipping would do); without it :meth:`check` falls back to one MAX all-reduce
+  of a "this rank's loss is non-finite" flag per iteration.
+
+Hangs: :class:`~orchestrator.runtime.watchdog.Watchdog` (``training.hang_timeout_s``). Saves:
+:func:`explain_save_failure`. Torch is imported inside the methods that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from orchestrator.ckpt import history
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
+from orchestrator.runtime.watchdog import Watchdog
+
+_ACTIVE: Optional["Guard"] = None
+_DECISION_WAIT_S = 30.0
+
+
+def last_iteration() -> Optional[int]:
+    """The last iteration the running guard of this process was told about (None without one)."""
+    return _ACTIVE.iteration if _ACTIVE is not None else None
+
+
+def _say(message: str) -> None:
+    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
+
+
+class Guard:
+    """One per rank. ``Guard(cfg, run_dir, rank, host)`` starts the heartbeat and the watchdog thread
+    (unless ``training.hang_timeout_s`` is null) and, on rank 0, records ``attempt_started``.
+
+    ``host``: this rank's host name (None: this machine's). ``world_size`` defaults to
+    torch.distributed's; ``start_iteration``: the iteration training starts from (for the record).
+    """
+
+    def __init__(self, cfg, run_dir, rank: int, host: Optional[str] = None, *, world_size: Optional[int] = None,
+                 start_iteration: Optional[int] = None):
+        global _ACTIVE
+        from orchestrator.runtime.preempt import job_identity
+
+        self.cfg, self.run_dir, self.rank = cfg, str(run_dir), int(rank)
+        self.host = host or socket.gethostname()
+        self.job_id, self.attempt = job_identity()
+        self.world_size = world_size or _world_size()
+        t = cfg.training
+        self.policy, self.max_skipped = t.nan_policy, int(t.max_skipped_steps)
+        self.skipped_in_row = self.skipped_total = 0
+        self.iteration: Optional[int] = start_iteration
+        self._step_state: Optional[str] = None  # set by step(): applied | skipped | overflow
+        self._optimizer: Any = None
+        self._closed = False
+        self.watchdog: Optional[Watchdog] = None
+        if t.hang_timeout_s:
+            self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
+                                     float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
+        if self.rank == 0:
+            _quietly(lambda: history.record_attempt_started(
+                self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
+                world_size=self.world_size))
+        _ACTIVE = self
+
+    # ---- per iteration ---------------------------------------------------------------------------
+    def beat(self, iteration: int) -> None:
+        """Iteration ``iteration`` finished on this rank (memory only: no syscall, no collective)."""
+        self.iteration = iteration
+        if self.watchdog is not None:
+            self.watchdog.progress(iteration)
+
+    def step(self, optimizer) -> Tuple[bool, Optional[float], Optional[int]]:
+        """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
+        never applied. Returns ``(update_ok, grad_norm, None)`` like megatron; ``grad_norm`` is the
+        global norm (also with ``optimizer.clip_grad=0``), None after an fp16 loss-scale overflow."""
+        import torch
+
+        self._optimizer = optimizer
+        with torch.no_grad():
+            if optimizer.prepare_grads():  # fp16 overflow: megatron's loss scaler skips and rescales
+                self._step_state = "overflow"
+                return False, None, None
+            grad_norm = float(optimizer.get_grad_norm())
+            if not math.isfinite(grad_norm):
+                self._step_state = "skipped"
+                return False, grad_norm, None
+            clip = self.cfg.optimizer.clip_grad
+            if clip > 0.0:
+                _clip(optimizer, clip, grad_norm)
+            ok = optimizer.step_with_ready_grads()
+        self._step_state = "applied"
+        return bool(ok), grad_norm, None
+
+    def check(self, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float]) -> bool:
+        """Stop (raise) or skip on a non-finite gradient norm; call BEFORE any save of ``iteration``.
+
+        ``lm_loss``: this rank's view of the loss (None off the last pipeline stage, or on iterations
+        the loop does not reduce it); ``grad_norm``: the global norm. Returns True when the step's
+        update was applied, False when it was skipped (``nan_policy=skip``, or an fp16 overflow).
+        Raises :class:`NonFiniteLossError` on every rank alike.
+        """
+        state, self._step_state = self._step_state, None
+        if grad_norm is None:
+            if state == "overflow":
+                return False
+            bad, value, what = self._any_loss_bad(lm_loss), lm_loss, "lm loss"
+        else:
+            value, what = float(grad_norm), "gradient norm"
+            bad = not math.isfinite(value)
+        if not bad:
+            self.skipped_in_row = 0
+            return True
+        if self.policy == "skip" and state == "skipped" and self.skipped_in_row < self.max_skipped:
+            self.skipped_in_row += 1
+            self.skipped_total += 1
+            if self.rank == 0:
+                _say(f"iteration {iteration}: non-finite {what} {value}: update skipped "
+                     f"({self.skipped_in_row} in a row of at most training.max_skipped_steps={self.max_skipped})")
+                _quietly(lambda: history.record_event(self.run_dir, "nan_skipped", job_id=self.job_id,
+                                                      attempt=self.attempt, iteration=iteration, value=str(value)))
+            return False
+        self._stop_nan(iteration, what, value, lm_loss, state)
+        return False  # not reached
+
+    def _any_loss_bad(self, lm_loss: Optional[float]) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        local = lm_loss is not None and not math.isfinite(float(lm_loss))
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_nan(self, iteration: int, what: str, value: Any, lm_loss: Optional[float], state: Optional[str]) -> None:
+        loss_ranks, grad_ranks = self._bad_ranks(lm_loss)
+        parts = [f"non-finite {what} {value} at iteration {iteration}"]
+        if loss_ranks:
+            parts.append(f"lm loss non-finite on rank(s) {_ranks(loss_ranks)}")
+        if grad_ranks:
+            parts.append(f"gradients non-finite on rank(s) {_ranks(grad_ranks)}")
+        latest = _latest_checkpoint(self.run_dir)
+        keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
+        tail = ""
+        if self.policy == "skip":
+            tail = (f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
+                    if state == "skipped" else
+                    " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)")
+        message = (f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
+                   f"fix: lower optimizer.lr (or raise optimizer.clip_grad / lr_warmup_iters) and rerun to resume")
+        if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
+            _quietly(lambda: history.record_event(self.run_dir, "nan", job_id=self.job_id, attempt=self.attempt,
+                                                  iteration=iteration, value=str(value), what=what,
+                                                  loss_ranks=loss_ranks, grad_ranks=grad_ranks))
+            _quietly(lambda: history.record_attempt_ended(self.run_dir, self.job_id, self.attempt, "nan",
+                                                          iteration=iteration, message=message))
+        raise NonFiniteLossError(message)
+
+    def _bad_ranks(self, lm_loss: Optional[float]) -> Tuple[List[int], List[int]]:
+        """(ranks with a non-finite loss, ranks with non-finite local gradients): one all_gather."""
+        import torch
+        import torch.distributed as dist
+
+        loss_bad = lm_loss is not None and not math.isfinite(float(lm_loss))
+        grads_bad = _local_grads_bad(self._optimizer)
+        mine = torch.tensor([float(loss_bad), float(grads_bad)], device=_device())
+        if not (dist.is_available() and dist.is_initialized()):
+            gathered = [mine]
+        else:
+            gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)
+        return ([r for r, g in enumerate(gathered) if g[0] > 0], [r for r, g in enumerate(gathered) if g[1] > 0])
+
+    # ---- saves and phases ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, allowance_s: Optional[float] = None) -> Iterator[None]:
+        """A stretch without iterations (evaluation, a save) that counts as progress when it starts and
+        ends, allowed ``allowance_s`` (default ``training.hang_timeout_s``) in between."""
+        if self.watchdog is None:
+            yield
+            return
+        with self.watchdog.phase_of(name, allowance_s or self.watchdog.timeout_s):
+            yield
+
+    @contextlib.contextmanager
+    def saving(self, iteration: int) -> Iterator[None]:
+        """Wrap the save of ``iteration``: allowed ``checkpoint.save_timeout_s`` + 60 s by the watchdog;
+        a disk-full failure becomes one :class:`DiskFullError` naming ENOSPC, the path and the free space."""
+        path = Path(self.run_dir) / CHECKPOINTS_DIR / f"iter_{iteration:07d}"
+        try:
+            with self.phase("save", float(self.cfg.checkpoint.save_timeout_s) + 60.0):
+                yield
+        except Exception as exc:
+            explained = explain_save_failure(exc, path)
+            if explained is None:
+                raise
+            raise explained from exc
+
+    # ---- history for manifests -------------------------------------------------------------------
+    def history(self, iteration: int) -> List[Dict[str, Any]]:
+        """This run's attempts for a manifest saved at ``iteration`` (this attempt: still running, or
+        ``completed`` when ``iteration`` is the last)."""
+        return history.history_for_manifest(self.run_dir, iteration, self.cfg.training.train_iters,
+                                             current=(self.job_id, self.attempt))
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the watchdog and record how this attempt ended. Safe to call from a ``finally``: the
+        exception in flight decides the cause (none: completed, or exited before train_iters). After
+        a crash on SLURM with ``cluster.max_failures`` left, the job is requeued and every rank leaves
+        through :class:`~orchestrator.runtime.preempt.Requeued` (no error result)."""
+        global _ACTIVE
+        if self._closed:
+            return
+        self._closed = True
+        exc = sys.exc_info()[1]
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if _ACTIVE is self:
+            _ACTIVE = None
+        if exc is None:
+            if self.rank == 0:
+                done = self.iteration is not None and self.iteration >= self.cfg.training.train_iters
+                self._end("completed" if done else "exited", "")
+        elif isinstance(exc, KeyboardInterrupt):
+            self._end("interrupted", "interrupted (Ctrl-C or SIGINT)")
+        elif isinstance(exc, (SystemExit, NonFiniteLossError)):
+            pass  # recorded where it was raised (preempt, check)
+        elif isinstance(exc, OrchestratorError):
+            self._end("crashed", f"rank {self.rank} ({self.host}): {exc}")  # user-fixable: never retried
+        else:
+            self._after_crash(exc)
+
+    def _end(self, cause: str, message: str, **fields: Any) -> bool:
+        if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
+            return False
+        _quietly(lambda: history.record_attempt_ended(self.run_dir, self.job_id, self.attempt, cause,
+                                                      iteration=self.iteration, message=message, **fields))
+        return True
+
+    def _requeue_failure(self, message: str) -> Tuple[bool, str]:
+        from orchestrator.runtime.preempt import requeue_for_failure
+
+        return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
+
+    def _after_crash(self, exc: BaseException) -> None:
+        """The first rank to claim the end records ``crashed`` and decides on a requeue; the others wait
+        for that decision (bounded) and leave requeued too, or let their exception propagate."""
+        from orchestrator.runtime.preempt import leave_requeued, on_slurm
+
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
+        if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
+            history_ok = _quietly(lambda: history.record_attempt_ended(
+                self.run_dir, self.job_id, self.attempt, "crashed", iteration=self.iteration, message=message,
+                decided=False))
+            requeued, detail = self._requeue_failure(message) if history_ok else (False, "")
+            _quietly(lambda: history.record_event(self.run_dir, "crash_decision", job_id=self.job_id,
+                                                  attempt=self.attempt, requeued=requeued, detail=detail))
+            if requeued:
+                _say(f"{message}; {detail}")
+                leave_requeued(message)
+            return
+        if not on_slurm():
+            return  # never requeued: nothing to wait for
+        deadline = time.monotonic() + _DECISION_WAIT_S
+        while time.monotonic() < deadline:
+            decision = next((r for r in reversed(history.read_records(self.run_dir))
+                             if r.get("event") in ("crash_decision", "attempt_ended") and r.get("job_id") == self.job_id
+                             and r.get("attempt") == self.attempt and r.get("decided") is not False), None)
+            if decision is not None:
+                if decision.get("requeued"):
+                    leave_requeued(message)
+                return
+            time.sleep(0.5)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def explain_save_failure(exc: BaseException, path: "str | os.PathLike") -> Optional[DiskFullError]:
+    """A :class:`DiskFullError` when the failed save of checkpoint ``path`` ran out of space, else None.
+
+    Out of space: an ``OSError`` with ``ENOSPC`` (or ``EDQUOT``) anywhere in the exception chain, or
+    a write failure without an errno (torch's zip writer: "unexpected pos …") on a filesystem with
+    less than 1 MiB (or 0.1 %) free. The message names ENOSPC, the path, the free space and the
+    latest complete checkpoint (the torn save has no manifest and is skipped on resume).
+    """
+    path = Path(path)
+    chain, seen = [], set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errnos = {getattr(x, "errno", None) for x in chain}
+    text = " ".join(str(x) for x in chain)
+    free, total, mount = _disk_space(path)
+    low = free is not None and (free < 2 ** 20 or (total and free < total / 1000))
+    writey = any(w in text for w in ("unexpected pos", "write", "No space left", "PytorchStreamWriter"))
+    if not ({errno.ENOSPC, errno.EDQUOT} & errnos or "No space left" in text or (writey and low)):
+        return None
+    space = (f"{_size(free)} free of {_size(total)} on {mount}" if free is not None else "free space unknown")
+    latest = _latest_checkpoint(path.parent.parent)
+    resume = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
+    return DiskFullError(f"no space left on device (ENOSPC) saving checkpoint {path}: {space}; the torn save "
+                         f"has no manifest and is skipped on resume, {resume}; fix: free space there (or set "
+                         f"run.root to a larger filesystem) and rerun to resume")
+
+
+def _disk_space(path: Path) -> Tuple[Optional[int], Optional[int], str]:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return None, None, str(p)
+    mount = p.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return usage.free, usage.total, str(mount)
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}"
+
+
+def _latest_checkpoint(run_dir: "str | os.PathLike") -> Optional[str]:
+    """Name of the newest ``iter_*`` directory with a manifest (cheap: no digest check)."""
+    base = Path(run_dir) / CHECKPOINTS_DIR if Path(run_dir).name != CHECKPOINTS_DIR else Path(run_dir)
+    try:
+        done = sorted(p.name for p in base.iterdir() if p.name.startswith("iter_") and (p / "manifest.json").exists())
+    except OSError:
+        return None
+    return done[-1] if done else None
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _quietly(write) -> bool:
+    try:
+        write()
+        return True
+    except Exception as exc:  # bookkeeping must never mask the real outcome (a full disk, say)
+        _say(f"could not record a job event: {exc!r}")
+        return False
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _device():
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _clip(optimizer, clip: float, grad_norm: float) -> None:
+    """Scale every sub-optimizer's gradients by ``clip / grad_norm`` when below 1 (megatron's rule,
+    through the module attribute so the CPU backend's replacement applies)."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    for sub in _sub_optimizers(optimizer):
+        if getattr(sub, "is_stub_optimizer", False):
+            continue
+        params = sub.get_parameters()
+        if params:
+            mopt.clip_grad_by_total_norm_fp32(
+                params, max_norm=clip, total_norm=grad_norm,
+                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+
+def _local_grads_bad(optimizer) -> bool:
+    """Whether this rank's own gradients hold a NaN/inf (False when unknown)."""
+    import torch
+
+    if optimizer is None:
+        return False
+    for sub in _sub_optimizers(optimizer):
+        for g in sub.get_main_grads_for_grad_norm():
+            if not bool(torch.isfinite(g).all()):
+                return True
+    return False

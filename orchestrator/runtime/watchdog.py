@@ -1,0 +1,345 @@
+"""Hang watchdog: a heartbeat file per rank, a watchdog thread in every rank, a launcher backstop.
+
+Files (shared filesystem, ``<run_dir>/heartbeat/``)::
+
+    rank_<r>                 one JSON record, rewritten in place by rank r's watchdog thread every
+                             poll: job id, attempt, host, pid, the last finished iteration, a beat
+                             counter (progress), an ``alive`` counter (the thread itself), the phase
+    hang_<job>_<attempt>.json   written by the rank that declares a hang (the others follow it)
+
+Progress vs liveness. The training loop only bumps counters in memory (:meth:`Watchdog.progress`:
+no syscall, no collective). The thread writes them out with its own ``alive`` counter, opening and
+closing the file each time (NFS publishes on close). A rank whose main thread is blocked in a
+collective still has a running thread; a stopped (SIGSTOP), frozen or dead process has not.
+
+Detection, in every rank's thread (clock-skew free: only changes seen by the reader count):
+
+1. once this rank's own progress is older than half its allowance, it starts watching every rank's
+   file (so the files of a healthy run are read by nobody);
+2. once it is older than the allowance (``training.hang_timeout_s``; a checkpoint save gets
+   ``checkpoint.save_timeout_s`` + 60 s), the stalled ranks are named: those whose ``alive`` counter
+   stopped changing (not responding), else those behind the others' iteration, else all of them
+   (every rank blocked after the same iteration: a collective or I/O that never completes);
+3. the first rank to claim the attempt's end (:func:`orchestrator.ckpt.history.claim_attempt_end`)
+   reports: it writes ``hang_<job>_<attempt>.json``, dumps its stacks
+   (``faulthandler.dump_traceback(all_threads=True)`` into ``<run_dir>/stacks/rank_<r>.txt``), waits
+   for the other live ranks' stacks, lets ``on_hang`` requeue the SLURM job, records the ``hang`` event
+   and the attempt's end, and ends the process with :data:`HANG_EXIT_CODE`. Every other live rank
+   sees the hang file, dumps its own stacks and exits the same way once the reporter is done.
+
+Nothing is counted before this rank's first finished iteration (start-up, data, checkpoint load).
+Torch-free; the launcher uses :class:`JobWatch` (every rank silent: cancel, report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+from orchestrator.ckpt import history
+from orchestrator.ckpt.rundir import HEARTBEAT_DIR, STACKS_DIR
+from orchestrator.io import write_atomic
+
+PathLike = Union[str, Path]
+HANG_EXIT_CODE = 79
+"""Exit status of every live rank after a declared hang (75/76 are the requeue/stop codes)."""
+_FOLLOW_TIMEOUT_S = 60.0
+_STACKS_WAIT_S = 15.0
+
+
+def heartbeat_path(run_dir: PathLike, rank: int) -> Path:
+    return Path(run_dir) / HEARTBEAT_DIR / f"rank_{rank}"
+
+
+def stacks_path(run_dir: PathLike, rank: int) -> Path:
+    return Path(run_dir) / STACKS_DIR / f"rank_{rank}.txt"
+
+
+def hang_path(run_dir: PathLike, job_id: str, attempt: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(job_id))
+    return Path(run_dir) / HEARTBEAT_DIR / f"hang_{safe}_{int(attempt)}.json"
+
+
+def write_heartbeat(path: Path, record: Dict[str, Any]) -> None:
+    """Rewrite ``path`` in place with ``record`` (one write, then close; no fsync)."""
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:
+    """The record of a heartbeat file; None when missing or caught mid-write."""
+    try:
+        rec = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    return read_heartbeat(path)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+class Watchdog:
+    """Heartbeat writer and hang detector of one rank (see the module docstring).
+
+    ``timeout_s``: ``training.hang_timeout_s``. ``on_hang(message) -> (requeued, detail)`` runs on the
+    reporting rank before it exits (the SLURM requeue). ``exit`` is ``os._exit`` (tests replace it).
+    """
+
+    def __init__(self, run_dir: PathLike, rank: int, world_size: int, host: str, job_id: str, attempt: int,
+                 timeout_s: float, on_hang: Optional[Callable[[str], Tuple[bool, str]]] = None,
+                 poll_s: Optional[float] = None, exit: Callable[[int], None] = os._exit):
+        self.run_dir, self.rank, self.world_size, self.host = Path(run_dir), rank, world_size, host
+        self.job_id, self.attempt, self.timeout_s = str(job_id), int(attempt), float(timeout_s)
+        self.poll_s = poll_s or min(5.0, max(0.25, self.timeout_s / 10))
+        self.on_hang, self._exit = on_hang, exit
+        self.iteration: Optional[int] = None
+        self.beats = 0
+        self.phase, self.allowance_s = "start", self.timeout_s
+        self._last_progress: Optional[float] = None  # monotonic; None until the first finished iteration
+        self._alive = 0
+        self._seen: Dict[int, Tuple[Any, float, Optional[Dict[str, Any]]]] = {}
+        self._watch_since: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orchestrator-watchdog", daemon=True)
+        self.declared: Optional[str] = None
+
+    # ---- the training loop's side (cheap) ------------------------------------------------------
+    def progress(self, iteration: int) -> None:
+        """Iteration ``iteration`` finished on this rank (memory only)."""
+        self.iteration, self.beats = iteration, self.beats + 1
+        self._last_progress = time.monotonic()
+        if self.phase == "start":
+            self.phase = "train"
+
+    @contextlib.contextmanager
+    def phase_of(self, name: str, allowance_s: float) -> Iterator[None]:
+        """A phase (e.g. a save) allowed ``allowance_s`` without progress; entering and leaving count as
+        progress once training has started."""
+        previous = (self.phase, self.allowance_s)
+        self.phase, self.allowance_s = name, max(self.timeout_s, allowance_s)
+        if self._last_progress is not None:
+            self._last_progress = time.monotonic()
+        try:
+            yield
+        finally:
+            self.phase, self.allowance_s = previous
+            if self._last_progress is not None:
+                self._last_progress = time.monotonic()
+
+    def start(self) -> "Watchdog":
+        self.path = heartbeat_path(self.run_dir, self.rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * self.poll_s + 1)
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def _record(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "job_id": self.job_id,
+                "attempt": self.attempt, "iteration": self.iteration, "beats": self.beats, "phase": self.phase,
+                "allowance_s": self.allowance_s, "alive": self._alive, "time": time.time()}
+
+    def _write(self) -> None:
+        self._alive += 1
+        write_heartbeat(self.path, self._record())
+
+    def _run(self) -> None:
+        complained = False
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._tick()
+            except Exception as exc:  # never let the watchdog take the rank down by itself
+                if not complained:
+                    _say(f"rank {self.rank}: hang watchdog problem (continuing): {exc!r}")
+                    complained = True
+
+    def _tick(self) -> None:
+        self._write()
+        hang = _read_json(hang_path(self.run_dir, self.job_id, self.attempt))
+        if hang is not None:
+            self._follow(hang)
+            return
+        if self._last_progress is None:
+            return
+        stale = time.monotonic() - self._last_progress
+        if stale <= self.allowance_s / 2:
+            self._seen.clear()
+            self._watch_since = None
+            return
+        self._observe()
+        if stale > self.allowance_s:
+            self._declare(stale)
+
+    def _observe(self) -> None:
+        now = time.monotonic()
+        self._watch_since = self._watch_since or now
+        for r in range(self.world_size):
+            rec = read_heartbeat(heartbeat_path(self.run_dir, r))
+            if rec is not None and (str(rec.get("job_id")) != self.job_id or rec.get("attempt") != self.attempt):
+                rec = None  # a file left by an earlier job or attempt
+            alive = None if rec is None else rec.get("alive")
+            if r not in self._seen or self._seen[r][0] != alive:
+                self._seen[r] = (alive, now, rec)
+            else:
+                self._seen[r] = (alive, self._seen[r][1], rec)
+
+    def stalled(self) -> Tuple[List[int], str]:
+        """(stalled ranks, why) from what :meth:`_observe` saw."""
+        now = time.monotonic()
+        silent = sorted(r for r, (alive, since, rec) in self._seen.items()
+                        if r != self.rank and (rec is None or now - since > 3 * self.poll_s))
+        if silent:
+            return silent, "not responding (process stopped, frozen or dead)"
+        its = {r: (rec or {}).get("iteration") for r, (_, _, rec) in self._seen.items()}
+        its[self.rank] = self.iteration
+        known = [v for v in its.values() if v is not None]
+        low, high = (min(known), max(known)) if known else (None, None)
+        if low is not None and low != high:
+            return sorted(r for r, v in its.items() if v == low), f"behind the others (they reached iteration {high})"
+        return list(range(self.world_size)), "every rank waits after the same iteration (a collective or I/O that never completes)"
+
+    def _hosts(self, ranks: List[int]) -> str:
+        hosts = []
+        for r in ranks:
+            rec = self._seen.get(r, (None, 0.0, None))[2]
+            hosts.append(self.host if r == self.rank else str((rec or {}).get("host") or "?"))
+        return ",".join(sorted(set(hosts)))
+
+    def _declare(self, stale: float) -> None:
+        ranks, why = self.stalled()
+        where = f"iteration {self.iteration}" if self.phase == "train" else f"iteration {self.iteration} ({self.phase})"
+        message = (f"hang: rank(s) {_ranks(ranks)} on host(s) {self._hosts(ranks)} made no progress for "
+                   f"{stale:.0f} s after {where} (training.hang_timeout_s={self.timeout_s:g}): {why}; "
+                   f"Python stacks of the live ranks in {self.run_dir / STACKS_DIR}/")
+        self.declared = message
+        if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
+            self._follow(None)
+            return
+        info = {"stalled": ranks, "hosts": self._hosts(ranks), "message": message, "reporter": self.rank,
+                "iteration": self.iteration, "done": False, "time": time.time()}
+        hpath = hang_path(self.run_dir, self.job_id, self.attempt)
+        write_atomic(hpath, json.dumps(info), fsync=False)
+        declared_at = time.time()
+        self.dump_stacks(f"hang declared by this rank: {message}")
+        silent = ranks if why.startswith("not responding") else []
+        self._await_stacks([r for r in range(self.world_size) if r not in silent], declared_at)
+        requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
+        _record_quietly(lambda: history.record_event(
+            self.run_dir, "hang", job_id=self.job_id, attempt=self.attempt, stalled=ranks, hosts=info["hosts"],
+            iteration=self.iteration, reporter=self.rank))
+        _record_quietly(lambda: history.record_attempt_ended(
+            self.run_dir, self.job_id, self.attempt, "hang", iteration=self.iteration, message=message,
+            requeued=requeued, detail=detail))
+        write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
+        _say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))
+        self._exit(HANG_EXIT_CODE)
+
+    def _await_stacks(self, ranks: List[int], since: float) -> None:
+        deadline = time.monotonic() + _STACKS_WAIT_S
+        while time.monotonic() < deadline:
+            missing = [r for r in ranks if r != self.rank and not _newer(stacks_path(self.run_dir, r), since)]
+            if not missing:
+                return
+            time.sleep(0.2)
+
+    def _follow(self, hang: Optional[Dict[str, Any]]) -> None:
+        """Another rank declared the hang: dump this rank's stacks, exit once it is done."""
+        self.dump_stacks("hang declared by rank %s" % ((hang or {}).get("reporter", "?")))
+        hpath = hang_path(self.run_dir, self.job_id, self.attempt)
+        deadline = time.monotonic() + _FOLLOW_TIMEOUT_S
+        while time.monotonic() < deadline and not (hang and hang.get("done")):
+            time.sleep(0.2)
+            hang = _read_json(hpath) or hang
+        _say(f"rank {self.rank}: stopped by the hang watchdog; stacks in {stacks_path(self.run_dir, self.rank)}")
+        self._exit(HANG_EXIT_CODE)
+
+    def dump_stacks(self, header: str) -> Path:
+        """Write every thread's Python stack of this process to ``<run_dir>/stacks/rank_<r>.txt``."""
+        path = stacks_path(self.run_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"# rank {self.rank} on {self.host}, pid {os.getpid()}, iteration {self.iteration}, "
+                    f"phase {self.phase}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n# {header}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+
+def _newer(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
+
+
+def _say(message: str) -> None:
+    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
+
+
+def _record_quietly(write: Callable[[], Any]) -> None:
+    try:
+        write()
+    except Exception as exc:  # a full disk must not keep the rank from exiting
+        _say(f"could not record a job event: {exc!r}")
+
+
+class JobWatch:
+    """The launcher's backstop: every rank of ``job_id`` silent (no heartbeat file changed) for
+    ``timeout_s`` + ``grace_s`` after one was seen. Reads the files at most every ``every_s``."""
+
+    def __init__(self, run_dir: PathLike, job_id: str, world_size: int, timeout_s: float,
+                 grace_s: float = 60.0, every_s: float = 5.0):
+        self.run_dir, self.job_id, self.world_size = Path(run_dir), str(job_id), world_size
+        self.limit_s, self.every_s = timeout_s + grace_s, every_s
+        self._state: Optional[Tuple[Any, ...]] = None
+        self._changed = time.monotonic()
+        self._checked = 0.0
+        self.last: Dict[int, Dict[str, Any]] = {}
+
+    def silent_for(self) -> Optional[float]:
+        """Seconds since any rank of the job last wrote its heartbeat (None before the first one)."""
+        now = time.monotonic()
+        if now - self._checked >= self.every_s:
+            self._checked = now
+            recs = {r: rec for r in range(self.world_size)
+                    if (rec := read_heartbeat(heartbeat_path(self.run_dir, r))) and str(rec.get("job_id")) == self.job_id}
+            state = tuple(sorted((r, rec.get("attempt"), rec.get("alive")) for r, rec in recs.items()))
+            if state != self._state:
+                self._state, self._changed, self.last = state, now, recs
+        return None if not self._state else now - self._changed
+
+    def pause(self) -> None:
+        """The job is not running (pending, requeued): silence does not count."""
+        self._changed = time.monotonic()
+
+    def hung(self) -> Optional[str]:
+        """A one-line message when every rank has been silent past the limit, else None."""
+        silent = self.silent_for()
+        if silent is None or silent <= self.limit_s:
+            return None
+        its = sorted({rec.get("iteration") for rec in self.last.values()}, key=lambda v: (v is None, v))
+        hosts = ",".join(sorted({str(rec.get("host")) for rec in self.last.values()}))
+        return (f"hang: no rank of job {self.job_id} (hosts {hosts}) wrote its heartbeat for {silent:.0f} s "
+                f"(last iteration {its[-1] if its else '?'}): every process stopped, frozen or lost; cancelled")

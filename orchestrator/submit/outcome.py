@@ -1,0 +1,86 @@
+"""How a waited-on job ended, in one line: what the job recorded, else what its ranks raised.
+
+The launcher (:func:`orchestrator.submit.executor.wait`) asks here before it words a failure:
+
+* :func:`known_failure` — the job's own account: the ``attempt_ended`` record of its latest attempt
+  (a NaN stop, a declared hang, a crash, with the one-line message the job wrote), else the message
+  of an :class:`~orchestrator.errors.OrchestratorError` that ended a rank (a full disk, a resume
+  refused in the job), read from the end of the rank's traceback;
+* :func:`record_end` — when the job could not record its end (ranks killed, node lost, the launcher
+  gave up or was interrupted), the launcher records it, once (``claim_attempt_end``);
+* :func:`requeued_after_failure` — a failed attempt that the job requeued itself
+  (``cluster.max_failures``): its error results are stale, the launcher keeps waiting.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional
+
+from orchestrator.ckpt import history
+
+_ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
+_JOB_CAUSES = ("nan", "hang")  # a crash's record names one rank's error; its traceback says more
+
+
+def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:
+    items = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == str(job_id)]
+    return max(items, key=lambda a: a.attempt) if items else None
+
+
+def orchestrator_error(text: Any) -> Optional[str]:
+    """The message of the last ``orchestrator....Error: message`` line of a traceback (its first line)."""
+    for line in reversed(str(text or "").strip().splitlines()):
+        m = _ERROR_LINE.match(line.strip())
+        if m:
+            return m.group(2).strip()
+    return None
+
+
+def known_failure(run_dir: str, job_id: str, errors: Iterable[Any] = ()) -> Optional[str]:
+    """One line saying why job ``job_id`` failed, from its own records or its ranks' errors; None
+    when neither says more than a traceback would."""
+    latest = _latest(run_dir, job_id)
+    if latest is not None and latest.cause in _JOB_CAUSES and latest.message:
+        return latest.message
+    for text in errors:
+        message = orchestrator_error(text)
+        if message:
+            return message
+    return None
+
+
+def requeued_after_failure(run_dir: str, job_id: str) -> bool:
+    """Whether the latest attempt of ``job_id`` ended in a failure the job requeued."""
+    latest = _latest(run_dir, job_id)
+    return latest is not None and latest.requeued and latest.cause in history.FAILURE_CAUSES
+
+
+def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
+    """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did."""
+    latest = _latest(run_dir, job_id)
+    attempt = latest.attempt if latest is not None else 0
+    if latest is not None and latest.end is not None:
+        return
+    try:
+        if history.claim_attempt_end(run_dir, job_id, attempt):
+            history.record_attempt_ended(run_dir, job_id, attempt, cause,
+                                         iteration=latest.iteration if latest else None,
+                                         message=message.splitlines()[0] if message else "", recorded_by="launcher")
+    except OSError:  # bookkeeping never hides the failure itself
+        pass
+
+
+def slurm_cause(state: str) -> str:
+    """The attempt cause for a SLURM end state the job did not record itself."""
+    if state.startswith("NODE_FAIL") or state == "BOOT_FAIL":
+        return "node failure"
+    if state in ("TIMEOUT", "DEADLINE"):
+        return "timeout"
+    if state == "PREEMPTED":
+        return "preempted"
+    if state.startswith("CANCELLED"):
+        return "interrupted"
+    return "crashed"
