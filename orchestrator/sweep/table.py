@@ -419,7 +419,11 @@ def plot(rows: Sequence[Dict[str, Any]], swept: Sequence[str], path: Path, title
         ax_t.set_ylim(0, 1.1 * max(speeds))
     n_meas = sum(1 for r in rows if r["tokens_per_s"] is not None)
     fig.suptitle(f"{title} -- {n_meas} of {len(rows)} points measured".strip(" -"))
-    fig.tight_layout()
+    import warnings
+
+    with warnings.catch_warnings():  # long category labels: a cramped layout is still a plot
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
