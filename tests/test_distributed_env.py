@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -173,3 +175,11 @@ def test_ten_local_runs_started_at_once_all_find_a_free_port():
     for job, rank, value, hosts, port in results:
         assert value == 2.0 * (job + 1), (job, rank, value)  # each pair reduced with its own partner only
         assert hosts == (socket.gethostname(),) * 2 and int(port) == ports[job]
+
+
+def test_gpu_path_modules_do_not_import_the_cpu_layer():
+    """runtime/cpu.py (megatron-core 0.16.x only) is for CPU jobs: what a GPU rank needs never imports it."""
+    code = ("import sys; import orchestrator.runtime.distributed, orchestrator.runtime.model, "
+            "orchestrator.runtime.checkpoint, orchestrator.runtime.cp; "
+            "assert 'orchestrator.runtime.cpu' not in sys.modules, 'cpu layer imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

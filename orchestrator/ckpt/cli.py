@@ -74,7 +74,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_list.add_argument("run_dir")
     p_list.add_argument("--no-verify", action="store_true")
     p_list.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tail = argv[argv.index("--") + 1:] if "--" in argv else []  # Hydra overrides, after options anywhere
+    args = parser.parse_args(argv[:len(argv) - len(tail) - 1] if "--" in argv else argv)
+    if args.cmd == "check":
+        args.overrides = list(args.overrides) + tail
     try:
         if args.cmd == "show":
             directory = Path(args.ckpt_dir)

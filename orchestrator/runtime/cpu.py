@@ -49,7 +49,9 @@ import torch
 from orchestrator.errors import BackendError
 
 SUPPORTED_MEGATRON = ("0.16.",)
-"""megatron-core version prefixes this layer was written and tested against."""
+"""megatron-core version prefixes this layer was written and tested against (0.16.x is also the newest
+line that installs on Python 3.11). GPU jobs never import-depend on this module's patches: they run
+megatron-core 0.16.1-0.19.x as it is."""
 
 PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
@@ -211,8 +213,10 @@ def check_supported(version: "str | None" = None) -> None:
     ver = version or megatron_version()
     if not ver.startswith(SUPPORTED_MEGATRON):
         raise BackendError(
-            f"the CPU backend was written for megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)}, "
-            f"found {ver}; fix: pip install 'megatron-core>=0.16.1,<0.17' or run on GPU (training.device=cuda)"
+            f"a CPU run needs megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)} (the CPU compatibility "
+            f"layer, orchestrator/runtime/cpu.py, is tested only there), found {ver}; fix: pip install "
+            "'megatron-core>=0.16.1,<0.17', or run on GPUs (cluster.gpus_per_node=<n>), which megatron-core "
+            "0.16.1-0.19.x serve without this layer"
         )
     try:
         import psutil  # noqa: F401
