@@ -1,23 +1,22 @@
-"""Calibrate the planner on this machine: predicted vs measured peak memory per rank, step-time ratios.
+"""Calibrate the planner's memory and step-time model on this machine's CPU, and check it.
 
-Runs a few small CPU trainings through the real entry point (``python -m orchestrator``), reads each
-run's ``metrics.jsonl`` summary (``peak_rss_mb_per_rank``, ``step_time_median_s``) and prints, per rank,
+Runs a few small CPU trainings through the real entry point (``python -m orchestrator``), turns each
+run's ``metrics.jsonl`` summary into a calibration sample and fits a device profile with
+:mod:`orchestrator.plan.calibrate` -- the same code ``python -m orchestrator tune`` uses on its trials,
+so the rank-to-stage mapping, the planner terms and the fit are defined once. It prints, per rank,
 
-* predicted = the planner's weights + gradients + optimizer state + activations for that rank's
-  pipeline stage (no GPU framework overhead; fp32 on CPU),
-* measured = peak RSS minus a *baseline*: the RSS of the same layout training a tiny model
-  (torch + megatron import, gloo groups, data pipeline), less the tiny model's own prediction,
-* ratio = predicted / (measured - baseline), and the error.
+* the planner's model states (weights + gradients + optimizer state) and activations of that rank's
+  pipeline stage,
+* the measured peak RSS, the calibrated prediction (overhead + factors x terms) and its error, both
+  in-sample and leave-one-config-out (fitted without that config: what a new config would see),
 
-It also compares step-time ratios between configs (relative to the first) with the planner's, using
-a CPU pseudo-preset; absolute CPU times mean little, ratios tell whether the model ranks layouts right.
+then the fitted constants and the step times, predicted vs measured (Kendall's tau).
 
     python bench/calibrate_memory.py                 # all configs (several minutes on 2 cores)
-    python bench/calibrate_memory.py --only pp2_mbs2 --iters 4
-    python bench/calibrate_memory.py --shared-baseline   # one 1-rank baseline instead of one per layout
-    python bench/calibrate_memory.py --plan-speed        # only time the planner (100-point grid, suggest)
+    python bench/calibrate_memory.py --only pp2_mbs2 --only pp2_mbs8 --iters 4
+    python bench/calibrate_memory.py --save          # also store the profile (~/.cache/orchestrator/profiles)
+    python bench/calibrate_memory.py --plan-speed    # only time the planner (100-point grid, suggest)
 
-Global rank r sits on pipeline stage r // (world / PP) (Megatron's default order tp-cp-ep-dp-pp).
 This is a benchmark, not a test: it takes minutes and its numbers depend on the machine.
 """
 
@@ -36,14 +35,14 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.plan import memory as planner, suggest  # noqa: E402  (pure Python: no torch in this process)
-from orchestrator.spec.schema import register_configs, to_job_config  # noqa: E402
+from orchestrator.plan import calibrate, memory as planner, suggest  # noqa: E402  (pure Python: no torch here)
+from orchestrator.plan.inputs import cpu_preset  # noqa: E402
+from orchestrator.plan.profile import prior_profile, save_profile  # noqa: E402
+from orchestrator.spec.compose import compose_config  # noqa: E402
 
 MiB = 2 ** 20
 # Big enough that model states and activations stand out of a ~430 MiB baseline, small enough for 2 cores.
 MODEL = ["model.num_layers=8", "model.hidden_size=512", "model.num_attention_heads=8"]
-TINY = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=2", "model.seq_length=32",
-        "model.max_position_embeddings=32", "training.micro_batch_size=1"]
 
 CONFIGS: Dict[str, List[str]] = {
     # name: overrides on top of +experiment=gpt_pp2_dp2
@@ -55,26 +54,21 @@ CONFIGS: Dict[str, List[str]] = {
                      "training.micro_batch_size=4", "training.global_batch_size=16"],
     "vpp2_mbs4": ["parallelism=pp2_vpp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
                   "training.micro_batch_size=4", "training.global_batch_size=16"],
+    "none_mbs4": ["parallelism=none", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
+                  "training.micro_batch_size=4", "training.global_batch_size=8"],
+    "pp4_mbs2": ["parallelism=pp4", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
+                 "training.micro_batch_size=2", "training.global_batch_size=8"],
     "pp2_seq512": ["parallelism=pp2_dp2", "model.num_layers=4", "model.hidden_size=256",
                    "model.num_attention_heads=8", "model.seq_length=512", "model.max_position_embeddings=512",
                    "training.micro_batch_size=4", "training.global_batch_size=16"],
 }
 COMMON = ["+experiment=gpt_pp2_dp2", "data=mock", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
           "checkpoint.auto_resume=false", "cluster.timeout_min=30"]
-# CPU pseudo-preset for step-time ratios: only the compute/communication balance matters.
-CPU = planner.GpuPreset("cpu", memory_bytes=64 * 2 ** 30, peak_flops_16bit=2e10, peak_flops_fp32=2e10,
-                        intra_node_bw=2e9, inter_node_bw=2e9)
 
 
 def compose(overrides: List[str], run_dir: Path):
     """The JobConfig the run will see (same conf/, same overrides)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = hydra_compose("config", overrides=[*overrides, f"run.dir={run_dir}"])
-    return to_job_config(cfg)
+    return compose_config([*overrides, f"run.dir={run_dir}"])
 
 
 def launch(name: str, overrides: List[str], root: Path, iters: int) -> Optional[dict]:
@@ -95,39 +89,6 @@ def launch(name: str, overrides: List[str], root: Path, iters: int) -> Optional[
     if summary is None:
         print("\n".join("    | " + l for l in (proc.stdout + proc.stderr).splitlines()[-15:]), flush=True)
     return summary
-
-
-def predicted_by_rank(cfg) -> List[dict]:
-    """Planner bytes per global rank: model states and activations of that rank's stage."""
-    plan = planner.plan(cfg)
-    lay = plan.layout
-    per_stage = lay.world_size // lay.pipeline_model_parallel_size
-    out = []
-    for rank in range(lay.world_size):
-        st = plan.stages[rank // per_stage]
-        out.append({"stage": st.stage, "states": st.weights + st.gradients + st.optimizer,
-                    "activations": st.activations})
-    return out
-
-
-def cpu_step_time(cfg) -> float:
-    """The planner's step time for ``cfg`` on the CPU pseudo-preset (seconds; only ratios matter)."""
-    shape = planner.ModelShape.from_model_config(cfg.model, planner.vocab_size_of(cfg)[0])
-    return planner.plan_layout(planner.layout_from_config(cfg), shape, planner.recipe_of(cfg), CPU).step_time_s
-
-
-def fit(rows) -> None:
-    """Least squares: net ~ a x states + b x activations + c (MiB). a, b near 1 and c near 0 = calibrated."""
-    import numpy as np
-
-    if len(rows) < 4:
-        return
-    X = np.array([[r[3], r[4], 1.0] for r in rows])
-    y = np.array([r[6] for r in rows])
-    (a, b, c), *_ = np.linalg.lstsq(X, y, rcond=None)
-    resid = y - X @ np.array([a, b, c])
-    print(f"fit: measured net = {a:.2f} x states + {b:.2f} x activations + {c:.0f} MiB "
-          f"(rms residual {float(np.sqrt(np.mean(resid ** 2))):.0f} MiB)")
 
 
 def plan_speed() -> None:
@@ -155,12 +116,52 @@ def plan_speed() -> None:
           f"{(time.perf_counter() - start) * 1000:.0f} ms, {len(found)} suggestions")
 
 
+def cpu_plan(cfg, profile=None):
+    """The plan of ``cfg`` on this machine's CPU (uncalibrated terms when ``profile`` is None)."""
+    return planner.plan(cfg, gpu="cpu", profile=profile)
+
+
+def print_memory(samples: Dict[str, dict], prior) -> None:
+    fitted = calibrate.fit_profile(prior, list(samples.values()))
+    print("\npeak memory per rank, MiB (pred = calibrated overhead + factors x (states, activations); "
+          "LOO = fitted without this config)")
+    print(f"{'config':<16}{'rank':>5}{'stage':>6}{'states':>9}{'activ':>9}{'RSS':>9}{'pred':>9}{'error':>8}"
+          f"{'LOO pred':>10}{'LOO err':>9}")
+    loo_errors = []
+    for name, sample in samples.items():
+        loo = calibrate.fit_profile(prior, [s for n, s in samples.items() if n != name])
+        for rank, (r, err, lerr) in enumerate(zip(sample["ranks"], calibrate.memory_errors(fitted, sample),
+                                                  calibrate.memory_errors(loo, sample))):
+            loo_errors.append(abs(lerr))
+            print(f"{name:<16}{rank:>5}{r['stage']:>6}{r['states'] / MiB:>9.1f}{r['activations'] / MiB:>9.1f}"
+                  f"{r['measured'] / MiB:>9.1f}{r['measured'] * (1 + err) / MiB:>9.1f}{err:>+8.1%}"
+                  f"{r['measured'] * (1 + lerr) / MiB:>10.1f}{lerr:>+9.1%}")
+    stats = fitted.fit
+    print(f"in-sample |error| max {stats['memory_error_max_pct']:.1f}%, mean {stats['memory_error_mean_pct']:.1f}% "
+          f"over {stats['memory_samples']} ranks; leave-one-config-out max {100 * max(loo_errors):.1f}%")
+    print(f"fitted: {fitted.summary()}")
+
+
+def print_step_times(samples: Dict[str, dict], prior) -> None:
+    fitted = calibrate.fit_profile(prior, list(samples.values()))
+    timed = {n: s for n, s in samples.items() if s.get("time")}
+    if len(timed) < 2:
+        return
+    print(f"\n{'config':<16}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+    pred = {n: calibrate.predicted_step_s(fitted, s["time"]["features"]) for n, s in timed.items()}
+    for n, s in timed.items():
+        m = s["time"]["measured_s"]
+        print(f"{n:<16}{m:>11.3f}{pred[n]:>12.3f}{(pred[n] - m) / m:>+8.0%}")
+    tau = calibrate.kendall_tau(list(pred.values()), [s["time"]["measured_s"] for s in timed.values()])
+    print(f"Kendall tau (predicted vs measured step time): {tau:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--iters", type=int, default=3, help="training iterations per run (first is not timed)")
     ap.add_argument("--only", action="append", help="run only these configs (repeatable)")
-    ap.add_argument("--shared-baseline", action="store_true", help="one 1-rank tiny baseline for every layout")
+    ap.add_argument("--save", action="store_true", help="store the fitted profile for this machine's CPU")
     ap.add_argument("--plan-speed", action="store_true", help="only time the planner and exit")
     args = ap.parse_args()
     if args.plan_speed:
@@ -168,65 +169,21 @@ def main() -> int:
         return 0
     root = Path(args.root or tempfile.mkdtemp(prefix="calibrate_"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names = args.only or list(CONFIGS)
     print(f"calibration runs under {root}")
-
-    baselines: Dict[str, List[float]] = {}
-
-    def baseline_for(parallelism: str, world: int) -> Optional[List[float]]:
-        """Per-rank MiB of the tiny run with this layout, minus the tiny model's predicted bytes."""
-        key = "shared" if args.shared_baseline else parallelism
-        if key not in baselines:
-            par = "parallelism=none" if args.shared_baseline else parallelism
-            over = [*COMMON, par, *TINY, "training.global_batch_size=4"]
-            name = f"baseline_{key.split('=')[-1]}"
-            summary = launch(name, over, root, 2)
-            if summary is None:
-                return None
-            pred = predicted_by_rank(compose(over, root / name))
-            baselines[key] = [mb - (p["states"] + p["activations"]) / MiB
-                              for mb, p in zip(summary["peak_rss_mb_per_rank"], pred)]
-        base = baselines[key]
-        return base * world if len(base) == 1 else base
-
-    rows, times = [], {}
-    for name in names:
+    samples: Dict[str, dict] = {}
+    for name in args.only or list(CONFIGS):
         overrides = [*COMMON, *CONFIGS[name]]
-        cfg = compose(overrides, root / name)
         summary = launch(name, overrides, root, args.iters)
-        parallelism = next(o for o in CONFIGS[name] if o.startswith("parallelism="))
-        base = baseline_for(parallelism, planner.plan(cfg).layout.world_size)
-        if summary is None or base is None:
-            continue
-        pred = predicted_by_rank(cfg)
-        for rank, (mb, p, b) in enumerate(zip(summary["peak_rss_mb_per_rank"], pred, base)):
-            rows.append((name, rank, p["stage"], p["states"] / MiB, p["activations"] / MiB, mb, mb - b))
-        if summary.get("step_time_median_s"):
-            times[name] = (summary["step_time_median_s"], cpu_step_time(cfg))
-
-    print("\npeak memory per rank, MiB (predicted = model states + activations; measured net = RSS - baseline)")
-    print(f"{'config':<16}{'rank':>5}{'stage':>6}{'states':>9}{'activ':>9}{'pred':>9}{'RSS':>9}{'net':>9}"
-          f"{'pred/net':>10}{'error':>9}")
-    errors = []
-    for name, rank, stage, states, act, rss, net in rows:
-        pred = states + act
-        ratio = pred / net if net > 0 else float("nan")
-        err = (pred - net) / net if net > 0 else float("nan")
-        errors.append(abs(err))
-        print(f"{name:<16}{rank:>5}{stage:>6}{states:>9.1f}{act:>9.1f}{pred:>9.1f}{rss:>9.1f}{net:>9.1f}"
-              f"{ratio:>10.2f}{err:>+9.0%}")
-    if errors:
-        print(f"mean |error| {sum(errors) / len(errors):.0%} over {len(errors)} ranks; "
-              f"baselines (MiB/rank): " + ", ".join(f"{k}: {sum(v) / len(v):.0f}" for k, v in baselines.items()))
-        fit(rows)
-    if len(times) > 1:
-        ref = next(iter(times))
-        m0, p0 = times[ref]
-        print(f"\nstep-time ratios vs {ref} (measured median over timed iterations; predicted with a CPU pseudo-preset)")
-        print(f"{'config':<16}{'measured s':>11}{'meas ratio':>11}{'pred ratio':>11}{'error':>9}")
-        for name, (m, p) in times.items():
-            print(f"{name:<16}{m:>11.3f}{m / m0:>11.2f}{p / p0:>11.2f}{(p / p0 - m / m0) / (m / m0):>+9.0%}")
-    return 0 if rows else 1
+        if summary is not None:
+            samples[name] = calibrate.sample_of(cpu_plan(compose(overrides, root / name)), summary, name)
+    if not samples:
+        return 1
+    prior = prior_profile(cpu_preset(4))
+    print_memory(samples, prior)
+    print_step_times(samples, prior)
+    if args.save:
+        print(f"saved: {save_profile(calibrate.fit_profile(prior, list(samples.values())))}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import csv
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 

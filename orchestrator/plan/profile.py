@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from orchestrator.io import write_atomic
 from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
@@ -252,13 +252,3 @@ def device_profile(preset: GpuPreset, cache_dir: Optional[str] = None) -> Option
 def stage_memory_bytes(profile: DeviceProfile, states: float, activations: float) -> float:
     """Predicted peak bytes of one rank from the planner's states and activations of its stage."""
     return profile.memory_overhead_bytes + profile.states_factor * states + profile.activation_factor * activations
-
-
-def as_dict(profile: DeviceProfile) -> Dict[str, Any]:
-    return asdict(profile)
-
-
-def constants_table(profile: DeviceProfile) -> List[Tuple[str, float]]:
-    """(name, value) of every fitted constant, for reports."""
-    names = ("memory_overhead_bytes", "states_factor", "activation_factor") + TIME_CONSTANTS
-    return [(n, float(getattr(profile, n))) for n in names]

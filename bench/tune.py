@@ -1,0 +1,197 @@
+"""Does ``tune`` find the fastest layout without running them all? And is the calibrated model right?
+
+In one bench run, on this machine (gpt_tiny, 4 CPU ranks, GBS 16, mock data, short trials):
+
+1. the exhaustive grid: ``python -m orchestrator tune`` with early stopping off and no calibration
+   stored, so every candidate of the space runs (>= 12 candidates);
+2. ``tune`` itself, from an empty profile cache (uncalibrated prior), with its default stop rules and
+   ``tune.max_trials`` = a third of the grid;
+3. a 1-rank run (``parallelism=none``) so every shipped parallelism option has a memory figure.
+
+Then it prints: tune's winner and its tokens/s in the grid vs the grid's best (within 5%?), trials
+run vs grid size (<= 1/3?), the calibrated (from tune's trials only) predicted peak memory per rank
+vs measured for each shipped parallelism option (within 10%?), and Kendall's tau between the
+calibrated predicted and the measured step times across the grid (>= 0.7?). The machine's load is
+printed before and after: on a shared 2-core machine step times move with it.
+
+    python bench/tune.py                    # grid + tune + 1-rank run (10-40 minutes on 2 cores)
+    python bench/tune.py --iters 6 --root /tmp/bench_tune
+    python bench/tune.py --report /tmp/bench_tune    # re-print from an earlier run's files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator.plan import calibrate, memory as planner  # noqa: E402  (pure Python: no torch here)
+from orchestrator.plan.profile import device_key, load_profile  # noqa: E402
+from orchestrator.spec.compose import compose_config  # noqa: E402
+from orchestrator.sweep import search  # noqa: E402
+
+BASE = ["+experiment=gpt_pp2_dp2", "data=mock"]
+SPACE = ["tune.tp=1,2,4", "tune.pp=1,2,4", "tune.vpp=null,2", "tune.mbs=1,2,4", "tune.recompute=none",
+         "tune.sequence_parallel=false", "tune.distributed_optimizer=false"]
+SHIPPED = {  # shipped parallelism option -> (TP, PP, VPP, DP)
+    "none": (1, 1, None, 1), "pp2_dp2": (1, 2, None, 2), "pp2_vpp2_dp2": (1, 2, 2, 2), "pp4": (1, 4, None, 1),
+    "tp2_pp2": (2, 2, None, 1),
+}
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def tune_cli(args: List[str], cache: Path, log: Path) -> float:
+    """``python -m orchestrator tune ARGS`` with its own profile cache; seconds."""
+    start = time.time()
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    with log.open("w") as fh:
+        rc = subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], cwd=REPO, env=env, stdout=fh,
+                            stderr=subprocess.STDOUT).returncode
+    print(f"  {' '.join(a for a in args if a.startswith('tune.name'))}: exit {rc}, {time.time() - start:.0f} s "
+          f"(log {log}); load {load()}", flush=True)
+    return time.time() - start
+
+
+def points(tune_dir: Path) -> List[dict]:
+    """Every trial's point.json with its job summary (None when it did not complete)."""
+    out = []
+    for d in sorted((p for p in tune_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        point = json.loads((d / "point.json").read_text())
+        records = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] if (d / "metrics.jsonl").exists() else []
+        point["summary"] = next((r for r in reversed(records) if r.get("event") == "summary"), None)
+        out.append(point)
+    return out
+
+
+def key_of(point: dict) -> tuple:
+    lay = point["layout"]
+    return (lay["tensor_model_parallel_size"], lay["pipeline_model_parallel_size"],
+            lay["virtual_pipeline_model_parallel_size"], lay["data_parallel_size"], lay["micro_batch_size"])
+
+
+def tokens_per_s(point: dict) -> Optional[float]:
+    s = point.get("summary")
+    return point["layout"]["tokens_per_step"] / s["step_time_median_s"] if s and s.get("step_time_median_s") else None
+
+
+def report(root: Path) -> int:
+    grid, tuned = points(root / "grid" / "tune" / "grid"), points(root / "tuned" / "tune" / "tuned")
+    single = points(root / "single" / "tune" / "single")
+    profile = load_profile(device_key("cpu"), str(root / "cache_tuned"))
+    grid_speed = {key_of(p): tokens_per_s(p) for p in grid}
+    measured = {k: v for k, v in grid_speed.items() if v}
+    print(f"\ngrid: {len(grid)} candidates, {len(measured)} measured")
+    for p in sorted(grid, key=lambda p: -(tokens_per_s(p) or 0)):
+        print(f"  {p['tune']['label']:<24} {tokens_per_s(p) or 0:>9,.0f} tokens/s  {p['status']}")
+    best_key = max(measured, key=measured.get)
+    done = [p for p in tuned if tokens_per_s(p)]
+    winner = max(done, key=tokens_per_s)
+    in_grid = grid_speed.get(key_of(winner))
+    third = len(grid) / 3
+    print(f"\ntune: {len(tuned)} trials (grid {len(grid)}: {'<=' if len(tuned) <= third else '>'} 1/3 = {third:.1f}); "
+          f"winner {winner['tune']['label']}: {tokens_per_s(winner):,.0f} tokens/s in its trial, "
+          f"{in_grid or 0:,.0f} in the grid")
+    ratio = (in_grid or 0) / measured[best_key]
+    print(f"grid best {dict((key_of(p), p['tune']['label']) for p in grid)[best_key]}: {measured[best_key]:,.0f} tokens/s; "
+          f"tune's winner reaches {ratio:.1%} of it in the grid ({'within' if ratio >= 0.95 else 'NOT within'} 5%); "
+          f"its own trial: {tokens_per_s(winner) / measured[best_key]:.1%}")
+    if profile is None:
+        print("no calibrated profile was stored by tune")
+        return 1
+    print(f"\ncalibrated profile (fitted on tune's {profile.fit.get('time_samples')} trials only): {profile.summary()}")
+    print_memory(grid + single, profile)
+    print_tau(grid, profile)
+    return 0
+
+
+def _cfg_of(point: dict):
+    return compose_config([*BASE, *point["overrides"], "run.dir=."])
+
+
+def print_memory(pts: List[dict], profile) -> None:
+    print("\npeak memory per rank, calibrated prediction vs measured (max |error| over ranks and MBS):")
+    worst: Dict[str, float] = {}
+    for p in pts:
+        if not p.get("summary"):
+            continue
+        cfg = _cfg_of(p)
+        name = next((n for n, k in SHIPPED.items() if k == key_of(p)[:4]), None)
+        if name is None:
+            continue
+        sample = calibrate.sample_of(planner.plan(cfg, gpu="cpu", profile=None), p["summary"])
+        errors = calibrate.memory_errors(profile, sample)
+        worst[name] = max([worst.get(name, 0.0)] + [abs(e) for e in errors])
+    for name in SHIPPED:
+        e = worst.get(name)
+        print(f"  {name:<14} " + (f"{e:6.1%}  {'ok' if e <= 0.10 else 'OVER 10%'}" if e is not None else "not measured"))
+
+
+def print_tau(grid: List[dict], profile) -> None:
+    pred, meas = [], []
+    for p in grid:
+        s = p.get("summary")
+        if s and s.get("step_time_median_s"):
+            pred.append(planner.plan(_cfg_of(p), gpu="cpu", profile=profile).step_time_s)
+            meas.append(s["step_time_median_s"])
+    tau = calibrate.kendall_tau(pred, meas)
+    errs = [abs(a - b) / b for a, b in zip(pred, meas)]
+    print(f"\nstep time across the grid ({len(meas)} points), calibrated on tune's trials: Kendall tau "
+          f"{tau:.2f} ({'>=' if tau >= 0.7 else '<'} 0.7); |error| mean {sum(errs) / len(errs):.0%}, max {max(errs):.0%}")
+    everything = calibrate.fit_profile(calibrate_prior(), [calibrate.sample_of(
+        planner.plan(_cfg_of(p), gpu="cpu", profile=None), p["summary"]) for p in grid if p.get("summary")])
+    print(f"in-sample, fitted on the whole grid: tau {everything.fit['kendall_tau']:.2f}, step |error| mean "
+          f"{everything.fit['step_error_mean_pct']:.0f}% max {everything.fit['step_error_max_pct']:.0f}%, memory "
+          f"|error| max {everything.fit['memory_error_max_pct']:.1f}%")
+
+
+def calibrate_prior():
+    from orchestrator.plan.inputs import cpu_preset
+    from orchestrator.plan.profile import prior_profile
+
+    return prior_profile(cpu_preset(4))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
+    ap.add_argument("--iters", type=int, default=8, help="training iterations per trial (<= 10)")
+    ap.add_argument("--report", default=None, help="only print the report of an earlier run's directory")
+    ap.add_argument("--only", choices=("tuned", "grid", "single"), action="append", help="run only these parts")
+    args = ap.parse_args()
+    if args.report:
+        return report(Path(args.report))
+    root = Path(args.root or tempfile.mkdtemp(prefix="bench_tune_"))
+    root.mkdir(parents=True, exist_ok=True)
+    common = [*BASE, *SPACE, f"tune.iters={args.iters}", "tune.warmup_iters=2", "tune.max_minutes=240"]
+    grid_size = len(search.candidates(compose_config([*BASE, "run.dir=."]), search.parse_tune_args(SPACE))[0])
+    print(f"bench/tune under {root}; {grid_size} candidates; load {load()}", flush=True)
+    parts = set(args.only or ("tuned", "grid", "single"))
+    runs = {
+        "tuned": [*common, f"run.root={root / 'tuned'}", "tune.name=tuned", f"tune.max_trials={grid_size // 3}"],
+        "grid": [*common, f"run.root={root / 'grid'}", "tune.name=grid", f"tune.max_trials={grid_size}",
+                 f"tune.min_trials={grid_size}", f"tune.patience={grid_size}", "tune.calibrate=false"],
+        "single": ["+experiment=gpt_pp2_dp2", "data=mock", "parallelism=none", "tune.tp=1", "tune.pp=1", "tune.mbs=4",
+                   "tune.recompute=none", "tune.sequence_parallel=false", "tune.distributed_optimizer=false",
+                   f"tune.iters={args.iters}", "tune.warmup_iters=2", "tune.calibrate=false",
+                   f"run.root={root / 'single'}", "tune.name=single"],
+    }
+    for name in ("tuned", "grid", "single"):  # tune first: it starts from an empty profile cache
+        if name in parts:
+            tune_cli([*runs[name], f"tune.out={root / (name + '.yaml')}"], root / f"cache_{name}", root / f"{name}.log")
+    return report(root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
