@@ -352,7 +352,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     rep, sh, erep, esh = _layer_params(shape)
     pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
     notes = []
-    if recipe.precision == "fp32":
+    if recipe.precision == "fp32" and profile is None:
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return Plan(
         layout=layout, shape=shape, recipe=recipe, gpu=gpu, mfu_assumed=mfu, padded_vocab_size=vp,
@@ -367,9 +367,12 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
     """Tokenizer vocabulary of ``cfg.data.tokenizer`` and a note when it had to be assumed.
 
-    ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
+    ``data.vocab_size`` when stated (a converted Megatron-LM run: its tokenizer files are not
+    here). ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
     ``added_tokens`` (read with the json module); unreadable -> ``default`` (GPT-2's 50257).
     """
+    if getattr(cfg.data, "vocab_size", None) is not None:
+        return cfg.data.vocab_size, None
     tok = cfg.data.tokenizer
     if tok == "byte":
         return BYTE_TOKENIZER_VOCAB, None
@@ -424,7 +427,8 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     if profile is not None:
         result.notes.append(f"device profile {profile.summary()}")
         if not profile.calibrated:
-            result.notes.append("calibrate it on this device: python -m orchestrator tune <overrides> (or tune.calibrate_only=true)")
+            result.notes.append("to calibrate it on this device: python -m orchestrator tune <overrides> "
+                                "(every completed trial is a calibration sample)")
     if preset.name == CPU_PRESET:
         result.notes.append(f"planned for this machine's CPU: {_gib(preset.memory_bytes)} of memory per rank "
                             f"({layout.world_size // max(1, cfg.cluster.nodes)} ranks on this host)")

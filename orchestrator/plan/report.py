@@ -42,7 +42,8 @@ def format_plan(plan: Plan) -> str:
         (f"  with distributed optimizer (/DP {lay.data_parallel_size})", [c.optimizer_sharded for c in cols]),
         (f"activations ({rec.recompute_granularity or 'no'} recompute)", [c.activations for c in cols]),
         ("  micro-batch chunks in flight", [c.in_flight for c in cols]),
-        ("framework overhead (assumed)", [c.overhead for c in cols]),
+        ("framework overhead (device profile)" if plan.profile is not None else "framework overhead (assumed)",
+         [c.overhead for c in cols]),
         ("total", [c.total for c in cols]),
     ]
     unit, scale = ("GiB", GiB) if plan.peak_bytes - plan.worst.overhead >= GiB else ("MiB", 2 ** 20)
@@ -59,10 +60,14 @@ def format_plan(plan: Plan) -> str:
         f"{plan.bubble_fraction:.1%}",
         f"FLOPs per step: model {plan.model_flops:.3e} (3 x forward; 72 B s l h^2 (1 + s/6h + V/12lh) for GPT), "
         f"hardware {plan.hardware_flops:.3e} (model + recomputation)",
-        f"step time at assumed MFU {plan.mfu_assumed:.2f} of busy compute: {plan.step_time_s:.3g} s = compute "
-        f"{plan.compute_s:.3g} + TP comm {plan.tp_comm_s:.3g} + PP comm {plan.pp_comm_s:.3g} + bubble "
-        f"{plan.bubble_s:.3g} + DP comm "
-        f"{plan.dp_comm_s:.3g}; {plan.tokens_per_s:,.0f} tokens/s; predicted MFU {plan.mfu_predicted:.2f}",
+        (f"step time with the device profile: {plan.step_time_s:.3g} s = compute {plan.compute_s:.3g} + TP comm "
+         f"{plan.tp_comm_s:.3g} + PP comm {plan.pp_comm_s:.3g} + framework {plan.framework_s:.3g} + bubble "
+         f"{plan.bubble_s:.3g} + DP comm {plan.dp_comm_s:.3g} + fixed {plan.fixed_s:.3g}"
+         if plan.profile is not None else
+         f"step time at assumed MFU {plan.mfu_assumed:.2f} of busy compute: {plan.step_time_s:.3g} s = compute "
+         f"{plan.compute_s:.3g} + TP comm {plan.tp_comm_s:.3g} + PP comm {plan.pp_comm_s:.3g} + bubble "
+         f"{plan.bubble_s:.3g} + DP comm {plan.dp_comm_s:.3g}")
+        + f"; {plan.tokens_per_s:,.0f} tokens/s; predicted MFU {plan.mfu_predicted:.2f}",
         f"verdict: {plan.reason}",
     ]
     lines += [f"note: {n}" for n in plan.notes]
