@@ -105,3 +105,48 @@ def test_auto_on_a_gpu_cluster_is_judged_by_the_job(cfg, tmp_path):
                            model=dict(te_ckpt["config"]["model"], transformer_impl="auto")))
     [w] = compare(old, cfg, layout, data_fingerprint=None, tokenizer=None)  # an older GPU checkpoint: unknown
     assert (w.checkpoint, w.kind) == ("unrecorded", WARN)
+
+
+# ---- sha256 mode: the ranks hash in parallel ------------------------------------------------------
+def _hash_rank(rank: int, port: int, path: str, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+
+    from orchestrator.ckpt import manifest as mf
+    from orchestrator.runtime import checkpoint as ckpt
+    from orchestrator.runtime.distributed import init_distributed
+    from orchestrator.spec.schema import JobConfig
+
+    try:
+        init_distributed(JobConfig())
+        ckpt._hash_in_parallel(Path(path))
+        known = sorted(os.path.relpath(k, os.path.realpath(path)) for k in mf._KNOWN_HASHES)
+        out.put((rank, known, mf.file_digest(path, "sha256")["sha256"] if rank == 0 else None))
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # reported to the parent
+        out.put((rank, repr(exc), None))
+
+
+def test_sha256_mode_hashes_each_file_once_across_ranks(cfg):
+    import multiprocessing
+
+    import torch  # noqa: F401  (imported before forking: the ranks inherit it)
+
+    from orchestrator.ckpt.manifest import checkpoint_files, file_digest
+    from orchestrator.runtime.distributed import reserve_local_port
+
+    path = save_checkpoint(cfg, 50, manifest=False)
+    files = checkpoint_files(path)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = reserve_local_port()
+    procs = [ctx.Process(target=_hash_rank, args=(r, port, str(path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (known, digest)) for r, known, digest in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0][0] == files  # rank 0 holds every file's hash: its own share and rank 1's
+    assert results[1][0] == []  # rank 1 hashed its share and handed it over
+    assert results[0][1] == file_digest(path, "sha256")["sha256"]  # the manifest's digest, from those hashes
