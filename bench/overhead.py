@@ -5,10 +5,16 @@ Runs, in this one invocation:
    get_megatron_optimizer → get_forward_backward_func, fixed in-memory token batches, no data
    pipeline, no logging, no checkpoints) on ``--world`` gloo processes;
 2. ``python -m orchestrator`` with the same model, layout and batch settings
-   (checkpoint saves off) and reads ``step_time_median_s`` from its metrics.jsonl.
+   (checkpoint saves and evaluation off, records every ``--log-interval`` iterations) and reads
+   ``step_time_median_s`` from its metrics.jsonl;
+3. a 1-iteration job both ways, wall clock from process start to exit: the bare loop as a fresh
+   ``python bench/overhead.py --bare-job`` (spawn, imports, init, build, one step) and
+   ``python -m orchestrator ... training.train_iters=1`` (compose, validate, the warm data cache,
+   submission, the ranks, the launcher's wait).
 
-Prints both medians and the ratio orchestrator / bare (target <= 1.05). CPU timings on a shared
-2-core machine are noisy: the bench alternates the two ``--repeats`` times and reports medians.
+Prints the medians and both ratios orchestrator / bare (targets: steps <= 1.02, 1-iteration job
+<= 1.10), and the machine's load average before and after: CPU timings on a shared 2-core machine
+are noisy, so the bench alternates the two ``--repeats`` times and reports medians.
 
     python bench/overhead.py                      # gpt_tiny, pp2_dp2, 40 iterations x 2 repeats
     python bench/overhead.py --parallelism none --iters 60
@@ -25,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
@@ -108,16 +115,32 @@ def bare(tp, pp, dp, iters, warmup, mbs, gbs) -> float:
         return json.loads(Path(out).read_text())["median_s"]
 
 
-def orchestrated(parallelism, iters, warmup, mbs, gbs, root: Path, tag: str) -> float:
-    subprocess.run([sys.executable, "-m", "orchestrator", f"parallelism={parallelism}", f"run.root={root}",
-                    f"run.name=bench_{tag}", f"training.train_iters={iters}", f"training.timing_warmup_iters={warmup}",
-                    f"training.micro_batch_size={mbs}", f"training.global_batch_size={gbs}",
-                    "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "training.log_interval=1",
-                    "optimizer.lr_warmup_iters=0"],
+def _orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root: Path, tag: str) -> List[str]:
+    return [sys.executable, "-m", "orchestrator", f"parallelism={parallelism}", f"run.root={root}",
+            f"run.name=bench_{tag}", f"training.train_iters={iters}", f"training.timing_warmup_iters={warmup}",
+            f"training.micro_batch_size={mbs}", f"training.global_batch_size={gbs}",
+            f"training.log_interval={log_interval}", "training.eval_iters=0", "data.stdlib_max_mb=2",
+            "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0"]
+
+
+def orchestrated(parallelism, iters, warmup, mbs, gbs, log_interval, root: Path, tag: str) -> float:
+    """Median step time (s) the orchestrator's summary reports: whole iterations, as the bare loop's."""
+    subprocess.run(_orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root, tag),
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     lines = (root / f"bench_{tag}" / "metrics.jsonl").read_text().splitlines()
     summary = [json.loads(l) for l in lines if '"summary"' in l][-1]
     return summary["step_time_median_s"]
+
+
+def job_seconds(command: List[str]) -> float:
+    """Wall-clock seconds of one command, from its start to its exit."""
+    t0 = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
 
 
 def main() -> None:
@@ -127,21 +150,53 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--log-interval", type=int, default=10,
+                    help="orchestrator training.log_interval (records, TensorBoard and the loss sync happen there)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-steps", action="store_true", help="only the 1-iteration job comparison")
+    ap.add_argument("--skip-job", action="store_true", help="only the steady-state step comparison")
+    ap.add_argument("--bare-job", action="store_true", help=argparse.SUPPRESS)  # one bare 1-iteration job
     args = ap.parse_args()
     tp, pp, dp = LAYOUTS[args.parallelism]
-    bares, orchs = [], []
+    if args.bare_job:
+        bare(tp, pp, dp, 1, 0, args.mbs, args.gbs)
+        return
+    print(f"before: {_load()}", flush=True)
     with tempfile.TemporaryDirectory() as d:
-        for r in range(args.repeats):
-            bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs))
-            orchs.append(orchestrated(args.parallelism, args.iters, args.warmup, args.mbs, args.gbs, Path(d), str(r)))
-            print(f"repeat {r}: bare {bares[-1] * 1e3:.1f} ms/step, orchestrator {orchs[-1] * 1e3:.1f} ms/step", flush=True)
-    b, o = statistics.median(bares), statistics.median(orchs)
+        root = Path(d)
+        # Warm the data cache (prepared corpus, sample indices) so no job below prepares anything.
+        orchestrated(args.parallelism, 1, 0, args.mbs, args.gbs, 1, root, "warm")
+        if not args.skip_steps:
+            bares, orchs = [], []
+            for r in range(args.repeats):
+                bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs))
+                orchs.append(orchestrated(args.parallelism, args.iters, args.warmup, args.mbs, args.gbs,
+                                          args.log_interval, root, str(r)))
+                print(f"repeat {r}: bare {bares[-1] * 1e3:.1f} ms/step, orchestrator {orchs[-1] * 1e3:.1f} ms/step",
+                      flush=True)
+        if not args.skip_job:
+            bare_jobs, orch_jobs = [], []
+            for r in range(args.repeats):
+                bare_jobs.append(job_seconds([sys.executable, str(Path(__file__).resolve()), "--bare-job",
+                                              "--parallelism", args.parallelism, "--mbs", str(args.mbs),
+                                              "--gbs", str(args.gbs)]))
+                orch_jobs.append(job_seconds(_orchestrator_args(args.parallelism, 1, 0, args.mbs, args.gbs, 1,
+                                                                root, f"job{r}")))
+                print(f"repeat {r}: 1-iteration job: bare {bare_jobs[-1]:.2f} s, orchestrator {orch_jobs[-1]:.2f} s",
+                      flush=True)
     print(f"gpt_tiny {args.parallelism} (TP{tp} PP{pp} DP{dp}), MBS {args.mbs}, GBS {args.gbs}, "
-          f"{args.iters} iterations ({args.warmup} warm-up) x {args.repeats} repeats")
-    print(f"bare megatron-core: {b * 1e3:.1f} ms/step (median)")
-    print(f"orchestrator:       {o * 1e3:.1f} ms/step (median)")
-    print(f"ratio orchestrator/bare: {o / b:.3f} (target <= 1.05)")
+          f"{args.iters} iterations ({args.warmup} warm-up, log_interval {args.log_interval}) x {args.repeats} repeats")
+    if not args.skip_steps:
+        b, o = statistics.median(bares), statistics.median(orchs)
+        print(f"bare megatron-core: {b * 1e3:.1f} ms/step (median)")
+        print(f"orchestrator:       {o * 1e3:.1f} ms/step (median)")
+        print(f"step ratio orchestrator/bare: {o / b:.3f} (target <= 1.02)")
+    if not args.skip_job:
+        bj, oj = statistics.median(bare_jobs), statistics.median(orch_jobs)
+        print(f"1-iteration job: bare {bj:.2f} s, orchestrator {oj:.2f} s (medians; the orchestrator's includes "
+              "composing, validating, the data cache check, submission and the launcher's wait)")
+        print(f"1-iteration job ratio orchestrator/bare: {oj / bj:.3f} (target <= 1.10)")
+    print(f"after: {_load()}", flush=True)
 
 
 if __name__ == "__main__":

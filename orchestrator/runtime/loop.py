@@ -18,6 +18,7 @@ across pipeline stages), averaged like the training loss; perplexity = exp(loss)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -133,7 +134,12 @@ class Outcome:
 
 
 class _Log:
-    """The logging rank's records: step times since the last record, flops, memory."""
+    """The logging rank's records: step times since the last record, flops, memory.
+
+    A step time spans the whole iteration (zero grads, forward/backward schedule, optimizer step,
+    scheduler, stop poll, loss reduction, guard check) but not what follows it only on some
+    iterations (writing the record, evaluation, a save), as Megatron-LM's interval timer does.
+    """
 
     def __init__(self, rank: Rank, trackers: Trackers, start: int):
         self.rank, self.trackers, self.start = rank, trackers, start
@@ -175,6 +181,11 @@ class _Log:
             print(f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {perplexity(loss):.3f}", flush=True)
 
 
+def _phase(guard, name: str):
+    """The guard's watchdog allowance for a stretch without iterations (nothing without a guard)."""
+    return guard.phase(name) if guard is not None else contextlib.nullcontext()
+
+
 def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
     t = rank.cfg.training
     return data.valid is not None and (completed or bool(t.eval_interval) and iteration % t.eval_interval == 0)
@@ -183,8 +194,9 @@ def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
     """Train from ``start`` to ``training.train_iters`` (or a stop / ``exit_after_iters``); collective.
 
-    ``stop``: a StopRequest; ``guard``: NaN/inf guard and heartbeat (``check`` before any save of an
-    iteration, ``beat`` after it), or None. A requested stop saves and never returns
+    ``stop``: a StopRequest; ``guard``: runtime.guard's Guard (optimizer ``step`` that never applies a
+    non-finite update, ``check`` before any save of an iteration, a watchdog allowance for evaluation,
+    ``beat`` after every iteration), or None. A requested stop saves and never returns
     (``stop.requeue_or_exit``).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -204,10 +216,11 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size, forward_only=False)
         lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
-        update_ok, grad_norm, _ = b.optimizer.step()
-        b.scheduler.step(increment=1)
+        # guard.step: megatron's optimizer step that never applies a non-finite update
+        update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
+        if update_ok:  # Megatron-LM's rule: a skipped update does not advance the schedule
+            b.scheduler.step(increment=1)
         it, consumed = it + 1, consumed + t.global_batch_size
-        log.tick(time.perf_counter() - t0, it)
         last = it == t.train_iters
         stopping = not last and poll.requested()
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
@@ -216,14 +229,16 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         if last or stopping or exiting or save_now or it % t.log_interval == 0:
             step_loss = _step_loss(losses)
             loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
-        if guard is not None:
-            guard.check(it, loss, grad_norm)  # raises before anything of this iteration is saved
+        if guard is not None:  # raises before anything of this iteration is saved
+            update_ok = guard.check(it, loss, grad_norm) and update_ok
+        log.tick(time.perf_counter() - t0, it)  # the whole iteration but its record, evaluation and save
         if loss is not None:
             last_loss = loss
             if last or it % t.log_interval == 0:
                 log.record(it, consumed, loss, lr, grad_norm, update_ok)
         if _eval_due(rank, data, it, completed=last):
-            log.eval(it, consumed, evaluate(rank, forward_backward, data))
+            with _phase(guard, "evaluation"):
+                log.eval(it, consumed, evaluate(rank, forward_backward, data))
         if save_now or stopping or exiting:
             saver(it, consumed)
         if guard is not None:

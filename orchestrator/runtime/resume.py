@@ -14,6 +14,7 @@ values back before the schedule is re-evaluated at the checkpoint's step count.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -95,15 +96,15 @@ def restore(rank: Rank, prepared) -> Start:
 class Saver:
     """Saves a checkpoint of this rank's state; rank 0 writes the manifest last.
 
-    The manifest records the config (``optimizer.lr``, ``training.train_iters`` as run) and, under
-    ``state.scheduler``, megatron's scheduler state as used (max/min lr, warm-up and decay steps,
-    step count).
+    The manifest records the config (``optimizer.lr``, ``training.train_iters`` as run), under
+    ``state.scheduler`` megatron's scheduler state as used (max/min lr, warm-up and decay steps,
+    step count), and the run's attempts (``history``, from the guard).
     """
 
-    def __init__(self, rank: Rank, prepared, origin: Optional[Dict[str, object]]):
+    def __init__(self, rank: Rank, prepared, origin: Optional[Dict[str, object]], guard=None):
         from orchestrator.runtime.data import tokenizer_identity
 
-        self.rank, self.origin = rank, origin
+        self.rank, self.origin, self.guard = rank, origin, guard
         self.data_identity = prepared.identity(rank.cfg.data)
         self.tokenizer = tokenizer_identity(rank.cfg.data)
         self.versions = versions()
@@ -117,6 +118,8 @@ class Saver:
             vocab_size=r.tokenizer.vocab_size, padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
             tokenizer=self.tokenizer, data=self.data_identity, versions=self.versions, origin=self.origin,
             rng_and_data_state={"scheduler": r.built.scheduler.state_dict()},
+            history=self.guard.history(iteration) if self.guard is not None else None,
+            hosts=list(getattr(r.info, "hosts", ()) or []) or None,
         )
         mf.write_manifest(str(path), manifest)
 
@@ -124,5 +127,8 @@ class Saver:
         """Save at ``iteration``; returns the checkpoint directory (collective: every rank calls it)."""
         b = self.rank.built
         self.rank.say(f"saving checkpoint {ckpt.iter_dir(self.rank.cfg, iteration).name}")
-        return ckpt.save(self.rank.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
-                         consumed_samples=consumed, manifest_fn=lambda p: self._write_manifest(p, iteration, consumed))
+        # The guard allows a save its time (hang watchdog) and names a full disk (ENOSPC, path, free space).
+        with self.guard.saving(iteration) if self.guard is not None else contextlib.nullcontext():
+            return ckpt.save(self.rank.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
+                             consumed_samples=consumed,
+                             manifest_fn=lambda p: self._write_manifest(p, iteration, consumed))

@@ -4,6 +4,7 @@
     rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
     start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
     data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
+    guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
     outcome = loop.train(...)                  runtime.loop: the iterations, evaluation, saves, stop
     summary = summarize(rank, outcome, ...)    runtime.summary: the record every rank returns
 """
@@ -25,17 +26,6 @@ def _stop_request(cfg: JobConfig):
     return stop
 
 
-def _guard(cfg: JobConfig, rank):
-    """The NaN/inf guard and hang-watchdog heartbeat (runtime.guard), when this tree has it."""
-    try:
-        from orchestrator.runtime.guard import Guard
-    except ImportError:
-        return None
-    import socket
-
-    return Guard(cfg, cfg.run.dir, rank.info.rank, socket.gethostname())
-
-
 def run(cfg: JobConfig, prepared) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict.
 
@@ -51,6 +41,7 @@ def run(cfg: JobConfig, prepared) -> Dict[str, object]:
     from orchestrator.runtime import loop
     from orchestrator.runtime.build import build_data, build_rank
     from orchestrator.runtime.distributed import shutdown
+    from orchestrator.runtime.guard import Guard
     from orchestrator.runtime.metrics import Trackers
     from orchestrator.runtime.model import count_parameters
     from orchestrator.runtime.resume import Saver, restore
@@ -59,9 +50,10 @@ def run(cfg: JobConfig, prepared) -> Dict[str, object]:
     rank = build_rank(cfg)
     start = restore(rank, prepared)
     data = build_data(rank, prepared, start.consumed_samples)
-    saver = Saver(rank, prepared, start.origin)
     trackers = Trackers(cfg, rank.is_logger)
-    guard = _guard(cfg, rank)
+    guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank],
+                  world_size=rank.info.world_size, start_iteration=start.iteration)
+    saver = Saver(rank, prepared, start.origin, guard)
     if rank.rank0:  # for the job's own log (the launcher printed it before submission)
         print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
     rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
@@ -77,8 +69,7 @@ def run(cfg: JobConfig, prepared) -> Dict[str, object]:
         trackers.event(summary)
     finally:
         trackers.close()
-        if guard is not None:
-            guard.close()
+        guard.close()  # records how this attempt ended (from the exception in flight, if any)
     rank.say("training done; shutting down the process group")
     shutdown()
     stop.training_done()  # a late time-limit USR2 must not kill the process during its teardown
