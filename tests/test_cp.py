@@ -15,6 +15,8 @@ import torch
 
 from orchestrator.runtime.distributed import reserve_local_port
 
+pytestmark = pytest.mark.slow  # two processes importing megatron-core
+
 CP, B, S = 2, 2, 8  # 2·CP = 4 chunks of 2 tokens
 
 
