@@ -2,38 +2,70 @@
 
 The entry reads top to bottom:
 
-1. Hydra composes ``conf/`` against the typed schema; :func:`to_job_config` ends OmegaConf's reach.
-2. The parallel layout is built and validated (pure Python, no torch): bad arithmetic stops here.
+1. ``conf/`` is composed against the closed schema (:func:`orchestrator.spec.compose.compose_config`:
+   Hydra's compose API, so nothing is written anywhere by composing).
+2. :func:`~orchestrator.spec.checks.validate` — the one validate — checks every rule (values,
+   layout, model, device, data, ``run.name``); pure Python, no torch.
 3. The derived numbers are printed. ``plan=true`` prints the planner's estimates and stops;
    ``dry_run=true`` also prints the submission (the sbatch script on SLURM) and stops.
-4. Data are prepared on this machine (tokenized, indexed, sample indices cached).
-5. Preflight: a checkpoint in the run directory with a different layout is refused now,
-   before anything is queued; a run lock refuses a second live run on the same directory.
-6. submitit submits one task per rank and, by default, waits and streams progress.
+4. Preflight, before anything expensive: a checkpoint in the run directory that the request
+   cannot resume from is refused (data compared by content fingerprint, hashed, not tokenized);
+   a live run holding the directory's lock is refused.
+5. Data are prepared on this machine (tokenized, indexed, sample indices cached).
+6. The run starts: its resolved config is recorded as ``<run.dir>/config.yaml`` (only now: plan,
+   dry-run and every refusal leave the run directory as it was) and submitit submits one task
+   per rank and, by default, waits and streams progress.
 
-User errors (:class:`~orchestrator.errors.OrchestratorError`) print one ``error:`` message and
-exit with code 2 (1 for a failed job); there is no traceback for them.
+One error boundary (:func:`main`): every user error — ours
+(:class:`~orchestrator.errors.OrchestratorError`), Hydra's and OmegaConf's — prints exactly one
+``error: <key>: <what>; fix: <how>`` line on stderr (a resume refusal adds its diff table below)
+and exits 2, before anything is prepared or queued. A failed job exits 1 with the failing rank's
+last lines; an interrupt (Ctrl-C, SIGTERM, SIGHUP) stops the ranks and exits 130.
 
-Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): each point runs the same pipeline as
-one job, one after another; a point's error is recorded in its ``point.json`` instead of exiting,
-and after the last point :mod:`orchestrator.sweep` prints the ranked results table and sets the
-exit code (1 if a point failed, 2 if one was invalid).
+Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): every value of every swept key is
+composed first (a typo stops the sweep with exit 2 before any point runs); then Hydra's sweeper
+and launcher run each point through the same pipeline, one after another; a point's error is
+recorded in its ``point.json`` instead of exiting, and after the last point
+:mod:`orchestrator.sweep` prints the ranked results table and sets the exit code (1 if a point
+failed, 2 if one was invalid).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Callable, List, Optional
 
-
-from orchestrator.spec.schema import JobConfig, register_configs, to_job_config
 from orchestrator.errors import OrchestratorError
 from orchestrator.spec.checks import validate
 from orchestrator.spec.layout import ParallelLayout
+from orchestrator.spec.schema import JobConfig
+
+TOOLS = {
+    "manifest": ("orchestrator.ckpt.cli", "list a run's checkpoints; check one against a config"),
+    "status": ("orchestrator.submit.status", "runs under a directory: job state, iteration, last loss"),
+    "sweep": ("orchestrator.sweep.driver", "summarize <sweep dir>: rebuild a sweep's results table"),
+    "convert": ("orchestrator.convert.cli", "Megatron-LM arguments <-> orchestrator experiments"),
+    "tune": ("orchestrator.sweep.tune", "planner-guided search for the fastest layout that fits"),
+}
+"""Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
+
+HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--info", "-i", "--shell-completion", "-sc",
+               "--hydra-help"}
+"""Hydra's own inspection flags, handed to Hydra (they print and run nothing)."""
 
 
 def say(message: str) -> None:
     print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
+
+
+class _Current:
+    """The config of the run in progress, for the interrupt message."""
+
+    cfg: Optional[JobConfig] = None
 
 
 def show_plan(cfg: JobConfig) -> None:
@@ -65,9 +97,33 @@ def prepare_data(cfg: JobConfig):
     return prepared
 
 
+def record_config(cfg: JobConfig) -> None:
+    """``<run.dir>/config.yaml``: the resolved config of the run that starts now, and the command."""
+    import yaml
+
+    from orchestrator.ckpt.rundir import CONFIG_FILE
+    from orchestrator.io import write_atomic
+    from orchestrator.spec.schema import to_dict
+
+    header = (f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n")
+    write_atomic(os.path.join(cfg.run.dir, CONFIG_FILE), header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _has_checkpoints(cfg: JobConfig) -> bool:
+    from orchestrator.ckpt.manifest import save_dir_of
+
+    save_dir = save_dir_of(cfg)
+    return save_dir.is_dir() and any(p.is_dir() for p in save_dir.iterdir())
+
+
 def run(cfg: JobConfig) -> Optional[dict]:
     """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run)."""
+    from orchestrator.plan.inputs import gpu_preset
+
+    _Current.cfg = cfg
     layout = validate(cfg)
+    gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
     if cfg.plan or cfg.dry_run:
@@ -78,16 +134,16 @@ def run(cfg: JobConfig) -> Optional[dict]:
 
     from orchestrator.ckpt import resume
     from orchestrator.ckpt.lock import RunLock
-    from orchestrator.runtime.data import tokenizer_identity
+    from orchestrator.runtime.data import data_fingerprint, tokenizer_identity
     from orchestrator.submit.executor import launch
 
     if cfg.checkpoint.init_from:
         from orchestrator.ckpt.manifest import read_manifest
 
         read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
-    prepared = prepare_data(cfg)
-    latest = resume.preflight(cfg, layout, data_fingerprint=prepared.fingerprint,
-                              tokenizer=tokenizer_identity(cfg.data), warn=lambda m: say(f"warning: {m}"))
+    fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
+    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
+                              warn=lambda m: say(f"warning: {m}"))
     if latest is not None:
         if latest.iteration >= cfg.training.train_iters:
             say(f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
@@ -95,6 +151,8 @@ def run(cfg: JobConfig) -> Optional[dict]:
             return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
+    prepared = prepare_data(cfg)
+    record_config(cfg)
     summary = launch(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):
         step = summary.get("step_time_median_s")
@@ -104,58 +162,211 @@ def run(cfg: JobConfig) -> Optional[dict]:
     return summary
 
 
+# ---------------------------------------------------------------- the error boundary
+def _user_error_types() -> tuple:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return OrchestratorError, HydraException, OmegaConfBaseException
+
+
+def report(exc: BaseException) -> int:
+    """Print a user error as one ``error:`` line (a resume diff follows it); return the exit code."""
+    if not isinstance(exc, OrchestratorError):
+        from orchestrator.spec.compose import hydra_error
+
+        exc = hydra_error(exc)
+    first, *rest = str(exc).strip().splitlines() or [type(exc).__name__]
+    print(f"error: {first}", file=sys.stderr, flush=True)
+    if rest:
+        print("\n".join(rest), file=sys.stderr, flush=True)
+    return exc.exit_code  # type: ignore[attr-defined]
+
+
+def interrupted(cfg: Optional[JobConfig]) -> str:
+    """The interrupt line; the resume hint only when the run directory holds a checkpoint to resume."""
+    line = "interrupted: stopped (the job's ranks too, if any had started)"
+    if cfg is None:
+        return line
+    try:
+        from orchestrator.ckpt.manifest import latest_complete, save_dir_of
+
+        latest = latest_complete(save_dir_of(cfg), lambda _: None, verify=False)
+    except Exception:  # a torn directory must not turn an interrupt into a traceback
+        latest = None
+    if latest is None:
+        return f"{line}; no checkpoint in {cfg.run.dir}, so running the same command again starts from scratch"
+    return (f"{line}; run the same command again to resume from {latest.path} (iteration {latest.iteration})")
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run ``body``; a user error prints one line (exit 2), an interrupt exits 130, no traceback."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
+        print(interrupted(_Current.cfg), file=sys.stderr, flush=True)
+        return 130
+    except _user_error_types() as exc:
+        return report(exc)
+
+
+# ---------------------------------------------------------------- single runs, sweeps, help
+def _single(overrides: List[str]) -> int:
+    from orchestrator.spec.compose import compose_config
+
+    run(compose_config(overrides))
+    return 0
+
+
 def _entry(dcfg: Any) -> Optional[float]:
+    """Hydra's task function: a multirun point (recorded, never raised), or a plain run."""
+    from orchestrator.spec.schema import to_job_config
     from orchestrator.sweep import driver as sweep
 
     point = sweep.current_point()
-    if point is not None:  # multirun: record the point (never sys.exit), see orchestrator/sweep.py
+    if point is not None:
         return sweep.run_point(dcfg, point, run)
-    try:
-        cfg = to_job_config(dcfg)
-        summary = run(cfg)
-    except OrchestratorError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted: the job's ranks were stopped; run the same command again to resume from the "
-              "latest checkpoint", file=sys.stderr, flush=True)
-        sys.exit(130)
-    if summary and summary.get("lm_loss") is not None:
-        return float(summary["lm_loss"])
-    return None
+    summary = run(to_job_config(dcfg))
+    return float(summary["lm_loss"]) if summary and summary.get("lm_loss") is not None else None
 
 
-TOOLS = {
-    "manifest": "orchestrator.ckpt.cli",
-    "status": "orchestrator.submit.status",
-    "sweep": "orchestrator.sweep.driver",
-}
-"""Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
-
-
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
-        import importlib
-
-        sys.exit(importlib.import_module(TOOLS[sys.argv[1]]).main(sys.argv[2:]))
+def _hydra(argv: List[str]) -> int:
+    """Hand ``argv`` to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
     import hydra
 
+    from orchestrator.spec.compose import conf_dir
+    from orchestrator.spec.schema import register_configs
     from orchestrator.sweep import driver as sweep
 
     register_configs()
-    import signal
+    saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    sys.argv = [sys.argv[0], *argv]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own multi-line report
+    try:
+        # An absolute path: Hydra resolves a relative one against the calling module, which differs
+        # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_entry)()
+    finally:
+        sys.argv = saved_argv
+        if saved_env is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_env
+    return sweep.finish() or 0  # None after a single run; after a multirun: table printed, exit code
 
-    def _interrupt(signum, frame):  # a closed terminal or `kill` stops the local ranks too, like Ctrl-C
-        raise KeyboardInterrupt
 
+def _multirun(argv: List[str]) -> int:
+    from orchestrator.spec.compose import check_overrides, compose_config, group_options, parse_overrides, sweep_checks
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    check_overrides(parse_overrides(overrides), group_options(), multirun=True)
+    for point in sweep_checks(overrides):
+        compose_config(point)  # composition errors only: a point's invalid layout is recorded, not fatal
+    return _hydra(argv)
+
+
+def help_text() -> str:
+    """The tool's own ``--help``: usage, the groups and options read from ``conf/``, the sub-tools."""
+    import textwrap
+
+    from orchestrator.plan.inputs import GPU_PRESETS
+    from orchestrator.spec.compose import group_options
+    from orchestrator.spec.schema import JobConfig as _J
+
+    groups = group_options()
+    width = max(len(g) for g in groups) + 2
+    lines = [
+        "usage: python -m orchestrator [+experiment=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]",
+        "       python -m orchestrator -m KEY=a,b,c ...      a sweep: one complete job per point",
+        "       python -m orchestrator TOOL ARGS ...         TOOL: " + " | ".join(TOOLS),
+        "       python -m orchestrator --help | --version",
+        "",
+        "Compose a Megatron-core GPT run from conf/, validate it (no torch), print the layout, then train",
+        "locally (cluster=local) or on SLURM. Rerunning a command resumes its run directory",
+        "run.root/run.name; a resume the checkpoint cannot carry is refused with a diff.",
+        "",
+        "config groups (GROUP=OPTION; experiments with +experiment=NAME):",
+    ]
+    for group, options in groups.items():
+        lines += textwrap.wrap(", ".join(options), 100, initial_indent=f"  {group:<{width}}",
+                               subsequent_indent=" " * (width + 2))
+    lines += [
+        "",
+        "top-level keys:",
+        "  plan=true      print the layout, memory per GPU, pipeline bubble and FLOPs, and stop (no torch import)",
+        "  dry_run=true   plan, then print the submission (the sbatch script on SLURM), and stop",
+        "  gpu=NAME       the planner's GPU preset: " + ", ".join(GPU_PRESETS),
+        "  run.name=NAME  the run directory is run.root/run.name (run.root=runs); an experiment's run is",
+        "                 named by the experiment plus the groups chosen on the command line",
+        "",
+        "config keys (KEY=VALUE, a section's keys are SECTION.KEY):",
+    ]
+    import dataclasses
+
+    for f in dataclasses.fields(_J):
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if dataclasses.is_dataclass(sub):
+            names = ", ".join(x.name for x in dataclasses.fields(sub) if not (x.name == "name" and f.name in groups))
+            lines += textwrap.wrap(names, 100, initial_indent=f"  {f.name:<{width + 2}}",
+                                   subsequent_indent=" " * (width + 4))
+    lines += ["", "sub-tools (python -m orchestrator TOOL --help):"]
+    lines += [f"  {name:<10} {description}" for name, (_, description) in TOOLS.items()]
+    lines += [
+        "",
+        "exit codes: 0 done | 1 a job failed (the failing rank's last lines are shown) | 2 a user error:",
+        "one line `error: <key>: <what>; fix: <how>`, before anything is prepared or queued | 130 interrupted",
+        "Hydra's inspection flags work too: --cfg job, --resolve, --info.",
+    ]
+    return "\n".join(lines)
+
+
+def _tool(name: str, argv: List[str]) -> int:
+    import importlib
+
+    module = TOOLS[name][0]
+    try:
+        tool = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if not (exc.name and module.startswith(exc.name)):
+            raise
+        print(f"error: {name}: not available in this version of orchestrator ({module} is missing); "
+              f"fix: python -m orchestrator --help lists the sub-tools", file=sys.stderr)
+        return 2
+    return tool.main(argv) or 0
+
+
+def _interrupt(signum, frame):  # a closed terminal or `kill` stops the local ranks too, like Ctrl-C
+    raise KeyboardInterrupt
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """The console script and ``python -m orchestrator``: dispatch, then exit with the run's code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        sys.exit(_tool(argv[0], argv[1:]))
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return
+    if "--version" in argv or "-V" in argv:
+        import orchestrator
+
+        print(f"orchestrator {orchestrator.__version__}")
+        return
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
-    # An absolute path: Hydra resolves a relative one against the calling module, which differs
-    # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-    from orchestrator.spec.compose import conf_dir
-
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_entry)()
-    code = sweep.finish()  # None after a single run; after a multirun: table printed, exit code
+    flags = [a for a in argv if a.startswith("-")]
+    unknown = [f for f in flags if f not in HYDRA_FLAGS | {"-m", "--multirun", "-r", "--run"}]
+    if unknown:
+        print(f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
+              "(overrides are KEY=VALUE; -m sweeps)", file=sys.stderr)
+        sys.exit(2)
+    if any(f in HYDRA_FLAGS for f in flags):
+        code = guarded(lambda: _hydra(argv))
+    elif "-m" in flags or "--multirun" in flags:
+        code = guarded(lambda: _multirun(argv))
+    else:
+        code = guarded(lambda: _single([a for a in argv if a not in ("-r", "--run")]))
     if code:
         sys.exit(code)
 

@@ -1,67 +1,340 @@
-"""The command line as a user meets it: plan / dry-run stay torch-free, errors are one line, the surface is frozen."""
+"""The command line as a user meets it: one front door.
+
+* Every documented user error (issue 9's list, typos, Hydra's own errors, run.name escapes, bad data
+  options) and a seeded sample of random configs go through the real entry point: exactly one
+  ``error:`` line on stderr, exit 2, torch never imported, and the run directories' files
+  byte-identical before and after (nothing created either).
+* plan / dry-run write nothing; only a run that starts records ``<run.dir>/config.yaml``; a refused
+  resume leaves the run directory byte-identical; Ctrl-C exits 130 without a traceback, with the
+  resume hint only when a checkpoint exists.
+* ``--help`` / ``--version`` are the tool's own; the config surface is frozen.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
 from conftest import REPO
 
-TORCH_FREE = """
-import sys
-sys.argv = ["orchestrator", *{args!r}]
+# Runs many argv lists through orchestrator.__main__.main in one interpreter (Hydra and the
+# schema imported once), capturing each one's stdout, stderr and exit code.
+BATCH = r"""
+import contextlib, io, json, sys, traceback
 import orchestrator.__main__ as entry
-try:
-    entry.main()
-except SystemExit as exc:
-    code = exc.code
-else:
-    code = 0
-bad = sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')}})
-print('IMPORTED', bad)
-sys.exit(10 if bad else (code or 0))
+cases = json.load(open(sys.argv[1]))
+results = []
+for argv in cases:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            entry.main(list(argv))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            code = "crash: " + traceback.format_exc()
+    results.append({"argv": argv, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+imported = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')})
+json.dump({"results": results, "imported": imported}, open(sys.argv[2], "w"))
 """
 
 
-def _run(args, tmp_path):
-    code = TORCH_FREE.format(args=list(args) + [f"run.root={tmp_path}"])
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+def run_batch(cases: List[List[str]], cwd: Path, env: Dict[str, str] | None = None) -> List[dict]:
+    """Every case through the real entry point in one fresh interpreter (cwd = ``cwd``); asserts torch-free."""
+    src, dst = cwd / "cases.json", cwd / "results.json"
+    src.write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-c", BATCH, str(src), str(dst)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]  # nothing bypassed sys.stderr (e.g. Hydra's own report)
+    data = json.loads(dst.read_text())
+    src.unlink()
+    dst.unlink()
+    assert data["imported"] == [], f"the CLI imported {data['imported']} for plan/dry-run/refusals"
+    return data["results"]
 
 
-@pytest.mark.parametrize("args", [
-    ["+experiment=gpt_pp2_dp2", "plan=true"],
-    ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "dry_run=true"],
-    ["model=gpt_6.7b", "parallelism=pp2_dp2", "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
-     "plan=true", "gpu=A100-40GB",
-     "training.precision=bf16", "training.micro_batch_size=4", "training.global_batch_size=256"],
-    ["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3"],  # validation error
-])
-def test_plan_dry_run_and_validation_never_import_torch(tmp_path, args):
-    proc = _run(args, tmp_path)
-    assert "IMPORTED []" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if "pipeline_model_parallel_size=3" in args[-1]:
-        assert proc.returncode == 2 and "model.num_layers=4" in proc.stderr
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "layers per stage" in proc.stdout
-    assert not (tmp_path / "gpt_pp2_dp2" / "submitit").exists()
+def snapshot(root: Path) -> Dict[str, bytes]:
+    """Every file and directory under ``root`` with its bytes (directories map to b'<dir>')."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(root.rglob("*"))}
 
 
-def test_dry_run_prints_the_sbatch_script(tmp_path):
-    proc = _run(["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "dry_run=true"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "#SBATCH --ntasks-per-node=4" in proc.stdout and "srun" in proc.stdout
+@pytest.fixture
+def workspace(tmp_path):
+    """A tmp cwd holding run directories with files in them (<tmp>/a/b/runs, so ../../x stays inside)."""
+    root = tmp_path / "a" / "b" / "runs"
+    for name in ("gpt_tiny_none", "gpt_pp2_dp2"):
+        run = root / name
+        (run / "checkpoints" / "iter_0000005").mkdir(parents=True)
+        (run / "checkpoints" / "iter_0000005" / "common.pt").write_bytes(os.urandom(64))
+        (run / "config.yaml").write_text(f"# the config of the run that happened in {name}\n")
+        (run / "metrics.jsonl").write_text('{"iteration": 1, "lm_loss": 5.5}\n')
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    return tmp_path, root
 
 
-def test_user_errors_are_one_line_without_traceback(tmp_path):
-    proc = _run(["+experiment=gpt_pp2_dp2", "training.global_batch_size=18"], tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: invalid parallel layout: training.global_batch_size=18")
-    assert "Traceback" not in proc.stderr
-    proc = _run(["+experiment=gpt_pp2_dp2", "optimizer.name=lamb"], tmp_path)
-    assert proc.returncode == 2 and "optimizer.name='lamb'" in proc.stderr and "'adam', 'sgd'" in proc.stderr
+def assert_one_error_line(result: dict, *expected: str) -> str:
+    argv, err = " ".join(result["argv"]), result["stderr"]
+    assert result["code"] == 2, f"{argv}: exit {result['code']}\n{err}\n{result['stdout']}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"{argv}: stderr is not one error line:\n{err}"
+    assert "; fix: " in lines[0], f"{argv}: no fix in {lines[0]}"
+    for text in expected:
+        assert text in lines[0], f"{argv}: {text!r} not in {lines[0]}"
+    return lines[0]
+
+
+USER_ERRORS = [
+    # typos: an unknown key or option, with or without +, says what was meant
+    (["+training.micro_batch=2"], ["training.micro_batch: unknown key", "did you mean training.micro_batch_size?"]),
+    (["training.micro_batch=2"], ["training.micro_batch: unknown key", "did you mean training.micro_batch_size?"]),
+    (["+paralelism=tp2_pp2"], ["paralelism: unknown key", "did you mean parallelism?"]),
+    (["paralelism=tp2_pp2"], ["paralelism: unknown key", "did you mean parallelism?"]),
+    (["trainng.seed=3"], ["trainng.seed: unknown key", "did you mean training.seed?"]),
+    (["model=gpt_6.7"], ["model=gpt_6.7: no such model", "did you mean model=gpt_6.7b?"]),
+    (["+experiment=gpt_pp2"], ["experiment=gpt_pp2: no such experiment", "did you mean experiment=gpt_pp2_dp2?"]),
+    (["parallelism=tp4"], ["parallelism=tp4: no such parallelism", "tp2_pp2"]),
+    # Hydra's and OmegaConf's own errors
+    (["experiment=gpt_pp2_dp2"], ["experiment is an optional group", "fix: +experiment=gpt_pp2_dp2"]),
+    (["+parallelism=tp2_pp2"], ["already chosen by the defaults", "fix: parallelism=tp2_pp2"]),
+    (["+training.micro_batch_size=2"], ["training.micro_batch_size is already in the config",
+                                        "fix: training.micro_batch_size=2"]),
+    (["training.micro_batch_size=abc"], ["training.micro_batch_size: Value 'abc'", "an integer"]),
+    (["training.micro_batch_size=null"], ["training.micro_batch_size: field", "not Optional"]),
+    (["plan=maybe"], ["plan: Value 'maybe' is not a valid bool"]),
+    (["training.micro_batch_size=["], ["training.micro_batch_size=[: not a valid override"]),
+    (["training.micro_batch_size=1,2"], ["a sweep (several values) needs -m"]),
+    (["run.name=${nope}"], ["run.name: Interpolation key 'nope' not found"]),
+    (["cluster.env.NCCL_ALGO=Ring"], ["cluster.env.NCCL_ALGO: not in the config yet", "fix: +cluster.env.NCCL_ALGO=Ring"]),
+    (["~model"], ["the model group cannot be removed"]),
+    (["-m", "training.micro_batch_size=2,abc"], ["training.micro_batch_size: Value 'abc'"]),
+    (["-m", "model=gpt_tiny,gpt_7b"], ["model=gpt_7b: no such model"]),
+    (["-m", "+training.micro_bach_size=2,4"], ["did you mean training.micro_batch_size?"]),
+    (["--frobnicate"], ["--frobnicate: unknown option"]),
+    # what used to die inside the ranks (or with a traceback under plan=true)
+    (["model.recompute_granularity=full"], ["model.recompute_method=null: recompute_granularity=full needs"]),
+    (["+experiment=gpt_pp2_dp2", "model.recompute_granularity=full", "model.recompute_method=block",
+      "model.recompute_num_layers=3"], ["model.recompute_num_layers=3: must be between 1 and the layers per "
+                                        "pipeline rank (2)"]),
+    (["model.recompute_granularity=selective", "model.recompute_num_layers=1"],
+     ["must be null with recompute_granularity=selective"]),
+    (["model.transformer_impl=transformer_engine"], ["model.transformer_impl=transformer_engine", "GPUs only"]),
+    (["training.log_interval=0"], ["training.log_interval=0: must be a positive integer"]),
+    (["model.num_query_groups=0", "plan=true"], ["model.num_query_groups=0: must be a positive integer"]),
+    (["+experiment=gpt_pp2_dp2", "parallelism.data_parallel_size=-2"],
+     ["parallelism.data_parallel_size=-2: must be a positive integer"]),
+    (["cluster.tasks_per_node=0"], ["cluster.tasks_per_node=0: must be a positive integer"]),
+    (["model.hidden_dropout=1.5"], ["model.hidden_dropout=1.5: must be a finite number in [0, 1)"]),
+    (["model.attention_dropout=-0.1"], ["model.attention_dropout=-0.1: must be a finite number in [0, 1)"]),
+    (["optimizer.weight_decay=-3"], ["optimizer.weight_decay=-3.0: must be a finite number >= 0"]),
+    (["optimizer.adam_beta2=1.0"], ["optimizer.adam_beta2=1.0: must be a finite number in [0, 1)"]),
+    (["optimizer.lr=0"], ["optimizer.lr=0.0: must be a finite number > 0"]),
+    (["optimizer.min_lr=1"], ["optimizer.min_lr=1.0: above optimizer.lr=0.001"]),
+    (["model.hidden_size=130"], ["model.hidden_size=130 is not divisible by model.num_attention_heads=4"]),
+    (["training.precision=bf16"], ["training.precision=bf16: needs a GPU"]),
+    (["optimizer.use_distributed_optimizer=true"], ["optimizer.use_distributed_optimizer=true: GPU-only"]),
+    (["parallelism.distributed_backend=nccl"], ["parallelism.distributed_backend=nccl: needs GPUs"]),
+    (["training.device=cuda"], ["training.device=cuda: no GPU"]),
+    (["+experiment=gpt_pp2_dp2", "training.global_batch_size=18"], ["training.global_batch_size=18 is not divisible"]),
+    (["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3"], ["model.num_layers=4"]),
+    (["optimizer.name=lamb"], ["optimizer.name='lamb': not one of 'adam', 'sgd'"]),
+    (["gpu=B200", "plan=true"], ["gpu='B200' is not a known GPU preset"]),
+    (["checkpoint.init_from=/nonexistent/iter_0000001"], ["checkpoint.init_from='/nonexistent/iter_0000001': "
+                                                          "no such directory"]),
+    # bad data options
+    (["data=jsonl"], ["data.paths=[]: data=jsonl needs at least one JSONL file"]),
+    (["data=jsonl", "data.paths=[a.jsonl,missing.jsonl]"], ["data.paths[1]='missing.jsonl': no such file"]),
+    (["data=jsonl", "data.paths=[a.jsonl]", "data.weights=[0.5,0.5]"], ["2 weights for 1 data.paths"]),
+    (["data=jsonl", "data.paths=[a.jsonl,a.jsonl]", "data.weights=[1,-1]"], ["data.weights[1]=-1.0: must be"]),
+    (["data=indexed", "data.paths=[corpus]"], ["data.paths[0]='corpus': corpus.bin and .idx not found"]),
+    (["data.tokenizer=tokenizer.json"], ["data.tokenizer='tokenizer.json': no such file"]),
+    (["data.paths=[a.jsonl]"], ["data.paths=['a.jsonl']: data=stdlib (kind stdlib) reads no files"]),
+    (["data.split='0,100,0'"], ["data.split='0,100,0': must be 1 to 3 comma-separated weights"]),
+    (["data.split='100,0,0'"], ["data.split='100,0,0': no validation part, but training.eval_iters=10"]),
+    # run.name escapes
+    (["run.name=../../x"], ["run.name='../../x': must be one directory name"]),
+    (["run.name=a/b"], ["run.name='a/b': must be one directory name"]),
+    (["run.name=.."], ["run.name='..': must be one directory name"]),
+    (["run.name=''"], ["run.name='': must be one directory name"]),
+]
+
+
+def test_every_documented_user_error_is_one_line_exit_2_and_touches_nothing(workspace):
+    cwd, root = workspace
+    before = snapshot(cwd)
+    started = time.monotonic()
+    results = run_batch([argv + [f"run.root={root}"] for argv, _ in USER_ERRORS], cwd)
+    elapsed = time.monotonic() - started
+    for result, (_, expected) in zip(results, USER_ERRORS):
+        assert_one_error_line(result, *expected)
+    assert snapshot(cwd) == before  # byte-identical, and nothing created (no .hydra/, no __main__.log, no ../../x)
+    print(f"{len(USER_ERRORS)} user errors through the CLI in {elapsed:.1f} s")
+
+
+def _hydra_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "\\'") + "'"
+    if isinstance(value, list):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return repr(value) if not isinstance(value, float) or value == value else "nan"
+
+
+def test_random_configs_through_the_cli_are_planned_or_refused_in_one_line(workspace):
+    from test_validate import BASES, PERTURB
+
+    cwd, root = workspace
+    files = {"jsonl": str(cwd / "a.jsonl"), "jsonl2": str(cwd / "a.jsonl"), "prefix": str(cwd / "nope"),
+             "tokenizer": str(cwd / "tokenizer.json")}
+    rng = random.Random(9)
+    cases = []
+    for _ in range(60):
+        changes = {k: rng.choice(PERTURB[k]) for k in rng.sample(sorted(PERTURB), rng.choice([1, 2, 3]))}
+        overrides = [f"{k}={_hydra_value(v)}".format(**files) for k, v in changes.items()]
+        cases.append(rng.choice(BASES) + overrides + ["plan=true", f"run.root={root}"])
+    before = snapshot(cwd)
+    results = run_batch(cases, cwd)
+    planned = 0
+    for result in results:
+        if result["code"] == 0:
+            assert "layers per stage" in result["stdout"] and result["stderr"] == "", result
+            planned += 1
+        else:
+            assert_one_error_line(result)
+    assert 5 <= planned <= 55, planned
+    assert snapshot(cwd) == before
+
+
+# ---------------------------------------------------------------- the real entry point
+def _cli(args: List[str], cwd: Path, timeout: int = 120, env: Dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+
+
+def test_the_console_entry_point_from_another_directory(workspace):
+    cwd, root = workspace
+    before = snapshot(cwd)
+    for args, expected in [(["+paralelism=tp2_pp2"], "did you mean parallelism?"),
+                           (["model=gpt_7b"], "model=gpt_7b: no such model"),
+                           (["-m", "training.micro_batch_size=1,x"], "training.micro_batch_size: Value 'x'")]:
+        proc = _cli(args + [f"run.root={root}"], cwd)
+        assert_one_error_line({"argv": args, "code": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout},
+                              expected)
+        assert "HYDRA_FULL_ERROR" not in proc.stdout + proc.stderr
+    assert snapshot(cwd) == before
+    help_text = _cli(["--help"], cwd)
+    assert help_text.returncode == 0 and help_text.stderr == ""
+    for text in ("parallelism", "pp2_vpp2_dp2", "gpt_6.7b", "slurm_a100_4x8", "experiment", "gpt_pp2_dp2",
+                 "plan=true", "dry_run=true", "gpu=", "manifest", "status", "sweep", "convert", "tune"):
+        assert text in help_text.stdout, text
+    assert "Hydra" not in help_text.stdout.splitlines()[0] and "== Config ==" not in help_text.stdout
+    import orchestrator
+
+    version = _cli(["--version"], cwd)
+    assert version.returncode == 0 and version.stdout.strip() == f"orchestrator {orchestrator.__version__}"
+
+
+def test_plan_and_dry_run_write_nothing_and_stay_torch_free(tmp_path):
+    root = tmp_path / "runs"
+    cases = [["+experiment=gpt_pp2_dp2", "plan=true"],
+             ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "dry_run=true"],
+             ["+experiment=gpt_pp2_dp2", "parallelism=tp2_pp2", "dry_run=true"],
+             ["model=gpt_6.7b", "parallelism=pp2_dp2", "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
+              "plan=true", "gpu=A100-40GB", "training.precision=bf16", "training.micro_batch_size=4",
+              "training.global_batch_size=256"]]
+    results = run_batch([c + [f"run.root={root}"] for c in cases], tmp_path)
+    for result in results:
+        assert result["code"] == 0 and result["stderr"] == "", result
+        assert "layers per stage" in result["stdout"]
+    assert "#SBATCH --ntasks-per-node=4" in results[1]["stdout"] and "srun" in results[1]["stdout"]
+    # an experiment's run is named by the groups chosen on the command line: no collision
+    assert "run gpt_pp2_dp2:" in results[0]["stdout"]
+    assert f"in {root}/gpt_pp2_dp2-parallelism=tp2_pp2" in results[2]["stdout"]
+    assert not root.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- a run that starts, refused resumes, Ctrl-C
+TINY = ["training.train_iters=1", "training.global_batch_size=4", "training.eval_iters=0",
+        "model.transformer_impl=local", "checkpoint.save_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """One real 1-iteration run (1 CPU rank): its run directory holds a checkpoint and config.yaml."""
+    cwd = tmp_path_factory.mktemp("trained")
+    root = cwd / "runs"
+    env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
+    proc = _cli([*TINY, f"run.root={root}"], cwd, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return cwd, root / "gpt_tiny_none", env
+
+
+def test_only_a_run_that_starts_records_its_config(trained):
+    _, run_dir, _ = trained
+    text = (run_dir / "config.yaml").read_text()
+    assert text.startswith("# the resolved config of the run started ")
+    assert f"run.root={run_dir.parent}" in text.splitlines()[1]
+    import yaml
+
+    recorded = yaml.safe_load(text)
+    assert recorded["training"]["train_iters"] == 1 and recorded["run"]["dir"] == str(run_dir)
+    assert recorded["data"]["cache_dir"] and "${" not in text  # resolved
+    assert not (run_dir / ".hydra").exists() and not list(run_dir.glob("*.log"))
+
+
+def test_a_refused_resume_leaves_the_run_directory_byte_identical(trained):
+    cwd, run_dir, env = trained
+    before = snapshot(run_dir)
+    args = [*TINY, "training.train_iters=2", "model.hidden_size=64", f"run.root={run_dir.parent}"]
+    results = run_batch([args, [*TINY, "training.train_iters=2", "checkpoint.auto_resume=false",
+                               f"run.root={run_dir.parent}"]], cwd, env)
+    mismatch, lines = results[0], results[0]["stderr"].strip().splitlines()
+    assert mismatch["code"] == 2 and lines[0].startswith("error: cannot resume from ") and "iteration 1" in lines[0]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert any(line.startswith("model.hidden_size") and "refused" in line for line in lines[1:])
+    assert_one_error_line(results[1], "checkpoint.auto_resume=false would train from scratch")
+    assert snapshot(run_dir) == before
+
+
+def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(trained, tmp_path):
+    cwd, run_dir, env = trained
+
+    def interrupt(args: List[str], wait_for: str) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+        seen = []
+        for line in proc.stdout:  # the whole process group gets SIGINT, as from a terminal's Ctrl-C
+            seen.append(line)
+            if wait_for in line:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+        return subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
+
+    # the ranks are training: Ctrl-C stops them, names the checkpoint to resume from
+    resumed = interrupt([*TINY, "training.train_iters=1000", f"run.root={run_dir.parent}"], "iteration 2/")
+    assert resumed.returncode == 130, resumed.stdout[-2000:] + resumed.stderr
+    assert resumed.stderr.startswith("interrupted: ") and "Traceback" not in resumed.stderr, resumed.stderr
+    assert "run the same command again to resume from" in resumed.stderr and "iteration" in resumed.stderr
+    # a fresh run interrupted before any checkpoint: no resume hint
+    fresh = interrupt([*TINY, f"run.root={tmp_path}", "run.name=fresh"], "[orchestrator] schedule:")
+    assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
+    assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr
 
 
 def test_config_surface_is_frozen():

@@ -1,42 +1,397 @@
 """The one validate: every rule a config must pass before anything is prepared or queued.
 
 Plan, dry-run, run, every sweep point and the job itself call :func:`validate`. Pure Python, no
-torch import. Errors are :class:`~orchestrator.errors.ConfigError` /
-:class:`~orchestrator.errors.LayoutError` with one line naming the key, the values and the fix.
+torch import (installed packages are looked up with ``importlib.util.find_spec``, never imported).
+Every refusal is one :class:`~orchestrator.errors.ConfigError` (or
+:class:`~orchestrator.errors.LayoutError`) whose message is a single line
+``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.spec.layout` read
+``<key>=<value> <what> ...; fix: <how>``; several broken layout rules are joined with `` | ``).
+
+Order, so that the first message is the one that makes sense: value types, enumerations and
+ranges (``parallelism.data_parallel_size=-2`` is "must be a positive integer", never arithmetic
+on -2) → ``run.name`` → the parallel layout and the model rules megatron-core checks in the
+ranks (divisibility, recomputation, MoE) → what the device and the installed packages can run →
+the data options (files exist, one weight per path).
 """
 
 from __future__ import annotations
 
-from orchestrator.errors import ConfigError
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.spec.layout import ParallelLayout, layout_from_config
+from orchestrator.spec.keys import is_section, schema_keys, type_words
 from orchestrator.spec.schema import JobConfig
+
+CHOICES = {
+    "parallelism.distributed_backend": ("auto", "nccl", "gloo"),
+    "model.position_embedding_type": ("learned_absolute", "rope"),
+    "model.normalization": ("LayerNorm", "RMSNorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.recompute_granularity": (None, "full", "selective"),
+    "model.recompute_method": (None, "uniform", "block"),
+    "model.transformer_impl": ("auto", "local", "transformer_engine"),
+    "optimizer.name": ("adam", "sgd"),
+    "optimizer.lr_decay_style": ("cosine", "linear", "constant"),
+    "data.kind": ("stdlib", "jsonl", "indexed", "mock"),
+    "training.precision": ("fp32", "bf16", "fp16"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "training.nan_policy": ("stop", "skip"),
+    "checkpoint.digest": ("size", "sha256"),
+    "cluster.kind": ("local", "slurm"),
+    "logging.wandb.mode": (None, "online", "offline", "disabled"),
+}
+"""Enumerated string fields and their values (megatron-core's spelling where it has one)."""
+
+INTEGERS: List[Tuple[str, int, bool]] = [
+    # (key, minimum, null allowed)
+    ("parallelism.tensor_model_parallel_size", 1, False), ("parallelism.pipeline_model_parallel_size", 1, False),
+    ("parallelism.virtual_pipeline_model_parallel_size", 1, True), ("parallelism.context_parallel_size", 1, False),
+    ("parallelism.num_layers_per_virtual_pipeline_stage", 1, True), ("data.vocab_size", 1, True),
+    ("parallelism.expert_model_parallel_size", 1, False), ("parallelism.data_parallel_size", 1, True),
+    ("parallelism.num_layers_per_virtual_pipeline_stage", 1, True), ("data.vocab_size", 1, True),
+    ("model.num_layers", 1, False), ("model.hidden_size", 1, False), ("model.num_attention_heads", 1, False),
+    ("model.num_query_groups", 1, True), ("model.ffn_hidden_size", 1, True), ("model.seq_length", 1, False),
+    ("model.max_position_embeddings", 1, False), ("model.make_vocab_size_divisible_by", 1, False),
+    ("model.num_moe_experts", 2, True), ("model.recompute_num_layers", 1, True),
+    ("optimizer.lr_warmup_iters", 0, False), ("optimizer.lr_decay_iters", 1, True),
+    ("training.micro_batch_size", 1, False), ("training.global_batch_size", 1, False),
+    ("training.train_iters", 0, False), ("training.seed", 0, False), ("training.log_interval", 1, False),
+    ("training.timing_warmup_iters", 0, False), ("training.exit_after_iters", 1, True),
+    ("training.distributed_timeout_minutes", 1, False), ("training.eval_interval", 1, True),
+    ("training.eval_iters", 0, False), ("training.max_skipped_steps", 0, False),
+    ("checkpoint.save_interval", 0, True),
+    ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
+    ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
+    ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
+]
+"""Integer fields megatron-core / SLURM need in a range (``iteration % log_interval``, group sizes...)."""
+
+NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
+    # (key, low, low included, high, high included)
+    ("model.hidden_dropout", 0.0, True, 1.0, False), ("model.attention_dropout", 0.0, True, 1.0, False),
+    ("model.init_method_std", 0.0, False, math.inf, False),
+    ("optimizer.lr", 0.0, False, math.inf, False), ("optimizer.min_lr", 0.0, True, math.inf, False),
+    ("optimizer.weight_decay", 0.0, True, math.inf, False),
+    ("optimizer.adam_beta1", 0.0, True, 1.0, False), ("optimizer.adam_beta2", 0.0, True, 1.0, False),
+    ("optimizer.adam_eps", 0.0, False, math.inf, False), ("optimizer.sgd_momentum", 0.0, True, 1.0, False),
+    ("optimizer.clip_grad", 0.0, True, math.inf, False),
+    ("data.stdlib_max_mb", 0.0, False, math.inf, False),
+    ("checkpoint.save_timeout_s", 0.0, False, math.inf, False),
+    ("cluster.poll_interval_s", 0.0, False, math.inf, False),
+    ("training.hang_timeout_s", 0.0, False, math.inf, False),
+]
+"""Real-valued fields and their ranges (finite values only)."""
+NULLABLE_NUMBERS = {"training.hang_timeout_s"}
+
+MEGATRON_TOKENIZER_TYPES = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                            "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                            "BertWordPieceLowerCase", "BertWordPieceCase")
+"""Megatron-LM ``--tokenizer-type`` names an imported config may carry (plan and export only)."""
+
+SEED_MAX = 2 ** 32 - 1
+"""numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32 - 1]."""
 
 
 def validate(cfg: JobConfig) -> ParallelLayout:
-    """The validated layout of ``cfg`` (raises LayoutError / ConfigError)."""
-    layout = layout_from_config(cfg).validate()
+    """The validated layout of ``cfg``; raises ConfigError / LayoutError (one line each)."""
+    check_values(cfg)
+    check_run(cfg)
+    layout = layout_from_config(cfg)  # LayoutError (one line) for an under-specified allocation
+    problems = layout.problems() + model_problems(cfg, layout)
+    if problems:
+        raise LayoutError(" | ".join(problems))
     check_device(cfg)
+    check_data(cfg)
     return layout
 
 
-def check_device(cfg: JobConfig) -> None:
-    """Refuse, before submission, what the job's device cannot run (raises ConfigError).
+# ---------------------------------------------------------------- values
+def _get(cfg: Any, key: str) -> Tuple[bool, Any]:
+    """(present, value) of a dotted key; absent when the schema has no such field (yet)."""
+    node = cfg
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return False, None
+        node = getattr(node, part)
+    return True, node
 
-    A local job without ``cluster.gpus_per_node`` runs on CPU (submitit hides the GPUs): there
-    bf16/fp16, the distributed optimizer (megatron-core 0.16.1's tensor-type checks),
-    ``training.device=cuda`` and context parallelism (Transformer Engine attention) cannot run.
+
+def _default(key: str) -> Any:
+    """The schema's default of a dotted key (for the fix of a bad value)."""
+    node: Any = JobConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def show(value: Any) -> str:
+    """A value as the user types it in an override: null, true/false, 'text', 3, 0.5."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    """Whether ``value`` fits a schema annotation (the strings ``from __future__`` annotations are)."""
+    if annotation.startswith("Optional["):
+        return value is None or _has_type(value, annotation[len("Optional["):-1])
+    if annotation.startswith("List["):
+        return isinstance(value, (list, tuple)) and all(_has_type(v, annotation[5:-1]) for v in value)
+    if annotation.startswith("Dict["):
+        return isinstance(value, dict)
+    simple = {"int": _is_int, "float": lambda v: _is_number(v) or (isinstance(v, float) and not math.isfinite(v)),
+              "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str), "Any": lambda v: True}
+    return simple.get(annotation, lambda v: True)(value)
+
+
+def check_types(cfg: JobConfig) -> None:
+    """Every field holds a value of its schema type (OmegaConf does this for composed configs;
+    configs built in Python, for tests and tools, get the same one line)."""
+    for key, f in schema_keys(JobConfig).items():
+        present, value = _get(cfg, key)
+        if present and not is_section(f) and not _has_type(value, str(f.type)):
+            raise ConfigError(f"{key}={show(value)}: must be {type_words(f.type)}; "
+                              f"fix: {key}={show(_default(key))} (the default)")
+
+
+def check_values(cfg: JobConfig) -> None:
+    """Types, enumerations, integer and real ranges, and the few rules between two values (ConfigError)."""
+    check_types(cfg)
+    for key, allowed in CHOICES.items():
+        present, value = _get(cfg, key)
+        if present and value not in allowed:
+            names = ", ".join(show(a) for a in allowed)
+            raise ConfigError(f"{key}={show(value)}: not one of {names}; fix: {key}={show(_default(key))} "
+                              f"or another of {names}")
+    for key, minimum, nullable in INTEGERS:
+        present, value = _get(cfg, key)
+        if not present or (value is None and nullable):
+            continue
+        if not _is_int(value) or value < minimum or (key == "training.seed" and value > SEED_MAX):
+            need = {0: "an integer >= 0", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+            if key == "training.seed":
+                need = f"an integer in [0, {SEED_MAX}]"
+            raise ConfigError(f"{key}={show(value)}: must be {need}{' or null' if nullable else ''}; "
+                              f"fix: {key}={show(_default(key))} (the default)")
+    for key, low, low_in, high, high_in in NUMBERS:
+        present, value = _get(cfg, key)
+        if not present or (value is None and key in NULLABLE_NUMBERS):
+            continue
+        if not _is_number(value) or value < low or (value == low and not low_in) or value > high \
+                or (value == high and not high_in):
+            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            need = f"in {span}" if high < math.inf else (f">= {low:g}" if low_in else f"> {low:g}")
+            raise ConfigError(f"{key}={show(value)}: must be a finite number {need}"
+                              f"{' or null' if key in NULLABLE_NUMBERS else ''}; "
+                              f"fix: {key}={show(_default(key))} (the default)")
+    o = cfg.optimizer
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr}: above optimizer.lr={o.lr}; fix: optimizer.min_lr <= {o.lr}")
+    c = cfg.cluster
+    if c.kind == "slurm" and c.signal_delay_s >= c.timeout_min * 60:
+        raise ConfigError(f"cluster.signal_delay_s={c.signal_delay_s}: the save-and-requeue signal would come before "
+                          f"the job starts (cluster.timeout_min={c.timeout_min} = {c.timeout_min * 60} s); "
+                          f"fix: cluster.signal_delay_s < {c.timeout_min * 60}")
+    _check_split(cfg)
+
+
+def _check_split(cfg: JobConfig) -> None:
+    """``data.split``: one to three non-negative weights (train, validation, test), train > 0."""
+    split = cfg.data.split
+    try:
+        parts = [float(p) for p in str(split).split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts) or parts[0] <= 0:
+        raise ConfigError(f"data.split={show(split)}: must be 1 to 3 comma-separated weights >= 0 "
+                          f"(train, validation, test) with train > 0; fix: data.split={show(_default('data.split'))}")
+    present, eval_iters = _get(cfg, "training.eval_iters")
+    if present and eval_iters and cfg.training.train_iters and (len(parts) < 2 or parts[1] <= 0):
+        raise ConfigError(f"data.split={show(split)}: no validation part, but training.eval_iters={eval_iters} "
+                          f"evaluates on it; fix: data.split={show(_default('data.split'))} or training.eval_iters=0")
+
+
+def check_run(cfg: JobConfig) -> None:
+    """``run.name`` is one path component (the run directory is ``run.root/run.name``);
+    ``checkpoint.init_from`` is a directory."""
+    name = cfg.run.name
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"run.name={show(name)}: must be one directory name (no '/', not '.' or '..', not empty), "
+                          "so the run stays inside run.root; fix: run.name=<name>, and run.root=<dir> for "
+                          "another place")
+    if not isinstance(cfg.run.root, str) or not cfg.run.root:
+        raise ConfigError(f"run.root={show(cfg.run.root)}: must be a directory path; fix: run.root=runs")
+    init = cfg.checkpoint.init_from
+    if init is not None and not Path(os.path.expanduser(init)).is_dir():
+        raise ConfigError(f"checkpoint.init_from={show(init)}: no such directory; fix: the path of a checkpoint "
+                          "(<run dir>/checkpoints/iter_XXXXXXX), or checkpoint.init_from=null")
+
+
+# ---------------------------------------------------------------- model rules (megatron-core's, before the ranks)
+def recompute_problems(granularity: Optional[str], method: Optional[str], num_layers: Optional[int],
+                       layers_per_stage: int) -> List[str]:
+    """Megatron's activation-recomputation rules (``TransformerConfig.__post_init__``), one sentence each.
+
+    ``full`` needs ``recompute_method`` uniform or block and ``recompute_num_layers`` between 1 and
+    the layers per pipeline rank; ``selective`` needs ``recompute_num_layers`` null. The planner's
+    recipe check calls this too.
     """
-    if not (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
+    out: List[str] = []
+    if granularity == "full":
+        if method not in ("uniform", "block"):
+            out.append(f"model.recompute_method={show(method)}: recompute_granularity=full needs uniform or block; "
+                       "fix: model.recompute_method=uniform")
+        if num_layers is None or not 1 <= num_layers <= layers_per_stage:
+            out.append(f"model.recompute_num_layers={show(num_layers)}: must be between 1 and the layers per "
+                       f"pipeline rank ({layers_per_stage}) with recompute_granularity=full; "
+                       "fix: model.recompute_num_layers=1")
+    elif granularity == "selective" and num_layers is not None:
+        out.append(f"model.recompute_num_layers={num_layers}: must be null with recompute_granularity=selective; "
+                   "fix: model.recompute_num_layers=null")
+    return out
+
+
+def model_problems(cfg: JobConfig, layout: ParallelLayout) -> List[str]:
+    """Rules megatron-core enforces only when it builds the model, inside the ranks."""
+    m, p = cfg.model, cfg.parallelism
+    tp = p.tensor_model_parallel_size
+    out = recompute_problems(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
+                             layout.layers_per_stage)
+    if m.hidden_size % m.num_attention_heads:
+        out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                   f"{m.num_attention_heads} (Megatron's head size = hidden / heads); fix: hidden_size a multiple "
+                   f"of {m.num_attention_heads}")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        out.append(f"model.ffn_hidden_size={ffn} is not divisible by parallelism.tensor_model_parallel_size={tp} "
+                   f"(each TP rank holds an equal slice of the MLP); fix: ffn_hidden_size a multiple of {tp}")
+    if p.sequence_parallel and tp > 1 and (m.seq_length // p.context_parallel_size) % tp:
+        out.append(f"model.seq_length={m.seq_length} does not split over sequence parallelism: "
+                   f"seq_length / CP = {m.seq_length // p.context_parallel_size} is not divisible by TP={tp}; "
+                   f"fix: seq_length a multiple of {tp * p.context_parallel_size}")
+    if m.num_moe_experts and m.add_bias_linear and tp > 1:
+        out.append(f"model.num_moe_experts={m.num_moe_experts} with model.add_bias_linear=true needs "
+                   f"tensor_model_parallel_size=1 (megatron-core: bias in MoE only with expert TP = 1, "
+                   f"got {tp}); fix: model.add_bias_linear=false")
+    return out
+
+
+# ---------------------------------------------------------------- device and installed packages
+def runs_on_cpu(cfg: JobConfig) -> bool:
+    """True when the job's ranks see no GPU: ``training.device=cpu`` or ``cluster.gpus_per_node=0``
+    (submitit hides the GPUs of a local job that asks for none)."""
+    return cfg.training.device == "cpu" or not cfg.cluster.gpus_per_node
+
+
+def check_device(cfg: JobConfig) -> None:
+    """Refuse, before submission, what the job's device and installed packages cannot run (ConfigError).
+
+    On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
+    optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
+    backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
+    cannot run. ``model.transformer_impl=transformer_engine`` also needs the package installed.
+    """
+    t, m = cfg.training, cfg.model
+    if runs_on_cpu(cfg):
+        where = ("training.device=cpu" if t.device == "cpu"
+                 else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU")
+        gpus = "cluster.gpus_per_node=<n>"
+        if t.device == "cuda":
+            raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
+        if t.precision != "fp32":
+            raise ConfigError(f"training.precision={t.precision}: needs a GPU ({where}); "
+                              f"fix: training.precision=fp32, or {gpus}")
+        if cfg.optimizer.use_distributed_optimizer:
+            raise ConfigError(f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
+                              "fix: optimizer.use_distributed_optimizer=false")
+        if cfg.parallelism.context_parallel_size > 1:
+            raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
+                              f"Transformer Engine attention on GPUs ({where}); "
+                              "fix: parallelism.context_parallel_size=1")
+        if cfg.parallelism.distributed_backend == "nccl":
+            raise ConfigError(f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
+                              "fix: parallelism.distributed_backend=auto (gloo on CPU)")
+        if m.transformer_impl == "transformer_engine":
+            raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
+                              f"({where}); fix: model.transformer_impl=local (or auto)")
+    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
+                          "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
+
+
+# ---------------------------------------------------------------- data options
+def check_data(cfg: JobConfig) -> None:
+    """Paths exist, one positive weight per path, the tokenizer is usable (ConfigError, one line)."""
+    d = cfg.data
+    if d.kind in ("stdlib", "mock"):
+        if d.paths or d.weights:
+            key = "data.paths" if d.paths else "data.weights"
+            raise ConfigError(f"{key}={show(list(d.paths) or list(d.weights or []))}: data={d.name} (kind {d.kind}) "
+                              "reads no files; fix: data=jsonl (or data=indexed) to train on files")
+    else:
+        example = "/data/a.jsonl" if d.kind == "jsonl" else "/data/corpus_text_document"
+        if not d.paths:
+            raise ConfigError(f"data.paths=[]: data={d.name} needs at least one "
+                              f"{'JSONL file' if d.kind == 'jsonl' else '.bin/.idx prefix'}; "
+                              f"fix: data.paths=[{example}]")
+        for i, path in enumerate(d.paths):
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"data.paths[{i}]={show(path)}: not a path; fix: data.paths=[{example}]")
+            full = Path(os.path.expanduser(path))
+            if d.kind == "jsonl" and not full.is_file():
+                raise ConfigError(f"data.paths[{i}]={show(path)}: no such file (from {os.getcwd()}); "
+                                  "fix: the path of an existing .jsonl file")
+            if d.kind == "indexed":
+                missing = [ext for ext in (".bin", ".idx") if not Path(str(full) + ext).is_file()]
+                if missing:
+                    raise ConfigError(f"data.paths[{i}]={show(path)}: {path}{' and '.join(missing)} not found; "
+                                      "fix: the prefix of an existing .bin/.idx pair (the path without the extension)")
+        if d.weights is not None:
+            if len(d.weights) != len(d.paths):
+                raise ConfigError(f"data.weights={show(list(d.weights))}: {len(d.weights)} weights for "
+                                  f"{len(d.paths)} data.paths; fix: one weight per path, or data.weights=null (equal)")
+            for i, w in enumerate(d.weights):
+                if not _is_number(w) or w <= 0:
+                    raise ConfigError(f"data.weights[{i}]={show(w)}: must be a finite number > 0; "
+                                      "fix: positive blend weights, or data.weights=null (equal)")
+    if not isinstance(d.json_key, str) or not d.json_key:
+        raise ConfigError(f"data.json_key={show(d.json_key)}: must name the JSON field holding the text; "
+                          "fix: data.json_key=text")
+    if not isinstance(d.cache_dir, str) or not d.cache_dir:
+        raise ConfigError(f"data.cache_dir={show(d.cache_dir)}: must be a directory path; "
+                          "fix: data.cache_dir=~/.cache/orchestrator")
+    _check_tokenizer(d.tokenizer)
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    if tokenizer == "byte":
         return
-    where = "cluster=local without cluster.gpus_per_node runs on CPU"
-    if cfg.training.device == "cuda":
-        raise ConfigError(f"training.device=cuda but {where}; fix: cluster.gpus_per_node=<n> or training.device=auto")
-    if cfg.training.precision != "fp32":
-        raise ConfigError(f"training.precision={cfg.training.precision} needs a GPU ({where}); "
-                          "fix: training.precision=fp32, or cluster.gpus_per_node=<n>")
-    if cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(f"optimizer.use_distributed_optimizer=true is GPU-only in megatron-core 0.16.1 ({where}); "
-                          "fix: optimizer.use_distributed_optimizer=false")
-    if cfg.parallelism.context_parallel_size > 1:
-        raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size} needs "
-                          f"Transformer Engine attention on GPUs ({where}); fix: context_parallel_size=1")
+    path = Path(os.path.expanduser(str(tokenizer)))
+    if tokenizer in MEGATRON_TOKENIZER_TYPES and not path.is_file():
+        raise ConfigError(f"data.tokenizer={show(tokenizer)}: a Megatron-LM tokenizer type (from an imported run), "
+                          "which the runtime does not build; fix: data.tokenizer=byte or the path of a HuggingFace "
+                          "tokenizer.json")
+    if not isinstance(tokenizer, str) or not path.is_file():
+        raise ConfigError(f"data.tokenizer={show(tokenizer)}: no such file; "
+                          "fix: data.tokenizer=byte or the path of a HuggingFace tokenizer.json")
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"data.tokenizer={show(tokenizer)}: a HuggingFace tokenizer needs the transformers "
+                          "package, which is not installed; fix: pip install transformers, or data.tokenizer=byte")
+

@@ -1,18 +1,47 @@
-"""Where ``conf/`` is, and Hydra's compose API for tools that are not the Hydra entry point.
+"""Where ``conf/`` is, and the one composition of it: overrides in, a :class:`JobConfig` out.
 
 ``conf/`` lives at the repository top level (the project's design) and is shipped inside the
 wheel as ``orchestrator/conf`` (``[tool.setuptools.package-dir]`` in pyproject.toml), so the
 same Hydra tree is found from a source checkout, an editable install and ``pip install .``.
+
+:func:`compose_config` is what the entry point (single runs), the sub-tools and the tests use:
+Hydra's compose API, never ``hydra.main`` — so composing writes nothing (no ``.hydra/``, no
+``__main__.log``, no run directory) and every Hydra/OmegaConf error becomes one
+:class:`~orchestrator.errors.ConfigError` line. Steps:
+
+1. :func:`check_overrides` reads each override against the closed schema and ``conf/``: an
+   unknown key (with or without ``+``), an unknown group option or experiment, ``+`` on a key
+   that exists, ``experiment=`` without ``+``, a sweep (``a,b``) outside ``-m`` — each refused
+   with a "did you mean" from the schema's field names, the group options or the experiment
+   names in ``conf/``.
+2. Hydra composes; whatever it still refuses is turned into one line by :func:`hydra_error`.
+3. Run naming (the single-run directory is ``run.root/run.name``): an experiment's run is named
+   by the experiment (its ``run.name``) plus every config group chosen on the command line,
+   except ``cluster`` (where a run runs is not what it trains) — ``+experiment=gpt_pp2_dp2
+   parallelism=tp2_pp2`` is ``gpt_pp2_dp2-parallelism=tp2_pp2`` — unless ``run.name`` is given.
+   Key overrides (``training.train_iters=300``) keep the name: rerunning with them continues the
+   same run, and a change a checkpoint cannot carry is refused by the resume check with its diff.
+   Without an experiment the name is ``<model>_<parallelism>`` (conf/config.yaml).
+4. ``run.dir`` (``${hydra:runtime.output_dir}`` in the schema, which is the sweep point's
+   directory under ``-m``) becomes ``hydra.run.dir`` = ``run.root/run.name``, made absolute.
+5. :func:`orchestrator.spec.schema.to_job_config` refuses keys the schema does not have and
+   resolves the rest into dataclasses. Values are checked later by the one ``validate``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
+from orchestrator.errors import ConfigError
+from orchestrator.spec.keys import did_you_mean, is_open, schema_keys, unknown_key_error
 from orchestrator.spec.schema import JobConfig
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+NOT_IN_RUN_NAME = ("experiment", "cluster")
+"""Groups whose choice does not enter an experiment's run name (see the module docstring)."""
 
 
 def conf_dir() -> Path:
@@ -23,15 +52,183 @@ def conf_dir() -> Path:
     raise FileNotFoundError(f"orchestrator's conf/ not found next to {_PACKAGE} (a broken install?)")
 
 
-def compose_config(overrides: List[str], config_dir: Optional[str] = None) -> JobConfig:
-    """Compose ``conf/`` with ``overrides`` into a :class:`JobConfig` (Hydra's compose API).
+def group_options(config_dir: Optional[str] = None) -> Dict[str, List[str]]:
+    """``{group: [option, ...]}`` read from ``conf/`` (``experiment`` included)."""
+    root = Path(config_dir) if config_dir else conf_dir()
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(root.iterdir()) if d.is_dir()}
 
-    Raises Hydra's and OmegaConf's own exceptions; the entry point turns them into one line.
+
+# ---------------------------------------------------------------- overrides against the schema
+def parse_overrides(overrides: List[str]) -> List[Any]:
+    """Hydra's parsed overrides (raises ConfigError for one that does not parse)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as exc:
+        raise hydra_error(exc) from None
+
+
+def _values(o: Any) -> List[str]:
+    """The option names one group override selects (one, or each point of a sweep)."""
+    if o.is_sweep_override():
+        return [str(v) for v in o.sweep_string_iterator()]
+    return [o.get_value_element_as_str()]
+
+
+def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: bool = False) -> None:
+    """Refuse, one line each, what the closed schema and ``conf/`` do not have (ConfigError)."""
+    from hydra.core.override_parser.types import OverrideType
+
+    keys = schema_keys(JobConfig)
+    for o in parsed:
+        key, line = o.key_or_group, o.input_line
+        if key == "hydra" or key.startswith("hydra."):
+            continue  # Hydra's own settings: Hydra checks them
+        if o.is_sweep_override() and not multirun:
+            raise ConfigError(f"{line}: a sweep (several values) needs -m; fix: python -m orchestrator -m ... to run "
+                              f"one job per value, or {key}=[...] for a list value")
+        if key in options:  # a config group
+            if o.type == OverrideType.DEL:
+                raise ConfigError(f"{line}: the {key} group cannot be removed; fix: choose another option, "
+                                  f"{key}=<one of {', '.join(options[key])}>")
+            for value in _values(o) if o.value() is not None else []:
+                if value not in options[key]:
+                    best = did_you_mean(value, options[key])
+                    raise ConfigError(f"{key}={value}: no such {key} in conf/{key}/; fix: "
+                                      + (f"did you mean {key}={best}? " if best else "")
+                                      + f"one of {', '.join(options[key])}")
+            if key == "experiment" and o.type == OverrideType.CHANGE:
+                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: +{line}")
+            if key != "experiment" and o.type == OverrideType.ADD:
+                raise ConfigError(f"{line}: {key} is already chosen by the defaults (a + adds a new entry); "
+                                  f"fix: {line.lstrip('+')}")
+            continue
+        if key not in keys and not _under_open_field(key):
+            raise unknown_key_error(key, JobConfig, extra=list(options))
+        if key in keys and o.type == OverrideType.ADD:
+            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: {line.lstrip('+')}")
+        if key in keys and o.type == OverrideType.DEL:
+            raise ConfigError(f"{line}: schema keys cannot be removed; fix: {key}=<value> (or null where allowed)")
+
+
+def _under_open_field(key: str) -> bool:
+    parts = key.split(".")
+    return any(is_open(".".join(parts[:i]), JobConfig) for i in range(1, len(parts)))
+
+
+def sweep_checks(overrides: List[str]) -> Iterator[List[str]]:
+    """Override lists that together compose every value of a ``-m`` sweep at least once.
+
+    Each swept key's values are tried in turn with the other sweeps at their first value: a
+    misspelt value anywhere in ``a,b,c`` is refused before the first point runs.
+    """
+    parsed = parse_overrides(overrides)
+    fixed = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}"
+             for o in parsed]
+    yield fixed
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            for value in _values(o)[1:]:
+                yield fixed[:i] + [f"{o.get_key_element()}={value}"] + fixed[i + 1:]
+
+
+# ---------------------------------------------------------------- Hydra's errors, one line
+def hydra_error(exc: BaseException) -> ConfigError:
+    """One ``<key>: <what>; fix: <how>`` line for any Hydra or OmegaConf exception."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from orchestrator.spec.keys import omegaconf_error
+
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, OverrideParseException):
+        what = str(exc.message).strip().splitlines()[0]
+        return ConfigError(f"{exc.override}: not a valid override ({what}); fix: key=value, key=[a,b] for a list, "
+                           "'quoted' values for special characters, +key=value only for new keys")
+    if isinstance(exc, MissingConfigException):
+        missing = str(getattr(exc, "missing_cfg_file", "") or "")
+        group, _, option = missing.rpartition("/")
+        known = group_options().get(group, [])
+        best = did_you_mean(option, known) if known else None
+        fix = (f"did you mean {group}={best}? " if best else "") + (f"one of {', '.join(known)}" if known else
+                                                                     "check the defaults list of the config")
+        return ConfigError(f"{group or 'config'}={option or missing}: no such config in conf/; fix: {fix}")
+    cause: Optional[BaseException] = exc
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    lines = [s.strip() for s in str(exc).strip().splitlines() if s.strip()]
+    hint = re.search(r"use (\+\S+)|Either remove \+ prefix: '([^']+)'", str(exc))
+    if cause is not None and getattr(cause, "full_key", None):
+        key = cause.full_key
+        if hint:  # Hydra names the override to type: a new key under an open mapping (cluster.env.X)
+            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +); "
+                               f"fix: {hint.group(1) or hint.group(2)}")
+        return omegaconf_error(cause, JobConfig)
+    first = lines[0] if lines else type(exc).__name__
+    fix = hint.group(1) or hint.group(2) if hint else "; ".join(lines[1:3]) or "python -m orchestrator --help"
+    return ConfigError(f"config: {first}; fix: {fix}")
+
+
+# ---------------------------------------------------------------- the composition
+def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
+    """The composed ``DictConfig`` of one run (no ``hydra`` node; ``run.name``/``run.dir`` set).
+
+    Raises ConfigError (one line) for every override or composition error.
     """
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
 
-    from orchestrator.spec.schema import register_configs, to_job_config
+    from orchestrator.spec.schema import register_configs
 
+    options = group_options(config_dir)
+    parsed = parse_overrides(overrides)
+    check_overrides(parsed, options)
     register_configs()
-    with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base=None):
-        return to_job_config(compose("config", overrides=list(overrides)))
+    try:
+        with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base=None):
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        with open_dict(cfg):
+            for key in ("run.name", "run.root"):  # an error names the key the user typed, not hydra.run.dir
+                OmegaConf.select(cfg, key, throw_on_missing=True)
+            _name_run(cfg, parsed)
+            run_dir = os.path.abspath(str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_missing=True)))
+            del cfg["hydra"]
+            if OmegaConf.is_interpolation(cfg.run, "dir") and "hydra:" in str(cfg.run._get_node("dir")._value()):
+                cfg.run.dir = run_dir
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise hydra_error(exc) from None
+    return cfg
+
+
+def _name_run(cfg: Any, parsed: List[Any]) -> None:
+    """An experiment's run name plus the groups chosen on the command line (module docstring, step 3)."""
+    from hydra.core.override_parser.types import OverrideType
+
+    if any(o.key_or_group == "run.name" for o in parsed):
+        return
+    if not any(o.key_or_group == "experiment" and o.type != OverrideType.DEL for o in parsed):
+        return
+    chosen = [f"{o.key_or_group}={o.get_value_element_as_str()}" for o in parsed
+              if o.key_or_group in cfg.hydra.runtime.choices and o.key_or_group not in NOT_IN_RUN_NAME
+              and o.type != OverrideType.DEL and "/" not in o.key_or_group]
+    if chosen:
+        cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "-".join([str(cfg.run.name), *chosen]))
+
+
+def compose_config(overrides: List[str], config_dir: Optional[str] = None) -> JobConfig:
+    """Compose ``conf/`` with ``overrides`` into a :class:`JobConfig` (raises ConfigError, one line)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from orchestrator.spec.schema import to_job_config
+
+    cfg = compose_dict(overrides, config_dir)
+    try:
+        return to_job_config(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise hydra_error(exc) from None

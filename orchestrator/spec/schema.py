@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from orchestrator.errors import ConfigError
+from orchestrator.spec.keys import check_keys, omegaconf_error
 
 
 @dataclass
@@ -31,6 +32,9 @@ class ParallelismConfig:
     """PP: the layer stack is split into this many stages."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """VPP: model chunks per pipeline rank (interleaved 1F1B); null = plain 1F1B."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Megatron-LM's way to say VPP: transformer layers per model chunk. Set, it derives
+    VPP = num_layers / (PP x this), refused unless it divides (and unless a stated VPP agrees)."""
     context_parallel_size: int = 1
     """CP: the sequence is split over this many ranks (attention only)."""
     expert_model_parallel_size: int = 1
@@ -117,7 +121,19 @@ class DataConfig:
     """Blend weights, one per path; null = equal weights."""
     json_key: str = "text"
     tokenizer: str = "byte"
-    """byte (UTF-8 bytes, 256 ids + specials, no download) or a path to a tokenizer.json file."""
+    """byte (UTF-8 bytes, 256 ids + specials, no download), a path to a tokenizer.json file, or a
+    Megatron-LM --tokenizer-type of an imported run (GPT2BPETokenizer, NullTokenizer, ...; plan and
+    export only until the runtime builds it)."""
+    vocab_file: Optional[str] = None
+    """Megatron-LM --vocab-file (GPT2BPETokenizer's vocab.json) of an imported run."""
+    merge_file: Optional[str] = None
+    """Megatron-LM --merge-file (GPT2BPETokenizer's merges.txt) of an imported run."""
+    tokenizer_model: Optional[str] = None
+    """Megatron-LM --tokenizer-model (SentencePiece model, ...) of an imported run."""
+    vocab_size: Optional[int] = None
+    """Tokenizer vocabulary (ids) before Megatron's padding. Null: from data.tokenizer (byte 258, a
+    tokenizer.json read here). Set it when the tokenizer files are not on this machine (a converted
+    GPT2BPETokenizer run: 50257); the plan uses it."""
     cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}"
     """Where prepared .bin/.idx files and dataset indices are cached."""
     split: str = "98,2,0"
@@ -290,57 +306,6 @@ class JobConfig:
     """GPU preset used by the planner for memory fit and step-time estimates."""
 
 
-_CHOICES = {
-    ("parallelism", "distributed_backend"): ("auto", "nccl", "gloo"),
-    ("model", "position_embedding_type"): ("learned_absolute", "rope"),
-    ("model", "normalization"): ("LayerNorm", "RMSNorm"),
-    ("model", "activation"): ("gelu", "swiglu"),
-    ("model", "recompute_granularity"): (None, "full", "selective"),
-    ("model", "recompute_method"): (None, "uniform", "block"),
-    ("model", "transformer_impl"): ("auto", "local", "transformer_engine"),
-    ("optimizer", "name"): ("adam", "sgd"),
-    ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
-    ("data", "kind"): ("stdlib", "jsonl", "indexed", "mock"),
-    ("training", "precision"): ("fp32", "bf16", "fp16"),
-    ("training", "device"): ("auto", "cpu", "cuda"),
-    ("training", "nan_policy"): ("stop", "skip"),
-    ("cluster", "kind"): ("local", "slurm"),
-}
-
-
-def check_choices(cfg: JobConfig) -> None:
-    """Raise :class:`ConfigError` for an enumerated field holding an unknown value."""
-    for (group, key), allowed in _CHOICES.items():
-        value = getattr(getattr(cfg, group), key)
-        if value not in allowed:
-            raise ConfigError(
-                f"{group}.{key}={value!r} is not one of {', '.join(repr(a) for a in allowed)}; "
-                f"fix: set {group}.{key} to one of them"
-            )
-    positive = [
-        ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
-        ("model", "seq_length"), ("model", "max_position_embeddings"),
-        ("training", "micro_batch_size"), ("training", "global_batch_size"),
-        ("parallelism", "tensor_model_parallel_size"), ("parallelism", "pipeline_model_parallel_size"),
-        ("parallelism", "context_parallel_size"), ("parallelism", "expert_model_parallel_size"),
-        ("cluster", "nodes"),
-    ]
-    for group, key in positive:
-        value = getattr(getattr(cfg, group), key)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{group}.{key}={value!r} must be a positive integer")
-    if not isinstance(cfg.training.train_iters, int) or cfg.training.train_iters < 0:
-        raise ConfigError(f"training.train_iters={cfg.training.train_iters!r} must be >= 0 "
-                          "(0 initialises the model and saves an iteration-0 checkpoint)")
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr} is above optimizer.lr={cfg.optimizer.lr}; "
-                          "fix: min_lr <= lr")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
-    if cfg.optimizer.clip_grad < 0:
-        raise ConfigError(f"optimizer.clip_grad={cfg.optimizer.clip_grad} must be >= 0 (0 disables clipping)")
-
-
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
@@ -349,17 +314,27 @@ def register_configs() -> None:
 
 
 def to_job_config(cfg: Any) -> JobConfig:
-    """Resolve a composed ``DictConfig`` into a :class:`JobConfig` (raises ConfigError)."""
+    """Resolve a composed ``DictConfig`` into a :class:`JobConfig` (raises ConfigError, one line).
+
+    Values are checked by :func:`orchestrator.spec.checks.validate`, not here.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    check_keys({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}, JobConfig)
     try:
         obj = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:  # interpolation or type errors
-        raise ConfigError(f"config does not resolve: {exc}") from None
+    except OmegaConfBaseException as exc:  # interpolation, type or missing-value errors
+        raise omegaconf_error(exc, JobConfig) from None
     if not isinstance(obj, JobConfig):
-        raise ConfigError("the composed config is not an orchestrator JobConfig (missing `orchestrator_schema` in defaults?)")
-    check_choices(obj)
+        raise ConfigError("config: the composed config is not an orchestrator JobConfig; "
+                          "fix: keep `orchestrator_schema` first in conf/config.yaml's defaults")
+    from orchestrator.spec.layout import virtual_stages
+
+    p = obj.parallelism  # Megatron-LM's name for VPP resolved here, so every reader sees VPP
+    p.virtual_pipeline_model_parallel_size = virtual_stages(
+        obj.model.num_layers, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+        p.num_layers_per_virtual_pipeline_stage)
     return obj
 
 

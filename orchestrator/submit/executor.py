@@ -12,6 +12,7 @@ reported, not waited on forever.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -434,8 +435,15 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
                 ended = state in _SLURM_ENDED
                 if restarts > requeues:  # PENDING/REQUEUED after a requeue: not an end, keep waiting
                     requeues = restarts
-                    print(f"[orchestrator] job {job.job_id} requeued ({requeues} of at most {c.max_num_timeout}); "
-                          f"it resumes from its latest checkpoint when SLURM restarts it", flush=True)
+                    failure = outcome.failed_attempt_message(run_dir, job_id)
+                    if failure is not None:  # srun's lines name the node and the tasks that died
+                        srun = _srun_errors(job)
+                        print(f"[orchestrator] job {job.job_id} failed: {failure}" + (f"\n{srun}" if srun else "") +
+                              f"\n[orchestrator] job {job.job_id} requeued after a failure (cluster.max_failures="
+                              f"{c.max_failures}); it resumes from its latest checkpoint", flush=True)
+                    else:
+                        print(f"[orchestrator] job {job.job_id} requeued ({requeues} of at most {c.max_num_timeout}); "
+                              f"it resumes from its latest checkpoint when SLURM restarts it", flush=True)
             cancelled = c.kind != "local" and state.startswith("CANCELLED")
             if ended:
                 # Allow result files a moment to land after the processes exit (the state is
@@ -484,6 +492,20 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[_Progress] = N
             progress.close()
 
 
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Spawn with SIGINT ignored, which child processes inherit: a terminal's Ctrl-C then reaches
+    only the launcher, which stops the ranks itself (:func:`cancel`); submitit's local controller
+    would otherwise print its own KeyboardInterrupt traceback on our terminal."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     """Submit the training job (one task per rank); returns the submitit job."""
     from orchestrator.runtime.job import TrainJob
@@ -491,7 +513,8 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     executor = make_executor(cfg, layout.world_size)
     payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size))
     try:
-        job = executor.submit(payload)
+        with _children_ignore_sigint():
+            job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
     _record(cfg, job, layout.world_size)

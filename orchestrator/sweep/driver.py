@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import OrchestratorError
 from orchestrator.plan.profile import device_of
 from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, layout_record,
                                       measured, plan_record, short_reason, status_of_summary, write_summary)
@@ -165,7 +165,7 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         record["layout"] = layout_record(layout)
         record["cluster"] = cfg.cluster.kind
         plan = planner.plan(cfg)
-    except ConfigError as exc:  # LayoutError included: the validation message is the reason
+    except OrchestratorError as exc:  # validate's one line (ConfigError, LayoutError) is the reason
         _record(point, record, "invalid", str(exc))
         return None
     # "plan": the device that runs (cpu for CPU runs; its calibrated profile when stored), shown in the

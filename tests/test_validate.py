@@ -1,0 +1,283 @@
+"""The one validate against megatron-core itself: seeded random configs, accepted or refused in one line.
+
+Configs are composed from conf/ (every group) and then perturbed field by field with valid, invalid
+and edge values. Each must either be refused by ``validate`` with one ``ConfigError``/``LayoutError``
+line (never another exception, never a traceback), or be accepted — and then megatron-core's own
+``TransformerConfig`` (built by the runtime's own ``transformer_config``) and parallel-state
+arithmetic (``initialize_model_parallel``'s divisibility rules and ``RankGenerator`` groups) accept it
+too, and the planner (``plan=true``) prices it without crashing. In-process, CPU only, no process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.spec.checks import runs_on_cpu, validate
+from orchestrator.spec.compose import compose_config
+
+SEED = 20251201
+COUNT = 600
+
+BASES = [
+    [],
+    ["+experiment=gpt_pp2_dp2"],
+    ["parallelism=tp2_pp2", "cluster.tasks_per_node=4"],
+    ["parallelism=pp2_vpp2_dp2", "training.global_batch_size=32"],
+    ["parallelism=pp4", "optimizer=sgd"],
+    ["data=mock", "model=gpt_125m", "cluster=slurm", "training.precision=bf16", "training.micro_batch_size=1",
+     "training.global_batch_size=64"],
+    ["model=gpt_1.3b", "cluster=slurm_a100_4x8", "parallelism=pp2_dp2", "parallelism.data_parallel_size=null",
+     "training.precision=bf16", "training.micro_batch_size=2", "training.global_batch_size=256"],
+    ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev"],
+]
+
+PARALLEL = [1, 1, 2, 2, 4, 8, 3, 0, -2]
+PERTURB = {
+    "parallelism.tensor_model_parallel_size": PARALLEL,
+    "parallelism.pipeline_model_parallel_size": PARALLEL,
+    "parallelism.virtual_pipeline_model_parallel_size": [None, None, 2, 4, 1, 0, -1],
+    "parallelism.context_parallel_size": [1, 1, 1, 2, 0],
+    "parallelism.expert_model_parallel_size": [1, 1, 1, 2, 4, 0],
+    "parallelism.data_parallel_size": [None, None, 1, 2, 4, 8, 0, -2],
+    "parallelism.sequence_parallel": [False, False, True],
+    "parallelism.distributed_backend": ["auto", "gloo", "nccl", "mpi"],
+    "model.num_layers": [1, 2, 4, 8, 12, 24, 30, 0, -1],
+    "model.hidden_size": [64, 128, 256, 512, 96, 130, 0],
+    "model.num_attention_heads": [1, 2, 4, 8, 16, 3, 0],
+    "model.num_query_groups": [None, None, 1, 2, 4, 8, 3, 0],
+    "model.ffn_hidden_size": [None, None, 256, 512, 300, 0],
+    "model.seq_length": [64, 128, 256, 100, 0],
+    "model.max_position_embeddings": [128, 256, 2048, 64, 0],
+    "model.position_embedding_type": ["learned_absolute", "rope", "alibi"],
+    "model.normalization": ["LayerNorm", "RMSNorm", "layernorm"],
+    "model.activation": ["gelu", "swiglu", "relu"],
+    "model.add_bias_linear": [True, False],
+    "model.make_vocab_size_divisible_by": [128, 64, 1, 0],
+    "model.hidden_dropout": [0.0, 0.1, 0.5, 0.999, 1.0, 1.5, -0.1, float("nan")],
+    "model.attention_dropout": [0.0, 0.1, 1.0, -0.5],
+    "model.init_method_std": [0.02, 0.006, 0.0, -1.0],
+    "model.num_moe_experts": [None, None, None, 2, 4, 8, 1, 0],
+    "model.recompute_granularity": [None, None, "full", "selective", "partial"],
+    "model.recompute_method": [None, "uniform", "block", "all"],
+    "model.recompute_num_layers": [None, 1, 2, 4, 100, 0],
+    "model.transformer_impl": ["auto", "local", "transformer_engine", "te"],
+    "optimizer.lr": [1e-3, 3e-4, 1.0, 0.0, -1e-3, float("inf")],
+    "optimizer.min_lr": [0.0, 1e-5, 1e-4, 1.0, -1.0],
+    "optimizer.weight_decay": [0.0, 0.01, 0.1, -3.0],
+    "optimizer.adam_beta1": [0.9, 0.0, 0.99, 1.0, -0.1],
+    "optimizer.adam_beta2": [0.95, 0.999, 1.0, 2.0],
+    "optimizer.adam_eps": [1e-8, 1e-5, 0.0, -1e-8],
+    "optimizer.clip_grad": [1.0, 0.0, 10.0, -1.0],
+    "optimizer.lr_decay_style": ["cosine", "linear", "constant", "wsd"],
+    "optimizer.lr_warmup_iters": [0, 10, 1000, -5],
+    "optimizer.lr_decay_iters": [None, 100, 1, 0],
+    "optimizer.use_distributed_optimizer": [False, True],
+    "optimizer.name": ["adam", "sgd", "lamb"],
+    "data.kind": ["stdlib", "jsonl", "indexed", "mock", "parquet"],
+    "data.paths": [[], ["{jsonl}"], ["{jsonl}", "{jsonl2}"], ["{prefix}"], ["/nonexistent/a.jsonl"]],
+    "data.weights": [None, [1.0], [0.5, 0.5], [0.7], [1.0, -1.0]],
+    "data.tokenizer": ["byte", "byte", "{tokenizer}", "/nonexistent/tokenizer.json"],
+    "data.split": ["98,2,0", "100,0,0", "99,1", "0,100,0", "a,b", "1,2,3,4"],
+    "data.json_key": ["text", "content", ""],
+    "training.micro_batch_size": [1, 2, 4, 8, 3, 0, -4],
+    "training.global_batch_size": [1, 4, 8, 16, 32, 64, 256, 18, 0],
+    "training.train_iters": [0, 1, 20, 200, -1],
+    "training.log_interval": [1, 10, 0, -1],
+    "training.eval_interval": [None, 1, 100, 0],
+    "training.eval_iters": [0, 1, 10, -1],
+    "training.seed": [0, 1234, 2 ** 32 - 1, 2 ** 32, -1],
+    "training.precision": ["fp32", "bf16", "fp16", "fp8"],
+    "training.device": ["auto", "cpu", "cuda", "tpu"],
+    "training.exit_after_iters": [None, 1, 5, 0],
+    "cluster.tasks_per_node": [None, None, 1, 2, 4, 8, 6, 0],
+    "cluster.nodes": [1, 1, 2, 4, 0],
+    "cluster.gpus_per_node": [0, 4, 8, -1],
+    "cluster.timeout_min": [60, 15, 1, 0],
+    "cluster.signal_delay_s": [90, 0, 3600, -1],
+    "checkpoint.save_interval": [None, 0, 1, 50, -1],
+    "run.name": ["ok", "gpt_pp2_dp2-parallelism=tp2_pp2", "../../x", "a/b", "", ".."],
+}
+"""Per key: values Megatron accepts, edge values, and values it must be protected from."""
+
+ONE_LINE = re.compile(r"^\S.*[a-z_]+\.[a-z_]+")  # one line naming at least one config key
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    """Real files for the data options: two JSONL files, an indexed prefix, a tokenizer.json."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "a.jsonl").write_text('{"text": "hello"}\n')
+    (root / "b.jsonl").write_text('{"text": "world"}\n')
+    for ext in (".bin", ".idx"):
+        (root / f"corpus{ext}").write_bytes(b"\0")
+    (root / "tokenizer.json").write_text("{}")
+    return {"jsonl": str(root / "a.jsonl"), "jsonl2": str(root / "b.jsonl"), "prefix": str(root / "corpus"),
+            "tokenizer": str(root / "tokenizer.json")}
+
+
+def _fill(value, files):
+    if isinstance(value, str) and value.startswith("{"):
+        return value.format(**files)
+    if isinstance(value, list):
+        return [_fill(v, files) for v in value]
+    return value
+
+
+def _set(cfg, key: str, value) -> None:
+    section, field = key.rsplit(".", 1)
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    setattr(node, field, value)
+
+
+def megatron_parallel_groups(layout) -> int:
+    """megatron-core's ``initialize_model_parallel`` arithmetic for ``layout``, without a process group.
+
+    The same divisibility rules it raises on, then its own ``RankGenerator`` for the dense and the
+    expert grids (which asserts on inconsistent sizes); returns the data-parallel size it derives.
+    """
+    from megatron.core.parallel_state import RankGenerator
+
+    world, tp, pp = layout.world_size, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    cp, ep = layout.context_parallel_size, layout.expert_model_parallel_size
+    vpp = layout.virtual_pipeline_model_parallel_size if layout.vpp > 1 else None  # as runtime/model.py passes it
+    assert world % (tp * pp * cp) == 0, "world_size is not divisible by tp x pp x cp"
+    assert vpp is None or pp > 1, "pipeline-model-parallel size should be greater than 1 with interleaved schedule"
+    dp = world // (tp * pp * cp)
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    assert world % (tp * ep * pp) == 0, "world_size is not divisible by expert tp x ep x pp"
+    expert = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order=order)
+    assert dense.get_ranks("pp") == expert.get_ranks("pp")
+    for token, size in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
+        groups = dense.get_ranks(token)
+        assert sorted(r for g in groups for r in g) == list(range(world)) and {len(g) for g in groups} == {size}
+    return dp
+
+
+def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
+    from orchestrator.plan import memory as planner
+    from orchestrator.runtime.model import transformer_config
+
+    bases = [compose_config(b + ["run.root=/tmp/orchestrator-test-validate"]) for b in BASES]
+    rng = random.Random(SEED)
+    keys = sorted(PERTURB)
+    outcomes: Counter = Counter()
+    first_words: Counter = Counter()
+    for i in range(COUNT):
+        cfg = copy.deepcopy(rng.choice(bases))
+        changes = {k: _fill(rng.choice(PERTURB[k]), files) for k in rng.sample(keys, rng.choice([1, 1, 2, 2, 3, 4]))}
+        for key, value in changes.items():
+            _set(cfg, key, value)
+        where = f"config #{i}: {changes}"
+        try:
+            layout = validate(cfg)
+        except ConfigError as exc:
+            message = str(exc)
+            assert "\n" not in message and ONE_LINE.match(message), f"{where}: not one line: {message!r}"
+            outcomes["refused"] += 1
+            first_words[message.split(":")[0].split("=")[0].split(" ")[0]] += 1
+            continue
+        except Exception as exc:  # pragma: no cover - the failure this test exists to catch
+            pytest.fail(f"{where}: validate raised {type(exc).__name__}: {exc}")
+        outcomes["accepted"] += 1
+        device = "cpu" if runs_on_cpu(cfg) else "cuda"
+        try:
+            tf = transformer_config(cfg, device)
+            dp = megatron_parallel_groups(layout)
+        except Exception as exc:
+            pytest.fail(f"{where}: validate accepted it but megatron-core refuses: {type(exc).__name__}: {exc}")
+        assert dp == layout.data_parallel_size, where
+        assert tf.num_layers == cfg.model.num_layers and tf.tensor_model_parallel_size == layout.tensor_model_parallel_size
+        assert layout.num_microbatches * layout.micro_batch_size * dp == cfg.training.global_batch_size, where
+        try:
+            planner.plan(cfg)
+        except OrchestratorError as exc:  # the gpu preset: not a layout matter
+            pytest.fail(f"{where}: validate accepted it but the planner refuses: {exc}")
+    # Both sides are exercised, and refusals come from many different rules.
+    assert outcomes["accepted"] >= COUNT // 5 and outcomes["refused"] >= COUNT // 5, outcomes
+    assert len(first_words) >= 25, first_words
+    print(f"{COUNT} configs: {dict(outcomes)}; refusals by first key: {len(first_words)} keys")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
+    (["parallelism.data_parallel_size=-2"], "parallelism.data_parallel_size=-2: must be a positive integer"),
+    (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0: must be a positive integer"),
+    (["training.log_interval=0"], "training.log_interval=0: must be a positive integer"),
+    (["model.hidden_dropout=1.5"], "model.hidden_dropout=1.5: must be a finite number in [0, 1)"),
+    (["optimizer.weight_decay=-3"], "optimizer.weight_decay=-3.0: must be a finite number >= 0"),
+    (["model.recompute_granularity=full"], "model.recompute_method=null: recompute_granularity=full needs"),
+    (["model.transformer_impl=transformer_engine"], "model.transformer_impl=transformer_engine: Transformer Engine "
+                                                    "runs on GPUs only"),
+    (["data=jsonl"], "data.paths=[]: data=jsonl needs at least one JSONL file"),
+    (["run.name=../../x"], "run.name='../../x': must be one directory name"),
+])
+def test_the_issue_list_is_refused_by_validate(overrides, expected):
+    cfg = compose_config(overrides + ["run.root=/tmp/orchestrator-test-validate"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value).startswith(expected) and "; fix: " in str(info.value)
+
+
+def test_recompute_rule_is_one_rule_for_validate_and_planner():
+    from orchestrator.plan import memory as planner
+
+    cfg = compose_config(["+experiment=gpt_pp2_dp2", "model.recompute_granularity=full",
+                          "model.recompute_method=uniform", "model.recompute_num_layers=3"])
+    with pytest.raises(ConfigError) as by_validate:
+        validate(cfg)
+    layout = planner.layout_from_config(cfg)
+    assert planner.recipe_problems(planner.recipe_of(cfg), layout) == [str(by_validate.value)]
+    assert "between 1 and the layers per pipeline rank (2)" in str(by_validate.value)
+
+
+def test_transformer_engine_needs_the_package_even_on_gpus():
+    import importlib.util
+
+    cfg = compose_config(["model=gpt_125m", "cluster=slurm", "training.precision=bf16",
+                          "model.transformer_impl=transformer_engine", "training.micro_batch_size=1",
+                          "training.global_batch_size=64", "parallelism.data_parallel_size=null"])
+    if importlib.util.find_spec("transformer_engine") is not None:
+        assert validate(cfg).world_size == 8
+    else:
+        with pytest.raises(ConfigError, match="transformer_engine package is not installed"):
+            validate(cfg)
+
+
+def test_data_options_name_the_path(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text('{"text": "x"}\n')
+    ok = compose_config(["data=jsonl", f"data.paths=[{a},{a}]", "data.weights=[0.5,0.5]"])
+    assert validate(ok).world_size == 1
+    cases = {
+        (f"data.paths=[{a},{tmp_path}/b.jsonl]",): f"data.paths[1]='{tmp_path}/b.jsonl': no such file",
+        (f"data.paths=[{a}]", "data.weights=[0.5,0.5]"): "data.weights=[0.5, 0.5]: 2 weights for 1 data.paths",
+        (f"data.paths=[{a},{a}]", "data.weights=[1,0]"): "data.weights[1]=0.0: must be a finite number > 0",
+        (f"data.paths=[{a}]", f"data.tokenizer={tmp_path}/tok.json"): f"data.tokenizer='{tmp_path}/tok.json': no such",
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(ConfigError) as info:
+            validate(compose_config(["data=jsonl", *overrides]))
+        assert str(info.value).startswith(expected), (overrides, str(info.value))
+    with pytest.raises(ConfigError, match=r"^data.paths\[0\]='.*corpus': .*corpus.bin and .idx not found"):
+        validate(compose_config(["data=indexed", f"data.paths=[{tmp_path}/corpus]"]))
+
+
+def test_experiment_runs_are_named_by_the_groups_chosen():
+    base = compose_config(["+experiment=gpt_pp2_dp2"])
+    other = compose_config(["+experiment=gpt_pp2_dp2", "parallelism=tp2_pp2", "cluster=slurm_dev"])
+    kept = compose_config(["+experiment=gpt_pp2_dp2", "training.train_iters=300"])
+    named = compose_config(["+experiment=gpt_pp2_dp2", "parallelism=tp2_pp2", "run.name=mine"])
+    assert base.run.name == kept.run.name == "gpt_pp2_dp2"
+    assert other.run.name == "gpt_pp2_dp2-parallelism=tp2_pp2"
+    assert Path(other.run.dir) == Path("runs/gpt_pp2_dp2-parallelism=tp2_pp2").absolute()
+    assert named.run.name == "mine" and compose_config([]).run.name == "gpt_tiny_none"
