@@ -42,6 +42,32 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
     return -(-vocab_size // multiple) * multiple
 
 
+def virtual_stages(num_layers: int, pipeline_model_parallel_size: int,
+                   virtual_pipeline_model_parallel_size: Optional[int],
+                   num_layers_per_virtual_pipeline_stage: Optional[int]) -> Optional[int]:
+    """VPP, also from Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` (n layers per chunk).
+
+    n null: VPP as given. Else VPP = num_layers / (PP x n) (layer counts), which must divide and
+    agree with a stated VPP; otherwise :class:`LayoutError` naming the keys, the arithmetic and a fix.
+    """
+    n, pp = num_layers_per_virtual_pipeline_stage, pipeline_model_parallel_size
+    if n is None:
+        return virtual_pipeline_model_parallel_size
+    per_stage = num_layers // pp if isinstance(pp, int) and pp > 0 and num_layers % pp == 0 else None
+    if per_stage is None or not isinstance(n, int) or n < 1 or per_stage % n:
+        ok = _divisors(per_stage) if per_stage else ["null"]
+        raise LayoutError(
+            f"parallelism.num_layers_per_virtual_pipeline_stage={n}: does not divide the layers of a pipeline stage "
+            f"(model.num_layers / PP = {num_layers} / {pp}); fix: one of {ok}")
+    vpp = per_stage // n
+    if virtual_pipeline_model_parallel_size not in (None, vpp):
+        raise LayoutError(
+            f"parallelism.virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}: disagrees with "
+            f"parallelism.num_layers_per_virtual_pipeline_stage={n} (VPP = {num_layers} / ({pp} x {n}) = {vpp}); "
+            "fix: set one of them and the other to null")
+    return vpp
+
+
 def _nearby_multiples(value: int, step: int, count: int = 2) -> List[int]:
     """The ``count`` multiples of ``step`` just below and above ``value`` (positive only)."""
     below = [(value // step - i) * step for i in range(count)]
