@@ -33,6 +33,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,9 +59,10 @@ def say(message: str) -> None:
 
 
 def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
-    """What every trial adds: its run directory, few iterations, no checkpoint, a bounded job."""
+    """What every trial adds: its run directory, few iterations, no evaluation, no checkpoint, a bounded job."""
     return [f"run.root={root}", f"run.name={num}", f"training.train_iters={opts.iters}",
             f"training.timing_warmup_iters={opts.warmup_iters}", "training.exit_after_iters=null",
+            "training.eval_iters=0",
             "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
             "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
             "plan=false", "dry_run=false"]
@@ -133,7 +135,10 @@ class Tuner:
 
         self.base, self.opts = base, opts
         self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
-        self.name = opts.name or f"{base.run.name}_tuned"
+        self.name = opts.name or re.sub(r"[^A-Za-z0-9_]+", "_", str(base.run.name)) + "_tuned"
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name):
+            raise ConfigError(f"tune.name={self.name!r}: must be a file and experiment name (letters, digits, _ . -); "
+                              "fix: tune.name=my_tuned")
         self.root = Path(base.run.root) / "tune" / self.name
         self.device = device_of(base)
         layout = layout_from_config(base)
@@ -352,10 +357,17 @@ def compose_base(overrides: List[str]):
     """The base JobConfig (ConfigError for anything Hydra or the schema refuses)."""
     from orchestrator.spec.compose import compose_config
 
-    bad = [o for o in overrides if "," in o.partition("=")[2] and not o.partition("=")[2].startswith("[")]
-    if bad or "-m" in overrides or "--multirun" in overrides:
-        raise ConfigError(f"{(bad or ['-m'])[0]}: tune takes one base config, not a sweep; fix: drop the comma "
-                          "lists (tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)")
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    flags = [o for o in overrides if o.startswith("-")]
+    try:
+        sweeps = [o.input_line for o in OverridesParser.create().parse_overrides([o for o in overrides if o not in flags])
+                  if o.is_sweep_override()]
+    except Exception:
+        sweeps = []  # compose_config names the bad override below
+    if sweeps or flags:
+        raise ConfigError(f"{(sweeps or flags)[0]}: tune takes one base config, not a sweep or a flag; fix: drop it "
+                          "(tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)")
     try:
         return compose_config([*overrides, "run.dir=."])
     except OrchestratorError:
