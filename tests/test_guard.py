@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -226,3 +225,168 @@ def test_launcher_backstop_sees_every_rank_silent(tmp_path):
         dog.stop()
     assert _wait(lambda: watch.hung() is not None, 5)
     assert "no rank of job job9 (hosts host0,host1) wrote its heartbeat" in watch.hung()
+
+
+# ---- end to end: real local jobs through the CLI -------------------------------------------------
+
+def _error_lines(stderr: str):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _manifest_list(run_dir: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "manifest", "list", str(run_dir)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _listed_iterations(listing: str):
+    return [int(line.split()[0]) for line in listing.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def _status(root: Path):
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {Path(d["run_dir"]).name: d for d in map(json.loads, out.stdout.splitlines())}
+
+
+@pytest.mark.slow
+def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
+    """optimizer.lr=1000 on gpt_tiny: the first non-finite gradient norm stops the job with one line;
+    the checkpoints it would have written at and after that iteration do not exist; status says nan;
+    the same command with a sane lr resumes from the last good checkpoint and finishes."""
+    run_dir = tmp_path / "nan"
+    common = SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=nan", "training.train_iters=14",
+                      "checkpoint.save_interval=4"]
+    proc = run_cli(common + ["optimizer.lr=1000"], cache=cache_dir, check=False, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    import re
+
+    m = re.search(r"non-finite gradient norm (nan|inf) at iteration (\d+); lm loss non-finite on rank\(s\) 0", line)
+    assert m, line
+    bad = int(m.group(2))
+    good = {r["iteration"]: r["lm_loss"] for r in read_metrics(run_dir)}
+    assert sorted(good) == list(range(1, bad)) and all(math.isfinite(v) for v in good.values())  # the first one
+    listed = _listed_iterations(_manifest_list(run_dir))
+    assert listed and max(listed) < bad and listed == [i for i in range(4, bad, 4)], (listed, bad)
+    assert f"the latest checkpoint stays iter_{max(listed):07d}" in line
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if int(p.name[5:12]) >= bad]  # not even torn
+    row = _status(tmp_path)["nan"]
+    assert (row["state"], row["job"]["cause"]) == ("failed", "nan") and row["attempts"][-1]["iteration"] == bad
+
+    resumed = run_cli(common + ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5"], cache=cache_dir, timeout=900)
+    assert f"resume from {run_dir / 'checkpoints' / f'iter_{max(listed):07d}'}" in resumed.stdout
+    losses = losses_by_iteration(run_dir)
+    assert sorted(losses) == list(range(1, 15)) and all(math.isfinite(losses[i]) for i in range(max(listed) + 1, 15))
+    attempts = _status(tmp_path)["nan"]["attempts"]
+    assert [a["cause"] for a in attempts] == ["nan", "completed"], attempts
+    final = json.loads((run_dir / "checkpoints" / "iter_0000014" / "manifest.json").read_text())
+    assert [(a["cause"], a["iteration"]) for a in final["history"]] == [("nan", bad), ("completed", 14)]
+
+
+def _iterations_done(run_dir: Path) -> int:
+    try:
+        return max((r["iteration"] for r in read_metrics(run_dir)), default=0)
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return 0
+
+
+def _rank_process(job_id: str, rank: int):
+    import psutil
+
+    for child in psutil.Process(int(job_id)).children():
+        try:
+            if child.environ().get("SUBMITIT_LOCAL_GLOBALID") == str(rank):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
+    """SIGSTOP rank 1 of a 2-rank job at iteration 3: within hang_timeout_s + 30 s the launcher exits 1
+    naming rank 1; rank 0's stacks (its main thread inside the gradient all-reduce) are in stacks/."""
+    import psutil
+
+    timeout_s = 10
+    run_dir = tmp_path / "hang"
+    args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=hang",
+                    "training.train_iters=2000", f"training.hang_timeout_s={timeout_s}"]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out, stderr=err)
+    victim = None
+    try:
+        deadline = time.monotonic() + 600
+        while _iterations_done(run_dir) < 3:
+            assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        job_id = [r for r in history.read_records(run_dir) if r["event"] == "submitted"][-1]["job_id"]
+        victim = _rank_process(job_id, 1)
+        victim.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = cli.wait(timeout=timeout_s + 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        if victim is not None:
+            try:
+                victim.send_signal(signal.SIGCONT)
+                victim.kill()
+            except psutil.NoSuchProcess:
+                pass
+    stderr = (tmp_path / "err.txt").read_text()
+    print(f"launcher ended {elapsed:.1f} s after the SIGSTOP (hang_timeout_s={timeout_s})")
+    assert code == 1 and elapsed <= timeout_s + 30, (code, elapsed, stderr[-3000:])
+    (line,) = _error_lines(stderr)
+    assert f"error: job {job_id}: hang: rank(s) 1 on host(s) " in line and "not responding" in line, line
+    stacks = (run_dir / "stacks" / "rank_0.txt").read_text()
+    assert "finish_grad_sync" in stacks or "all_reduce" in stacks or "wait" in stacks, stacks[-2000:]
+    assert "orchestrator/runtime/loop.py" in stacks  # the main thread's stack, not only the watchdog's
+    row = _status(tmp_path)["hang"]
+    assert (row["state"], row["job"]["cause"]) == ("failed", "hang") and row["attempts"][-1]["cause"] == "hang"
+    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs (one gpt_tiny checkpoint with Adam state is ~11 MiB); unmounted afterwards."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()[:200]}")
+    try:
+        yield mnt
+    finally:
+        for _ in range(20):  # a rank may still be exiting
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_save_names_enospc_and_the_previous_checkpoint_resumes(small_tmpfs, cache_dir):
+    run_dir = small_tmpfs / "full"
+    common = SMALL + ["parallelism=none", f"run.root={small_tmpfs}", "run.name=full", "training.train_iters=4",
+                      "checkpoint.save_interval=2"]
+    proc = run_cli(common, cache=cache_dir, check=False, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    torn = run_dir / "checkpoints" / "iter_0000004"
+    assert f"no space left on device (ENOSPC) saving checkpoint {torn}: " in line, line
+    assert f"free of 16.0 MiB on {small_tmpfs}" in line and "latest complete checkpoint is iter_0000002" in line
+    assert "Traceback" not in proc.stderr and not (torn / "manifest.json").exists()
+    subprocess.run(["mount", "-o", "remount,size=64M", str(small_tmpfs)], check=True)
+    resumed = run_cli(common, cache=cache_dir, timeout=900)
+    assert f"skipping torn checkpoint {torn}" in resumed.stdout + resumed.stderr
+    assert f"resume from {run_dir / 'checkpoints' / 'iter_0000002'}" in resumed.stdout
+    assert json.loads((torn / "manifest.json").read_text())["iteration"] == 4
+    assert sorted(losses_by_iteration(run_dir)) == [1, 2, 3, 4]

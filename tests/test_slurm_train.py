@@ -273,6 +273,21 @@ def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, 
     line = table_line(rows, "slurm")
     assert f"completed after {len(stops)} requeue" in line and line.split()[-2:] == [str(n), f"{local[n]:.4f}"], line
 
+    # The attempt history (issue 11): one attempt per allocation with its cause and the iteration it
+    # reached, in `status` (--json and --history) and in the final checkpoint's manifest.
+    causes, reached = ["timeout"] * len(stops) + ["completed"], stops + [n]
+    attempts = row["attempts"]
+    assert [(a["job_id"], a["attempt"], a["cause"], a["iteration"]) for a in attempts] == [
+        (job_id, k, c, it) for k, (c, it) in enumerate(zip(causes, reached))], attempts
+    assert all(a["start"] and a["end"] and a["start"] < a["end"] for a in attempts), attempts
+    final = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
+    assert [(h["attempt"], h["cause"], h["iteration"]) for h in final["history"]] == [
+        (k, c, it) for k, (c, it) in enumerate(zip(causes, reached))], final["history"]
+    listing = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60).stdout
+    assert f"job {job_id} attempt 0 " in listing and f"timeout (requeued)  iteration {stops[0]}" in listing, listing
+    assert f"job {job_id} attempt {len(stops)} " in listing and f"completed  iteration {n}" in listing, listing
+
 
 @needs_slurm
 def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):

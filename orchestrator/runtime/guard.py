@@ -37,16 +37,13 @@ on the failure path one ``all_gather`` tells which ranks hold a non-finite loss 
   of a "this rank's loss is non-finite" flag per iteration.
 
 Hangs: :class:`~orchestrator.runtime.watchdog.Watchdog` (``training.hang_timeout_s``). Saves:
-:func:`explain_save_failure`. Torch is imported inside the methods that need it.
+:meth:`Guard.saving` (:func:`~orchestrator.runtime.diskspace.explain_save_failure`). Torch is imported inside the methods that need it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
-import os
-import shutil
 import socket
 import sys
 import time
@@ -55,8 +52,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
+from orchestrator.errors import NonFiniteLossError, OrchestratorError
+from orchestrator.runtime.diskspace import explain_save_failure, latest_checkpoint
 from orchestrator.runtime.watchdog import Watchdog
+
+__all__ = ["Guard", "explain_save_failure", "last_iteration"]
 
 _ACTIVE: Optional["Guard"] = None
 _DECISION_WAIT_S = 30.0
@@ -183,7 +183,7 @@ class Guard:
             parts.append(f"lm loss non-finite on rank(s) {_ranks(loss_ranks)}")
         if grad_ranks:
             parts.append(f"gradients non-finite on rank(s) {_ranks(grad_ranks)}")
-        latest = _latest_checkpoint(self.run_dir)
+        latest = latest_checkpoint(self.run_dir)
         keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
         tail = ""
         if self.policy == "skip":
@@ -320,70 +320,6 @@ class Guard:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-def explain_save_failure(exc: BaseException, path: "str | os.PathLike") -> Optional[DiskFullError]:
-    """A :class:`DiskFullError` when the failed save of checkpoint ``path`` ran out of space, else None.
-
-    Out of space: an ``OSError`` with ``ENOSPC`` (or ``EDQUOT``) anywhere in the exception chain, or
-    a write failure without an errno (torch's zip writer: "unexpected pos …") on a filesystem with
-    less than 1 MiB (or 0.1 %) free. The message names ENOSPC, the path, the free space and the
-    latest complete checkpoint (the torn save has no manifest and is skipped on resume).
-    """
-    path = Path(path)
-    chain, seen = [], set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    errnos = {getattr(x, "errno", None) for x in chain}
-    text = " ".join(str(x) for x in chain)
-    free, total, mount = _disk_space(path)
-    low = free is not None and (free < 2 ** 20 or (total and free < total / 1000))
-    writey = any(w in text for w in ("unexpected pos", "write", "No space left", "PytorchStreamWriter"))
-    if not ({errno.ENOSPC, errno.EDQUOT} & errnos or "No space left" in text or (writey and low)):
-        return None
-    space = (f"{_size(free)} free of {_size(total)} on {mount}" if free is not None else "free space unknown")
-    latest = _latest_checkpoint(path.parent.parent)
-    resume = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
-    return DiskFullError(f"no space left on device (ENOSPC) saving checkpoint {path}: {space}; the torn save "
-                         f"has no manifest and is skipped on resume, {resume}; fix: free space there (or set "
-                         f"run.root to a larger filesystem) and rerun to resume")
-
-
-def _disk_space(path: Path) -> Tuple[Optional[int], Optional[int], str]:
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        usage = shutil.disk_usage(p)
-    except OSError:
-        return None, None, str(p)
-    mount = p.resolve()
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    return usage.free, usage.total, str(mount)
-
-
-def _size(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n}"
-
-
-def _latest_checkpoint(run_dir: "str | os.PathLike") -> Optional[str]:
-    """Name of the newest ``iter_*`` directory with a manifest (cheap: no digest check)."""
-    base = Path(run_dir) / CHECKPOINTS_DIR if Path(run_dir).name != CHECKPOINTS_DIR else Path(run_dir)
-    try:
-        done = sorted(p.name for p in base.iterdir() if p.name.startswith("iter_") and (p / "manifest.json").exists())
-    except OSError:
-        return None
-    return done[-1] if done else None
-
 
 def _ranks(ranks: List[int]) -> str:
     return ",".join(str(r) for r in ranks)

@@ -3,9 +3,10 @@
 The launcher (:func:`orchestrator.submit.executor.wait`) asks here before it words a failure:
 
 * :func:`known_failure` — the job's own account: the ``attempt_ended`` record of its latest attempt
-  (a NaN stop, a declared hang, a crash, with the one-line message the job wrote), else the message
-  of an :class:`~orchestrator.errors.OrchestratorError` that ended a rank (a full disk, a resume
-  refused in the job), read from the end of the rank's traceback;
+  (a NaN stop, a declared hang, with the one-line message the job wrote), else the message of an
+  :class:`~orchestrator.errors.OrchestratorError` that ended a rank (a full disk, a resume refused in
+  the job), read from the end of the rank's traceback, else a full disk under the run directory
+  (when it is full the ranks can write neither results nor logs);
 * :func:`record_end` — when the job could not record its end (ranks killed, node lost, the launcher
   gave up or was interrupted), the launcher records it, once (``claim_attempt_end``);
 * :func:`requeued_after_failure` — a failed attempt that the job requeued itself
@@ -49,6 +50,32 @@ def known_failure(run_dir: str, job_id: str, errors: Iterable[Any] = ()) -> Opti
         message = orchestrator_error(text)
         if message:
             return message
+    return disk_full(run_dir)
+
+
+def disk_full(run_dir: str) -> Optional[str]:
+    """The disk-full line when the run directory's filesystem is out of space (then the ranks could
+    write neither their results nor their logs): it names the newest checkpoint without a manifest
+    (the save that ran out), ENOSPC and the free space."""
+    from pathlib import Path
+
+    from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+    from orchestrator.runtime.diskspace import disk_full_message, out_of_space
+
+    if not out_of_space(run_dir):
+        return None
+    base = Path(run_dir) / CHECKPOINTS_DIR
+    iters = sorted(p for p in base.glob("iter_*") if p.is_dir()) if base.is_dir() else []
+    torn = [p for p in iters if not (p / "manifest.json").exists()]
+    return disk_full_message(torn[-1] if torn else base)
+
+
+def failed_attempt_message(run_dir: str, job_id: str) -> Optional[str]:
+    """The message of the latest attempt of ``job_id`` when it ended in a failure (hang, node failure,
+    crash: recorded before the job requeues itself), else None."""
+    latest = _latest(run_dir, job_id)
+    if latest is not None and latest.cause in history.FAILURE_CAUSES:
+        return latest.message or latest.cause
     return None
 
 

@@ -1,0 +1,95 @@
+"""A checkpoint save that ran out of disk: recognise it, say so in one line.
+
+:func:`explain_save_failure` turns whatever the writer raised (an ``OSError`` with ``ENOSPC``,
+megatron's async writer's text "[Errno 28] No space left on device", or torch's zip writer's bare
+"unexpected pos 704 vs 598" on a full filesystem) into a :class:`~orchestrator.errors.DiskFullError`
+naming ENOSPC, the checkpoint path, the free space and the checkpoint a rerun resumes from. The
+launcher uses :func:`out_of_space` / :func:`disk_full_message` when the ranks could not even write
+their results (their logs and result files live on the same full filesystem). No torch import.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple
+
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+from orchestrator.errors import DiskFullError
+
+
+def explain_save_failure(exc: BaseException, path: "str | os.PathLike") -> Optional[DiskFullError]:
+    """A :class:`DiskFullError` when the failed save of checkpoint ``path`` ran out of space, else None.
+
+    Out of space: an ``OSError`` with ``ENOSPC`` (or ``EDQUOT``) anywhere in the exception chain, a
+    message saying so ("No space left", "Errno 28": megatron's async writer passes only the text),
+    or a write failure without an errno (torch's zip writer: "unexpected pos …") on a filesystem
+    that is out of space (:func:`out_of_space`).
+    """
+    chain, seen = [], set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errnos = {getattr(x, "errno", None) for x in chain}
+    text = " ".join(str(x) for x in chain)
+    said = bool({errno.ENOSPC, errno.EDQUOT} & errnos) or "No space left" in text or "Errno 28" in text
+    writey = any(w in text for w in ("unexpected pos", "write", "PytorchStreamWriter"))
+    if not (said or (writey and out_of_space(path))):
+        return None
+    return DiskFullError(disk_full_message(path))
+
+
+def out_of_space(path: "str | os.PathLike") -> bool:
+    """Whether the filesystem holding ``path`` has less than 1 MiB (or 0.1 %) free."""
+    free, total, _ = _disk_space(Path(path))
+    return free is not None and (free < 2 ** 20 or bool(total) and free < total / 1000)
+
+
+def disk_full_message(path: "str | os.PathLike") -> str:
+    """One line: ENOSPC, the checkpoint ``path``, the free space and what a rerun resumes from."""
+    path = Path(path)
+    free, total, mount = _disk_space(path)
+    space = f"{_size(free)} free of {_size(total)} on {mount}" if free is not None else "free space unknown"
+    latest = latest_checkpoint(path.parent.parent)
+    resume = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
+    return (f"no space left on device (ENOSPC) saving checkpoint {path}: {space}; the torn save has no "
+            f"manifest and is skipped on resume, {resume}; fix: free space there (or set run.root to a larger "
+            f"filesystem) and rerun to resume")
+
+
+def _disk_space(path: Path) -> Tuple[Optional[int], Optional[int], str]:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return None, None, str(p)
+    mount = p.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return usage.free, usage.total, str(mount)
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}"
+
+
+def latest_checkpoint(run_dir: "str | os.PathLike") -> Optional[str]:
+    """Name of the newest ``iter_*`` directory with a manifest (cheap: no digest check)."""
+    base = Path(run_dir) / CHECKPOINTS_DIR if Path(run_dir).name != CHECKPOINTS_DIR else Path(run_dir)
+    try:
+        done = sorted(p.name for p in base.iterdir() if p.name.startswith("iter_") and (p / "manifest.json").exists())
+    except OSError:
+        return None
+    return done[-1] if done else None
