@@ -66,3 +66,16 @@ def losses_by_iteration(run_dir: Path) -> Dict[int, float]:
     for rec in read_metrics(run_dir):
         out[rec["iteration"]] = rec["lm_loss"]  # a resumed run's later record wins
     return out
+
+
+def submit_like_launcher(cfg, fn, *args, world_size: int):
+    """Submit ``fn`` (in place of the training job) exactly as orchestrator.submit.executor.submit
+    does: its executor for ``cfg.cluster``, the submission recorded in the run's jobs.jsonl."""
+    from orchestrator.ckpt import history
+    from orchestrator.submit import executor
+
+    job = executor.make_executor(cfg, world_size).submit(fn, *args)
+    history.record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
+                              {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
+                              num_tasks=world_size)
+    return job

@@ -121,7 +121,7 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     run_dir = tmp_path / "run"
     common = ["parallelism=none", "data=jsonl", f"data.paths=[{a},{b}]", f"run.dir={run_dir}",
               "training.train_iters=4", "checkpoint.save_interval=2", "training.global_batch_size=8",
-              "training.micro_batch_size=4"]
+              "training.micro_batch_size=4", "training.eval_iters=0"]
     first = run_cli(common + ["data.weights=[0.5,0.5]"], cache=cache, timeout=400)
     assert "data a: 2,000 documents" in first.stdout and "data b: 2,000 documents" in first.stdout
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]

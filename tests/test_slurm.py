@@ -1,34 +1,40 @@
-"""Against a real SLURM: the single-node dev cluster of launch/ (`launch/slurm-dev-up.sh`, as root).
+"""Against a real SLURM: the dev cluster of launch/ (`launch/slurm-dev-up.sh`, as root).
 
-Skipped, with the reason, when `sinfo` does not answer. Every wait is bounded. Jobs use the
-`slurm_dev` preset (partition dev, 4 tasks on one node) through submitit, as the product does.
+Skipped, with the reason, when `sinfo` does not answer. Every wait is bounded. Jobs are submitted
+exactly as `cluster=slurm` submits them — :func:`orchestrator.submit.executor.make_executor` with
+the `slurm_dev` preset, the submission recorded as the launcher records it — and waited on with the
+launcher's own :func:`orchestrator.submit.executor.wait`; or through the CLI itself.
 
-End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume)
-lives with the runtime's tests; here: 4 ranks really run, the rendered script is the submitted one,
-scancel is noticed within 60 s, an injection attempt creates no file, and the requeue contract of
-orchestrator.runtime.preempt works with submitit's result files.
+End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume,
+scancel while the launcher waits) lives in test_slurm_train.py; here: 4 ranks really run, the
+rendered script is the submitted one and an injection attempt creates no file; the requeue contract
+of orchestrator.runtime.preempt works with submitit's result files and the production wait; a
+cancelled job is not requeued; two detached submissions to one run directory: one trains, the
+other exits naming the holder of the run lock.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import List
 
 import cloudpickle
 import pytest
 
-from conftest import slurm_unavailable_reason
+from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher
 from orchestrator.ckpt import history
-from orchestrator.submit import jobs, sbatch, status
-from orchestrator.spec.schema import JobConfig, register_configs, to_job_config
+from orchestrator.ckpt.lock import RunLock
+from orchestrator.errors import JobFailedError
+from orchestrator.spec.compose import compose_config
+from orchestrator.spec.schema import JobConfig
+from orchestrator.submit import executor, jobs, sbatch, status
 
-ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
-
-
-
 
 _REASON = slurm_unavailable_reason()
 pytestmark = [pytest.mark.slurm,
@@ -36,26 +42,14 @@ pytestmark = [pytest.mark.slurm,
 
 
 def dev_cfg(run_dir: Path, **cluster) -> JobConfig:
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = to_job_config(compose("config", overrides=["+experiment=gpt_pp2_dp2", "cluster=slurm_dev",
-                                                         f"run.dir={run_dir}"]))
+    cfg = compose_config(["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", f"run.dir={run_dir}"])
     for key, value in cluster.items():
         setattr(cfg.cluster, key, value)
     return cfg
 
 
-def submit(cfg: JobConfig, folder: Path, fn, *args):
-    import submitit
-
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", **sbatch.executor_init_kwargs(cfg))
-    executor.update_parameters(**sbatch.executor_parameters(cfg, 4))
-    job = executor.submit(fn, *args)
-    history.record_submission(cfg.run.dir, job.job_id, cfg.cluster,
-                             {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=4)
-    return job
+def submit(cfg: JobConfig, fn, *args, world_size: int = 4):
+    return submit_like_launcher(cfg, fn, *args, world_size=world_size)
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
@@ -90,14 +84,7 @@ def _rank_report():
     dist.destroy_process_group()
     return {"rank": dist_env.rank, "world": dist_env.world_size, "sum": int(t.item()),
             "slurm_procid": os.environ["SLURM_PROCID"], "host": socket.gethostname(),
-            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "job_name": os.environ.get("SLURM_JOB_NAME")}
-
-
-def _sleep(seconds: float):
-    import time
-
-    time.sleep(seconds)
-    return "slept"
+            "nccl_ib_disable": os.environ.get("NCCL_IB_DISABLE"), "job_name": os.environ.get("SLURM_JOB_NAME")}
 
 
 def _train_like(state_dir: str, total: int, step_s: float, max_requeues: int, run_dir: str,
@@ -144,64 +131,44 @@ def _train_like(state_dir: str, total: int, step_s: float, max_requeues: int, ru
 
 # ---- tests ---------------------------------------------------------------------------------------
 
-def test_four_ranks_run_and_script_is_the_rendered_one(tmp_path):
-    cfg = dev_cfg(tmp_path / "run")
-    folder = tmp_path / "run" / "submitit"
-    job = submit(cfg, folder, _rank_report)
-    st = status.wait_for_job(job, timeout_s=180, poll_s=1)
-    assert st.state == "completed", (st, job.stderr())
-    results = job.results()
+def test_four_ranks_run_the_rendered_script_and_injection_creates_no_file(tmp_path, monkeypatch):
+    """One job: 4 ranks join one gloo group; the script sbatch ran is render_sbatch's; a run name and
+    an env value built to break out of the script arrive as data (sbatch runs in ``cwd``: no file)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    run = tmp_path / "run"
+    cfg = dev_cfg(run)
+    cfg.cluster.env = {**cfg.cluster.env, "EVIL": "$(touch pwned_env)`touch pwned_tick`"}
+    cfg.run.name = 'x"; touch pwned_name; echo "'
+    job = submit(cfg, _rank_report)
+    results = executor.wait(job, cfg, 4)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert {r["world"] for r in results} == {4} and {r["sum"] for r in results} == {6}
     assert [r["slurm_procid"] for r in results] == ["0", "1", "2", "3"]
-    assert {r["gloo_ifname"] for r in results} == {"lo"}  # cluster.env reached every rank
-    assert Path(job.paths.submission_file).read_text() == sbatch.render_sbatch(cfg, 4, folder)
-    run = status.run_status(tmp_path / "run")
-    assert run.state == "completed" and run.job.job_id == job.job_id
+    assert {r["nccl_ib_disable"] for r in results} == {cfg.cluster.env["NCCL_IB_DISABLE"]}  # cluster.env arrived
+    assert {r["job_name"] for r in results} == {cfg.run.name}  # the name arrived intact, as data
+    assert Path(job.paths.submission_file).read_text() == sbatch.render_sbatch(cfg, 4, run / "submitit")
+    assert sorted(p.name for p in cwd.iterdir()) == []
+    st = status.run_status(run)
+    assert st.state == "completed" and st.job.job_id == str(job.job_id)
 
 
-def test_scancel_is_reported_within_60_s(tmp_path):
-    cfg = dev_cfg(tmp_path / "run")
-    job = submit(cfg, tmp_path / "run" / "submitit", _sleep, 600)
-    wait_until(lambda: jobs.slurm_job_status(job.job_id).state == "running", 120, "the job to run")
-    time.sleep(2)
-    t0 = time.monotonic()
-    scancel(job.job_id)
-    st = status.wait_for_job(job, timeout_s=60, poll_s=1)
-    elapsed = time.monotonic() - t0
-    assert st.state == "cancelled" and elapsed < 60, (st, elapsed)
-    assert status.run_status(tmp_path / "run").state == "cancelled"
-
-
-def test_injection_in_job_name_creates_no_file(tmp_path):
-    marker = tmp_path / "markers"
-    marker.mkdir()
-    cfg = dev_cfg(tmp_path / "run", env={"GLOO_SOCKET_IFNAME": "lo", "EVIL": f"$(touch {marker}/pwned2)"})
-    cfg.run.name = f'x"; touch {marker}/pwned; echo "'
-    job = submit(cfg, tmp_path / "run" / "submitit", _rank_report)
-    st = status.wait_for_job(job, timeout_s=180, poll_s=1)
-    assert st.state == "completed", (st, job.stderr())
-    assert list(marker.iterdir()) == []
-    assert {r["job_name"] for r in job.results()} == {cfg.run.name}  # the name arrived intact, as data
-
-
-def test_usr2_saves_requeues_and_resumes(tmp_path):
+def test_usr2_saves_requeues_and_resumes(tmp_path, capsys):
     """The preemption path of the contract: USR2 to every task (as `--signal` does near the time
     limit) -> collective stop -> save -> scontrol requeue -> SLURM restarts the job -> it resumes
-    from the saved iteration and completes; no result file in between."""
+    from the saved iteration and completes; the production wait reports the requeue and waits
+    through it; no result file in between."""
     state = tmp_path / "state"
     state.mkdir()
     run = tmp_path / "run"
     cfg = dev_cfg(run)
-    job = submit(cfg, run / "submitit", _train_like, str(state), 60, 0.2, 1, str(run))
+    job = submit(cfg, _train_like, str(state), 60, 0.2, 1, str(run))
     wait_until(lambda: (state / "progress_0").exists() and int((state / "progress_0").read_text() or 0) >= 5,
                120, "5 iterations of the first run")
-    scancel("--signal=USR2", job.job_id)
-    seen = []
-    st = status.wait_for_job(job, timeout_s=240, poll_s=1, on_change=lambda s: seen.append(s.state))
-    assert st.state == "completed", (st, seen, job.stderr())
-    assert "requeued" in seen and st.restarts == 1
-    results = job.results()
+    scancel("--signal=USR2", str(job.job_id))
+    results = executor.wait(job, cfg, 4)
+    assert f"job {job.job_id} requeued (1 of at most" in capsys.readouterr().out
     saved = int((state / "progress_0").read_text())
     assert {r["start"] for r in results} == {saved} and {r["end"] for r in results} == {60}
     assert {r["restarts"] for r in results} == {1}
@@ -209,21 +176,75 @@ def test_usr2_saves_requeues_and_resumes(tmp_path):
     assert len(events) == 1 and events[0]["signal"] == "SIGUSR2" and events[0]["restart_count"] == 0
     log = Path(job.paths.stderr).read_text()
     assert "requeued SLURM job" in log and "requeue 1 of at most 1" in log
+    st = status.run_status(run)
+    assert st.state == "completed" and st.job.restarts == 1, st
 
 
 def test_cancelled_job_is_not_requeued(tmp_path):
     """scancel sends SIGTERM, which also means "stop"; scontrol would requeue even a cancelled
-    job, so the contract must check the state first."""
+    job, so the contract must check the state first. The production wait says "cancelled"."""
     state = tmp_path / "state"
     state.mkdir()
     run = tmp_path / "run"
     cfg = dev_cfg(run)
-    job = submit(cfg, run / "submitit", _train_like, str(state), 10_000, 0.2, 3, str(run))
+    job = submit(cfg, _train_like, str(state), 10_000, 0.2, 3, str(run))
     wait_until(lambda: (state / "progress_0").exists(), 120, "the job to run")
-    scancel(job.job_id)
-    st = status.wait_for_job(job, timeout_s=60, poll_s=1)
-    assert st.state == "cancelled"
+    scancel(str(job.job_id))
+    t0 = time.monotonic()
+    with pytest.raises(JobFailedError, match="was cancelled"):
+        executor.wait(job, cfg, 4)
+    assert time.monotonic() - t0 < 60
     time.sleep(5)
-    again = jobs.slurm_job_status(job.job_id)
+    again = jobs.slurm_job_status(str(job.job_id))
     assert again.state == "cancelled" and again.restarts == 0, again
     assert not list((run / "submitit").glob("*_result.pkl"))
+    assert status.run_status(run).state == "cancelled"
+
+
+def _cli(args: List[str], cache: Path) -> subprocess.Popen:
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path, cache_dir):
+    """Issue 9's acceptance: two `cluster.wait=false` submissions to one run directory. Both are
+    submitted held (`--hold`) and released together, so both jobs start while neither launcher can
+    see a lock: the jobs' rank 0s decide. One trains; the other stops on every rank with the
+    error naming the holder (its host, pid and SLURM job id) and trains nothing."""
+    run = tmp_path / "run"
+    args = ["parallelism.data_parallel_size=2", "cluster=slurm_dev", "cluster.tasks_per_node=2",
+            "cluster.wait=false", "+cluster.additional_parameters.hold=true", f"run.dir={run}",
+            "data.stdlib_max_mb=1", "training.train_iters=2", "training.eval_iters=0"]
+    clis = [_cli(args, cache_dir), _cli(args, cache_dir)]
+    ids = []
+    for cli in clis:
+        out, err = cli.communicate(timeout=300)
+        assert cli.returncode == 0, out + err
+        ids.append(out.split("submitted job ")[1].split()[0])
+    subprocess.run(["scontrol", "release", *ids], check=True, timeout=30)
+    cfg = compose_config(args[:4] + args[5:])
+    outcomes = {}
+    for job_id in ids:
+        job = executor.make_executor(cfg, 2).job_class(run / "submitit", job_id, tasks=(0, 1))
+        try:
+            outcomes[job_id] = executor.wait(job, cfg, 2)
+        except JobFailedError as exc:
+            outcomes[job_id] = exc
+    refused = [j for j, o in outcomes.items() if isinstance(o, JobFailedError)]
+    assert len(refused) == 1, outcomes
+    loser, = refused
+    winner, = [j for j in ids if j != loser]
+    holder = {r["job_id"]: r for r in history.read_records(run) if r["event"] == "lock_refused"}[loser]["holder"]
+    assert holder["job_id"] == winner
+    message = str(outcomes[loser])
+    assert "is in use by another run" in message and f"SLURM job {winner}" in message
+    assert f"pid {holder['pid']} on host {holder['host']}" in message
+    assert any(s.get("status") == "completed" and s.get("iteration") == 2 for s in outcomes[winner])
+    assert [r["iteration"] for r in read_metrics(run)] == [1, 2]  # trained once, by the winner
+    log = (run / "submitit" / f"{loser}_0_log.err").read_text()
+    assert "RunLockedError" in log and f"SLURM job {winner}" in log
+    # Its other rank followed rank 0's decision (or srun's --kill-on-bad-exit ended it first): no success.
+    assert "success" not in jobs.result_outcomes(run / "submitit", loser).values()
+    assert not (run / RunLock.NAME).exists()  # released when the winner finished
+    assert json.loads((run / "submitit" / f"{loser}_lock.json").read_text())["ok"] is False

@@ -1,4 +1,10 @@
-"""Job records and run status without SLURM: records, result files, metrics, CLI, scontrol parsing."""
+"""Job records and run status: records, result files, metrics, the status CLI, scontrol's output.
+
+No mocks: local jobs are real submitit jobs submitted by the production executor and waited on with
+its production wait; SLURM states come from real dev-cluster jobs where SLURM answers (skipped,
+with the reason, where it does not) and from recorded ``scontrol show job`` text for the states a
+test cannot provoke cheaply (TIMEOUT, NODE_FAIL ...).
+"""
 
 from __future__ import annotations
 
@@ -6,37 +12,76 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import cloudpickle
 import pytest
 
+from conftest import slurm_unavailable_reason, submit_like_launcher
 from orchestrator.ckpt import history
-from orchestrator.submit import jobs, status
+from orchestrator.errors import JobFailedError
+from orchestrator.spec.compose import compose_config
+from orchestrator.submit import executor, jobs, status
 
 ROOT = Path(__file__).resolve().parents[1]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
+_SLURM = slurm_unavailable_reason()
 
 
-def write_result(folder: Path, job_id: str, rank: int, outcome: str, value) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"{job_id}_{rank}_result.pkl", "wb") as f:
-        cloudpickle.dump((outcome, value), f)
-
-
-def make_run(tmp_path: Path, name: str, job_id: str, cluster: str = "slurm", tasks: int = 2,
-             metrics=((1, 5.5), (2, 5.25))) -> Path:
-    run = tmp_path / "runs" / name
-    folder = run / "submitit"
-    folder.mkdir(parents=True)
-    history.record_submission(run, job_id, cluster, {"stdout": str(folder / f"{job_id}_0_log.out"),
-                                                    "stderr": str(folder / f"{job_id}_0_log.err")}, num_tasks=tasks)
+def write_metrics(run: Path, metrics=((1, 5.5), (2, 5.25))) -> None:
+    """metrics.jsonl as the runtime writes it (one record per iteration, then events)."""
     with open(run / "metrics.jsonl", "w") as f:
         for it, loss in metrics:
             f.write(json.dumps({"iteration": it, "lm_loss": loss, "lr": 1e-3}) + "\n")
         f.write(json.dumps({"event": "checkpoint", "iteration": metrics[-1][0]}) + "\n")
-    return run
 
 
+def cfg_for(run: Path, *cluster: str, tasks: int = 2):
+    return compose_config([f"parallelism.data_parallel_size={tasks}", f"run.dir={run}", "data=mock", *cluster])
+
+
+# ---- job functions (run in the tasks) ------------------------------------------------------------
+def _rank() -> int:
+    import submitit
+
+    return submitit.JobEnvironment().global_rank
+
+
+def _ok():
+    return {"status": "completed", "rank": _rank()}
+
+
+def _raise_on(rank: int):
+    if _rank() == rank:
+        raise ValueError("boom")
+    return {"rank": _rank()}
+
+
+def _killed_on(rank: int):
+    import os
+    import signal
+    import sys
+    import time
+
+    if _rank() == rank:
+        print("step 1", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+    time.sleep(10)  # the other rank is still working when its peer dies
+    return {"rank": _rank()}
+
+
+def _stop(run_dir: str):
+    from orchestrator.runtime.preempt import StopRequest
+
+    stop = StopRequest(max_requeues=0, run_dir=run_dir).install()
+    stop.trigger("test")
+    if stop.requested():
+        stop.requeue_or_exit("test stop")  # a local run cannot be requeued: Stopped, no result file
+    return "not stopped"
+
+
+# ---- records -------------------------------------------------------------------------------------
 def test_records_append_atomically_and_concurrently(tmp_path):
     run = tmp_path / "run"
     threads = [threading.Thread(target=history.record_event, args=(run, "tick"), kwargs={"n": i}) for i in range(20)]
@@ -55,40 +100,85 @@ def test_record_submission_fields(tmp_path):
     assert history.read_records(tmp_path) == [rec]
 
 
-def test_completed_and_failed_from_result_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(status, "slurm_job_status", lambda job_id: None)  # SLURM forgot the jobs
-    ok = make_run(tmp_path, "ok", "11")
-    for r in range(2):
-        write_result(ok / "submitit", "11", r, "success", {"status": "completed"})
-    bad = make_run(tmp_path, "bad", "12", metrics=((1, 6.0),))
-    write_result(bad / "submitit", "12", 0, "success", {})
-    write_result(bad / "submitit", "12", 1, "error", "Traceback (most recent call last):\n  File x\nValueError: boom")
-    s_ok, s_bad = status.run_status(ok), status.run_status(bad)
-    assert (s_ok.state, s_ok.iteration, s_ok.lm_loss) == ("completed", 2, 5.25)
-    assert s_bad.state == "failed" and s_bad.failure[0] == 1 and s_bad.failure[1][-1] == "ValueError: boom"
+# ---- local jobs ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """Real local jobs through the production executor and wait: one succeeds, one has a rank raise."""
+    root = tmp_path_factory.mktemp("runs")
+    ok, bad = root / "local_ok", root / "local_bad"
+    cfg_ok, cfg_bad = cfg_for(ok), cfg_for(bad)
+    job_ok = submit_like_launcher(cfg_ok, _ok, world_size=2)
+    job_bad = submit_like_launcher(cfg_bad, _raise_on, 1, world_size=2)
+    assert [r["rank"] for r in executor.wait(job_ok, cfg_ok, 2)] == [0, 1]
+    with pytest.raises(JobFailedError, match="boom"):
+        executor.wait(job_bad, cfg_bad, 2)
+    write_metrics(ok)
+    write_metrics(bad, ((1, 6.0),))
+    return root, {"ok": (ok, str(job_ok.job_id)), "bad": (bad, str(job_bad.job_id))}
 
 
-def test_failure_from_stderr_when_no_result(tmp_path, monkeypatch):
-    monkeypatch.setattr(status, "slurm_job_status",
-                        lambda job_id: jobs.JobStatus(state="failed", job_id=job_id, slurm_state="OUT_OF_MEMORY"))
-    run = make_run(tmp_path, "oom", "13")
-    (run / "submitit" / "13_0_log.err").write_text("fine\n")
-    (run / "submitit" / "13_1_log.err").write_text("step 1\nslurmstepd: error: Detected 1 oom-kill event(s)\n")
-    s = status.run_status(run)
-    assert s.state == "failed" and s.job.slurm_state == "OUT_OF_MEMORY"
-    assert s.failure == (1, ["step 1", "slurmstepd: error: Detected 1 oom-kill event(s)"])
+def test_completed_and_failed_local_jobs(local_runs):
+    _, runs = local_runs
+    s_ok, s_bad = status.run_status(runs["ok"][0]), status.run_status(runs["bad"][0])
+    assert (s_ok.state, s_ok.job.job_id, s_ok.iteration, s_ok.lm_loss) == ("completed", runs["ok"][1], 2, 5.25)
+    assert s_ok.job.results == {0: "success", 1: "success"}
+    assert s_bad.state == "failed" and s_bad.job.message == "rank 1 failed: ValueError: boom", s_bad
 
 
-def test_stopped_and_requeued_events(tmp_path, monkeypatch):
-    run = make_run(tmp_path, "stop", "14")
-    history.record_event(run, "requeued", job_id="14", restart_count=0)
-    history.record_event(run, "stopped", job_id="14", restart_count=1)
-    monkeypatch.setattr(status, "slurm_job_status",
-                        lambda job_id: jobs.JobStatus(state="failed", job_id=job_id, slurm_state="FAILED", restarts=1))
-    s = status.run_status(run)
-    assert s.state == "stopped" and s.job.restarts == 1
+def test_cli_lists_runs(local_runs):
+    root, runs = local_runs
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["RUN", "STATE"])
+    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS"]
+    row = next(line for line in lines if line.split()[:1] == ["local_ok"])
+    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", "5.2500"]
+    assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
 
 
+def test_local_rank_killed_without_a_result(tmp_path):
+    run = tmp_path / "run"
+    cfg = cfg_for(run)
+    job = submit_like_launcher(cfg, _killed_on, 1, world_size=2)
+    with pytest.raises(JobFailedError, match=r"rank\(s\) \[1\] died without a result"):
+        executor.wait(job, cfg, 2)  # noticed while rank 0 still works, which is then stopped
+    assert status.run_status(run).state == "failed"
+    assert jobs.result_outcomes(run / "submitit", job.job_id) == {}
+
+
+def test_local_stop_is_reported_as_stopped(tmp_path):
+    run = tmp_path / "run"
+    cfg = cfg_for(run, tasks=1)
+    submit_like_launcher(cfg, _stop, str(run), world_size=1)
+    deadline = time.monotonic() + 90
+    while status.run_status(run).state != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.5)  # the local controller exits some seconds after its task
+    assert [r["event"] for r in history.read_records(run) if r["event"] == "stopped"] == ["stopped"]
+    st = status.run_status(run)
+    assert st.state == "stopped" and st.job.results == {}, st  # no result file: it did not finish
+
+
+# ---- SLURM -----------------------------------------------------------------------------------------
+@pytest.mark.slurm
+@pytest.mark.skipif(bool(_SLURM), reason=f"SLURM dev cluster not reachable: {_SLURM}")
+def test_slurm_rank_killed_is_failed_with_srun_lines(tmp_path):
+    """A rank SIGKILLed (as by the OOM killer) on the dev cluster: srun's --kill-on-bad-exit ends the
+    job, SLURM says FAILED, the status names the failure from the logs (no result file to read)."""
+    run = tmp_path / "run"
+    cfg = cfg_for(run, "cluster=slurm_dev", "cluster.tasks_per_node=2")
+    job = submit_like_launcher(cfg, _killed_on, 1, world_size=2)
+    with pytest.raises(JobFailedError, match=f"job {job.job_id} ended") as err:
+        executor.wait(job, cfg, 2)
+    assert "task 1: Killed" in str(err.value)  # srun's own line names the rank that died first
+    st = status.run_status(run)
+    assert st.state == "failed" and st.job.slurm_state == "FAILED", st
+    assert "without results from rank(s) [1]" in st.job.message, st
+    assert st.job.results.get(1) is None
+
+
+# ---- scontrol output -------------------------------------------------------------------------------
 def test_parse_scontrol_ignores_fake_fields_in_job_name():
     text = ('JobId=7 JobName=x JobState=COMPLETED Restarts=9 \n'
             '   UserId=root(0) GroupId=root(0) MCS_label=N/A\n'
@@ -103,55 +193,13 @@ def test_parse_scontrol_ignores_fake_fields_in_job_name():
     ("COMPLETING", 0, "running"), ("COMPLETED", 0, "completed"), ("CANCELLED", 0, "cancelled"),
     ("TIMEOUT", 0, "failed"), ("NODE_FAIL", 2, "failed"),
 ])
-def test_slurm_state_mapping(monkeypatch, raw, restarts, state):
-    out = subprocess.CompletedProcess([], 0, stdout=f"JobId=5 JobName=j\n   JobState={raw} Reason=None\n"
-                                                     f"   Restarts={restarts} ExitCode=0:0\n", stderr="")
-    monkeypatch.setattr(status, "_run", lambda cmd: out)
-    st = jobs.slurm_job_status("5")
-    assert (st.state, st.restarts, st.slurm_state) == (state, restarts, raw)
-
-
-def test_cli_lists_runs(tmp_path, monkeypatch):
-    run = make_run(tmp_path, "local_ok", "999999", cluster="local")
-    for r in range(2):
-        write_result(run / "submitit", "999999", r, "success", {})
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path / "runs")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    header, row = out.stdout.splitlines()[:2]
-    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS"]
-    assert row.split() == ["local_ok", "completed", "999999", "local", "0", "2", "5.2500"]
+def test_slurm_state_mapping(raw, restarts, state):
+    text = (f"JobId=5 JobName=j\n   JobState={raw} Reason=None Dependency=(null)\n"
+            f"   Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0\n")
+    st = jobs.status_from_scontrol(text, "5")
+    assert (st.state, st.restarts, st.slurm_state, st.reason) == (state, restarts, raw, None)
 
 
 def test_status_module_is_torch_free():
     code = "import sys, orchestrator.submit.status; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-def _sleep_then(value, seconds):
-    import time
-
-    time.sleep(seconds)
-    return value
-
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def test_wait_for_local_job(tmp_path):
-    import submitit
-
-    executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
-    executor.update_parameters(timeout_min=2, tasks_per_node=2)
-    job = executor.submit(_sleep_then, 7, 0.5)
-    seen = []
-    st = status.wait_for_job(job, timeout_s=120, poll_s=0.2, on_change=lambda s: seen.append(s.state))
-    assert st.state == "completed" and st.results == {0: "success", 1: "success"}, st
-    assert seen[-1] == "completed"
-
-    job = executor.submit(_sleep_then, 7, 30)
-    with pytest.raises(status.SubmissionError, match="still running"):
-        status.wait_for_job(job, timeout_s=1, poll_s=0.2)
-    job.cancel()
-    st = status.wait_for_job(job, timeout_s=60, poll_s=0.2)
-    assert st.state == "failed"

@@ -107,7 +107,12 @@ def slurm_job_status(job_id: str) -> Optional[JobStatus]:
     out = _run(["scontrol", "show", "job", str(job_id)])
     if out is None or out.returncode != 0 or not out.stdout.strip():
         return None
-    fields = parse_scontrol_job(out.stdout)
+    return status_from_scontrol(out.stdout, job_id)
+
+
+def status_from_scontrol(text: str, job_id: str) -> Optional[JobStatus]:
+    """The :class:`JobStatus` that ``scontrol show job`` output ``text`` describes (None without a JobState)."""
+    fields = parse_scontrol_job(text)
     raw = fields.get("JobState")
     if not raw:
         return None
