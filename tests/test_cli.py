@@ -201,7 +201,7 @@ def test_random_configs_through_the_cli_are_planned_or_refused_in_one_line(works
              "tokenizer": str(cwd / "tokenizer.json")}
     rng = random.Random(9)
     cases = []
-    for _ in range(60):
+    for _ in range(40):
         changes = {k: rng.choice(PERTURB[k]) for k in rng.sample(sorted(PERTURB), rng.choice([1, 2, 3]))}
         overrides = [f"{k}={_hydra_value(v)}".format(**files) for k, v in changes.items()]
         cases.append(rng.choice(BASES) + overrides + ["plan=true", f"run.root={root}"])
@@ -214,7 +214,7 @@ def test_random_configs_through_the_cli_are_planned_or_refused_in_one_line(works
             planned += 1
         else:
             assert_one_error_line(result)
-    assert 5 <= planned <= 55, planned
+    assert 4 <= planned <= 36, planned
     assert snapshot(cwd) == before
 
 
@@ -267,74 +267,73 @@ def test_plan_and_dry_run_write_nothing_and_stay_torch_free(tmp_path):
     assert not root.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-# ---------------------------------------------------------------- a run that starts, refused resumes, Ctrl-C
-TINY = ["training.train_iters=1", "training.global_batch_size=4", "training.eval_iters=0",
-        "model.transformer_impl=local", "checkpoint.save_interval=1"]
+# ---------------------------------------------------------------- a run that starts, Ctrl-C, refused resumes
+TINY = ["training.global_batch_size=4", "training.eval_iters=0", "model.transformer_impl=local",
+        "checkpoint.save_interval=1"]
+
+
+def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str) -> subprocess.CompletedProcess:
+    """Start the CLI, and once ``wait_for`` is printed send SIGINT to its whole process group (a
+    terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike)."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if wait_for in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, cache_dir):
-    """One real 1-iteration run (1 CPU rank): its run directory holds a checkpoint and config.yaml."""
-    cwd = tmp_path_factory.mktemp("trained")
-    root = cwd / "runs"
+def interrupted(tmp_path_factory, cache_dir):
+    """One real run (1 CPU rank, a checkpoint every iteration), stopped by Ctrl-C at iteration 2."""
+    cwd = tmp_path_factory.mktemp("interrupted")
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    proc = _cli([*TINY, f"run.root={root}"], cwd, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return cwd, root / "gpt_tiny_none", env
+    proc = interrupt([*TINY, "training.train_iters=1000", f"run.root={cwd / 'runs'}"], cwd, env, "iteration 2/")
+    return cwd, cwd / "runs" / "gpt_tiny_none", env, proc
 
 
-def test_only_a_run_that_starts_records_its_config(trained):
-    _, run_dir, _ = trained
+def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(interrupted, tmp_path):
+    cwd, run_dir, env, proc = interrupted
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
+    assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert f"run the same command again to resume from {run_dir}/checkpoints/iter_" in proc.stderr
+    # a fresh run interrupted before any checkpoint: no resume hint
+    fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
+                      "[orchestrator] schedule:")
+    assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
+    assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr
+
+
+def test_only_a_run_that_starts_records_its_config(interrupted):
+    _, run_dir, _, _ = interrupted
     text = (run_dir / "config.yaml").read_text()
     assert text.startswith("# the resolved config of the run started ")
     assert f"run.root={run_dir.parent}" in text.splitlines()[1]
     import yaml
 
     recorded = yaml.safe_load(text)
-    assert recorded["training"]["train_iters"] == 1 and recorded["run"]["dir"] == str(run_dir)
+    assert recorded["training"]["train_iters"] == 1000 and recorded["run"]["dir"] == str(run_dir)
     assert recorded["data"]["cache_dir"] and "${" not in text  # resolved
     assert not (run_dir / ".hydra").exists() and not list(run_dir.glob("*.log"))
 
 
-def test_a_refused_resume_leaves_the_run_directory_byte_identical(trained):
-    cwd, run_dir, env = trained
+def test_a_refused_resume_leaves_the_run_directory_byte_identical(interrupted):
+    cwd, run_dir, env, _ = interrupted
     before = snapshot(run_dir)
-    args = [*TINY, "training.train_iters=2", "model.hidden_size=64", f"run.root={run_dir.parent}"]
-    results = run_batch([args, [*TINY, "training.train_iters=2", "checkpoint.auto_resume=false",
-                               f"run.root={run_dir.parent}"]], cwd, env)
+    root = f"run.root={run_dir.parent}"
+    results = run_batch([[*TINY, "training.train_iters=1000", "model.hidden_size=64", root],
+                         [*TINY, "training.train_iters=1000", "checkpoint.auto_resume=false", root]], cwd, env)
     mismatch, lines = results[0], results[0]["stderr"].strip().splitlines()
-    assert mismatch["code"] == 2 and lines[0].startswith("error: cannot resume from ") and "iteration 1" in lines[0]
+    assert mismatch["code"] == 2 and lines[0].startswith("error: cannot resume from "), mismatch
     assert sum(line.startswith("error:") for line in lines) == 1
     assert any(line.startswith("model.hidden_size") and "refused" in line for line in lines[1:])
     assert_one_error_line(results[1], "checkpoint.auto_resume=false would train from scratch")
     assert snapshot(run_dir) == before
-
-
-def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(trained, tmp_path):
-    cwd, run_dir, env = trained
-
-    def interrupt(args: List[str], wait_for: str) -> subprocess.CompletedProcess:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                env=dict(os.environ, PYTHONPATH=str(REPO), **env))
-        seen = []
-        for line in proc.stdout:  # the whole process group gets SIGINT, as from a terminal's Ctrl-C
-            seen.append(line)
-            if wait_for in line:
-                os.killpg(proc.pid, signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=120)
-        return subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
-
-    # the ranks are training: Ctrl-C stops them, names the checkpoint to resume from
-    resumed = interrupt([*TINY, "training.train_iters=1000", f"run.root={run_dir.parent}"], "iteration 2/")
-    assert resumed.returncode == 130, resumed.stdout[-2000:] + resumed.stderr
-    assert resumed.stderr.startswith("interrupted: ") and "Traceback" not in resumed.stderr, resumed.stderr
-    assert "run the same command again to resume from" in resumed.stderr and "iteration" in resumed.stderr
-    # a fresh run interrupted before any checkpoint: no resume hint
-    fresh = interrupt([*TINY, f"run.root={tmp_path}", "run.name=fresh"], "[orchestrator] schedule:")
-    assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
-    assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr
 
 
 def test_config_surface_is_frozen():
