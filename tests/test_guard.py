@@ -151,7 +151,7 @@ class _Exit(SystemExit):
     pass
 
 
-def _watchdogs(run_dir: Path, iterations, timeout_s=1.0):
+def _watchdogs(run_dir: Path, iterations, timeout_s=1.0, on_hang=None):
     exits = {}
 
     def exit_for(rank):
@@ -160,7 +160,8 @@ def _watchdogs(run_dir: Path, iterations, timeout_s=1.0):
             raise _Exit(code)  # ends the watchdog thread like os._exit ends the process
         return _exit
 
-    dogs = [Watchdog(run_dir, r, len(iterations), f"host{r}", "job9", 0, timeout_s, poll_s=0.1, exit=exit_for(r))
+    dogs = [Watchdog(run_dir, r, len(iterations), f"host{r}", "job9", 0, timeout_s, on_hang=on_hang, poll_s=0.1,
+                     exit=exit_for(r))
             for r in range(len(iterations))]
     for dog, it in zip(dogs, iterations):
         dog.start()
@@ -176,7 +177,13 @@ def _wait(predicate, timeout_s):
 
 
 def test_watchdog_names_the_silent_rank_and_dumps_stacks(tmp_path):
-    dogs, exits = _watchdogs(tmp_path, [3, 3])
+    seen = []
+
+    def on_hang(message):  # what the SLURM requeue sees: this hang already counts as a failure
+        seen.append(history.count_ended(history.read_records(tmp_path), "job9", history.FAILURE_CAUSES))
+        return True, "requeued SLURM job job9 (failure 1 of at most 1 retried)"
+
+    dogs, exits = _watchdogs(tmp_path, [3, 3], on_hang=on_hang)
     dogs[1].stop()  # rank 1's process "stopped": its thread no longer writes
     t0 = time.monotonic()
     assert _wait(lambda: 0 in exits, 10), "rank 0 never declared the hang"
@@ -189,7 +196,8 @@ def test_watchdog_names_the_silent_rank_and_dumps_stacks(tmp_path):
     stacks = stacks_path(tmp_path, 0).read_text()
     assert "# rank 0 on host0" in stacks and "test_watchdog_names_the_silent_rank" in stacks  # the main thread
     (a,) = history.attempts(history.read_records(tmp_path))
-    assert (a.cause, a.iteration, a.message) == ("hang", 3, hang["message"])
+    assert (a.cause, a.iteration, a.message, a.requeued) == ("hang", 3, hang["message"], True)
+    assert seen == [1] and hang["requeued"] and hang["detail"].startswith("requeued SLURM job job9")
     assert [r["stalled"] for r in history.read_records(tmp_path) if r["event"] == "hang"] == [[1]]
 
 

@@ -8,8 +8,9 @@ Who writes what:
 * the job: ``attempt_started`` (rank 0, when training starts: job id, attempt, host, iteration),
   ``attempt_ended`` (whoever ends the attempt: rank 0 at completion or after a time-limit stop,
   the rank that detects a hang or a crash, every rank alike for a NaN: cause, iteration reached,
-  one-line message, whether it was requeued) and events (``requeued``, ``stopped``, ``hang``,
-  ``nan`` …).
+  one-line message, whether it was requeued; after a hang or a crash the ``requeue_decision``
+  follows the end, which counts against ``cluster.max_failures``) and events (``requeued``,
+  ``stopped``, ``hang``, ``nan`` …).
 
 An *attempt* is one run of one job: ``(job_id, attempt)`` where ``attempt`` is SLURM's restart
 count (0 for the first run, and always 0 locally). :func:`attempts` folds the records into one
@@ -156,11 +157,11 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
         if event == "submitted":
             out.setdefault((job_id, 0), Attempt(job_id=job_id, attempt=0, start=rec.get("time")))
             continue
-        if event not in ("attempt_started", "attempt_ended", "crash_decision"):
+        if event not in ("attempt_started", "attempt_ended", "requeue_decision"):
             continue
         key = (job_id, int(rec.get("attempt") or 0))
         a = out.setdefault(key, Attempt(job_id=job_id, attempt=key[1]))
-        if event == "crash_decision":  # the requeue decision after a crash, recorded after its end
+        if event == "requeue_decision":  # after a hang or a crash: recorded after the attempt's end
             a.requeued = a.requeued or bool(rec.get("requeued"))
         elif event == "attempt_started":
             a.start, a.start_iteration, a.host = rec.get("time"), rec.get("iteration"), rec.get("host")

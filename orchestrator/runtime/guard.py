@@ -299,7 +299,7 @@ class Guard:
                 self.run_dir, self.job_id, self.attempt, "crashed", iteration=self.iteration, message=message,
                 decided=False))
             requeued, detail = self._requeue_failure(message) if history_ok else (False, "")
-            _quietly(lambda: history.record_event(self.run_dir, "crash_decision", job_id=self.job_id,
+            _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
                                                   attempt=self.attempt, requeued=requeued, detail=detail))
             if requeued:
                 _say(f"{message}; {detail}")
@@ -310,7 +310,7 @@ class Guard:
         deadline = time.monotonic() + _DECISION_WAIT_S
         while time.monotonic() < deadline:
             decision = next((r for r in reversed(history.read_records(self.run_dir))
-                             if r.get("event") in ("crash_decision", "attempt_ended") and r.get("job_id") == self.job_id
+                             if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == self.job_id
                              and r.get("attempt") == self.attempt and r.get("decided") is not False), None)
             if decision is not None:
                 if decision.get("requeued"):

@@ -245,13 +245,15 @@ class Watchdog:
         self.dump_stacks(f"hang declared by this rank: {message}")
         silent = ranks if why.startswith("not responding") else []
         self._await_stacks([r for r in range(self.world_size) if r not in silent], declared_at)
-        requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
         _record_quietly(lambda: history.record_event(
             self.run_dir, "hang", job_id=self.job_id, attempt=self.attempt, stalled=ranks, hosts=info["hosts"],
             iteration=self.iteration, reporter=self.rank))
-        _record_quietly(lambda: history.record_attempt_ended(
+        _record_quietly(lambda: history.record_attempt_ended(  # first: the failure limit counts this one
             self.run_dir, self.job_id, self.attempt, "hang", iteration=self.iteration, message=message,
-            requeued=requeued, detail=detail))
+            decided=False))
+        requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
+        _record_quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
+                                                     attempt=self.attempt, requeued=requeued, detail=detail))
         write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
         _say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))
         self._exit(HANG_EXIT_CODE)
