@@ -53,9 +53,10 @@ TOOLS = {
 }
 """Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
 
-HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--info", "-i", "--shell-completion", "-sc",
-               "--hydra-help"}
+HYDRA_FLAGS = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hydra-help"}
 """Hydra's own inspection flags, handed to Hydra (they print and run nothing)."""
+WITH_CFG = {"--resolve", "--package", "-p"}
+"""Hydra flags that only modify ``--cfg``."""
 
 
 def say(message: str) -> None:
@@ -90,10 +91,10 @@ def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
 
 def prepare_data(cfg: JobConfig):
     """Tokenize/index the data and build GPTDataset's sample indices once, before any rank starts."""
-    from orchestrator.runtime.data import build_tokenizer, build_train_dataset, prepare, samples_needed
+    from orchestrator.runtime.data import cache_indices, prepare
 
     prepared = prepare(cfg.data)
-    build_train_dataset(cfg, prepared, build_tokenizer(cfg.data), samples_needed(cfg))
+    cache_indices(cfg, prepared)  # a warm cache: no torch/megatron import in the launcher
     return prepared
 
 
@@ -321,6 +322,26 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def _cfg_kind(argv: List[str]) -> Optional[str]:
+    """The value of ``--cfg``/``-c`` (job, hydra or all), or None."""
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--cfg", "-c"):
+            return argv[i + 1]
+    return None
+
+
+def _show_job_config(argv: List[str]) -> int:
+    """``--cfg job [--resolve]``: the composed config as YAML, the way a run would see it (run.dir set)."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.spec.compose import compose_dict
+
+    skip = {i + 1 for i, a in enumerate(argv) if a in ("--cfg", "-c")}
+    overrides = [a for i, a in enumerate(argv) if i not in skip and not a.startswith("-")]
+    print(OmegaConf.to_yaml(compose_dict(overrides), resolve="--resolve" in argv), end="")
+    return 0
+
+
 def _tool(name: str, argv: List[str]) -> int:
     import importlib
 
@@ -356,12 +377,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     flags = [a for a in argv if a.startswith("-")]
-    unknown = [f for f in flags if f not in HYDRA_FLAGS | {"-m", "--multirun", "-r", "--run"}]
+    unknown = [f for f in flags if f not in HYDRA_FLAGS | WITH_CFG | {"-m", "--multirun", "-r", "--run"}]
+    if not unknown and any(f in WITH_CFG for f in flags) and not {"--cfg", "-c"} & set(flags):
+        unknown = [next(f for f in flags if f in WITH_CFG) + " (only with --cfg)"]
     if unknown:
         print(f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
               "(overrides are KEY=VALUE; -m sweeps)", file=sys.stderr)
         sys.exit(2)
-    if any(f in HYDRA_FLAGS for f in flags):
+    if _cfg_kind(argv) == "job" and not {"-m", "--multirun", "--package", "-p"} & set(flags):
+        code = guarded(lambda: _show_job_config(argv))
+    elif any(f in HYDRA_FLAGS for f in flags):
         code = guarded(lambda: _hydra(argv))
     elif "-m" in flags or "--multirun" in flags:
         code = guarded(lambda: _multirun(argv))
