@@ -66,6 +66,16 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     assert history.history_for_manifest(run, 180, 200)[-1]["cause"] is None
     lines = history.format_attempts(items)
     assert "timeout (requeued)  iteration 131" in lines[0] and "running" in lines[2]
+    # a later local job that got the same (process) id is a new attempt, not a second end of the old one
+    history.record_attempt_ended(run, "7", 2, "completed", iteration=200)
+    assert history.claim_attempt_end(run, "7", 0) is False  # the old job's marker ...
+    history.clear_attempt_markers(run, "7", 0)               # ... cleared by the new job's rank 0
+    history.record_submission(run, "7", "local", {}, num_tasks=1)
+    history.record_attempt_started(run, "7", 0, iteration=200, host="n3")
+    history.record_attempt_ended(run, "7", 0, "completed", iteration=210)
+    items = history.attempts(history.read_records(run))
+    assert [(a.attempt, a.cause, a.iteration) for a in items] == [
+        (0, "timeout", 131), (1, "hang", 150), (2, "completed", 200), (0, "completed", 210)]
 
 
 # ---- NaN guard (no process group: every decision is local) --------------------------------------

@@ -117,6 +117,15 @@ def claim_attempt_end(run_dir: PathLike, job_id: str, attempt: int) -> bool:
         return True
 
 
+def clear_attempt_markers(run_dir: PathLike, job_id: str, attempt: int) -> None:
+    """Remove markers a finished job with the same id left (a recycled local process id); called by
+    the job's rank 0 when the attempt starts, before any rank can end it."""
+    from contextlib import suppress
+
+    with suppress(OSError):
+        _marker(run_dir, job_id, attempt).unlink()
+
+
 def attempt_claimed(run_dir: PathLike, job_id: str, attempt: int) -> bool:
     """Whether someone already claimed the end of this attempt."""
     return _marker(run_dir, job_id, attempt).exists()
@@ -148,32 +157,43 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
     """Fold ``attempt_started``/``attempt_ended`` records (in file order) into one Attempt each.
 
     A submission without an ``attempt_started`` (a job that failed before training) still shows as
-    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins.
+    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins. A submission or start
+    under an id whose attempt already ended is a new job that got a recycled id (local job ids are
+    process ids): it starts a new Attempt.
     """
-    out: Dict[Tuple[str, int], Attempt] = {}
-    ended: set = set()
+    items: List[Attempt] = []
+    current: Dict[Tuple[str, int], Attempt] = {}
+
+    def fresh(key: Tuple[str, int]) -> Attempt:
+        a = current[key] = Attempt(job_id=key[0], attempt=key[1])
+        items.append(a)
+        return a
+
     for rec in records:
         event, job_id = rec.get("event"), str(rec.get("job_id"))
+        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision"):
+            continue
+        key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
+        a = current.get(key)
         if event == "submitted":
-            out.setdefault((job_id, 0), Attempt(job_id=job_id, attempt=0, start=rec.get("time")))
-            continue
-        if event not in ("attempt_started", "attempt_ended", "requeue_decision"):
-            continue
-        key = (job_id, int(rec.get("attempt") or 0))
-        a = out.setdefault(key, Attempt(job_id=job_id, attempt=key[1]))
-        if event == "requeue_decision":  # after a hang or a crash: recorded after the attempt's end
-            a.requeued = a.requeued or bool(rec.get("requeued"))
+            if a is None or a.end is not None:
+                fresh(key).start = rec.get("time")
         elif event == "attempt_started":
+            if a is None or a.end is not None:
+                a = fresh(key)
             a.start, a.start_iteration, a.host = rec.get("time"), rec.get("iteration"), rec.get("host")
             if a.iteration is None:
                 a.iteration = rec.get("iteration")
-        elif key not in ended:
-            ended.add(key)
+        elif event == "requeue_decision":  # after a hang or a crash: recorded after the attempt's end
+            if a is not None:
+                a.requeued = a.requeued or bool(rec.get("requeued"))
+        elif a is None or a.end is None:
+            a = a or fresh(key)
             a.end, a.cause, a.message = rec.get("time"), rec.get("cause"), rec.get("message") or ""
             a.requeued = bool(rec.get("requeued"))
             if rec.get("iteration") is not None:
                 a.iteration = rec.get("iteration")
-    return sorted(out.values(), key=lambda a: (a.start or a.end or 0.0, a.job_id, a.attempt))
+    return sorted(items, key=lambda a: (a.start or a.end or 0.0, a.job_id, a.attempt))
 
 
 def count_ended(records: Iterable[Dict[str, Any]], job_id: str, causes: Iterable[str]) -> int:

@@ -100,6 +100,7 @@ class Guard:
             self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
                                      float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
         if self.rank == 0:
+            _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
                 world_size=self.world_size))

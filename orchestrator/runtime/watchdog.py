@@ -119,6 +119,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orchestrator-watchdog", daemon=True)
         self.declared: Optional[str] = None
+        self._born = time.time()  # a hang file older than this is from an earlier job with the same id
 
     # ---- the training loop's side (cheap) ------------------------------------------------------
     def progress(self, iteration: int) -> None:
@@ -178,7 +179,7 @@ class Watchdog:
     def _tick(self) -> None:
         self._write()
         hang = _read_json(hang_path(self.run_dir, self.job_id, self.attempt))
-        if hang is not None:
+        if hang is not None and float(hang.get("time") or 0) >= self._born - 5.0:
             self._follow(hang)
             return
         if self._last_progress is None:
