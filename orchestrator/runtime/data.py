@@ -164,10 +164,11 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
     if data.kind == "indexed":
         prefixes = [os.path.expanduser(p) for p in data.paths]
     else:
-        tokenizer = build_tokenizer(data)
+        paths = [root / "prepared" / f"{name}-{fp}" for (name, _), fp in zip(sources, prints)]
+        cached = all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists() for p in paths)
+        tokenizer = None if cached else build_tokenizer(data)  # megatron's import costs seconds: only to tokenize
         prefixes = []
-        for (name, files), fp in zip(sources, prints):
-            prefix = root / "prepared" / f"{name}-{fp}"
+        for (name, files), prefix in zip(sources, paths):
             prepare_source(data, prefix, name, files, tokenizer, log)
             prefixes.append(str(prefix))
     weights = None
@@ -258,6 +259,32 @@ def build_datasets(cfg: JobConfig, prepared: PreparedData, tokenizer, num_sample
 def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
     """The train dataset of :func:`build_datasets` (which also builds and caches the validation one)."""
     return build_datasets(cfg, prepared, tokenizer, num_samples)[0]
+
+
+def _indices_marker(cfg: JobConfig, prepared: PreparedData) -> Path:
+    """``<cache_dir>/indices/ready-<key>.json``: written once :func:`cache_indices` built the sample
+    indices of exactly this request (data, split, sizes, sequence length, seed, megatron-core version)."""
+    from importlib.metadata import version
+
+    request = {"prefixes": prepared.prefixes, "weights": prepared.weights, "fingerprint": prepared.fingerprint,
+               "kind": cfg.data.kind, "split": cfg.data.split, "tokenizer": tokenizer_identity(cfg.data),
+               "seq_length": cfg.model.seq_length, "seed": cfg.training.seed, "train_samples": samples_needed(cfg),
+               "valid_samples": valid_samples_needed(cfg), "megatron-core": version("megatron-core")}
+    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(prepared.cache_dir) / "indices" / f"ready-{key}.json"
+
+
+def cache_indices(cfg: JobConfig, prepared: PreparedData) -> None:
+    """Build and cache the train and validation sample indices once, in the launcher, before any rank
+    starts (the ranks then only load them). Nothing at all — not even the torch/megatron import, which
+    takes seconds — when a marker says an earlier launch built exactly these. Raises DataError."""
+    from orchestrator.io import write_atomic
+
+    marker = _indices_marker(cfg, prepared)
+    if marker.exists():
+        return
+    build_datasets(cfg, prepared, build_tokenizer(cfg.data), samples_needed(cfg))
+    write_atomic(marker, json.dumps({"built": True}) + "\n")
 
 
 def samples_needed(cfg: JobConfig) -> int:

@@ -5,7 +5,7 @@ Per iteration: megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B o
 
 Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
 The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
-over DP, in nats per token) is reduced and read only on iterations that log, save or stop. The
+over DP x CP, in nats per token) is reduced and read only on iterations that log, save or stop. The
 stop request (preemption/time-limit signal) is agreed on without blocking: each iteration starts a
 non-blocking MAX all-reduce of this rank's signal flag on a gloo group and reads the one started
 the iteration before, so every rank stops after the same iteration, one iteration after the signal.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from orchestrator.ckpt.rundir import METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.errors import ConfigError
@@ -152,13 +152,3 @@ class Trackers:
         for sink in self._sinks:
             sink.close()  # type: ignore[attr-defined]
         self._sinks = []
-
-
-def tensorboard_command(run_dir: str) -> str:
-    """The command that shows a run's TensorBoard events."""
-    return f"tensorboard --logdir {Path(run_dir) / TENSORBOARD_DIR}"
-
-
-def optional_float(value: Optional[float]) -> Optional[float]:
-    """``float(value)``, None for None (grad norm is None when megatron skipped the update)."""
-    return None if value is None else float(value)

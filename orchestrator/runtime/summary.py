@@ -17,7 +17,7 @@ import resource
 import socket
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -44,15 +44,6 @@ def model_flops_per_step(rank) -> Optional[float]:
         return None
 
 
-def _hosts(rank) -> List[str]:
-    hosts = getattr(rank.info, "hosts", None)
-    if hosts:
-        return list(hosts)
-    out: List[object] = [None] * rank.info.world_size
-    torch.distributed.all_gather_object(out, socket.gethostname())
-    return [str(h) for h in out]
-
-
 def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
     """This rank's summary record (collective: gathers every rank's peak memory and host)."""
     world = rank.info.world_size
@@ -67,7 +58,7 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
         "timed_iterations": len(times), "tokens_per_step": rank.layout.tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
-        "hosts": _hosts(rank), "host": socket.gethostname(), "device": rank.device,
+        "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,
         "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
         "time": time.time(),
     }

@@ -1,0 +1,145 @@
+"""What a person watching the launcher sees: the job's phases, a progress bar, evaluations, where to look.
+
+:class:`Progress` is polled by :func:`orchestrator.submit.executor.wait` while a job runs; it reads
+two growing files and keeps no other state: ``<run.dir>/metrics.jsonl`` (training records and the
+``start``/``eval``/``summary`` events the logging rank writes, :mod:`orchestrator.runtime.metrics`)
+and rank 0's log (its ``[orchestrator] ...`` phase lines). :func:`final_lines` names the run
+directory, the metrics file, the TensorBoard command and the latest checkpoint after the job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR
+from orchestrator.spec.schema import JobConfig
+
+
+def _eta(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class _Tail:
+    """New complete lines of a growing text file (metrics.jsonl, rank 0's log), from where it stood."""
+
+    def __init__(self, path: Optional[Path], from_start: bool = False):
+        self.path = path
+        self.offset = 0 if from_start or path is None or not path.exists() else path.stat().st_size
+
+    def lines(self) -> List[str]:
+        if self.path is None or not self.path.exists():
+            return []
+        if self.path.stat().st_size < self.offset:  # rewritten (a requeued SLURM attempt): from the top
+            self.offset = 0
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return complete.decode(errors="replace").splitlines()
+
+
+class Progress:
+    """What a person watching the launcher sees while the job runs.
+
+    * the job's phases: rank 0's ``[orchestrator]`` lines (ranks up, building model, loading or
+      saving a checkpoint, ...), echoed as they appear in its log;
+    * training: a rich bar on a terminal (plain lines otherwise) from the iteration the job starts at
+      (a resumed job starts at its checkpoint's iteration) to ``training.train_iters``, with lm loss,
+      step time, tokens/s and an ETA from an exponentially smoothed step time;
+    * every evaluation (validation lm loss and perplexity), and "waiting for ranks to exit" once the
+      logging rank has written its summary.
+    """
+
+    SMOOTHING = 0.3
+    """Weight of the newest step time in the smoothed step time behind the ETA."""
+
+    def __init__(self, path: Path, total: int, enabled: bool = True, log: Optional[Path] = None):
+        self.total = total
+        self.metrics, self.log = _Tail(path), _Tail(log, from_start=True)
+        self.last: Optional[Dict[str, Any]] = None
+        self.step_s: Optional[float] = None
+        self.bar = None
+        self.enabled = enabled
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"))
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def _say(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def poll(self) -> None:
+        # Metrics first: a phase line (e.g. a save) follows the records written before it.
+        for line in self.metrics.lines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                self._record(rec)
+        for line in self.log.lines():
+            if line.startswith("[orchestrator]"):
+                self._say(line)
+
+    def _record(self, rec: Dict[str, Any]) -> None:
+        event = rec.get("event")
+        if event is None and "lm_loss" in rec:
+            self.last = rec
+            step = rec.get("step_time_s")
+            if isinstance(step, (int, float)):
+                self.step_s = step if self.step_s is None else self.SMOOTHING * step + (1 - self.SMOOTHING) * self.step_s
+            self._show(rec)
+        elif event == "start":
+            if self.bar is not None:
+                self.bar.update(self.task, completed=rec["iteration"], total=self.total)
+            if rec.get("iteration"):
+                self._say(f"[orchestrator] training iterations {rec['iteration'] + 1}..{self.total} "
+                          f"(resumed at iteration {rec['iteration']})")
+        elif event == "eval":
+            self._say(f"[orchestrator] validation at iteration {rec['iteration']}: lm loss {rec['lm_loss']:.4f} | "
+                      f"ppl {rec['ppl']:.2f}")
+        elif event == "summary":
+            self._say(f"[orchestrator] training {rec.get('status')} at iteration {rec.get('iteration')}; "
+                      "waiting for ranks to exit")
+
+    def _show(self, rec: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        eta = f" | ETA {_eta(self.step_s * (self.total - rec['iteration']))}" if self.step_s is not None else ""
+        text = (f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "
+                f"{rec['tokens_per_s']:.0f} tok/s{eta}")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=rec["iteration"], description=text)
+        else:
+            print(f"  iteration {rec['iteration']}/{self.total} | {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def final_lines(cfg: JobConfig) -> str:
+    """Where to look after a run: run directory, metrics file, TensorBoard command, latest checkpoint."""
+    from orchestrator.ckpt.manifest import latest_complete
+
+    run_dir = Path(cfg.run.dir)
+    latest = latest_complete(run_dir / CHECKPOINTS_DIR, lambda _: None, verify=False)
+    lines = [f"run dir:     {run_dir}", f"metrics:     {run_dir / METRICS_FILE}"]
+    if (run_dir / TENSORBOARD_DIR).is_dir():
+        lines.append(f"tensorboard: tensorboard --logdir {run_dir / TENSORBOARD_DIR}")
+    lines.append(f"checkpoint:  {latest.path if latest is not None else 'none saved'}")
+    return "\n".join(f"[orchestrator] {line}" for line in lines)
