@@ -171,14 +171,14 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"calibration runs under {root}")
     samples: Dict[str, dict] = {}
+    prior = prior_profile(cpu_preset(4))
     for name in args.only or list(CONFIGS):
         overrides = [*COMMON, *CONFIGS[name]]
         summary = launch(name, overrides, root, args.iters)
         if summary is not None:
-            samples[name] = calibrate.sample_of(cpu_plan(compose(overrides, root / name)), summary, name)
+            samples[name] = calibrate.sample_of(cpu_plan(compose(overrides, root / name)), summary, name, prior.cores)
     if not samples:
         return 1
-    prior = prior_profile(cpu_preset(4))
     print_memory(samples, prior)
     print_step_times(samples, prior)
     if args.save:

@@ -149,8 +149,10 @@ def print_tau(grid: List[dict], profile) -> None:
     errs = [abs(a - b) / b for a, b in zip(pred, meas)]
     print(f"\nstep time across the grid ({len(meas)} points), calibrated on tune's trials: Kendall tau "
           f"{tau:.2f} ({'>=' if tau >= 0.7 else '<'} 0.7); |error| mean {sum(errs) / len(errs):.0%}, max {max(errs):.0%}")
-    everything = calibrate.fit_profile(calibrate_prior(), [calibrate.sample_of(
-        planner.plan(_cfg_of(p), gpu="cpu", profile=None), p["summary"]) for p in grid if p.get("summary")])
+    prior = calibrate_prior()
+    everything = calibrate.fit_profile(prior, [calibrate.sample_of(
+        planner.plan(_cfg_of(p), gpu="cpu", profile=None), p["summary"], cores=prior.cores)
+        for p in grid if p.get("summary")])
     print(f"in-sample, fitted on the whole grid: tau {everything.fit['kendall_tau']:.2f}, step |error| mean "
           f"{everything.fit['step_error_mean_pct']:.0f}% max {everything.fit['step_error_max_pct']:.0f}%, memory "
           f"|error| max {everything.fit['memory_error_max_pct']:.1f}%")

@@ -206,9 +206,10 @@ def _synthetic_samples(truth: DeviceProfile):
         plan, true_plan = planner.plan(cfg, gpu="cpu", profile=None), planner.plan(cfg, gpu="cpu", profile=truth)
         world = plan.layout.world_size
         peaks = [true_plan.stages[calibrate.rank_stage(r, world, pp)].total / MiB for r in range(world)]
-        step = calibrate.predicted_step_s(truth, calibrate.terms_of(plan).features())
+        step = calibrate.predicted_step_s(truth, plan.terms.features(truth.cores))
         assert step == pytest.approx(true_plan.step_time_s)  # the plan prices a step as the fit does
-        out.append(calibrate.sample_of(plan, {"peak_rss_mb_per_rank": peaks, "step_time_median_s": step}))
+        out.append(calibrate.sample_of(plan, {"peak_rss_mb_per_rank": peaks, "step_time_median_s": step},
+                                       cores=truth.cores))
     return out
 
 

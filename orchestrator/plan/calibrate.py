@@ -23,8 +23,7 @@ import datetime as _dt
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.plan.profile import (PROFILE_VERSION, DeviceProfile, StepTerms, stage_memory_bytes,
-                                       step_terms)
+from orchestrator.plan.profile import PROFILE_VERSION, DeviceProfile, stage_memory_bytes
 
 MiB = 2 ** 20
 MAX_SAMPLES = 200
@@ -39,12 +38,6 @@ def rank_stage(rank: int, world_size: int, pipeline_model_parallel_size: int) ->
     return rank // (world_size // pipeline_model_parallel_size)
 
 
-def terms_of(plan, gpus_per_node: int = 8) -> StepTerms:
-    """The :class:`StepTerms` of an :class:`~orchestrator.plan.memory.Plan` (its layout, shape, recipe)."""
-    return step_terms(plan.shape, plan.layout, plan.recipe, plan.padded_vocab_size,
-                      max(st.params for st in plan.stages), gpus_per_node)
-
-
 def measured_peaks_mib(summary: Dict[str, Any]) -> Optional[List[float]]:
     """Peak memory per rank (MiB) from a job summary: torch's peak allocated on GPU, else peak RSS."""
     gpu = summary.get("peak_gpu_mem_mb_per_rank")
@@ -54,8 +47,10 @@ def measured_peaks_mib(summary: Dict[str, Any]) -> Optional[List[float]]:
     return [float(x) for x in rss] if rss else None
 
 
-def sample_of(plan, summary: Dict[str, Any], label: str = "", gpus_per_node: int = 8) -> Dict[str, Any]:
+def sample_of(plan, summary: Dict[str, Any], label: str = "", cores: int = 0) -> Dict[str, Any]:
     """One calibration sample from an *uncalibrated* plan (``profile=None``) and the run's summary.
+
+    ``cores``: the device profile's (CPU ranks sharing a host's cores), for the step-time features.
 
     ``summary`` is the job's summary record (``peak_rss_mb_per_rank``, ``step_time_median_s``, ...).
     Returns a JSON-able dict: ``ranks`` [{stage, states, activations, measured}] in bytes and
@@ -69,7 +64,7 @@ def sample_of(plan, summary: Dict[str, Any], label: str = "", gpus_per_node: int
         ranks.append({"stage": st.stage, "states": st.weights + st.gradients + st.optimizer,
                       "activations": st.activations, "measured": mib * MiB})
     step = summary.get("step_time_median_s")
-    time = {"features": terms_of(plan, gpus_per_node).features(), "measured_s": float(step)} if step else None
+    time = {"features": plan.terms.features(cores), "measured_s": float(step)} if step else None
     return {"label": label, "version": PROFILE_VERSION, "world_size": lay.world_size,
             "when": _dt.datetime.now().isoformat(timespec="seconds"), "ranks": ranks, "time": time}
 

@@ -34,7 +34,7 @@ from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa:
 from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
                                      FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
                                      Recipe, _gib, gpu_preset)
-from orchestrator.plan.profile import DeviceProfile, device_profile, step_terms
+from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -96,6 +96,10 @@ class Plan:
     """Fixed framework time per step; only with a device profile."""
     profile: Optional[DeviceProfile] = None
     """The device profile whose constants priced this plan (None: the preset's assumptions)."""
+    terms: Optional[StepTerms] = None
+    """The amounts of work of a step that a device profile prices (calibration samples use them)."""
+    bubble_idle: bool = True
+    """False when ranks share cores (CPU): a stage's idle pipeline time runs other ranks."""
 
     @property
     def worst(self) -> StageMemory:
@@ -111,7 +115,8 @@ class Plan:
 
     @property
     def bubble_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s) * self.bubble_overhead
+        idle = self.bubble_overhead if self.bubble_idle else 0.0
+        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s) * idle
 
     @property
     def step_time_s(self) -> float:
@@ -291,7 +296,7 @@ def recipe_problems(recipe: Recipe, layout: ParallelLayout) -> List[str]:
 
 def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: GpuPreset,
                 mfu: float = DEFAULT_MFU, validate: bool = True, gpus_per_node: int = 8,
-                profile: Optional[DeviceProfile] = None) -> Plan:
+                profile: Optional[DeviceProfile] = None, ranks_per_node: Optional[int] = None) -> Plan:
     """Plan one layout. Raises LayoutError / ConfigError when a Megatron rule is broken.
 
     With a ``profile`` (:mod:`orchestrator.plan.profile`) its constants replace the assumptions:
@@ -344,14 +349,20 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     compute = max(stage_flops) / (layout.world_size / p * peak * mfu)
     tp_s, pp_s, dp_s = comm_seconds(shape, layout, recipe, gpu, max(st.params for st in stages), gpus_per_node)
     framework = fixed = 0.0
+    terms = step_terms(shape, layout, recipe, vp, max(st.params for st in stages), gpus_per_node, ranks_per_node)
+    idle = True
     if profile is not None:
-        sec = step_terms(shape, layout, recipe, vp, max(st.params for st in stages), gpus_per_node).seconds(profile)
+        sec = terms.seconds(profile)
         compute, tp_s, pp_s, dp_s, framework, fixed = (sec[k] for k in ("compute", "tp", "pp", "dp", "framework",
                                                                         "fixed"))
+        idle = bool(sec["bubble_idle"])
     tied_copy = vp * shape.hidden_size if (p > 1 and not shape.untie_embeddings_and_output_weights) else 0
     rep, sh, erep, esh = _layer_params(shape)
     pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
     notes = []
+    if not idle:
+        notes.append(f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
+                     "other ranks (no idle bubble; each rank's work is stretched by ranks per core)")
     if recipe.precision == "fp32" and profile is None:
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return Plan(
@@ -361,7 +372,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         stages=stages, activations_by_recompute=by_recompute, bubble_overhead=overhead,
         bubble_fraction=fraction, compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
         model_flops=model, hardware_flops=hardware, notes=notes, framework_s=framework, fixed_s=fixed,
-        profile=profile)
+        profile=profile, terms=terms, bubble_idle=idle)
 
 
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
@@ -420,8 +431,9 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     if vocab_size is None:
         vocab_size, note = vocab_size_of(cfg)
     shape = ModelShape.from_model_config(cfg.model, vocab_size)
+    ranks_per_node = layout.world_size // max(1, cfg.cluster.nodes) if preset.name == CPU_PRESET else None
     result = plan_layout(layout, shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
-                         gpus_per_node=_gpus_per_node(cfg), profile=profile)
+                         gpus_per_node=_gpus_per_node(cfg), profile=profile, ranks_per_node=ranks_per_node)
     if note:
         result.notes.append(note)
     if profile is not None:

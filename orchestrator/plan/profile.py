@@ -9,6 +9,8 @@ Pure Python (no torch). A :class:`DeviceProfile` holds what the planner otherwis
   with compute = hardware FLOPs of the slowest stage per GPU / ``flops_per_s``, comm = bytes / the
   link's bandwidth + calls x ``latency_s``, framework = forward-equivalent layer passes x
   ``layer_pass_s`` + model-chunk passes x ``chunk_pass_s``, fixed = ``step_s`` (see :class:`StepTerms`).
+  When more ranks than ``cores`` share a host (CPU ranks), a stage's idle pipeline time runs other
+  ranks: there is no idle bubble, and every rank's work is stretched by ranks per core instead.
 
 A profile is fitted by :mod:`orchestrator.plan.calibrate` from measured runs and stored as
 ``<cache>/profiles/<device key>.json`` (``<cache>`` = ``data.cache_dir``, by default
@@ -32,7 +34,7 @@ from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_s
 from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
 from orchestrator.spec.layout import ParallelLayout
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""
 TIME_CONSTANTS = ("flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "latency_s",
                   "layer_pass_s", "chunk_pass_s", "step_s")
@@ -63,6 +65,8 @@ class DeviceProfile:
     """Framework time per model chunk and micro-batch (schedule, data, loss)."""
     step_s: float
     """Fixed framework time per optimizer step."""
+    cores: int = 0
+    """Cores the ranks of one host share (CPU); 0 = one device per rank (GPU)."""
     calibrated: bool = False
     fit: Dict[str, Any] = field(default_factory=dict)
     """How the fit went: samples used, in-sample errors (%), Kendall tau of step times, when."""
@@ -109,41 +113,54 @@ class StepTerms:
     chunk_passes: float
     """Micro-batches x model chunks per stage."""
     bubble_overhead: float
-    """(p-1)/(v m): the pipelined part is stretched by 1 + this."""
+    """(p-1)/(v m): the pipelined part is stretched by 1 + this (when the bubble idles)."""
+    ranks_per_node: int = 1
+    """Ranks on one host (node)."""
 
-    def features(self) -> List[float]:
+    def ranks_per_core(self, cores: int) -> float:
+        """Ranks per core when more ranks than ``cores`` share a host, else 0 (each rank has its own device)."""
+        return self.ranks_per_node / cores if cores and self.ranks_per_node > cores else 0.0
+
+    def features(self, cores: int = 0) -> List[float]:
         """Per :data:`TIME_CONSTANTS`: FLOPs, intra- and inter-node bytes, calls, layer passes, chunk passes, 1."""
-        b = 1.0 + self.bubble_overhead
+        shared = self.ranks_per_core(cores)
+        b = shared or 1.0 + self.bubble_overhead  # pipelined work: stretched by sharing, else by the bubble
+        d = shared or 1.0
         intra = inter = 0.0
-        for vol, mult in ((self.tp, b), (self.pp, b), (self.dp, 1.0)):
+        for vol, mult in ((self.tp, b), (self.pp, b), (self.dp, d)):
             if vol.intra_node:
                 intra += mult * vol.bytes
             else:
                 inter += mult * vol.bytes
-        calls = b * (self.tp.calls + self.pp.calls) + self.dp.calls
+        calls = b * (self.tp.calls + self.pp.calls) + d * self.dp.calls
         return [b * self.flops, intra, inter, calls, b * self.layer_passes, b * self.chunk_passes, 1.0]
 
     def seconds(self, profile: DeviceProfile) -> Dict[str, float]:
-        """compute, tp, pp, dp, framework and fixed seconds (not stretched by the bubble)."""
-        def comm(v: CommVolume) -> float:
-            return v.bytes / profile.bandwidth(v.intra_node) + v.calls * profile.latency_s
+        """compute, tp, pp, dp, framework and fixed seconds (not stretched by the bubble), and
+        ``bubble_idle`` (1.0 when the bubble idles the device, 0.0 when other ranks use it)."""
+        mult = self.ranks_per_core(profile.cores) or 1.0
 
-        return {"compute": self.flops / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
+        def comm(v: CommVolume) -> float:
+            return mult * (v.bytes / profile.bandwidth(v.intra_node) + v.calls * profile.latency_s)
+
+        return {"compute": mult * self.flops / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
                 "dp": comm(self.dp),
-                "framework": self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s,
-                "fixed": profile.step_s}
+                "framework": mult * (self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s),
+                "fixed": profile.step_s, "bubble_idle": 0.0 if self.ranks_per_core(profile.cores) else 1.0}
 
 
 def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int, params_per_gpu: int,
-               gpus_per_node: int = 8) -> StepTerms:
-    """The :class:`StepTerms` of one layout (``vp`` = padded vocabulary)."""
+               gpus_per_node: int = 8, ranks_per_node: Optional[int] = None) -> StepTerms:
+    """The :class:`StepTerms` of one layout (``vp`` = padded vocabulary; ``ranks_per_node`` default:
+    min(world size, ``gpus_per_node``))."""
     _, _, stage_flops = flops_per_step(shape, layout, recipe, vp)
     p, m = layout.pipeline_model_parallel_size, layout.num_microbatches
     tp, pp, dp = comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node)
     per_layer = 3 + (1 if recipe.recompute_granularity == "full" else 0)
     return StepTerms(flops=max(stage_flops) / (layout.world_size // p), tp=tp, pp=pp, dp=dp,
                      layer_passes=m * layout.layers_per_stage * per_layer, chunk_passes=m * layout.vpp,
-                     bubble_overhead=bubble(p, m, layout.vpp)[0])
+                     bubble_overhead=bubble(p, m, layout.vpp)[0],
+                     ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node))
 
 
 # ---- device keys and storage -------------------------------------------------------------------
@@ -222,7 +239,7 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
                              memory_overhead_bytes=430 * 2 ** 20, states_factor=1.0, activation_factor=1.0,
                              flops_per_s=preset.peak_flops_fp32, intra_node_bytes_per_s=preset.intra_node_bw,
                              inter_node_bytes_per_s=preset.inter_node_bw, latency_s=2e-4, layer_pass_s=2e-3,
-                             chunk_pass_s=5e-3, step_s=2e-2)
+                             chunk_pass_s=5e-3, step_s=2e-2, cores=os.cpu_count() or 1)
     return DeviceProfile(device=key, description=preset.name, memory_overhead_bytes=FRAMEWORK_OVERHEAD_BYTES,
                          states_factor=1.0, activation_factor=1.0, flops_per_s=DEFAULT_MFU * preset.peak_flops_16bit,
                          intra_node_bytes_per_s=BUS_EFFICIENCY * preset.intra_node_bw,

@@ -221,8 +221,7 @@ class Tuner:
             say(f"out of memory: memory margin lowered to {self.margin:.2f} of {limit / search.MiB:,.0f} MiB")
         if trial.status == "completed" and trial.summary:
             raw = planner.plan(trial.cand.cfg, gpu=self.device, profile=None)
-            self.samples.append(sample_of(raw, trial.summary, " ".join(trial.cand.overrides),
-                                          trial.cand.cfg.cluster.gpus_per_node or 8))
+            self.samples.append(sample_of(raw, trial.summary, " ".join(trial.cand.overrides), self.prior.cores))
             self.profile = fit_profile(self.prior, self.samples)
             if self.opts.calibrate:
                 save_profile(self.profile, self.base.data.cache_dir)
