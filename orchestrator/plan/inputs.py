@@ -79,7 +79,7 @@ def cpu_preset(ranks_on_host: int = 1) -> GpuPreset:
     FLOP/s and bandwidths are nominal placeholders (a core's fp32 FLOP/s, a memory copy); a
     calibrated :class:`orchestrator.plan.profile.DeviceProfile` replaces them.
     """
-    return GpuPreset(CPU_PRESET, host_memory_bytes() // max(1, ranks_on_host), 1e10, 1e10, 2e9, 2e9)
+    return GpuPreset(CPU_PRESET, host_memory_bytes() // max(1, ranks_on_host), 3e10, 3e10, 1e9, 1e8)
 
 
 def gpu_preset(name: str, ranks_on_host: int = 1) -> GpuPreset:

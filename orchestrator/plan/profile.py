@@ -229,17 +229,18 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
     """Uncalibrated starting values for ``preset``.
 
     GPU presets: the planner's assumptions (``DEFAULT_MFU`` of dense peak, ``BUS_EFFICIENCY`` of the
-    links, ``FRAMEWORK_OVERHEAD_BYTES``) plus small per-call latencies. ``cpu``: rough values seen with
-    megatron-core 0.16.1 on gloo (4 ranks on 2 cores, torch 2.13 CPU): ~430 MiB RSS per rank before
-    the model, milliseconds of Python per layer pass; calibration replaces them.
+    links, ``FRAMEWORK_OVERHEAD_BYTES``) plus small per-call latencies. ``cpu``: round numbers of the
+    order seen with megatron-core 0.16.1 on gloo (torch 2.13 CPU, a 2-core VM): ~430 MiB RSS per
+    rank before the model, tens of GFLOP/s per core, milliseconds of Python per layer pass and
+    per gloo call; calibration replaces them.
     """
     key = key or device_key(preset.name)
     if preset.name.lower() == "cpu":
         return DeviceProfile(device=key, description=f"{cpu_model_name()} ({os.cpu_count()} logical CPUs)",
                              memory_overhead_bytes=430 * 2 ** 20, states_factor=1.0, activation_factor=1.0,
-                             flops_per_s=preset.peak_flops_fp32, intra_node_bytes_per_s=preset.intra_node_bw,
-                             inter_node_bytes_per_s=preset.inter_node_bw, latency_s=2e-4, layer_pass_s=2e-3,
-                             chunk_pass_s=5e-3, step_s=2e-2, cores=os.cpu_count() or 1)
+                             flops_per_s=3e10, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
+                             latency_s=5e-4, layer_pass_s=3e-3, chunk_pass_s=3e-3, step_s=3e-2,
+                             cores=os.cpu_count() or 1)
     return DeviceProfile(device=key, description=preset.name, memory_overhead_bytes=FRAMEWORK_OVERHEAD_BYTES,
                          states_factor=1.0, activation_factor=1.0, flops_per_s=DEFAULT_MFU * preset.peak_flops_16bit,
                          intra_node_bytes_per_s=BUS_EFFICIENCY * preset.intra_node_bw,
