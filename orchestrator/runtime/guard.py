@@ -304,6 +304,7 @@ class Guard:
                                                   attempt=self.attempt, requeued=requeued, detail=detail))
             if requeued:
                 _say(f"{message}; {detail}")
+                _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
                 leave_requeued(message)
             return
         if not on_slurm():
@@ -315,12 +316,20 @@ class Guard:
                              and r.get("attempt") == self.attempt and r.get("decided") is not False), None)
             if decision is not None:
                 if decision.get("requeued"):
+                    _print_traceback(exc)
                     leave_requeued(message)
                 return
             time.sleep(0.5)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
+def _print_traceback(exc: BaseException) -> None:
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+
 
 def _ranks(ranks: List[int]) -> str:
     return ",".join(str(r) for r in ranks)
