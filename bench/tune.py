@@ -67,6 +67,8 @@ def tune_cli(args: List[str], cache: Path, log: Path) -> float:
 def points(tune_dir: Path) -> List[dict]:
     """Every trial's point.json with its job summary (None when it did not complete)."""
     out = []
+    if not tune_dir.is_dir():
+        return out
     for d in sorted((p for p in tune_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
         point = json.loads((d / "point.json").read_text())
         records = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] if (d / "metrics.jsonl").exists() else []
@@ -97,6 +99,9 @@ def report(root: Path) -> int:
         print(f"  {p['tune']['label']:<24} {tokens_per_s(p) or 0:>9,.0f} tokens/s  {p['status']}")
     best_key = max(measured, key=measured.get)
     done = [p for p in tuned if tokens_per_s(p)]
+    if not done:
+        print("\ntune: no completed trial (run it: --only tuned)")
+        return 1
     winner = max(done, key=tokens_per_s)
     in_grid = grid_speed.get(key_of(winner))
     third = len(grid) / 3

@@ -76,7 +76,7 @@ class CommVolume:
     bytes: float
     """Bytes each GPU sends per step (ring factors included)."""
     calls: int
-    """Collectives or point-to-point messages per step (each pays a latency)."""
+    """Latency-bound messages per step: 1 per point-to-point send, 2(n-1) per ring collective over n ranks."""
     intra_node: bool
     """True when the group's span of consecutive ranks fits in one node (NVLink), else the network."""
 
@@ -105,13 +105,13 @@ def comm_volumes(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, para
         pp = CommVolume(calls * sent, calls, layout.world_size // p + 1 <= gpus_per_node)
     if t > 1:
         calls = m * layout.layers_per_stage * (6 if recipe.recompute_granularity == "full" else 4)
-        tp = CommVolume(calls * 2 * (t - 1) / t * buffer, calls, t <= gpus_per_node)
+        tp = CommVolume(calls * 2 * (t - 1) / t * buffer, calls * 2 * (t - 1), t <= gpus_per_node)
     if dp > 1:
         if recipe.use_distributed_optimizer:
             volume = (dp - 1) / dp * params_per_gpu * (recipe.grad_bytes + recipe.param_bytes)
         else:
             volume = 2 * (dp - 1) / dp * params_per_gpu * recipe.grad_bytes
-        dpv = CommVolume(volume, 1, t * cp * dp <= gpus_per_node)
+        dpv = CommVolume(volume, 2 * (dp - 1), t * cp * dp <= gpus_per_node)
     return tp, pp, dpv
 
 

@@ -34,7 +34,7 @@ from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_s
 from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
 from orchestrator.spec.layout import ParallelLayout
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""
 TIME_CONSTANTS = ("flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "latency_s",
                   "layer_pass_s", "chunk_pass_s", "step_s")
@@ -58,7 +58,7 @@ class DeviceProfile:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     latency_s: float
-    """Per collective or point-to-point call."""
+    """Per latency-bound message (a point-to-point send; a ring collective over n ranks sends 2(n-1))."""
     layer_pass_s: float
     """Framework time per forward-equivalent pass of one layer over one micro-batch (3 per layer fwd+bwd)."""
     chunk_pass_s: float
