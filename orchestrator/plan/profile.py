@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from orchestrator.io import write_atomic
 from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
 from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
+from orchestrator.spec.checks import runs_on_cpu
 from orchestrator.spec.layout import ParallelLayout
 
 PROFILE_VERSION = 3
@@ -246,11 +247,6 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
                          intra_node_bytes_per_s=BUS_EFFICIENCY * preset.intra_node_bw,
                          inter_node_bytes_per_s=BUS_EFFICIENCY * preset.inter_node_bw, latency_s=2e-5,
                          layer_pass_s=5e-5, chunk_pass_s=1e-4, step_s=1e-3)
-
-
-def runs_on_cpu(cfg) -> bool:
-    """The job's ranks run on CPUs: ``training.device=cpu``, or a cluster without GPUs."""
-    return cfg.training.device == "cpu" or not cfg.cluster.gpus_per_node
 
 
 def device_of(cfg) -> str:
