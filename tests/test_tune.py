@@ -160,11 +160,13 @@ def test_stop_rules():
     assert search.stop_reason(opts, [t(1.0, 1.0)], [0.5], 0) is None  # before min_trials
     # patience: the best (1.0) came first; two later trials were not 2% faster
     assert "tune.patience" in search.stop_reason(opts, [t(1.0, 1.0), t(0.99, 1.0), t(1.2, 1.0)], [0.5], 0)
-    # model bound: observed error 10% (1.1 s measured, 1.0 predicted); best measured 0.9 s;
-    # a remaining candidate predicted at 1.05 s is at least 0.945 s: it cannot win. At 0.95 s it could.
-    reason = search.stop_reason(opts, [t(1.1, 1.0), t(0.9, 0.9)], [1.05, 1.3], 0)
+    # model bound: a calibrated prediction was 10% off (1.1 s measured, 1.0 predicted); best measured
+    # 0.9 s; a remaining candidate predicted at 1.05 s is at least 0.945 s: it cannot win. At 0.95 s it could.
+    reason = search.stop_reason(opts, [t(1.1, 1.0, True), t(0.9, 0.9, True)], [1.05, 1.3], 0)
     assert reason and reason.startswith("model bound") and "10% error" in reason and "900.0 ms measured" in reason
-    assert search.stop_reason(opts, [t(1.1, 1.0), t(0.9, 0.9)], [0.95], 0) is None
+    assert search.stop_reason(opts, [t(1.1, 1.0, True), t(0.9, 0.9, True)], [0.95], 0) is None
+    # the uncalibrated prior's error does not count (floor 5%): 0.95 x 0.95 = 0.9025 >= 0.9
+    assert search.stop_reason(opts, [t(1.5, 1.0), t(0.9, 0.9, True)], [0.95], 0).startswith("model bound")
     assert search.stop_reason(opts, [t(None, 1.0)] * 6, [0.1], 0).startswith("budget: tune.max_trials=6")
     assert "max_minutes" in search.stop_reason(TuneConfig(max_minutes=1), [], [0.1], 50, next_trial_s=20)
     assert search.stop_reason(opts, [t(1.0, 1.0)], [], 0).startswith("every candidate")

@@ -290,7 +290,9 @@ class TrialOutcome:
     measured_step_s: Optional[float]
     """None when the trial did not complete."""
     predicted_step_s: float
-    """Under the current profile (refitted after every trial)."""
+    """When the trial was chosen (a prediction for a configuration the model had not seen)."""
+    calibrated: bool = False
+    """Whether that prediction came from a calibrated profile (the prior's errors say nothing of the fit)."""
 
 
 def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_predicted_s: Sequence[float],
@@ -301,7 +303,8 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
     average length so far. No candidates left. After ``min_trials``: ``patience`` trials in a row
     without a step ``min_gain`` faster than the best before; or the model bound: every remaining
     prediction x (1 - error) >= the best measured step, error = max(``model_error_floor``, the
-    largest |measured / predicted - 1| over the completed trials).
+    largest |measured / predicted - 1| of the completed trials a calibrated profile predicted
+    before they ran).
     """
     if len(trials) >= opts.max_trials:
         return f"budget: tune.max_trials={opts.max_trials} trials run"
@@ -319,7 +322,8 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
     if len(trials) - 1 - last_gain >= opts.patience:
         return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
     best = min(t.measured_step_s for t in done)
-    error = max([opts.model_error_floor] + [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done])
+    error = max([opts.model_error_floor] + [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done
+                                            if t.calibrated])
     floor = min(remaining_predicted_s) * (1 - error)
     if floor >= best:
         return (f"model bound: the best remaining candidate is predicted at {min(remaining_predicted_s) * 1e3:.1f} ms "

@@ -114,6 +114,8 @@ class Trial:
     predicted_step_s: float
     """At selection (the prospective prediction)."""
     predicted_peak_bytes: float
+    calibrated: bool
+    """Whether the profile that predicted it was calibrated."""
     status: str = "running"
     reason: str = ""
     summary: Optional[Dict[str, Any]] = None
@@ -128,12 +130,12 @@ class Trial:
 class Tuner:
     """One tune session: the base config, its candidates, the device profile, the trials."""
 
-    def __init__(self, base, overrides: List[str], opts: TuneConfig):
+    def __init__(self, base, overrides: List[str], opts: TuneConfig, tune_args: Sequence[str] = ()):
         from orchestrator.plan.inputs import gpu_preset
         from orchestrator.plan.profile import device_key, device_of, load_profile, prior_profile
         from orchestrator.spec.layout import layout_from_config
 
-        self.base, self.opts = base, opts
+        self.base, self.opts, self.tune_args = base, opts, [a for a in tune_args if not a.startswith("tune.out=")]
         self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
         self.name = opts.name or re.sub(r"[^A-Za-z0-9_]+", "_", str(base.run.name)) + "_tuned"
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name):
@@ -179,13 +181,13 @@ class Tuner:
     def stop(self) -> Optional[str]:
         done = [t for t in self.trials if t.wall_s]
         next_s = sum(t.wall_s for t in done) / len(done) if done else 0.0
-        outcomes = [search.TrialOutcome(t.step_s, t.cand.plan.step_time_s) for t in self.trials]
+        outcomes = [search.TrialOutcome(t.step_s, t.predicted_step_s, t.calibrated) for t in self.trials]
         return search.stop_reason(self.opts, outcomes, [c.plan.step_time_s for c in self.remaining()],
                                   time.time() - self.start, next_s)
 
     # ---- running ----------------------------------------------------------------------------
     def run_trial(self, cand: Candidate) -> Trial:
-        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes)
+        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes, self.profile.calibrated)
         cand.status = "running"
         self.trials.append(trial)
         run_dir = self.root / str(trial.num)
@@ -236,7 +238,8 @@ class Tuner:
                   "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
                   "layout": layout_record(c.layout), "cluster": c.cfg.cluster.kind, "plan": plan_record(c.plan),
                   "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s,
-                           "predicted_peak_bytes": trial.predicted_peak_bytes, "wall_s": trial.wall_s}}
+                           "predicted_peak_bytes": trial.predicted_peak_bytes, "calibrated": trial.calibrated,
+                           "wall_s": trial.wall_s}}
         if trial.status != "running":
             record["ended"] = time.time()
             record["measured"] = measured(run_dir, self.opts.warmup_iters)
@@ -331,7 +334,7 @@ class Tuner:
         done = sorted((t for t in self.trials if t.step_s), key=lambda t: t.step_s)
         lay = best.cand.layout
         peak = max((best.summary or {}).get("peak_rss_mb_per_rank") or [0])
-        lines = [f"Tuned by `python -m orchestrator tune {' '.join(self.overrides)}` on "
+        lines = [f"Tuned by `python -m orchestrator tune {' '.join(self.overrides + self.tune_args)}` on "
                  f"{time.strftime('%Y-%m-%d %H:%M')}, device {self.key}.",
                  f"{len(self.cands)} valid candidates, {sum(c.status == 'pruned_memory' for c in self.cands)} "
                  f"pruned by memory (margin {self.margin:.2f}), {len(self.trials)} trials of {self.opts.iters} "
@@ -387,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tune_args, overrides = split_args(argv)
     try:
         opts = search.parse_tune_args(tune_args)
-        tuner = Tuner(compose_base(overrides), overrides, opts)
+        tuner = Tuner(compose_base(overrides), overrides, opts, tune_args)
         return tuner.run()
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
