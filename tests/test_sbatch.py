@@ -94,7 +94,8 @@ def test_golden_dev_cluster():
     check_golden("sbatch_slurm_dev.sh", normalise(script))
     assert "#SBATCH --partition=dev" in script.splitlines()
     assert not any(line.startswith("#SBATCH --gpus") for line in script.splitlines())  # CPU job: no GPU request
-    assert "export GLOO_SOCKET_IFNAME=lo" in script.splitlines()
+    assert "export NCCL_IB_DISABLE=1" in script.splitlines()
+    assert "SOCKET_IFNAME" not in script  # gloo uses the node's hostname: right on one node and across nodes
 
 
 def test_setup_order_unset_then_user_lines_then_env():

@@ -1,17 +1,26 @@
-"""Real training on the real SLURM dev cluster through the real CLI (issue 4's acceptance).
+"""Real training on the real SLURM dev cluster through the real CLI (issues 4 and 10's acceptance).
 
 `python -m orchestrator +experiment=gpt_pp2_dp2 cluster=slurm_dev ...` submits through submitit's
-sbatch to the single-node cluster of launch/ (`launch/slurm-dev-up.sh`, as root) and waits; no
-mocks. Skipped, with the reason, when `sinfo` does not answer. Every wait is bounded.
+sbatch to the dev cluster of launch/ (`launch/slurm-dev-up.sh`, as root: two nodes, node1 and
+node2, each slurmd in its own network + UTS namespace) and waits; no mocks. Skipped, with the
+reason, when `sinfo` does not answer; the tests that span nodes also when it has fewer than two
+nodes (`slurm-dev-up.sh --single`). Every wait is bounded.
 
-* 4 tasks through sbatch/srun train, checkpoint, report success with the job id; losses equal the
-  local run of the same config (1e-5 relative).
-* A time limit shorter than the training (`--time=2 --signal=USR2@30`): USR2 -> save -> `scontrol
-  requeue` -> SLURM restarts the job -> it resumes through the manifest check -> finishes; the
-  launcher waits through the requeue and reports success; losses, including those after each
-  resume point, equal an uninterrupted local run (1e-5 relative).
+* PP=2 x DP=2 across two nodes (`cluster.nodes=2 cluster.tasks_per_node=2`): 4 tasks through
+  sbatch/srun train, checkpoint, report success with the job id; the recorded hosts put pipeline
+  stage 0 (ranks 0,1) on one node and stage 1 (ranks 2,3) on the other; losses equal the local run
+  of the same config (1e-5 relative). The same run has a time limit shorter than the training
+  (`--time=2 --signal=USR2@30`): USR2 -> save -> `scontrol requeue` -> SLURM restarts the job -> it
+  resumes through the manifest check -> finishes; the launcher waits through the requeue and
+  reports success; losses, including those after each resume point, equal an uninterrupted local
+  run (1e-5 relative).
+* A node lost mid-run (every process of the job on the node of stage 1 killed): the attempt ends
+  within 60 s, the launcher names the node and the ranks, the job requeues itself
+  (`cluster.max_failures`), resumes from the last complete checkpoint and finishes with the losses
+  of an uninterrupted run (1e-5 relative); both nodes are usable afterwards.
 * scancel while the launcher waits: reported as cancelled (non-zero exit) within 60 s.
-* A rank killed with SIGKILL: the launcher reports it and the job ends instead of hanging.
+* A rank killed with SIGKILL (`cluster.max_failures=0`): the launcher reports it and the job ends
+  instead of hanging.
 * `python -m orchestrator status` lists each run with its state, requeues, last iteration and loss.
 
 Time (2 cores): SLURM sends `--signal=USR2@30` of a 2-minute job 60-90 s after it starts
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,10 +50,18 @@ from conftest import REPO, losses_by_iteration, read_metrics, slurm_unavailable_
 from orchestrator.ckpt import history
 from orchestrator.submit import jobs, sbatch, status
 
-
-
-
 _REASON = slurm_unavailable_reason()
+
+
+def _dev_nodes() -> List[str]:
+    """The nodes of partition ``dev`` (none when SLURM does not answer)."""
+    if _REASON:
+        return []
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "dev", "-o", "%N"], capture_output=True, text=True, timeout=30)
+    return sorted(set(out.stdout.split())) if out.returncode == 0 else []
+
+
+_NODES = _dev_nodes()
 
 
 def needs_slurm(test):
@@ -52,7 +70,17 @@ def needs_slurm(test):
     return pytest.mark.slurm(pytest.mark.slow(test))
 
 
-SMALL = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.log_interval=1"]
+def needs_two_nodes(test):
+    """:func:`needs_slurm`, and skipped, with the reason, on a dev cluster of one node."""
+    test = pytest.mark.skipif(not _REASON and len(_NODES) < 2,
+                              reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job across nodes "
+                                     "needs 2 (launch/slurm-dev-up.sh without --single)")(test)
+    return needs_slurm(test)
+
+
+SMALL = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters=0"]
+ACROSS_NODES = ["cluster.nodes=2", "cluster.tasks_per_node=2"]
+"""PP=2 x DP=2 on two nodes of the dev cluster, two tasks on each."""
 REL = 1e-5
 
 
@@ -168,6 +196,93 @@ def rank_process(run_dir: Path, rank: int):
     return None
 
 
+def job_nodes(job_id: str) -> List[str]:
+    """The hosts SLURM allocated to ``job_id``, in node-list order (``scontrol show hostnames``)."""
+    fields = jobs.parse_scontrol_job(subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                                                    text=True, timeout=30).stdout)
+    out = subprocess.run(["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout.split()
+
+
+def job_processes(job_id: str, node: Optional[str] = None) -> list:
+    """Every process of SLURM job ``job_id`` (its tasks and their children: the environment names the
+    job), on ``node`` only when given. SLURM's own daemons (slurmstepd) do not carry it."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["name"]):
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get("SLURM_JOB_ID") == job_id and (node is None or env.get("SLURMD_NODENAME") == node) \
+                and not (p.info["name"] or "").startswith("slurmstepd"):
+            found.append(p)
+    return found
+
+
+def pipeline_stages(tp: int, pp: int, dp: int) -> Dict[int, int]:
+    """Global rank -> pipeline stage, from megatron-core's own rank generator (default order
+    ``tp-cp-ep-dp-pp``, as ``initialize_model_parallel`` uses it)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    groups = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp").get_ranks("pp")
+    return {rank: stage for group in groups for stage, rank in enumerate(group)}
+
+
+def last_summary(run_dir: Path) -> dict:
+    return events(run_dir, "summary")[-1]
+
+
+def assert_stages_on_two_nodes(run_dir: Path, job_id: str, iteration: int) -> List[str]:
+    """Stage 0 (ranks 0,1) on one node, stage 1 (ranks 2,3) on the other, read from the hosts the job
+    recorded (summary, manifest) and checked against SLURM's allocation; returns the hosts by rank."""
+    summary = last_summary(run_dir)
+    hosts = summary["hosts"]
+    assert len(hosts) == 4, summary
+    manifest = json.loads((run_dir / "checkpoints" / f"iter_{iteration:07d}" / "manifest.json").read_text())
+    assert manifest["hosts"] == hosts and manifest["host"] == hosts[0], (manifest.get("hosts"), hosts)
+    stages = pipeline_stages(tp=1, pp=2, dp=2)
+    by_stage = {s: {hosts[r] for r in range(4) if stages[r] == s} for s in (0, 1)}
+    assert [r for r in range(4) if stages[r] == 0] == [0, 1], stages
+    assert len(by_stage[0]) == len(by_stage[1]) == 1 and by_stage[0] != by_stage[1], (hosts, stages)
+    assert hosts == [job_nodes(job_id)[0]] * 2 + [job_nodes(job_id)[1]] * 2, (hosts, job_nodes(job_id))
+    # The rank that logs the loss sits on the last stage, and recorded its own host.
+    assert summary["logging_rank"] and stages[summary["rank"]] == 1 and summary["host"] == hosts[summary["rank"]]
+    return hosts
+
+
+def nodes_not_up() -> List[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "dev", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
+    return [line.split()[0] for line in out.stdout.splitlines()
+            if line.split()[1].rstrip("*~#!%$@^-") not in ("idle", "mix", "alloc", "comp")]
+
+
+@pytest.fixture
+def nodes_back():
+    """After the test: every node of the dev cluster usable again (a node set down or drained is
+    resumed; a dead slurmd is restarted by launch/slurm-dev-up.sh, which is idempotent)."""
+    yield
+    down = nodes_not_up()
+    if down:
+        subprocess.run(["scontrol", "update", f"NodeName={','.join(down)}", "State=RESUME"], timeout=30)
+        if not wait_until_quiet(lambda: not nodes_not_up(), 20):
+            subprocess.run(["bash", str(REPO / "launch" / "slurm-dev-up.sh")], timeout=120)
+    assert not nodes_not_up(), subprocess.run(["sinfo", "-N"], capture_output=True, text=True).stdout
+
+
+def wait_until_quiet(predicate, timeout_s: float, poll_s: float = 0.5):
+    """``predicate()``'s first true value within ``timeout_s``, else its last (false) value; no error."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return predicate()
+
+
 # ---- the srun line (no cluster needed) ---------------------------------------------------------
 
 def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
@@ -195,13 +310,14 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
 TIME_LIMIT_ITERS = 200
 
 
-@needs_slurm
-def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, cache_dir):
-    """The acceptance run on the dev cluster: 4 tasks through sbatch/srun, checkpoints, success with
-    the job id, and, with --time=2 --signal=USR2@30: signal -> save -> requeue -> resume (manifest
-    check in the job) -> finish; the launcher waits through the requeue and reports success; every
-    loss, before and after each resume point, equals an uninterrupted local run of the same config.
-    (One run covers both acceptance checks of issue 4: the suite must stay under 15 minutes.)"""
+@needs_two_nodes
+def test_slurm_run_across_nodes_with_time_limit_requeues_resumes_and_matches_local(tmp_path, cache_dir):
+    """The acceptance run on the dev cluster: PP=2 x DP=2 as 4 tasks on 2 nodes through sbatch/srun,
+    stage 0 and stage 1 on different nodes (recorded hosts), checkpoints, success with the job id,
+    and, with --time=2 --signal=USR2@30: signal -> save -> requeue -> resume (manifest check in the
+    job) -> finish; the launcher waits through the requeue and reports success; every loss, before
+    and after each resume point, equals an uninterrupted local run of the same config. (One run
+    covers issue 4's two checks and issue 10's job across nodes: the suite must stay under 15 min.)"""
     n = TIME_LIMIT_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", "checkpoint.save_interval=null"]
     run_dir = tmp_path / "slurm"
@@ -211,7 +327,7 @@ def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, 
     cli = None
     try:
         wait_until(lambda: iterations_done(tmp_path / "local") >= 1, 240, "the reference run to train", ref)
-        cli = Cli(common + ["cluster=slurm_dev", "run.name=slurm", "cluster.timeout_min=2",
+        cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.timeout_min=2",
                             "cluster.signal_delay_s=30", "cluster.max_num_timeout=3"], cache_dir, tmp_path / "logs")
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         assert ref.wait(400) == 0, ref.describe()
@@ -237,15 +353,19 @@ def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, 
     assert [r["restart_count"] for r in requeued] == list(range(len(stops))), requeued
     assert all(r["job_id"] == job_id and r["signal"] == "SIGUSR2" for r in requeued), requeued
 
-    # SLURM ran it as 4 tasks of one job (sbatch + srun), each rank leaving a success result.
+    # SLURM ran it as 4 tasks of one job on 2 nodes (sbatch + srun), each rank leaving a success result.
     folder = run_dir / "submitit"
     for rank in range(4):
         assert (folder / f"{job_id}_{rank}_result.pkl").exists()
         assert f"global_rank={rank}(4)" in (folder / f"{job_id}_{rank}_log.out").read_text()
     script = (folder / f"{job_id}_submission.sh").read_text()
-    assert "#SBATCH --ntasks-per-node=4" in script and "#SBATCH --partition=dev" in script
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
+    assert "#SBATCH --partition=dev" in script
+    assert "SOCKET_IFNAME" not in script  # gloo binds to the address of the node's hostname
+    hosts = assert_stages_on_two_nodes(run_dir, job_id, n)
+    print(f"hosts by rank: {hosts}")
     assert sbatch.srun_line(script).startswith("srun ")
-    assert f"submitted job {job_id} (slurm, 4 tasks)" in out, out
+    assert f"submitted job {job_id} (slurm): starting 4 ranks" in out, out
     assert json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["iteration"] == n
 
     # Each stop saved a checkpoint (manifest last) and the next allocation resumed from it.
@@ -289,6 +409,121 @@ def test_slurm_run_with_time_limit_requeues_resumes_and_matches_local(tmp_path, 
     assert f"job {job_id} attempt {len(stops)} " in listing and f"completed  iteration {n}" in listing, listing
 
 
+# The node-loss run: short (gpt_tiny, 20 iterations) with a checkpoint every 5; the node goes after
+# the first checkpoint, so the requeued attempt resumes from a checkpoint and retrains a few iterations.
+NODE_LOSS_ITERS, NODE_LOSS_SAVE = 20, 5
+
+
+def complete_checkpoints(run_dir: Path) -> List[int]:
+    """Iterations of the run's complete checkpoints (the manifest is written last)."""
+    return sorted(int(p.parent.name[len("iter_"):]) for p in (run_dir / "checkpoints").glob("iter_*/manifest.json"))
+
+
+def _is_task(proc) -> bool:
+    """A SLURM task of ours (not one of its children, which share its environment)."""
+    try:
+        return "submitit.core._submit" in " ".join(proc.cmdline())
+    except Exception:  # gone
+        return False
+
+
+def srun_killed(text: str, node: str) -> List[int]:
+    """The tasks srun reported killed on ``node`` (``srun: error: node2: tasks 2-3: Killed``, or one
+    line per task)."""
+    killed: List[int] = []
+    for spec in re.findall(rf"^srun: error: {re.escape(node)}: tasks? ([0-9,-]+): Killed$", text, re.M):
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            killed += range(int(lo), int(hi or lo) + 1)
+    return sorted(killed)
+
+
+@needs_two_nodes
+def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes(tmp_path, cache_dir, nodes_back):
+    """Issue 10 item 3. PP=2 x DP=2 on two nodes; after the first checkpoint, every process of the job
+    on the node of pipeline stage 1 dies at once (its ranks and their children are frozen, then
+    SIGKILLed: what a node crash does to the job; SLURM's own daemons stay, so the node is usable
+    afterwards and srun can report the tasks). The attempt ends within 60 s with a launcher message naming that node and
+    those ranks; the job requeues itself (cluster.max_failures=1 of slurm_dev), resumes from the last
+    complete checkpoint and finishes; every loss, of both attempts, equals an uninterrupted local run."""
+    n = NODE_LOSS_ITERS
+    common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={NODE_LOSS_SAVE}"]
+    run_dir, local_dir = tmp_path / "slurm", tmp_path / "local"
+    # The uninterrupted reference runs while the SLURM job starts up and trains (2 cores: time, not CPU, is short).
+    ref = Cli(common + ["cluster=local", "run.name=local"], cache_dir, tmp_path / "logs_local")
+    cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm"], cache_dir, tmp_path / "logs")
+    job_id = None
+    try:
+        job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
+        wait_until(lambda: iterations_done(run_dir) >= 1, 300, "training on SLURM", cli)
+        tasks = {int(p.environ()["SLURM_PROCID"]): p for p in job_processes(job_id) if _is_task(p)}
+        node = tasks[2].environ()["SLURMD_NODENAME"]  # where rank 2 (pipeline stage 1) runs
+        ranks = sorted(r for r, p in tasks.items() if p.environ()["SLURMD_NODENAME"] == node)
+        wait_until(lambda: NODE_LOSS_SAVE in complete_checkpoints(run_dir) and iterations_done(run_dir) > NODE_LOSS_SAVE,
+                   300, f"the checkpoint at iteration {NODE_LOSS_SAVE}", cli, poll_s=0.1)
+        # The tasks and their children (megatron's checkpoint writer starts a process per rank).
+        victims = [q for r in ranks for q in [tasks[r], *tasks[r].children(recursive=True)]]
+        reached = iterations_done(run_dir)
+        t0 = time.monotonic()
+        # All at once, as when a node dies: frozen first (a rank killed a moment before its peer on the
+        # same node would let that peer see the broken connection and act on it), then killed.
+        for p in victims:
+            p.suspend()
+        for p in victims:
+            p.kill()
+        said = wait_until(lambda: "requeued after a failure" in cli.stdout and cli.stdout, 60,
+                          f"the launcher to report the loss of {node}", cli, poll_s=0.2)
+        elapsed = time.monotonic() - t0
+        complete_at_loss = complete_checkpoints(run_dir)
+        print(f"killed ranks {ranks} on {node} at iteration >= {reached}; the launcher reported it after "
+              f"{elapsed:.1f} s; complete checkpoints then: {complete_at_loss}")
+        assert ref.wait(400) == 0, ref.describe()
+        assert cli.wait(400) == 0, cli.describe()
+        print(f"requeued attempt finished {time.monotonic() - t0:.1f} s after the kill")
+    finally:
+        ref.kill()
+        cli.kill()  # cancels the job if it still runs
+        if job_id is not None:
+            end = wait_until_quiet(lambda: (s := jobs.slurm_job_status(job_id)) and s.ended and s, 60)
+            leftovers = job_processes(job_id)
+            for p in leftovers:  # nothing of the job may outlive the test (pids of this job only)
+                p.kill()
+    out = cli.stdout
+    assert ranks == [2, 3], (ranks, node)
+    assert not leftovers, leftovers
+
+    # The message: the node and the ranks that died (srun's line), and the requeue.
+    assert f"[orchestrator] job {job_id} failed: " in said, said
+    assert srun_killed(said, node) == ranks, said
+    assert f"job {job_id} requeued after a failure (cluster.max_failures=1)" in said, said
+    assert elapsed < 60, elapsed
+
+    # The next attempt resumed from the last complete checkpoint and finished.
+    resume_at = max(complete_at_loss)
+    assert NODE_LOSS_SAVE <= resume_at <= reached, (complete_at_loss, reached)
+    ckpt = run_dir / "checkpoints" / f"iter_{resume_at:07d}"
+    log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
+    assert f"resumed from {ckpt} at iteration {resume_at}" in log, log[-3000:]
+    assert f"completed: iteration {n} |" in out and out.rstrip().endswith(f"| job {job_id}"), out
+    assert end and end.state == "completed" and end.restarts == 1, end
+    attempts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
+    assert [(a.attempt, a.cause) for a in attempts] == [(0, "crashed"), (1, "completed")], attempts
+    assert attempts[1].start_iteration == resume_at and attempts[1].iteration == n, attempts
+
+    # Every loss of both attempts (the retrained iterations too) equals the uninterrupted run's.
+    local = losses_by_iteration(local_dir)
+    records = read_metrics(run_dir)
+    its = [r["iteration"] for r in records]
+    cut = next((i for i in range(1, len(its)) if its[i] <= its[i - 1]), resume_at)  # where attempt 1 starts
+    assert its[:cut] == list(range(1, cut + 1)) and cut >= resume_at, its
+    assert its[cut:] == list(range(resume_at + 1, n + 1)), its
+    for rec in records:
+        it = rec["iteration"]
+        assert abs(rec["lm_loss"] - local[it]) <= REL * abs(local[it]), (it, rec["lm_loss"], local[it])
+    hosts = assert_stages_on_two_nodes(run_dir, job_id, n)
+    assert hosts[2] == hosts[3] == node, (hosts, node)
+
+
 @needs_slurm
 def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):
     run_dir = tmp_path / "slurm"
@@ -317,10 +552,11 @@ def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):
 @needs_slurm
 def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     """SIGKILL one rank (what the OOM killer does): no result file from it; srun ends the step
-    (--kill-on-bad-exit=1), the launcher reports the failure, the job does not hang."""
+    (--kill-on-bad-exit=1), the launcher reports the failure, the job does not hang. Without
+    failure retries (cluster.max_failures=0: the retry is the node-loss test's)."""
     run_dir = tmp_path / "slurm"
     cli = Cli(SMALL + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster=slurm_dev",
-                       "run.name=slurm"], cache_dir, tmp_path / "logs")
+                       "cluster.max_failures=0", "run.name=slurm"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -368,3 +604,45 @@ def test_usr2_during_teardown_after_training_does_not_kill_the_task(tmp_path):
     assert plain.returncode == -signal.SIGUSR2  # the failure mode, reproduced
     done = subprocess.run([sys.executable, str(script), "done"], cwd=REPO, env=env, timeout=60)
     assert done.returncode == 0
+
+
+# ---- the stop signals reach the rank's children too (no cluster needed) -------------------------
+
+_WRITER_QUEUE = r'''
+import os, signal, time
+if __name__ == "__main__":  # the Manager is spawned: it imports this file again (keep that cheap)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    from orchestrator.runtime import checkpoint
+    signal.signal(signal.SIGUSR2, lambda *a: print("rank handler ran", flush=True))  # the rank's StopRequest
+    for mode in ("plain", "shielded"):
+        fsa._results_queue = None
+        if mode == "shielded":
+            checkpoint.start_writer_queue()
+        queue = fsa._get_write_results_queue()  # what megatron's torch_dist writer uses at every save
+        for sig in (signal.SIGUSR2, signal.SIGTERM):  # what SLURM sends every process of the step
+            os.kill(queue._manager._process.pid, sig)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(1)
+        try:
+            queue.put("saved")
+            print(mode, "queue:", queue.get(timeout=10), flush=True)
+        except Exception as exc:
+            print(mode, "queue broken:", type(exc).__name__, flush=True)
+        os.kill(queue._manager._process.pid, signal.SIGKILL)  # shielded, it ignores the stop signals
+'''
+
+
+def test_checkpoint_writer_survives_the_stop_signals(tmp_path):
+    """Seen on the dev cluster: SLURM's time-limit USR2 (and scancel's SIGTERM) reach every process of
+    the step, megatron's checkpoint writer keeps its results in a multiprocessing Manager (a spawned
+    process, default dispositions) that died of it, and the next save failed (EOFError). Started
+    through the runtime it survives both, and the rank's own handler still runs."""
+    script = tmp_path / "writer_queue.py"
+    script.write_text(_WRITER_QUEUE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    with open(tmp_path / "out.txt", "w") as f:  # a file: a stray Manager cannot hold a pipe open
+        subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, stdout=f, stderr=subprocess.DEVNULL,
+                       timeout=120)
+    out = (tmp_path / "out.txt").read_text()
+    assert "plain queue broken:" in out, out  # the failure mode, reproduced
+    assert "shielded queue: saved" in out and out.count("rank handler ran") == 2, out

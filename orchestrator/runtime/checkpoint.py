@@ -102,6 +102,7 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
     state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state))
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"iteration": iteration, "consumed_samples": consumed_samples}
+    start_writer_queue()
     with _Watchdog(cfg.checkpoint.save_timeout_s, f"checkpoint save to {path}"):
         dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
@@ -111,6 +112,20 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
         manifest_fn(path)
     torch.distributed.barrier()
     return path
+
+
+def start_writer_queue() -> None:
+    """Start megatron's checkpoint-writer results queue (a multiprocessing Manager: a process spawned
+    at the first save and kept for the next ones) shielded from the stop signals, see
+    :func:`orchestrator.runtime.preempt.with_stop_signals_shielded`. Idempotent."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    except ImportError:  # pragma: no cover - a megatron-core without it: nothing to shield
+        return
+    if getattr(fsa, "_results_queue", None) is None and hasattr(fsa, "_get_write_results_queue"):
+        from orchestrator.runtime.preempt import with_stop_signals_shielded
+
+        with_stop_signals_shielded(fsa._get_write_results_queue)
 
 
 def _hash_in_parallel(path: Path) -> None:

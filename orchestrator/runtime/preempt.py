@@ -169,6 +169,29 @@ def _ignore_sigterm() -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def with_stop_signals_shielded(start: Any) -> Any:
+    """``start()`` such that a process it spawns ignores USR2, SIGTERM and SIGINT for good, while this
+    rank loses none of them. SLURM delivers the time-limit USR2 and scancel's SIGTERM to every
+    process of the step, and a spawned helper starts with default dispositions: megatron's
+    checkpoint-writer Manager died of USR2 and the next save failed with EOFError.
+
+    The signals are blocked, then set to SIG_IGN (an ignored disposition survives exec; a spawned
+    Python unblocks SIGINT/SIGTERM at start-up); after ``start()`` this rank's handlers come back
+    first, then the mask, so a signal that arrived meanwhile (kept pending: Linux never discards a
+    blocked signal) reaches the handler. Main thread only; elsewhere ``start()`` runs unshielded."""
+    if threading.current_thread() is not threading.main_thread():
+        return start()
+    stops = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(stops))
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stops}
+    try:
+        return start()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
     """``scontrol requeue job_id``: (requeued?, problem).
 
