@@ -6,7 +6,9 @@ In one bench run, on this machine (gpt_tiny, 4 CPU ranks, GBS 16, mock data, sho
    stored, so every candidate of the space runs (>= 12 candidates);
 2. ``tune`` itself, from an empty profile cache (uncalibrated prior), with its default stop rules and
    ``tune.max_trials`` = a third of the grid;
-3. a 1-rank run (``parallelism=none``) so every shipped parallelism option has a memory figure.
+3. a 1-rank run (``parallelism=none``) so every shipped parallelism option has a memory figure;
+4. when tune's winner is not the grid's best: both re-measured back to back, alternating, twice each
+   (the grid and tune run minutes apart; on a shared machine the load moves in between).
 
 Then it prints: tune's winner and its tokens/s in the grid vs the grid's best (within 5%?), trials
 run vs grid size (<= 1/3?), the calibrated (from tune's trials only) predicted peak memory per rank
@@ -112,6 +114,9 @@ def report(root: Path) -> int:
     print(f"grid best {dict((key_of(p), p['tune']['label']) for p in grid)[best_key]}: {measured[best_key]:,.0f} tokens/s; "
           f"tune's winner reaches {ratio:.1%} of it in the grid ({'within' if ratio >= 0.95 else 'NOT within'} 5%); "
           f"its own trial: {tokens_per_s(winner) / measured[best_key]:.1%}")
+    confirm_dir = root / "confirm"
+    if key_of(winner) != best_key and confirm_dir.is_dir():
+        print_confirmation(confirm_dir, winner, next(p for p in grid if key_of(p) == best_key))
     if profile is None:
         print("no calibrated profile was stored by tune")
         return 1
@@ -119,6 +124,41 @@ def report(root: Path) -> int:
     print_memory(grid + single, profile)
     print_tau(grid, profile)
     return 0
+
+
+def confirm(root: Path, a: dict, b: dict, iters: int, rounds: int = 2) -> None:
+    """Re-measure two candidates back to back, alternating (a b a b): load drift between the grid and
+    tune (minutes apart on a shared machine) moves a median by more than 5%."""
+    from orchestrator.sweep.search import TuneConfig
+    from orchestrator.sweep.tune import run_cli, trial_overrides
+
+    opts = TuneConfig(iters=iters, warmup_iters=2)
+    for i in range(rounds):
+        for tag, p in (("winner", a), ("grid_best", b)):
+            num = f"{tag}_{i}"
+            common = [o for o in trial_overrides(opts, root / "confirm", 0) if not o.startswith("run.name=")]
+            run_cli([*BASE, *p["overrides"], *common, f"run.name={num}"],
+                    root / "confirm" / f"{num}.log", 900)
+            print(f"  confirm {num}: {p['tune']['label']}; load {load()}", flush=True)
+
+
+def print_confirmation(confirm_dir: Path, winner: dict, best: dict) -> None:
+    import statistics
+
+    def speeds(tag: str, point: dict) -> List[float]:
+        out = []
+        for d in sorted(p for p in confirm_dir.glob(f"{tag}_*") if p.is_dir()):
+            s = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if '"summary"' in l]
+            if s and s[-1].get("step_time_median_s"):
+                out.append(point["layout"]["tokens_per_step"] / s[-1]["step_time_median_s"])
+        return out
+
+    w, g = speeds("winner", winner), speeds("grid_best", best)
+    if w and g:
+        ratio = statistics.median(w) / statistics.median(g)
+        print(f"re-measured back to back ({len(w)} + {len(g)} runs, alternating): winner "
+              f"{', '.join(f'{x:,.0f}' for x in w)} vs grid best {', '.join(f'{x:,.0f}' for x in g)} tokens/s: "
+              f"{ratio:.1%} ({'within' if ratio >= 0.95 else 'NOT within'} 5%)")
 
 
 def _cfg_of(point: dict):
@@ -175,7 +215,8 @@ def main() -> int:
     ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--iters", type=int, default=8, help="training iterations per trial (<= 10)")
     ap.add_argument("--report", default=None, help="only print the report of an earlier run's directory")
-    ap.add_argument("--only", choices=("tuned", "grid", "single"), action="append", help="run only these parts")
+    ap.add_argument("--only", choices=("tuned", "grid", "single", "confirm"), action="append",
+                    help="run only these parts")
     args = ap.parse_args()
     if args.report:
         return report(Path(args.report))
@@ -197,6 +238,13 @@ def main() -> int:
     for name in ("tuned", "grid", "single"):  # tune first: it starts from an empty profile cache
         if name in parts:
             tune_cli([*runs[name], f"tune.out={root / (name + '.yaml')}"], root / f"cache_{name}", root / f"{name}.log")
+    grid = points(root / "grid" / "tune" / "grid")
+    tuned = [p for p in points(root / "tuned" / "tune" / "tuned") if tokens_per_s(p)]
+    if ("confirm" in parts or not args.only) and grid and tuned:
+        best = max((p for p in grid if tokens_per_s(p)), key=tokens_per_s)
+        winner = max(tuned, key=tokens_per_s)
+        if key_of(best) != key_of(winner):
+            confirm(root, winner, best, args.iters)
     return report(root)
 
 
