@@ -110,7 +110,7 @@ def _array_flags(text: str):
 
 
 def test_multinode_example_converts_with_no_flag_dropped_silently(capsys, tmp_path):
-    from orchestrator.convert.sources import read_source
+    from orchestrator.convert.read import read_source
     from orchestrator.convert.to_config import convert
 
     text = (FIX / "gpt_multinode.sh").read_text()
@@ -139,7 +139,7 @@ def test_multinode_example_converts_with_no_flag_dropped_silently(capsys, tmp_pa
 
 
 def test_shell_reading_variables_arrays_arithmetic_and_vars(tmp_path):
-    from orchestrator.convert.sources import read_source
+    from orchestrator.convert.read import read_source
 
     script = tmp_path / "launch.sh"
     script.write_text(
@@ -156,7 +156,7 @@ def test_shell_reading_variables_arrays_arithmetic_and_vars(tmp_path):
 
 
 def test_json_args_with_underscored_names(tmp_path):
-    from orchestrator.convert.sources import read_source
+    from orchestrator.convert.read import read_source
     from orchestrator.convert.to_config import convert
 
     path = tmp_path / "args.json"

@@ -117,7 +117,7 @@ def _show_plan(cfg, layout, vocab_size: Optional[int]) -> None:
 def from_megatron(args) -> int:
     """Import, write, then compose + validate + plan at once (see the module docstring)."""
     from orchestrator.convert import experiment_file
-    from orchestrator.convert.sources import read_source
+    from orchestrator.convert.read import read_source
     from orchestrator.convert.to_config import convert
 
     source = read_source(args.file, _variables(args.var))

@@ -16,7 +16,7 @@ from typing import Dict
 
 from orchestrator.convert import megatron_args as M
 from orchestrator.convert.sources import Arg
-from orchestrator.convert.to_config import Conversion, fail, number
+from orchestrator.convert.conversion import Conversion, fail, number
 
 VPP_KEY = "parallelism.virtual_pipeline_model_parallel_size"
 

@@ -17,10 +17,7 @@ needs to come back exactly. Pure Python.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
@@ -72,44 +69,6 @@ class Source:
     setup: List[str] = field(default_factory=list)
     orchestrator: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-
-
-def read_source(path: str, variables: Optional[Dict[str, str]] = None) -> Source:
-    """Read ``path`` (shell script, ``.yaml``/``.yml`` or ``.json``); raises ConfigError if unreadable."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"FILE: cannot read {path}: {exc.strerror}; fix: give a readable Megatron-LM "
-                          "script, args YAML or JSON") from None
-    suffix = p.suffix.lower()
-    if suffix == ".json":
-        try:
-            return from_mapping(json.loads(text), path, "JSON")
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"FILE: {path} is not JSON ({exc.msg}, line {exc.lineno}); "
-                              "fix: repair the file") from None
-    if suffix in (".yaml", ".yml") or (suffix not in (".sh", ".bash", ".slurm", ".sbatch") and _looks_like_yaml(text)):
-        import yaml
-
-        try:
-            return from_mapping(yaml.safe_load(text) or {}, path, "YAML")
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"FILE: {path} is not YAML ({str(exc).splitlines()[0]}); fix: repair the file") from None
-    from orchestrator.convert.shell import parse_shell
-
-    return parse_shell(text, path, variables or {})
-
-
-def _looks_like_yaml(text: str) -> bool:
-    if re.search(r"(^|\s)--[a-z]", text):
-        return False
-    try:
-        import yaml
-
-        return isinstance(yaml.safe_load(text), dict)
-    except Exception:  # noqa: BLE001 - not YAML: read as shell
-        return False
 
 
 def _scalar(value) -> str:
