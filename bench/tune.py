@@ -111,7 +111,8 @@ def report(root: Path) -> int:
           f"winner {winner['tune']['label']}: {tokens_per_s(winner):,.0f} tokens/s in its trial, "
           f"{in_grid or 0:,.0f} in the grid")
     ratio = (in_grid or 0) / measured[best_key]
-    print(f"grid best {dict((key_of(p), p['tune']['label']) for p in grid)[best_key]}: {measured[best_key]:,.0f} tokens/s; "
+    best_label = next(p["tune"]["label"] for p in grid if key_of(p) == best_key)
+    print(f"grid best {best_label}: {measured[best_key]:,.0f} tokens/s; "
           f"tune's winner reaches {ratio:.1%} of it in the grid ({'within' if ratio >= 0.95 else 'NOT within'} 5%); "
           f"its own trial: {tokens_per_s(winner) / measured[best_key]:.1%}")
     confirm_dir = root / "confirm"

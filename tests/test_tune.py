@@ -70,7 +70,7 @@ def tuned(tmp_path_factory, cache_dir):
 
 @pytest.mark.slow
 def test_crashed_trial_is_recorded_and_its_options_ruled_out(tuned):
-    proc, _, _, _, tune_dir, cands, rows = tuned
+    proc, _, _, _, tune_dir, _, rows = tuned
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Same predicted step time, less memory: sequence parallel runs first, and crashes in the ranks.
     first = json.loads((tune_dir / "0" / "point.json").read_text())
@@ -85,7 +85,7 @@ def test_crashed_trial_is_recorded_and_its_options_ruled_out(tuned):
 
 @pytest.mark.slow
 def test_candidates_over_the_memory_limit_never_run(tuned):
-    proc, _, _, _, _, cands, rows = tuned
+    proc, _, _, _, _, cands, _ = tuned
     pruned = [c for c in cands if c["status"] == "pruned_memory"]
     assert pruned and all("MBS8" in c["candidate"] and c["trial"] == "" for c in pruned)
     assert all("MBS4" in c["candidate"] for c in cands if c["trial"] != "")
@@ -111,7 +111,7 @@ def test_table_has_predicted_and_measured_step_time_and_memory(tuned):
 
 @pytest.mark.slow
 def test_winner_experiment_file_composes_and_validates(tuned):
-    _, root, conf, out, _, _, _ = tuned
+    _, _, conf, out, _, _, _ = tuned
     text = out.read_text()
     assert text.startswith("# @package _global_\n# Tuned by `python -m orchestrator tune")
     assert "Winner (trial 1): TP2 PP1 DP1 MBS4" in text and "failed: TP2 PP1 DP1 MBS4 SP" in text
@@ -125,7 +125,7 @@ def test_winner_experiment_file_composes_and_validates(tuned):
 
 @pytest.mark.slow
 def test_trials_calibrate_the_device_profile(tuned):
-    _, root, _, _, _, _, rows = tuned
+    _, root, _, _, _, _, _ = tuned
     profile = load_profile(device_key("cpu"), str(root / "cache"))
     assert profile is not None and profile.calibrated
     assert profile.fit["time_samples"] == 1 and profile.fit["memory_samples"] == 2  # one completed trial, 2 ranks

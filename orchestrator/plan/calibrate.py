@@ -173,8 +173,8 @@ def fit_stats(profile: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> Dict
 
 
 def fit_profile(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> DeviceProfile:
-    """The profile fitted to ``samples`` (the newest :data:`MAX_SAMPLES`; other :data:`PROFILE_VERSION`\ s
-    dropped), regularised towards ``prior``'s constants: a deterministic function of the two, so
+    """The profile fitted to ``samples`` (the newest :data:`MAX_SAMPLES`; samples of another
+    :data:`PROFILE_VERSION` dropped), regularised towards ``prior``'s constants: a deterministic function of the two, so
     refitting the stored samples with :func:`~orchestrator.plan.profile.prior_profile` reproduces it."""
     kept = [s for s in samples if s.get("version") == PROFILE_VERSION][-MAX_SAMPLES:]
     overhead, sf, af = _fit_memory(prior, kept)
