@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-import numpy as np
 
 from orchestrator.errors import DataError
 from orchestrator.runtime.corpus import fingerprint_files, prepare_source, stdlib_documents

@@ -1,6 +1,6 @@
 """How a waited-on job ended, in one line: what the job recorded, else what its ranks raised.
 
-The launcher (:func:`orchestrator.submit.executor.wait`) asks here before it words a failure:
+The launcher (:func:`orchestrator.submit.wait.wait`) asks here before it words a failure:
 
 * :func:`known_failure` — the job's own account: the ``attempt_ended`` record of its latest attempt
   (a NaN stop, a declared hang, with the one-line message the job wrote), else the message of an

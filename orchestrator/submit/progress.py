@@ -1,6 +1,6 @@
 """What a person watching the launcher sees: the job's phases, a progress bar, evaluations, where to look.
 
-:class:`Progress` is polled by :func:`orchestrator.submit.executor.wait` while a job runs; it reads
+:class:`Progress` is polled by :func:`orchestrator.submit.wait.wait` while a job runs; it reads
 two growing files and keeps no other state: ``<run.dir>/metrics.jsonl`` (training records and the
 ``start``/``eval``/``summary`` events the logging rank writes, :mod:`orchestrator.runtime.metrics`)
 and rank 0's log (its ``[orchestrator] ...`` phase lines). :func:`final_lines` names the run

@@ -226,7 +226,8 @@ def _wait_submitted(point: Point, cfg: Any, world_size: int, job_id: str) -> Non
     """Wait (bounded, as a single run's wait) for one SLURM point's job and record how it ended."""
     import submitit
 
-    from orchestrator.submit.executor import SUBMITIT_DIR, wait
+    from orchestrator.ckpt.rundir import SUBMITIT_DIR
+    from orchestrator.submit.wait import wait
 
     record = json.loads((point.run_dir / POINT_FILE).read_text())
     job = submitit.SlurmJob(folder=point.run_dir / SUBMITIT_DIR, job_id=job_id, tasks=tuple(range(world_size)))

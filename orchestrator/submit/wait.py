@@ -1,0 +1,381 @@
+"""Watching a submitted job until it ends: :func:`wait` and :func:`cancel`.
+
+:func:`wait` reads each task's submitit result file, cancels the whole job as soon as one rank
+fails (the others would otherwise block in a collective until the process-group timeout), and
+bounds every wait by the job's time limit plus a margin. On SLURM the job's state comes from
+``scontrol`` (accounting may be absent, and submitit polls sacct rarely), so a job cancelled
+outside our control is reported, not waited on forever. No torch import.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from orchestrator.errors import JobFailedError
+from orchestrator.spec.schema import JobConfig
+from orchestrator.submit.progress import Progress
+
+
+def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
+    if not path.exists():
+        return None
+    from submitit.core.utils import pickle_load
+
+    try:
+        return pickle_load(path)
+    except Exception:  # being written
+        return None
+
+
+def _slurm_state(job_id: str) -> Tuple[str, int]:
+    """(SLURM state, requeues so far) of ``job_id`` from ``scontrol show job``, else the state from
+    squeue (('UNKNOWN', 0) when neither knows it)."""
+    from orchestrator.submit.jobs import parse_scontrol_job
+
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+        fields = parse_scontrol_job(out.stdout) if out.returncode == 0 else {}
+        if fields.get("JobState"):
+            restarts = fields.get("Restarts", "0")
+            return fields["JobState"], int(restarts) if restarts.isdigit() else 0
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        state = out.stdout.strip().splitlines()
+        if out.returncode == 0 and state:
+            return state[0].strip(), 0
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "UNKNOWN", 0
+
+
+_SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "UNKNOWN"}
+
+
+def _srun_errors(job, lines: int = 6) -> str:
+    """srun's own error lines from the batch log (e.g. ``srun: error: node: task 1: Killed``): the
+    rank that died first, which its peers' broken-collective errors do not name."""
+    try:
+        path = Path(job.paths.stderr)  # the batch script's stderr (task 0's log) holds srun's messages
+        found = [line for line in path.read_text(errors="replace").splitlines()
+                 if line.startswith("srun: error:") and "task" in line]
+        return "\n".join(found[-lines:])
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
+
+
+def _stderr_tail(job, task: int, lines: int = 25) -> str:
+    try:
+        paths = job.task(task).paths
+        text = ""
+        for p in (paths.stderr, paths.stdout):
+            if Path(p).exists():
+                text = Path(p).read_text(errors="replace")
+                if "Traceback" in text or "Error" in text:
+                    break
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
+
+
+def cancel(job, cfg: JobConfig) -> None:
+    """Stop every task of ``job`` now. Local: SIGKILL the rank processes (the controller then
+    exits on its own); SLURM: scancel."""
+    if cfg.cluster.kind != "local":
+        try:
+            job.cancel(check=False)
+        except Exception:
+            pass
+        return
+    import psutil
+
+    process = getattr(job, "_process", None)
+    if process is None:
+        return
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        process.wait(timeout=30)
+    except Exception:
+        process.kill()
+
+
+def _local_alive_ranks(job) -> Optional[set]:
+    """Ranks whose local task process is alive (None when the controller is gone or unreadable).
+
+    Tasks are the controller's direct children; each carries its rank in SUBMITIT_LOCAL_GLOBALID
+    (the checkpoint writer's forked helpers are grandchildren and are not counted).
+    """
+    import psutil
+
+    process = getattr(job, "_process", None)
+    if process is None or process.poll() is not None:
+        return None
+    try:
+        controller = psutil.Process(process.pid)
+        if "submitit.local._local" not in " ".join(controller.cmdline()):  # started through a shell
+            controller = next((c for c in controller.children()
+                               if "submitit.local._local" in " ".join(c.cmdline())), None)
+            if controller is None:
+                return None
+        alive = set()
+        for child in controller.children():
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rank = child.environ().get("SUBMITIT_LOCAL_GLOBALID")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if rank is not None:
+                alive.add(int(rank))
+        return alive
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
+    """Local ranks that exited without writing a result (SIGKILL, OOM killer); re-checked after 1 s."""
+    for attempt in range(2):
+        alive = _local_alive_ranks(job)
+        if alive is None or len(alive) == 0 and not results:
+            return []  # not started yet, or the controller is gone (handled by the state check)
+        for i in range(world_size):
+            if i not in results:
+                r = _read_result(Path(job.task(i).paths.result_pickle))
+                if r is not None:
+                    results[i] = r
+        dead = [i for i in range(world_size) if i not in results and i not in alive]
+        if not dead:
+            return []
+        if attempt == 0:
+            time.sleep(1.0)  # a rank may have been between writing its result and exiting
+    return dead
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _is_stale(rank: int, path: Path, stale: Dict[int, float]) -> bool:
+    """Rank ``rank``'s result file still holds what a failed, requeued attempt wrote."""
+    return rank in stale and _mtime(path) == stale[rank]
+
+
+def _pause(job, cfg: JobConfig) -> None:
+    """One poll interval; for a local job, less when its controller exits meanwhile (the ranks' results
+    are then all written: the launcher returns at once instead of up to ``cluster.poll_interval_s`` late)."""
+    process = getattr(job, "_process", None) if cfg.cluster.kind == "local" else None
+    if process is None or process.poll() is not None:
+        time.sleep(cfg.cluster.poll_interval_s)
+        return
+    try:
+        process.wait(timeout=cfg.cluster.poll_interval_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class _Wait:
+    """The state of one :func:`wait`: results read so far, requeues seen, running time counted."""
+
+    def __init__(self, job, cfg: JobConfig, world_size: int):
+        from orchestrator.runtime.watchdog import JobWatch
+
+        self.job, self.cfg, self.c, self.world_size = job, cfg, cfg.cluster, world_size
+        self.run_dir, self.job_id = cfg.run.dir, str(job.job_id)
+        hang_s = cfg.training.hang_timeout_s
+        self.watch = JobWatch(self.run_dir, self.job_id, world_size, hang_s) if hang_s else None
+        self.stale: Dict[int, float] = {}  # result files of an attempt that failed and was requeued (by mtime)
+        self.bound_s = 60 * self.c.timeout_min * (self.c.max_num_timeout + 1) + 300
+        self.counted_s = 0.0  # time the job has been running (not pending) while we waited
+        self.last_poll = self.started = time.time()
+        self.results: Dict[int, Tuple[str, Any]] = {}
+        self.ended_since: Optional[float] = None
+        self.requeues = 0
+        self.state = ""
+        self.local = self.c.kind == "local"
+
+    def fail(self, message: str, cause: Optional[str] = None, detail: str = "") -> JobFailedError:
+        """Cancel the job, record how its attempt ended (``cause``), return the error to raise."""
+        from orchestrator.submit import outcome
+
+        cancel(self.job, self.cfg)
+        if cause:
+            outcome.record_end(self.run_dir, self.job_id, cause, detail)
+        return JobFailedError(message)
+
+    def read_results(self) -> None:
+        from orchestrator.submit import outcome
+
+        now = time.time()
+        if self.local or self.state != "PENDING":
+            self.counted_s += now - self.last_poll
+        self.last_poll = now
+        for i in range(self.world_size):
+            path = Path(self.job.task(i).paths.result_pickle)
+            if i not in self.results and not _is_stale(i, path, self.stale):
+                r = _read_result(path)
+                if r is not None:
+                    self.results[i] = r
+        if self.failed() and not self.local and outcome.requeued_after_failure(self.run_dir, self.job_id):
+            self.stale.update({i: _mtime(Path(self.job.task(i).paths.result_pickle)) for i in self.results})
+            self.results.clear()  # the requeued attempt writes its own results
+
+    def failed(self) -> List[int]:
+        return [i for i, r in self.results.items() if r[0] != "success"]
+
+    def check_failed_rank(self) -> None:
+        """A rank returned an error: raise the job's own explanation, else that rank's last lines."""
+        from orchestrator.submit import outcome
+
+        failed = self.failed()
+        if not failed:
+            return
+        job = self.job
+        known = outcome.known_failure(self.run_dir, self.job_id, [self.results[i][1] for i in sorted(failed)])
+        if known:
+            raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)")
+        # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the error
+        # above is its peers' broken collective: say so.
+        dead = _dead_ranks(job, self.world_size, self.results) if self.local else []
+        rank = failed[0]
+        detail = self.results[rank][1]
+        tail = str(detail).strip().splitlines()[-15:] if detail else []
+        cause = f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else ""
+        srun = "" if self.local else _srun_errors(job)
+        raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
+                        + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
+                        "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
+
+    def check_dead_local(self) -> None:
+        """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
+        from orchestrator.submit import outcome
+
+        if not self.local or time.time() - self.started <= 5:
+            return
+        dead = _dead_ranks(self.job, self.world_size, self.results)
+        if not dead:
+            return
+        logs = Path(self.job.task(dead[0]).paths.stderr).parent
+        known = outcome.known_failure(self.run_dir, self.job_id)
+        if known:
+            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)")
+        raise self.fail(f"job {self.job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
+                        f"the other ranks were stopped.\nlogs: {logs}/",
+                        "crashed", f"rank(s) {dead} died without a result")
+
+    def poll_scheduler(self) -> bool:
+        """Read the job's state; report a requeue; True once the job has ended."""
+        from orchestrator.submit import outcome
+
+        if self.local:
+            self.state = self.job.state
+            return self.state != "RUNNING"
+        self.state, restarts = _slurm_state(self.job_id)
+        if restarts > self.requeues:  # PENDING/REQUEUED after a requeue: not an end, keep waiting
+            self.requeues = restarts
+            failure = outcome.failed_attempt_message(self.run_dir, self.job_id)
+            if failure is not None:  # srun's lines name the node and the tasks that died
+                srun = _srun_errors(self.job)
+                print(f"[orchestrator] job {self.job_id} failed: {failure}" + (f"\n{srun}" if srun else "")
+                      + f"\n[orchestrator] job {self.job_id} requeued after a failure (cluster.max_failures="
+                      f"{self.c.max_failures}); it resumes from its latest checkpoint", flush=True)
+            else:
+                print(f"[orchestrator] job {self.job_id} requeued ({self.requeues} of at most "
+                      f"{self.c.max_num_timeout}); it resumes from its latest checkpoint when SLURM restarts it",
+                      flush=True)
+        return self.state in _SLURM_ENDED
+
+    def check_ended(self, ended: bool) -> None:
+        """The job ended without every result: after a short grace for result files, explain it."""
+        from orchestrator.submit import outcome
+
+        if not ended:
+            self.ended_since = None
+            return
+        cancelled = not self.local and self.state.startswith("CANCELLED")
+        # Allow result files a moment to land after the processes exit (the state is re-read
+        # every poll, so a transient answer does not end the wait).
+        self.ended_since = self.ended_since or time.time()
+        if time.time() - self.ended_since <= (3 if cancelled else 15):
+            return
+        job, state = self.job, self.state
+        missing = [i for i in range(self.world_size) if i not in self.results]
+        known = outcome.known_failure(self.run_dir, self.job_id)
+        if known and not cancelled:
+            raise JobFailedError(f"job {self.job_id} ({state}): {known} (logs: {Path(job.paths.stderr).parent}/)")
+        outcome.record_end(self.run_dir, self.job_id, "crashed" if self.local else outcome.slurm_cause(state),
+                           f"job ended ({state}) without results from rank(s) {missing}")
+        if cancelled:
+            raise JobFailedError(
+                f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
+                f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
+                f"logs: {Path(job.paths.stderr).parent}/")
+        srun = "" if self.local else _srun_errors(job)
+        raise JobFailedError(f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
+                             + (f"{srun}\n" if srun else "")
+                             + f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")
+
+    def check_hang_and_bound(self, ended: bool) -> None:
+        """Every rank silent past the hang allowance, or the launcher's time bound spent: cancel."""
+        if self.watch is not None and not ended:
+            if not self.local and self.state != "RUNNING":
+                self.watch.pause()  # pending or requeued: silence does not count
+            elif (hung := self.watch.hung()) is not None:
+                raise self.fail(f"job {self.job_id}: {hung}", "hang", hung)
+        if self.counted_s > self.bound_s:
+            c = self.c
+            raise self.fail(f"job {self.job.job_id} did not finish before the launcher's bound "
+                            f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min "
+                            f"of running time); cancelled", "interrupted", "the launcher's time bound ran out")
+
+
+def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = None) -> List[Dict[str, Any]]:
+    """Block until every task of ``job`` ends; return the per-rank summaries.
+
+    Raises :class:`JobFailedError` (with the failing rank's last lines) when a rank fails, the
+    job is cancelled, or it runs longer than ``cluster.timeout_min`` x (requeues + 1) plus 5
+    minutes. On SLURM, time spent PENDING (in the queue, before the start or after a requeue)
+    does not count towards that bound, and a requeue is reported and waited through: the requeued
+    job writes its results into the same files when it finishes.
+
+    A failure the job explained (a NaN stop, a declared hang, an orchestrator error such as a full
+    disk: :mod:`orchestrator.submit.outcome`) is reported in one line. Every rank silent (no
+    heartbeat) for ``training.hang_timeout_s`` + 60 s: the job is cancelled as hung. An end the job
+    could not record (killed ranks, a lost node, Ctrl-C) is recorded in the run's history.
+    """
+    from orchestrator.submit import outcome
+
+    w = _Wait(job, cfg, world_size)
+    try:
+        while True:
+            if progress is not None:
+                progress.poll()
+            w.read_results()
+            w.check_failed_rank()
+            if len(w.results) == world_size:
+                return [w.results[i][1] for i in range(world_size)]
+            w.check_dead_local()
+            ended = w.poll_scheduler()
+            w.check_ended(ended)
+            w.check_hang_and_bound(ended)
+            _pause(job, cfg)
+    except KeyboardInterrupt:
+        cancel(job, cfg)
+        outcome.record_end(w.run_dir, w.job_id, "interrupted", "the launcher was interrupted (Ctrl-C or a signal)")
+        raise
+    finally:
+        if progress is not None:
+            progress.poll()
+            progress.close()
