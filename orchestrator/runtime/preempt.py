@@ -64,6 +64,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from orchestrator.slurm import on_slurm, restart_count, restarts_of, scontrol_job, slurm_job_id
+
 REQUEUE_EXIT_CODE = 75
 """Exit status of every rank after a successful requeue (EX_TEMPFAIL: "try again later")."""
 STOP_EXIT_CODE = 76
@@ -86,26 +88,6 @@ class Stopped(SystemExit):
     def __init__(self, reason: str):
         super().__init__(STOP_EXIT_CODE)
         self.reason = reason
-
-
-def on_slurm() -> bool:
-    """Whether this process is a task of a SLURM job (submitit's SLURM executor, or plain srun)."""
-    executor = os.environ.get("SUBMITIT_EXECUTOR")
-    if executor is not None:
-        return executor == "slurm"
-    return "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
-
-
-def restart_count() -> int:
-    """How many times SLURM restarted this job (``SLURM_RESTART_COUNT``; 0 when unset)."""
-    try:
-        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
-
-
-def slurm_job_id() -> Optional[str]:
-    return os.environ.get("SLURM_JOB_ID")
 
 
 def job_identity() -> "tuple[str, int]":
@@ -139,30 +121,12 @@ def _rank() -> int:
 
 
 def _slurm_job_state(job_id: str) -> Optional[str]:
-    """``JobState`` from ``scontrol show job`` (lines after the first: the job name cannot fake it)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    for line in out.stdout.splitlines()[1:]:
-        for token in line.split():
-            if token.startswith("JobState="):
-                return token.split("=", 1)[1]
-    return None
+    """``JobState`` from ``scontrol show job`` (None when SLURM cannot say)."""
+    return scontrol_job(job_id).get("JobState")
 
 
 def _slurm_restarts(job_id: str) -> Optional[int]:
-    try:
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.stdout.splitlines()[1:]:
-        for token in line.split():
-            if token.startswith("Restarts=") and token[9:].isdigit():
-                return int(token[9:])
-    return None
+    return restarts_of(scontrol_job(job_id))
 
 
 def _ignore_sigterm() -> None:  # runs in the child between fork and exec

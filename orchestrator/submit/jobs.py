@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from orchestrator.slurm import parse_scontrol_job, restarts_of, scontrol_job
 
 STATES = ("pending", "running", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
 ENDED = frozenset({"completed", "failed", "cancelled", "stopped"})
@@ -73,50 +73,21 @@ class JobStatus:
 
 # ---- SLURM ---------------------------------------------------------------------------------------
 
-def _run(cmd: Sequence[str]) -> Optional[subprocess.CompletedProcess]:
-    if shutil.which(cmd[0]) is None:
-        return None
-    try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def parse_scontrol_job(text: str) -> Dict[str, str]:
-    """``Key=Value`` fields of ``scontrol show job`` output.
-
-    The first line (``JobId=... JobName=...``) is skipped apart from JobId: a job name may contain
-    spaces and ``Key=`` text, and must not be able to fake a state.
-    """
-    lines = text.splitlines()
-    out: Dict[str, str] = {}
-    if lines:
-        m = re.match(r"\s*JobId=(\S+)", lines[0])
-        if m:
-            out["JobId"] = m.group(1)
-    for line in lines[1:]:
-        for token in line.split():
-            if "=" in token:
-                key, value = token.split("=", 1)
-                out.setdefault(key, value)
-    return out
-
-
 def slurm_job_status(job_id: str) -> Optional[JobStatus]:
     """The job's state from ``scontrol show job``; None when SLURM does not (or no longer) know it."""
-    out = _run(["scontrol", "show", "job", str(job_id)])
-    if out is None or out.returncode != 0 or not out.stdout.strip():
-        return None
-    return status_from_scontrol(out.stdout, job_id)
+    return _status_from_fields(scontrol_job(str(job_id)), job_id)
 
 
 def status_from_scontrol(text: str, job_id: str) -> Optional[JobStatus]:
     """The :class:`JobStatus` that ``scontrol show job`` output ``text`` describes (None without a JobState)."""
-    fields = parse_scontrol_job(text)
+    return _status_from_fields(parse_scontrol_job(text), job_id)
+
+
+def _status_from_fields(fields: Dict[str, str], job_id: str) -> Optional[JobStatus]:
     raw = fields.get("JobState")
     if not raw:
         return None
-    restarts = int(fields.get("Restarts", "0") or 0) if fields.get("Restarts", "0").isdigit() else 0
+    restarts = restarts_of(fields) or 0
     reason = fields.get("Reason")
     if raw == "PENDING":
         state = "requeued" if restarts else "pending"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import JobFailedError
+from orchestrator.slurm import restarts_of, scontrol_job
 from orchestrator.spec.schema import JobConfig
 from orchestrator.submit.progress import Progress
 
@@ -33,14 +34,10 @@ def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
 def _slurm_state(job_id: str) -> Tuple[str, int]:
     """(SLURM state, requeues so far) of ``job_id`` from ``scontrol show job``, else the state from
     squeue (('UNKNOWN', 0) when neither knows it)."""
-    from orchestrator.submit.jobs import parse_scontrol_job
-
+    fields = scontrol_job(job_id)
+    if fields.get("JobState"):
+        return fields["JobState"], restarts_of(fields) or 0
     try:
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-        fields = parse_scontrol_job(out.stdout) if out.returncode == 0 else {}
-        if fields.get("JobState"):
-            restarts = fields.get("Restarts", "0")
-            return fields["JobState"], int(restarts) if restarts.isdigit() else 0
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
         state = out.stdout.strip().splitlines()
         if out.returncode == 0 and state:
