@@ -75,6 +75,7 @@ def points(tune_dir: Path) -> List[dict]:
         point = json.loads((d / "point.json").read_text())
         records = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] if (d / "metrics.jsonl").exists() else []
         point["summary"] = next((r for r in reversed(records) if r.get("event") == "summary"), None)
+        point["training_s"] = sum(r["step_time_s"] for r in records if "step_time_s" in r and "event" not in r)
         out.append(point)
     return out
 
@@ -124,6 +125,12 @@ def report(root: Path) -> int:
     print(f"\ncalibrated profile (fitted on tune's {profile.fit.get('time_samples')} trials only): {profile.summary()}")
     print_memory(grid + single, profile)
     print_tau(grid, profile)
+    walls = [(p["tune"]["wall_s"], p["training_s"]) for p in grid + tuned if p["tune"].get("wall_s")]
+    if walls:
+        wall, train = sum(w for w, _ in walls), sum(t for _, t in walls)
+        print(f"\ntrials: {len(walls)}, {wall / len(walls):.0f} s each on average, of which {train / len(walls):.1f} s "
+              f"training ({train / wall:.0%}); start-up and teardown {(wall - train) / len(walls):.0f} s per trial "
+              "(no warm pool: every trial is a fresh job)")
     return 0
 
 
