@@ -131,6 +131,8 @@ class Outcome:
     lm_loss: float
     step_times: List[float] = field(default_factory=list)
     """Per-iteration wall times (s) after the timing warm-up, for the summary's median."""
+    cpu_times: List[float] = field(default_factory=list)
+    """The same iterations' CPU time of this process (s): what the loop costs, whatever the machine's load."""
 
 
 class _Log:
@@ -145,12 +147,14 @@ class _Log:
         self.rank, self.trackers, self.start = rank, trackers, start
         self.window: List[float] = []
         self.timed: List[float] = []
+        self.cpu: List[float] = []
         self.flops = model_flops_per_step(rank) if trackers.enabled else None
 
-    def tick(self, step_time: float, iteration: int) -> None:
+    def tick(self, step_time: float, cpu_time: float, iteration: int) -> None:
         self.window.append(step_time)
         if iteration - self.start > self.rank.cfg.training.timing_warmup_iters:
             self.timed.append(step_time)
+            self.cpu.append(cpu_time)
 
     def record(self, iteration: int, consumed: int, loss: float, lr: float, grad_norm, update_ok: bool) -> None:
         step = sum(self.window) / max(1, len(self.window))  # mean over the iterations since the last record
@@ -207,7 +211,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
     status = "completed"
     while it < t.train_iters:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for chunk in b.model:
             chunk.zero_grad_buffer()
         b.optimizer.zero_grad()
@@ -231,7 +235,8 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
         if guard is not None:  # raises before anything of this iteration is saved
             update_ok = guard.check(it, loss, grad_norm) and update_ok
-        log.tick(time.perf_counter() - t0, it)  # the whole iteration but its record, evaluation and save
+        # the whole iteration but its record, evaluation and save; wall and this process's CPU time
+        log.tick(time.perf_counter() - t0, time.process_time() - c0, it)
         if loss is not None:
             last_loss = loss
             if last or it % t.log_interval == 0:
@@ -251,4 +256,4 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             status = "exited"
             break
     poll.close()
-    return Outcome(status, it, consumed, last_loss, log.timed)
+    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu)

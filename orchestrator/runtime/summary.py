@@ -3,7 +3,8 @@
 The summary is what submitit returns from every rank (the launcher prints the logging rank's) and
 the last record the logging rank appends to metrics.jsonl::
 
-    {"event": "summary", "status", "iteration", "lm_loss", "step_time_median_s", "timed_iterations",
+    {"event": "summary", "status", "iteration", "lm_loss", "step_time_median_s",
+     "step_cpu_time_median_s", "timed_iterations",
      "tokens_per_step", "peak_rss_mb_per_rank", "peak_gpu_mem_mb_per_rank", "hosts", "host",
      "device", "rank", "logging_rank", "resumed_from", "time"}
 
@@ -55,6 +56,7 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
     return {
         "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss,
         "step_time_median_s": statistics.median(times) if times else None,
+        "step_cpu_time_median_s": statistics.median(outcome.cpu_times) if outcome.cpu_times else None,
         "timed_iterations": len(times), "tokens_per_step": rank.layout.tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
