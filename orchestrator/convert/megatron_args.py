@@ -27,6 +27,8 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from orchestrator.submit.sbatch import MANAGED_OPTIONS
+
 
 class _Keep:
     """Sentinel: Megatron-LM has no default that applies; the orchestrator's value stays."""
@@ -252,12 +254,7 @@ def mapped_keys() -> List[str]:
 
 
 SLURM_OPTIONS: Dict[str, str] = {
-    "partition": "cluster.partition",
-    "account": "cluster.account",
-    "qos": "cluster.qos",
-    "constraint": "cluster.constraint",
-    "exclude": "cluster.exclude",
-    "mem": "cluster.mem",
+    name: MANAGED_OPTIONS[name] for name in ("partition", "account", "qos", "constraint", "exclude", "mem")
 }
 """``#SBATCH`` options copied as they are, both ways (``--time``, ``--nodes``, GPUs, CPUs and
 ``--signal`` convert with arithmetic in to_config / from_config)."""
