@@ -118,8 +118,12 @@ def _has_checkpoints(cfg: JobConfig) -> bool:
     return save_dir.is_dir() and any(p.is_dir() for p in save_dir.iterdir())
 
 
-def run(cfg: JobConfig) -> Optional[dict]:
-    """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run)."""
+def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
+    """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
+
+    ``launcher``: what submits and waits, ``(cfg, layout, prepared) -> summary``; default
+    :func:`orchestrator.submit.executor.launch` (a fresh job); sweeps and tune pass a
+    :class:`~orchestrator.submit.pool.PoolLauncher` (warm ranks)."""
     from orchestrator.plan.inputs import gpu_preset
 
     _Current.cfg = cfg
@@ -154,7 +158,7 @@ def run(cfg: JobConfig) -> Optional[dict]:
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
     prepared = prepare_data(cfg)
     record_config(cfg)
-    summary = launch(cfg, layout, prepared)
+    summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):
         step = summary.get("step_time_median_s")
         say(f"{summary['status']}: iteration {summary.get('iteration')} | lm loss {summary.get('lm_loss'):.4f}"

@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import pytest
 
-from conftest import REPO, run_cli, slurm_unavailable_reason
+from conftest import REPO, losses_by_iteration, run_cli, slurm_unavailable_reason
 
 from orchestrator.sweep import driver as sweep
 
@@ -74,7 +74,10 @@ def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
         run_dirs.add(run_dir)
         point = json.loads((run_dir / "point.json").read_text())
         assert point["status"] == "completed" and point["job_id"] == row["job_id"] and row["job_id"]
-        assert (run_dir / "submitit" / f"{row['job_id']}_submitted.pkl").exists()
+        job = [r for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
+               if r["event"] == "submitted"][-1]
+        assert job["job_id"] == row["job_id"] and Path(job["warm_pool"]).parent == sd / ".pool"
+        assert (Path(job["folder"]) / f"{row['job_id']}_submitted.pkl").exists()
 
         records = metrics_records(run_dir)
         summary = [r for r in records if r.get("event") == "summary"][-1]
@@ -94,6 +97,21 @@ def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
         assert float(row["bubble_fraction"]) == pytest.approx((2 - 1) / (m + 2 - 1))
         assert point["measured"]["step_time_median_s"] == step
     assert len(run_dirs) == 2
+    assert len({r["job_id"] for r in rows}) == 1  # both points ran on the same warm ranks
+
+
+@pytest.mark.slow
+def test_a_point_on_warm_ranks_trains_exactly_as_a_fresh_job(mbs_sweep, tmp_path, cache_dir):
+    """The second point ran on ranks that had already trained the first; a fresh job of the same
+    config (its own processes) gives the same loss at every iteration."""
+    _, sd = mbs_sweep
+    warm = next(Path(r["run_dir"]) for r in read_csv(sd / "summary.csv") if r["point"] == "1")
+    assert "training.micro_batch_size=4" in json.loads((warm / "point.json").read_text())["overrides"]
+    run_cli(["+experiment=gpt_pp2_dp2", "training.micro_batch_size=4", *SHORT, f"run.root={tmp_path}",
+             "run.name=fresh"], cache=cache_dir)
+    fresh_losses = losses_by_iteration(tmp_path / "fresh")
+    assert sorted(fresh_losses) == [1, 2, 3, 4, 5]
+    assert losses_by_iteration(warm) == fresh_losses
 
 
 @pytest.mark.slow
@@ -142,7 +160,7 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
     assert not (sd / "0" / "submitit").exists()  # nothing was submitted for it
     assert rows["1"]["status"] == "failed"
     assert "'many'" in rows["1"]["reason"]
-    assert rows["1"]["job_id"] and (sd / "1" / "submitit" / f"{rows['1']['job_id']}_0_result.pkl").exists()
+    assert rows["1"]["job_id"] and (sd / ".pool" / "pool_0" / "submitit" / f"{rows['1']['job_id']}_0_result.pkl").exists()
     assert rows["1"]["tokens_per_s"] == "" and rows["1"]["step_time_median_s"] == ""  # nothing invented
     for num in ("0", "1"):
         point = json.loads((sd / num / "point.json").read_text())

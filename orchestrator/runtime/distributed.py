@@ -320,6 +320,8 @@ def init_distributed(cfg: JobConfig) -> RankInfo:
     if binding.device == "cuda":
         torch.cuda.set_device(binding.index)
     timeout = datetime.timedelta(minutes=cfg.training.distributed_timeout_minutes)
+    if torch.distributed.is_initialized() and _STARTED.get("info") is not None:  # a warm rank's next trial
+        return _STARTED["info"]
     if torch.distributed.is_initialized():  # a caller (test, notebook) made the group already
         return RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
                         (socket.gethostname(),) * rv.world_size, binding.gpu)
@@ -334,8 +336,21 @@ def init_distributed(cfg: JobConfig) -> RankInfo:
     check_agreement(records)
     torch.distributed.init_process_group(backend=binding.backend, store=store, rank=rv.rank,
                                          world_size=rv.world_size, timeout=timeout)
-    return RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
-                    tuple(str(r["host"]) for r in records), binding.gpu)
+    _STARTED["info"] = RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
+                                tuple(str(r["host"]) for r in records), binding.gpu)
+    return _STARTED["info"]
+
+
+_STARTED: Dict[str, Optional[RankInfo]] = {"info": None}
+"""The RankInfo of the process group this process started (a warm rank's later trials reuse it)."""
+
+
+def teardown_parallel_state() -> None:
+    """Destroy megatron's model-parallel state (its groups, global buffers, RNG tracker), keep the
+    default process group: between the trials of a warm rank."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
 
 
 def shutdown() -> None:
@@ -350,3 +365,4 @@ def shutdown() -> None:
         pass
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _STARTED["info"] = None

@@ -70,10 +70,12 @@ def decision_path(run_dir: "str | os.PathLike", job_id: str) -> Path:
 
 
 @contextlib.contextmanager
-def hold_run_lock(run_dir: str) -> Iterator[None]:
+def hold_run_lock(run_dir: str, since: Optional[float] = None) -> Iterator[None]:
     """Rank 0: take the run lock (RunLockedError naming the holder when a live run has it), publish
     the decision, hold the lock for the block and release it after (not when the job is requeued).
-    Other ranks: wait for the decision and raise the same RunLockedError when it is a refusal."""
+    Other ranks: wait for the decision and raise the same RunLockedError when it is a refusal.
+    ``since``: read only a decision written after this time (default: this process's start; a warm
+    rank passes its trial's start)."""
     from orchestrator.ckpt.lock import RunLock
     from orchestrator.errors import RunLockedError
     from orchestrator.io import write_atomic
@@ -82,7 +84,7 @@ def hold_run_lock(run_dir: str) -> Iterator[None]:
     rank, job_id, attempt = _whoami()
     if rank != 0:
         if job_id is not None:
-            _await_decision(decision_path(run_dir, job_id), attempt)
+            _await_decision(decision_path(run_dir, job_id), attempt, since=since)
         yield
         return
     lock = RunLock(run_dir)
@@ -109,14 +111,16 @@ def hold_run_lock(run_dir: str) -> Iterator[None]:
             lock.release()
 
 
-def _await_decision(path: Path, attempt: int, timeout_s: float = DECISION_TIMEOUT_S) -> None:
+def _await_decision(path: Path, attempt: int, timeout_s: float = DECISION_TIMEOUT_S,
+                    since: Optional[float] = None) -> None:
     """Wait for rank 0's decision of this attempt (written after this process started, so a file
     left by an earlier job that had the same id is never read); raise its refusal."""
     import psutil
 
     from orchestrator.errors import RunLockedError
 
-    started = psutil.Process().create_time() - 60.0  # ranks start within seconds of each other
+    # ranks start within seconds of each other (a warm rank's trials: within seconds of the trial file)
+    started = psutil.Process().create_time() - 60.0 if since is None else since
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

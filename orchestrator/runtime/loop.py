@@ -133,6 +133,9 @@ class Outcome:
     """Per-iteration wall times (s) after the timing warm-up, for the summary's median."""
     cpu_times: List[float] = field(default_factory=list)
     """The same iterations' CPU time of this process (s): what the loop costs, whatever the machine's load."""
+    train_wall_s: float = 0.0
+    """Wall time of the whole loop (s): every iteration, its records, evaluations and saves; a job's or a
+    trial's start-up is its wall time minus this."""
 
 
 class _Log:
@@ -209,7 +212,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
     log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
-    status = "completed"
+    status, loop_start = "completed", time.perf_counter()
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
         for chunk in b.model:
@@ -256,4 +259,4 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             status = "exited"
             break
     poll.close()
-    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu)
+    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start)

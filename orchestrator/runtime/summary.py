@@ -4,7 +4,7 @@ The summary is what submitit returns from every rank (the launcher prints the lo
 the last record the logging rank appends to metrics.jsonl::
 
     {"event": "summary", "status", "iteration", "lm_loss", "step_time_median_s",
-     "step_cpu_time_median_s", "timed_iterations",
+     "step_cpu_time_median_s", "timed_iterations", "train_wall_s",
      "tokens_per_step", "peak_rss_mb_per_rank", "peak_gpu_mem_mb_per_rank", "hosts", "host",
      "device", "rank", "logging_rank", "resumed_from", "time"}
 
@@ -24,8 +24,46 @@ import torch
 
 
 def max_rss_mb() -> float:
-    """Peak resident set size of this process, MiB (Linux reports KiB)."""
+    """Peak resident set size of this process since it started or since :func:`reset_peak_memory`, MiB.
+
+    Linux: ``VmHWM`` of ``/proc/self/status`` (the address space's high-water mark, which
+    :func:`reset_peak_memory` can lower); elsewhere ``getrusage``'s ``ru_maxrss`` (KiB on Linux,
+    never reset).
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start a new peak: what a warm rank does before each trial, so a trial's peak is its own.
+
+    Frees what earlier trials left (garbage collection, glibc's ``malloc_trim`` returning free heap
+    pages to the kernel), then resets the high-water mark (writing ``5`` to
+    ``/proc/self/clear_refs``, Linux >= 4.0; see proc(5)) and torch's CUDA peak. Best effort: where a
+    step is unavailable the peak keeps its older value, an over-estimate, never an under-estimate.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def max_gpu_mb(device: str) -> Optional[float]:
@@ -57,7 +95,8 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
         "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss,
         "step_time_median_s": statistics.median(times) if times else None,
         "step_cpu_time_median_s": statistics.median(outcome.cpu_times) if outcome.cpu_times else None,
-        "timed_iterations": len(times), "tokens_per_step": rank.layout.tokens_per_step,
+        "timed_iterations": len(times), "train_wall_s": outcome.train_wall_s,
+        "tokens_per_step": rank.layout.tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
         "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,

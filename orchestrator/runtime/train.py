@@ -26,8 +26,12 @@ def _stop_request(cfg: JobConfig):
     return stop
 
 
-def run(cfg: JobConfig, prepared) -> Dict[str, object]:
+def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict.
+
+    ``keep_process_group``: a warm rank (:mod:`orchestrator.runtime.pool`) keeps the default process
+    group for its next trial and tears down only megatron's parallel state; a job's own ranks
+    destroy both.
 
     Raises OrchestratorError subclasses for refusals found in the job (resume mismatch, data);
     a stop request ends in ``Requeued``/``Stopped`` (SystemExit) after a checkpoint.
@@ -40,7 +44,7 @@ def run(cfg: JobConfig, prepared) -> Dict[str, object]:
     stop = _stop_request(cfg)
     from orchestrator.runtime import loop
     from orchestrator.runtime.build import build_data, build_rank
-    from orchestrator.runtime.distributed import shutdown
+    from orchestrator.runtime.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.guard import Guard
     from orchestrator.runtime.metrics import Trackers
     from orchestrator.runtime.model import count_parameters
@@ -70,7 +74,11 @@ def run(cfg: JobConfig, prepared) -> Dict[str, object]:
     finally:
         trackers.close()
         guard.close()  # records how this attempt ended (from the exception in flight, if any)
-    rank.say("training done; shutting down the process group")
-    shutdown()
+    if keep_process_group:
+        rank.say("training done; megatron's parallel state torn down (the warm ranks stay up)")
+        teardown_parallel_state()
+    else:
+        rank.say("training done; shutting down the process group")
+        shutdown()
     stop.training_done()  # a late time-limit USR2 must not kill the process during its teardown
     return summary

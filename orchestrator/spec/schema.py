@@ -272,6 +272,9 @@ class SweepConfig:
 
     run_predicted_oom: bool = False
     """Run points the planner predicts do not fit on ``gpu``; false records them as skipped_oom_predicted."""
+    warm_pool: bool = True
+    """Local sweeps: consecutive points with the same world size run on the same warm rank processes
+    (orchestrator.submit.pool), paying the process start-up once; false: a fresh job per point."""
 
 
 @dataclass

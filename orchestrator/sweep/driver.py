@@ -20,7 +20,10 @@
 * The benchmark is bounded by the point's own ``training.train_iters``; the first
   ``training.timing_warmup_iters`` iterations are excluded from the step-time median.
 * Local (``cluster.kind=local``): the driver waits for each point's job before the next starts, so
-  points never share the CPUs/GPUs. SLURM: each point's job is submitted without waiting, so every
+  points never share the CPUs/GPUs. Consecutive points with the same world size run on the same
+  warm rank processes (``sweep.warm_pool``, :mod:`orchestrator.submit.pool`): torch/megatron import
+  and the process group are paid once, megatron's parallel state, model and data are built per
+  point as in a fresh job (``<sweep dir>/.pool/`` holds their files). SLURM: each point's job is submitted without waiting, so every
   point is queued at once, like the tasks of an array, but as its own job (own job id, run
   directory, submitit folder, jobs.jsonl, requeue/resume). Why not one ``--array``: points may
   differ in world size (a PP or TP sweep), which one array request cannot express, and an array
@@ -93,6 +96,23 @@ class _Driver:
     submitted: List[Tuple[Point, Any, int, str]] = field(default_factory=list)
     """(point, JobConfig, world size, job id) of SLURM jobs submitted without waiting."""
     wait_at_end: bool = True
+    pool: Any = None
+    """The warm ranks of local points (orchestrator.submit.pool.PoolLauncher), made by the first one."""
+
+    def launcher(self, cfg: Any) -> Any:
+        """How a point runs: warm ranks (local, ``sweep.warm_pool``) or None (a fresh job)."""
+        if cfg.cluster.kind != "local" or not cfg.sweep.warm_pool:
+            return None
+        if self.pool is None:
+            from orchestrator.submit.pool import PoolLauncher
+
+            self.pool = PoolLauncher(Path(self.sweep_dir) / ".pool")
+        return self.pool
+
+    def close_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
 
 _DRIVER = _Driver()
@@ -182,8 +202,9 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         _DRIVER.wait_at_end = cfg.cluster.wait
         cfg.cluster.wait = False  # queue every point now; finish() waits for all of them
     _record(point, record, "running")
+    launcher = _DRIVER.launcher(cfg)
     try:
-        summary = run_fn(cfg)
+        summary = run_fn(cfg, launcher) if launcher is not None else run_fn(cfg)
     except KeyboardInterrupt:
         _record(point, record, "interrupted", "interrupted (KeyboardInterrupt) while running")
         raise
@@ -252,6 +273,7 @@ def finish() -> Optional[int]:
     sweep_dir = _DRIVER.sweep_dir
     if sweep_dir is None:
         return None
+    _DRIVER.close_pool()
     if _DRIVER.submitted and _DRIVER.wait_at_end:
         say(f"waiting for {len(_DRIVER.submitted)} SLURM job(s): "
             + ", ".join(f"point {p.num} = job {j}" for p, _, _, j in _DRIVER.submitted))

@@ -69,6 +69,9 @@ class TuneConfig:
     dry_run: bool = False
     """Print the ranked candidates; run nothing."""
     trial_timeout_min: int = 10
+    warm_pool: bool = True
+    """Run trials on warm rank processes (orchestrator.submit.pool; SLURM: one allocation for every
+    trial); false: each trial a fresh ``python -m orchestrator`` job."""
 
 
 _LISTS = {"tp": int, "pp": int, "vpp": int, "mbs": int, "recompute": str, "distributed_optimizer": bool,

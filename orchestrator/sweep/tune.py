@@ -22,8 +22,10 @@ Reads top to bottom (:meth:`Tuner.run`):
 
 A crashed trial is recorded; an out-of-memory crash lowers the memory margin below its prediction,
 another crash rules out the remaining candidates that share its untested options. SLURM: with
-``cluster=slurm...`` each trial is its own job, submitted and waited for in sequence (not yet: trials
-within one allocation, or as an array). Exit code: 0 with a winner, 1 when no trial completed, 2
+``cluster=slurm...`` the trials run in sequence within one allocation (the warm ranks' job, sized
+``tune.max_minutes`` + ``tune.trial_timeout_min``); ``tune.warm_pool=false`` makes each trial its
+own job, submitted and waited for in sequence. Trials run on warm ranks
+(:mod:`orchestrator.sweep.trial`): the process start-up is paid once, not per trial. Exit code: 0 with a winner, 1 when no trial completed, 2
 for a user error (one ``error:`` line, nothing created).
 """
 
@@ -34,8 +36,6 @@ import io
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError, OrchestratorError
-from orchestrator.io import read_jsonl, write_atomic
+from orchestrator.io import write_atomic
 from orchestrator.sweep import search
 from orchestrator.sweep.search import Candidate, TuneConfig
+from orchestrator.sweep.trial import TrialRunner, trial_overrides
 from orchestrator.sweep.table import (POINT_FILE, layout_record, measured, plan_record, short_reason, to_markdown,
                                       write_summary)
 
@@ -56,53 +57,6 @@ _SKIP_BASE = ("run.", "hydra.", "plan=", "dry_run=")
 
 def say(message: str) -> None:
     print("\n".join(f"[tune] {line}" for line in str(message).splitlines()), flush=True)
-
-
-def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
-    """What every trial adds: its run directory, few iterations, no evaluation, no checkpoint, a bounded job."""
-    return [f"run.root={root}", f"run.name={num}", f"training.train_iters={opts.iters}",
-            f"training.timing_warmup_iters={opts.warmup_iters}", "training.exit_after_iters=null",
-            "training.eval_iters=0",
-            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
-            "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
-            "plan=false", "dry_run=false"]
-
-
-def job_summary(run_dir: Path) -> Optional[Dict[str, Any]]:
-    """The job's final ``summary`` record from ``metrics.jsonl`` (None when it wrote none)."""
-    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("event") == "summary"]
-    return records[-1] if records else None
-
-
-def run_cli(args: Sequence[str], log_path: Path, timeout_s: float) -> Tuple[int, float]:
-    """``python -m orchestrator ARGS`` with output to ``log_path``; (exit code, seconds).
-
-    Timeout: SIGTERM (the CLI stops its ranks), exit code 124. Ctrl-C: the same, then re-raised.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            rc = 124
-    return rc, time.time() - start
-
-
-def _log_reason(log_path: Path, lines: int = 15) -> str:
-    """The CLI's ``error:`` line and what follows it, else the log's last lines."""
-    text = log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else []
-    start = next((i for i, line in enumerate(text) if line.startswith("error:")), None)
-    return "\n".join(text[start:start + lines] if start is not None else text[-lines:])
 
 
 @dataclass
@@ -125,6 +79,12 @@ class Trial:
     @property
     def step_s(self) -> Optional[float]:
         return self.summary.get("step_time_median_s") if self.status == "completed" and self.summary else None
+
+    @property
+    def startup_s(self) -> Optional[float]:
+        """What the trial paid besides its training loop: wall time minus the loop's (s)."""
+        train = (self.summary or {}).get("train_wall_s")
+        return self.wall_s - train if self.wall_s and isinstance(train, (int, float)) else None
 
 
 class Tuner:
@@ -152,6 +112,7 @@ class Tuner:
         self.profile = stored or self.prior
         self.margin = opts.memory_margin
         self.trials: List[Trial] = []
+        self.runner: Optional[TrialRunner] = None
         self.start = time.time()
         self.cands, self.rejected = search.candidates(base, opts)
 
@@ -195,18 +156,13 @@ class Tuner:
         say(f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step, "
             f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank)")
         args = [*self.overrides, *cand.overrides, *trial_overrides(self.opts, self.root, trial.num)]
-        rc, trial.wall_s = run_cli(args, run_dir / "tune_trial.log", 60 * self.opts.trial_timeout_min + 180)
-        trial.summary = job_summary(run_dir)
-        if rc == 0 and trial.summary and trial.summary.get("status") == "completed":
-            trial.status = "completed"
-        else:
-            trial.status = "failed"
-            trial.reason = (f"timed out after {trial.wall_s:.0f} s" if rc == 124 else
-                            _log_reason(run_dir / "tune_trial.log")) or f"exit code {rc}"
+        trial.summary, trial.reason, trial.wall_s = self.runner.run(args, run_dir)
+        trial.status = "completed" if trial.summary else "failed"
         cand.status = trial.status
         self._record(trial)
         step = trial.step_s
         say(f"trial {trial.num}: {trial.status} in {trial.wall_s:.0f} s"
+            + (f" ({trial.startup_s:.1f} s start-up)" if trial.startup_s is not None else "")
             + (f": {step * 1e3:.1f} ms/step ({(step / trial.predicted_step_s - 1):+.0%} vs predicted), "
                f"{cand.layout.tokens_per_step / step:,.0f} tokens/s" if step else f": {short_reason(trial.reason)}"))
         return trial
@@ -239,7 +195,7 @@ class Tuner:
                   "layout": layout_record(c.layout), "cluster": c.cfg.cluster.kind, "plan": plan_record(c.plan),
                   "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s,
                            "predicted_peak_bytes": trial.predicted_peak_bytes, "calibrated": trial.calibrated,
-                           "wall_s": trial.wall_s}}
+                           "wall_s": trial.wall_s, "startup_s": trial.startup_s, "warm": self.opts.warm_pool}}
         if trial.status != "running":
             record["ended"] = time.time()
             record["measured"] = measured(run_dir, self.opts.warmup_iters)
@@ -257,12 +213,14 @@ class Tuner:
         if self.opts.dry_run:
             return 0
         self.root.mkdir(parents=True, exist_ok=True)
+        self.runner = TrialRunner(self.opts, self.root)
         reason = self.stop()
         try:
             while reason is None:
                 self.learn(self.run_trial(self.remaining()[0]))
                 reason = self.stop()
         except KeyboardInterrupt:
+            self.runner.close()
             if self.trials and self.trials[-1].status == "running":
                 trial = self.trials[-1]
                 trial.status, trial.reason = "interrupted", "interrupted (Ctrl-C) while running"
@@ -270,6 +228,7 @@ class Tuner:
                 self._record(trial)
             self.finish("interrupted (Ctrl-C)")
             return 130
+        self.runner.close()
         return self.finish(reason)
 
     def _announce(self) -> None:

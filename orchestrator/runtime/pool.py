@@ -1,0 +1,154 @@
+"""Warm ranks: one job whose rank processes train trial after trial (sweep points, tune trials).
+
+A fresh job pays its whole start-up for every trial: N processes start Python, import torch and
+megatron-core, rendezvous and join the process group (10-30 s on a busy 2-core machine, for a
+trial that trains for 5). :class:`PoolJob` is submitted once, like a training job (submitit,
+one task per rank, local or one SLURM allocation); each rank imports what training needs, then
+loops over trial files in the pool directory (the launcher's :class:`~orchestrator.submit.pool.WarmPool`
+writes them):
+
+    <pool>/trial_<n>.json             {"config", "prepared", "time"} or {"stop": true}
+    <pool>/trial_<n>.result.json      rank 0: every rank's summary (by global rank)
+    <pool>/trial_<n>.rank<r>.error    a rank's exception, before the rank exits
+
+Per trial, each rank takes the trial's run lock as a job does, frees what the last trial left and
+resets its peak memory (:func:`~orchestrator.runtime.summary.reset_peak_memory`), then runs
+:func:`orchestrator.runtime.train.run` with ``keep_process_group=True``: megatron's parallel state,
+seeds, model, optimizer and datasets are built from the trial's config exactly as in a fresh job
+(same losses, tested), only the default process group is kept. Trials must share the world size,
+device and backend (the launcher starts another pool otherwise).
+
+A failing trial ends the pool: the failing rank writes its error file and raises, so its task
+fails like a job's rank; the launcher cancels the rest and starts a fresh pool for the next trial
+(a rank that raised may have left its peers inside a collective). The pool also ends on a ``stop``
+file, when the launcher's process is gone (same host), or after :data:`IDLE_TIMEOUT_S` without a
+trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+IDLE_TIMEOUT_S = 900.0
+"""A warm rank with no trial for this long exits (its launcher died without a stop file)."""
+POLL_S = 0.05
+
+
+def trial_path(pool_dir: "str | os.PathLike", num: int) -> Path:
+    return Path(pool_dir) / f"trial_{num}.json"
+
+
+def result_path(pool_dir: "str | os.PathLike", num: int) -> Path:
+    return Path(pool_dir) / f"trial_{num}.result.json"
+
+
+def error_path(pool_dir: "str | os.PathLike", num: int, rank: int) -> Path:
+    return Path(pool_dir) / f"trial_{num}.rank{rank}.error"
+
+
+def _launcher_alive(owner: Dict[str, Any]) -> bool:
+    """False only when the launcher ran on this host and its process is gone."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    import psutil
+
+    try:
+        return psutil.Process(int(owner["pid"])).create_time() <= float(owner["pid_created"]) + 1.0
+    except (psutil.NoSuchProcess, KeyError, ValueError):
+        return False
+
+
+def _next_trial(pool_dir: Path, num: int, owner: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The ``num``-th trial file (None: stop, launcher gone, or idle too long)."""
+    path, deadline, checked = trial_path(pool_dir, num), time.monotonic() + IDLE_TIMEOUT_S, time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):  # not there yet (the launcher writes it atomically)
+            spec = None
+        if spec is not None:
+            return None if spec.get("stop") else spec
+        if time.monotonic() - checked > 2.0:
+            if not _launcher_alive(owner):
+                return None
+            checked = time.monotonic()
+        time.sleep(POLL_S)
+    return None
+
+
+def _preload() -> None:
+    """Import what every trial needs while the launcher prepares the first one."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.datasets.gpt_dataset  # noqa: F401
+
+    import orchestrator.runtime.train  # noqa: F401
+    import orchestrator.runtime.build  # noqa: F401
+    import orchestrator.runtime.loop  # noqa: F401
+
+
+class PoolJob:
+    """``PoolJob(pool_dir, env, owner)()``: one warm rank; returns how many trials it ran.
+
+    ``env`` is applied before torch is imported (as :class:`~orchestrator.runtime.job.TrainJob`);
+    ``owner``: the launcher's ``{"host", "pid", "pid_created"}``.
+    """
+
+    def __init__(self, pool_dir: str, env: Optional[Dict[str, str]] = None,
+                 owner: Optional[Dict[str, Any]] = None):
+        self.pool_dir, self.env, self.owner = str(pool_dir), dict(env or {}), dict(owner or {})
+
+    def __call__(self) -> Dict[str, Any]:
+        os.environ.update(self.env)
+        _preload()
+        from orchestrator.runtime.distributed import shutdown
+        from orchestrator.runtime.job import _whoami
+
+        rank = _whoami()[0]
+        pool_dir, num = Path(self.pool_dir), 0
+        try:
+            while True:
+                spec = _next_trial(pool_dir, num, self.owner)
+                if spec is None:
+                    break
+                try:
+                    summaries = self._trial(spec)
+                except BaseException:
+                    from orchestrator.io import write_atomic
+
+                    write_atomic(error_path(pool_dir, num, rank), traceback.format_exc())
+                    raise
+                if rank == 0:
+                    from orchestrator.io import write_atomic
+
+                    write_atomic(result_path(pool_dir, num), json.dumps({"summaries": summaries}, default=str))
+                num += 1
+        finally:
+            shutdown()
+        return {"trials": num, "rank": rank}
+
+    @staticmethod
+    def _trial(spec: Dict[str, Any]) -> list:
+        """Run one trial on this rank; rank 0 gets every rank's summary (others: [])."""
+        import torch
+
+        from orchestrator.runtime.data import PreparedData
+        from orchestrator.runtime.job import hold_run_lock
+        from orchestrator.runtime.summary import reset_peak_memory
+        from orchestrator.runtime.train import run
+        from orchestrator.spec.schema import from_dict
+
+        cfg = from_dict(spec["config"])
+        reset_peak_memory("cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu")
+        with hold_run_lock(cfg.run.dir, since=float(spec["time"]) - 1.0):
+            summary = run(cfg, PreparedData(**spec["prepared"]), keep_process_group=True)
+        gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+        torch.distributed.gather_object(summary, gathered, dst=0)
+        return list(gathered or [])

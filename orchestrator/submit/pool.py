@@ -1,0 +1,206 @@
+"""The launcher's side of warm ranks: start one pool job, hand it trials, read their results.
+
+    launcher = PoolLauncher(pool_root)              # sweep driver / tune, once
+    summary = launcher(cfg, layout, prepared)       # instead of submit.executor.launch, per trial
+    launcher.close()                                # a stop file; the ranks exit
+
+:class:`PoolLauncher` keeps one :class:`WarmPool` (a submitit job running
+:class:`~orchestrator.runtime.pool.PoolJob` on every rank, local or one SLURM allocation) while
+consecutive trials share the pool's key (world size, device, backend, cluster and rank
+environment); a trial with another key closes it and starts another. A failed trial (a rank's
+error file, a rank that died, the job gone, the trial's time bound) cancels the pool and raises
+:class:`~orchestrator.errors.JobFailedError` with the failing rank's last lines; the next trial
+starts a fresh pool. Each trial is recorded in its own run's ``jobs.jsonl`` under the pool's job id.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from orchestrator.errors import JobFailedError, SubmissionError
+from orchestrator.io import write_atomic
+from orchestrator.spec.layout import ParallelLayout
+from orchestrator.spec.schema import JobConfig, from_dict, to_dict
+
+POOL_JOB_DAYS = 7
+"""A local pool job's own time limit (each trial is bounded by the launcher, :meth:`WarmPool.run`)."""
+
+
+_PER_TRIAL = ("timeout_min", "wait", "poll_interval_s", "max_num_timeout", "max_failures", "signal_delay_s")
+"""Cluster options a trial may change without new ranks (the launcher applies them per trial)."""
+
+
+def pool_key(cfg: JobConfig, world_size: int) -> Tuple[Any, ...]:
+    """What trials of one pool must share: ranks, device, backend, where and how the ranks run
+    (every ``cluster`` option but :data:`_PER_TRIAL`)."""
+    cluster = {k: v for k, v in dataclasses.asdict(cfg.cluster).items() if k not in _PER_TRIAL}
+    return (world_size, cfg.training.device, cfg.parallelism.distributed_backend,
+            cfg.training.distributed_timeout_minutes, json.dumps(cluster, sort_keys=True, default=str))
+
+
+def _owner() -> Dict[str, Any]:
+    import psutil
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_created": psutil.Process().create_time()}
+
+
+class WarmPool:
+    """One pool job: ``world_size`` warm ranks reading trial files from ``pool_dir``."""
+
+    def __init__(self, cfg: JobConfig, world_size: int, pool_dir: Path, allocation_min: Optional[int] = None):
+        from orchestrator.runtime.pool import PoolJob
+        from orchestrator.submit.executor import _children_ignore_sigint, job_environment, make_executor
+
+        self.key, self.world_size, self.dir = pool_key(cfg, world_size), world_size, Path(pool_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        own = from_dict(to_dict(cfg))  # the pool's job: its own folder and time limit
+        own.run.dir = str(self.dir)
+        own.cluster.timeout_min = allocation_min or (POOL_JOB_DAYS * 24 * 60 if cfg.cluster.kind == "local"
+                                                     else cfg.cluster.timeout_min)
+        self.cfg = own
+        executor = make_executor(own, world_size)
+        try:
+            with _children_ignore_sigint():
+                self.job = executor.submit(PoolJob(str(self.dir), job_environment(own, world_size), _owner()))
+        except Exception as exc:
+            raise SubmissionError(f"submission of warm ranks to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
+        self.next, self.alive, self.seen_all = 0, True, False
+        print(f"[orchestrator] warm ranks: job {self.job.job_id} ({cfg.cluster.kind}), {world_size} ranks, "
+              f"trials in {self.dir}", flush=True)
+
+    def run(self, cfg: JobConfig, prepared, timeout_s: float, progress=None) -> Dict[str, Any]:
+        """Run one trial; the logging rank's summary (with ``job_id`` and ``trial_wall_s``, the
+        launcher's seconds from handing the trial over to reading its result).
+
+        Raises JobFailedError (pool cancelled) when the trial fails or exceeds ``timeout_s``."""
+        from orchestrator.ckpt.history import record_submission
+        from orchestrator.runtime.pool import result_path, trial_path
+
+        num, started = self.next, time.time()
+        self.next += 1
+        record_submission(cfg.run.dir, str(self.job.job_id), cfg.cluster,
+                          {"stdout": str(self.job.paths.stdout), "stderr": str(self.job.paths.stderr)},
+                          num_tasks=self.world_size, warm_pool=str(self.dir), trial=num)
+        write_atomic(trial_path(self.dir, num), json.dumps(
+            {"config": to_dict(cfg), "prepared": dataclasses.asdict(prepared), "time": started}, default=str))
+        try:
+            while True:
+                if progress is not None:
+                    progress.poll()
+                try:
+                    summaries = json.loads(result_path(self.dir, num).read_text())["summaries"]
+                except (OSError, ValueError, KeyError):
+                    summaries = None
+                if summaries is not None:
+                    best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), summaries[-1])
+                    return dict(best, job_id=str(self.job.job_id), trial_wall_s=time.time() - started)
+                self._check(num, started, timeout_s)
+                time.sleep(0.05)
+        except BaseException:
+            self.cancel()
+            raise
+        finally:
+            if progress is not None:
+                progress.poll()
+                progress.close()
+
+    def _check(self, num: int, started: float, timeout_s: float) -> None:
+        """Raise JobFailedError when trial ``num`` failed, a rank died, the job ended or time ran out."""
+        from orchestrator.runtime.pool import error_path
+        from orchestrator.submit.wait import _local_alive_ranks
+
+        job_id = self.job.job_id
+        errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
+        if errors:
+            time.sleep(1.0)  # the first error is often a peer's broken collective: let the cause land too
+            errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
+            tails = {r: error_path(self.dir, num, r).read_text(errors="replace").rstrip().splitlines()
+                     for r in errors}
+            root = min(errors, key=lambda r: ("ProcessGroup" in "\n".join(tails[r])
+                                              or "Connection" in "\n".join(tails[r]), r))
+            raise JobFailedError(f"job {job_id}: rank {root} failed in warm trial {num}:\n"
+                                 + "\n".join(tails[root][-15:]) + f"\nlogs: {Path(self.job.paths.stderr).parent}/")
+        if self.cfg.cluster.kind == "local":
+            alive = _local_alive_ranks(self.job)
+            self.seen_all = self.seen_all or (alive is not None and len(alive) == self.world_size)
+            if self.seen_all and (alive is None or len(alive) < self.world_size):
+                dead = sorted(set(range(self.world_size)) - (alive or set()))
+                raise JobFailedError(f"job {job_id}: warm rank(s) {dead} died in trial {num} without an error "
+                                     f"(killed? out of memory?)\nlogs: {Path(self.job.paths.stderr).parent}/")
+        elif self._slurm_ended():
+            raise JobFailedError(f"job {job_id}: the warm ranks' allocation ended during trial {num}\n"
+                                 f"logs: {Path(self.job.paths.stderr).parent}/")
+        if time.time() - started > timeout_s:
+            raise JobFailedError(f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
+                                 f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled")
+
+    def _slurm_ended(self) -> bool:
+        from orchestrator.submit.wait import _SLURM_ENDED, _slurm_state
+
+        if time.time() - getattr(self, "_polled", 0.0) < 5.0:
+            return False
+        self._polled = time.time()
+        return _slurm_state(str(self.job.job_id))[0] in _SLURM_ENDED
+
+    def cancel(self) -> None:
+        from orchestrator.submit.wait import cancel
+
+        self.alive = False
+        cancel(self.job, self.cfg)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the ranks to exit (a stop file) and wait for them; cancel them after ``timeout_s``."""
+        from orchestrator.runtime.pool import trial_path
+
+        if not self.alive:
+            return
+        self.alive = False
+        write_atomic(trial_path(self.dir, self.next), json.dumps({"stop": True}))
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.job.done():
+                return
+            time.sleep(0.2)
+        self.cancel()
+
+
+class PoolLauncher:
+    """A drop-in for :func:`orchestrator.submit.executor.launch` that runs each trial on warm ranks.
+
+    ``root``: where pools keep their files (``<root>/pool_<n>``); ``allocation_min``: a pool job's
+    time limit (SLURM: the one allocation all its trials run in; default ``cluster.timeout_min``).
+    """
+
+    def __init__(self, root: Path, allocation_min: Optional[int] = None):
+        self.root, self.allocation_min = Path(root), allocation_min
+        self.pool: Optional[WarmPool] = None
+        self.started = 0
+
+    def __call__(self, cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True
+                 ) -> Dict[str, Any]:
+        from orchestrator.ckpt.rundir import METRICS_FILE
+        from orchestrator.submit.progress import Progress
+
+        if self.pool is not None and (not self.pool.alive or self.pool.key != pool_key(cfg, layout.world_size)):
+            self.close()
+        if self.pool is None:
+            self.pool = WarmPool(cfg, layout.world_size, self.root / f"pool_{self.started}", self.allocation_min)
+            self.started += 1
+        progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
+        try:
+            return self.pool.run(cfg, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
+        except BaseException:
+            self.pool = None  # cancelled by run(); the next trial starts fresh ranks
+            raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

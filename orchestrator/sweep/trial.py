@@ -1,0 +1,127 @@
+"""One tune trial as a real job: on warm ranks (default) or as a fresh ``python -m orchestrator`` run.
+
+Either way the trial goes through the single-run pipeline (compose, the one ``validate``, data,
+preflight, launch) with :func:`trial_overrides` added, writes its own ``metrics.jsonl`` in
+``<tune dir>/<n>`` and its launcher output to ``<tune dir>/<n>/tune_trial.log``; :func:`run_trial`
+returns the job's summary or the reason it failed.
+
+* warm (``tune.warm_pool=true``): :class:`~orchestrator.submit.pool.PoolLauncher` keeps one pool
+  job (local ranks, or one SLURM allocation holding every trial in sequence) and hands it each
+  trial; a failed trial cancels the pool and the next trial starts a fresh one.
+* fresh: a subprocess per trial (its own job, its own process start-up), as a user would type it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.io import read_jsonl
+from orchestrator.sweep.search import TuneConfig
+
+LOG = "tune_trial.log"
+
+
+def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
+    """What every trial adds: its run directory, few iterations, no evaluation, no checkpoint, a bounded job."""
+    return [f"run.root={root}", f"run.name={num}", f"training.train_iters={opts.iters}",
+            f"training.timing_warmup_iters={opts.warmup_iters}", "training.exit_after_iters=null",
+            "training.eval_iters=0",
+            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+            "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
+            "plan=false", "dry_run=false"]
+
+
+def job_summary(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """The job's final ``summary`` record from ``metrics.jsonl`` (None when it wrote none)."""
+    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("event") == "summary"]
+    return records[-1] if records else None
+
+
+def run_cli(args: List[str], log_path: Path, timeout_s: float) -> Tuple[int, float]:
+    """``python -m orchestrator ARGS`` with output to ``log_path``; (exit code, seconds).
+
+    Timeout: SIGTERM (the CLI stops its ranks), exit code 124. Ctrl-C: the same, then re-raised.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            rc = 124
+    return rc, time.time() - start
+
+
+def log_reason(log_path: Path, lines: int = 15) -> str:
+    """The CLI's ``error:`` line and what follows it, else the log's last lines."""
+    text = log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else []
+    start = next((i for i, line in enumerate(text) if line.startswith("error:")), None)
+    return "\n".join(text[start:start + lines] if start is not None else text[-lines:])
+
+
+class TrialRunner:
+    """Runs trials for one tune session; ``close()`` ends its warm ranks."""
+
+    def __init__(self, opts: TuneConfig, root: Path):
+        self.opts, self.root = opts, Path(root)
+        self.pool = None
+        if opts.warm_pool:
+            from orchestrator.submit.pool import PoolLauncher
+
+            # SLURM: every trial in one allocation, as long as the whole tune may take
+            self.pool = PoolLauncher(self.root / ".pool",
+                                     allocation_min=int(math.ceil(opts.max_minutes)) + opts.trial_timeout_min)
+
+    def run(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
+        """(summary of a completed job or None, the failure's reason, wall seconds)."""
+        if self.pool is None:
+            rc, wall = run_cli(args, run_dir / LOG, 60 * self.opts.trial_timeout_min + 180)
+            summary = job_summary(run_dir)
+            if rc == 0 and summary and summary.get("status") == "completed":
+                return summary, "", wall
+            return None, (f"timed out after {wall:.0f} s" if rc == 124 else log_reason(run_dir / LOG)) \
+                or f"exit code {rc}", wall
+        return self._warm(args, run_dir)
+
+    def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
+        from orchestrator.__main__ import run
+        from orchestrator.spec.compose import compose_config
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        with (run_dir / LOG).open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                summary = run(compose_config(args), launcher=self.pool)
+                reason = "" if summary and summary.get("status") == "completed" else \
+                    f"the job ended {(summary or {}).get('status')}"
+            except OrchestratorError as exc:
+                summary, reason = None, f"error: {exc}"
+            except Exception as exc:  # noqa: BLE001 - recorded as the trial's failure
+                summary, reason = None, "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                traceback.print_exc()
+            if reason:
+                print(reason, flush=True)
+        return (summary if not reason else None), reason, time.time() - start
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
