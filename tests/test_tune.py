@@ -79,7 +79,10 @@ def test_crashed_trial_is_recorded_and_its_options_ruled_out(tuned):
     assert rows["0"]["step_time_median_s"] == "" and rows["0"]["tokens_per_s"] == ""  # nothing invented
     assert rows["1"]["status"] == "completed"
     assert "parallelism.sequence_parallel=false" in json.loads((tune_dir / "1" / "point.json").read_text())["overrides"]
-    assert sorted(p.name for p in tune_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(p.name for p in tune_dir.iterdir() if p.is_dir()) == [".pool", "0", "1"]
+    # Trials run on warm ranks; the crash cancelled the first pool, the next trial got fresh ranks.
+    assert sorted(p.name for p in (tune_dir / ".pool").iterdir()) == ["pool_0", "pool_1"]
+    assert rows["0"]["job_id"] != rows["1"]["job_id"]
     assert "trial 0: failed" in proc.stdout and "stopped: every candidate that fits" in proc.stdout
 
 
