@@ -125,20 +125,36 @@ def report(root: Path) -> int:
     print(f"\ncalibrated profile (fitted on tune's {profile.fit.get('time_samples')} trials only): {profile.summary()}")
     print_memory(grid + single, profile)
     print_tau(grid, profile)
-    walls = [(p["tune"]["wall_s"], p["training_s"]) for p in grid + tuned if p["tune"].get("wall_s")]
-    if walls:
-        wall, train = sum(w for w, _ in walls), sum(t for _, t in walls)
-        print(f"\ntrials: {len(walls)}, {wall / len(walls):.0f} s each on average, of which {train / len(walls):.1f} s "
-              f"training ({train / wall:.0%}); start-up and teardown {(wall - train) / len(walls):.0f} s per trial "
-              "(no warm pool: every trial is a fresh job)")
+    print_startup(grid + tuned)
     return 0
+
+
+def print_startup(pts: List[dict]) -> None:
+    """Wall time per trial, its training loop (``train_wall_s``) and the rest: the start-up. The first
+    trial of each pool of warm ranks also pays the ranks' own start (torch and megatron imports)."""
+    first, warm, wall, train = [], [], 0.0, 0.0
+    jobs = set()
+    for p in pts:
+        s, t = p.get("summary") or {}, p["tune"]
+        if not t.get("wall_s") or not s.get("train_wall_s"):
+            continue
+        wall, train = wall + t["wall_s"], train + s["train_wall_s"]
+        (warm if p.get("job_id") in jobs else first).append(t["wall_s"] - s["train_wall_s"])
+        jobs.add(p.get("job_id"))
+    if warm or first:
+        import statistics
+
+        print(f"\ntrials: {len(warm) + len(first)}, training {train:.0f} s of {wall:.0f} s ({train / wall:.0%}); "
+              f"start-up per trial on warm ranks: median {statistics.median(warm) if warm else float('nan'):.2f} s, "
+              f"max {max(warm) if warm else float('nan'):.2f} s (target <= 3 s); a pool's first trial: "
+              f"median {statistics.median(first):.1f} s ({len(first)} pools)")
 
 
 def confirm(root: Path, a: dict, b: dict, iters: int, rounds: int = 2) -> None:
     """Re-measure two candidates back to back, alternating (a b a b): load drift between the grid and
     tune (minutes apart on a shared machine) moves a median by more than 5%."""
     from orchestrator.sweep.search import TuneConfig
-    from orchestrator.sweep.tune import run_cli, trial_overrides
+    from orchestrator.sweep.trial import run_cli, trial_overrides
 
     opts = TuneConfig(iters=iters, warmup_iters=2)
     for i in range(rounds):

@@ -170,7 +170,8 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
 
 
 def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_dir):
-    # gpt_6.7b on 4 ranks needs ~182 GiB per GPU by the planner: skipped, nothing runs, no data prepared.
+    # gpt_6.7b on 4 CPU ranks needs ~180 GiB per rank by the planner, and this machine has a quarter of its
+    # memory per rank: skipped (judged on the device that runs, not the gpu preset), nothing runs.
     proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "model=gpt_6.7b", "training.micro_batch_size=3,4",
                     f"run.root={tmp_path}", "run.name=big"], cache=cache_dir, check=False)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # invalid, none failed
@@ -178,9 +179,11 @@ def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_di
     rows = {r["point"]: r for r in read_csv(sd / "summary.csv")}
     assert rows["0"]["status"] == "invalid"
     assert rows["1"]["status"] == "skipped_oom_predicted"
-    assert "does not fit" in rows["1"]["reason"] and "A100-80GB" in rows["1"]["reason"]
+    assert "does not fit" in rows["1"]["reason"] and " on cpu " in rows["1"]["reason"]
     assert "sweep.run_predicted_oom=true" in rows["1"]["reason"]
-    assert float(rows["1"]["predicted_mib"]) > 80 * 1024
+    import psutil
+
+    assert float(rows["1"]["predicted_mib"]) > psutil.virtual_memory().total / 2 ** 20 / 4
     assert not (sd / "1" / "submitit").exists()
 
 

@@ -11,8 +11,9 @@
   checkpoint.
 * :func:`run_point` is the task function in multirun mode. In order: compose (a config error:
   ``invalid``), validate the layout (``invalid``, with the validation message), plan (memory
-  predicted on the ``gpu`` preset, pipeline bubble, model FLOPs). A point predicted not to fit is
-  recorded ``skipped_oom_predicted`` unless ``sweep.run_predicted_oom=true``. Otherwise the point
+  predicted on the device that runs -- ``cpu`` with this machine's memory per rank for CPU ranks, else
+  the ``gpu`` preset -- pipeline bubble, model FLOPs). A point predicted not to fit is recorded
+  ``skipped_oom_predicted`` unless ``sweep.run_predicted_oom=true``. Otherwise the point
   runs the single-run pipeline (prepare data, preflight, launch); a crash is recorded ``failed``
   with the error's last lines. Nothing a point does is raised into Hydra (Hydra re-raises a failed
   job only after the whole batch and then skips ``on_multirun_end``), so every point runs and is
@@ -188,13 +189,17 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     except OrchestratorError as exc:  # validate's one line (ConfigError, LayoutError) is the reason
         _record(point, record, "invalid", str(exc))
         return None
-    # "plan": the device that runs (cpu for CPU runs; its calibrated profile when stored), shown in the
-    # table; "plan_preset": the gpu preset, which decides skipped_oom_predicted.
-    record["plan"] = plan_record(planner.plan(cfg, gpu=device_of(cfg)))
+    # "plan": the device that runs (cpu for CPU runs, with this machine's memory per rank; its calibrated
+    # profile when stored): shown in the table, and it decides skipped_oom_predicted; "plan_preset": the
+    # gpu preset, for reference.
+    device = device_of(cfg)
+    runs_on = plan if device == cfg.gpu else planner.plan(cfg, gpu=device)
+    record["plan"] = plan_record(runs_on)
     record["plan_preset"] = plan_record(plan)
-    if not plan.fits and not cfg.sweep.run_predicted_oom:
+    if not runs_on.fits and not cfg.sweep.run_predicted_oom:
+        fix = "gpu=<a larger preset>" if device == cfg.gpu else "fewer ranks on this machine, or a smaller model"
         _record(point, record, "skipped_oom_predicted",
-                f"{plan.reason}; to run it anyway: sweep.run_predicted_oom=true (or gpu=<a larger preset>)")
+                f"{runs_on.reason}; to run it anyway: sweep.run_predicted_oom=true (or {fix})")
         return None
     if cfg.cluster.kind == "local":
         cfg.cluster.wait = True  # one point at a time on this machine
