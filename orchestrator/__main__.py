@@ -89,12 +89,15 @@ def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
         say(f"would start {layout.world_size} local processes (submitit LocalExecutor) in {cfg.run.dir}")
 
 
-def prepare_data(cfg: JobConfig):
-    """Tokenize/index the data and build GPTDataset's sample indices once, before any rank starts."""
+def prepare_data(cfg: JobConfig, indices: bool = True):
+    """Tokenize/index the data and (``indices``) build GPTDataset's sample indices once, before any rank
+    starts. Warm ranks build missing indices themselves (their megatron-core is imported already:
+    :mod:`orchestrator.runtime.pool`); the launcher would pay the import, seconds, for it."""
     from orchestrator.runtime.data import cache_indices, prepare
 
     prepared = prepare(cfg.data)
-    cache_indices(cfg, prepared)  # a warm cache: no torch/megatron import in the launcher
+    if indices:
+        cache_indices(cfg, prepared)  # a warm cache: no torch/megatron import in the launcher
     return prepared
 
 
@@ -156,7 +159,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
-    prepared = prepare_data(cfg)
+    prepared = prepare_data(cfg, indices=launcher is None)
     record_config(cfg)
     summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):

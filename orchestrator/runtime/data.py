@@ -273,6 +273,11 @@ def _indices_marker(cfg: JobConfig, prepared: PreparedData) -> Path:
     return Path(prepared.cache_dir) / "indices" / f"ready-{key}.json"
 
 
+def indices_cached(cfg: JobConfig, prepared: PreparedData) -> bool:
+    """Whether :func:`cache_indices` has built exactly this request's sample indices (no torch import)."""
+    return _indices_marker(cfg, prepared).exists()
+
+
 def cache_indices(cfg: JobConfig, prepared: PreparedData) -> None:
     """Build and cache the train and validation sample indices once, in the launcher, before any rank
     starts (the ranks then only load them). Nothing at all — not even the torch/megatron import, which

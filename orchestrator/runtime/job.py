@@ -17,7 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 DECISION_TIMEOUT_S = 300.0
 """How long a rank other than 0 waits for rank 0's lock decision (rank 0 takes seconds; a
@@ -39,6 +39,7 @@ class TrainJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
+        done = exit_fast_after_success()
         from orchestrator.spec.schema import from_dict
 
         cfg = from_dict(self.config)
@@ -46,7 +47,40 @@ class TrainJob:
             from orchestrator.runtime.data import PreparedData
             from orchestrator.runtime.train import run
 
-            return run(cfg, PreparedData(**self.prepared))
+            summary = run(cfg, PreparedData(**self.prepared))
+        done()
+        return summary
+
+
+def exit_fast_after_success() -> "Callable[[], None]":
+    """Skip the interpreter's own teardown once a task has succeeded; returns the call that says so.
+
+    With torch and megatron-core loaded, Python's finalization (module teardown, garbage collection)
+    costs ~1.5 s of CPU per process (measured on this project's CI machine), paid by every rank
+    while the launcher waits for the job to end. Registered before anything else, this handler runs
+    after every other ``atexit`` handler (logging, TensorBoard, W&B, torch all run theirs), then
+    ends the process with status 0 -- only when the task function returned and submitit has
+    written this task's result file. A failed task exits the normal way.
+    """
+    import atexit
+    import sys
+
+    state = {"ok": False}
+    try:
+        import submitit
+
+        result = Path(submitit.JobEnvironment().paths.result_pickle)
+    except RuntimeError:  # not in a submitit task
+        return lambda: None
+
+    def _exit() -> None:
+        if state["ok"] and result.exists():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    atexit.register(_exit)
+    return lambda: state.update(ok=True)
 
 
 def _whoami() -> Tuple[int, Optional[str], int]:

@@ -94,6 +94,21 @@ def _preload() -> None:
     import orchestrator.runtime.loop  # noqa: F401
 
 
+def _sample_indices(cfg, prepared, rank: int, timeout_s: float = 1800.0) -> None:
+    """The trial's GPTDataset sample indices, built once: rank 0 builds what the cache lacks (the launcher
+    of a warm pool does not), the others wait for its marker (every rank then loads them)."""
+    from orchestrator.runtime.data import cache_indices, indices_cached
+
+    if rank == 0:
+        cache_indices(cfg, prepared)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not indices_cached(cfg, prepared):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not build the sample indices within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
 class PoolJob:
     """``PoolJob(pool_dir, env, owner)()``: one warm rank; returns how many trials it ran.
 
@@ -107,9 +122,11 @@ class PoolJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
+        from orchestrator.runtime.job import _whoami, exit_fast_after_success
+
+        done = exit_fast_after_success()
         _preload()
         from orchestrator.runtime.distributed import shutdown
-        from orchestrator.runtime.job import _whoami
 
         rank = _whoami()[0]
         pool_dir, num = Path(self.pool_dir), 0
@@ -119,7 +136,7 @@ class PoolJob:
                 if spec is None:
                     break
                 try:
-                    summaries = self._trial(spec)
+                    summaries = self._trial(spec, rank)
                 except BaseException:
                     from orchestrator.io import write_atomic
 
@@ -132,10 +149,11 @@ class PoolJob:
                 num += 1
         finally:
             shutdown()
+        done()
         return {"trials": num, "rank": rank}
 
     @staticmethod
-    def _trial(spec: Dict[str, Any]) -> list:
+    def _trial(spec: Dict[str, Any], rank: int) -> list:
         """Run one trial on this rank; rank 0 gets every rank's summary (others: [])."""
         import torch
 
@@ -145,10 +163,11 @@ class PoolJob:
         from orchestrator.runtime.train import run
         from orchestrator.spec.schema import from_dict
 
-        cfg = from_dict(spec["config"])
+        cfg, prepared = from_dict(spec["config"]), PreparedData(**spec["prepared"])
+        _sample_indices(cfg, prepared, rank)
         reset_peak_memory("cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu")
         with hold_run_lock(cfg.run.dir, since=float(spec["time"]) - 1.0):
-            summary = run(cfg, PreparedData(**spec["prepared"]), keep_process_group=True)
+            summary = run(cfg, prepared, keep_process_group=True)
         gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(summary, gathered, dst=0)
         return list(gathered or [])

@@ -155,19 +155,28 @@ class WarmPool:
         self.alive = False
         cancel(self.job, self.cfg)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the ranks to exit (a stop file) and wait for them; cancel them after ``timeout_s``."""
+    def stop(self) -> None:
+        """Write the stop file (once): each rank exits after its current trial."""
         from orchestrator.runtime.pool import trial_path
 
+        if self.alive and not getattr(self, "_stopped", False):
+            self._stopped = True
+            write_atomic(trial_path(self.dir, self.next), json.dumps({"stop": True}))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the ranks to exit (a stop file) and wait for them; cancel them after ``timeout_s``."""
         if not self.alive:
             return
+        self.stop()
         self.alive = False
-        write_atomic(trial_path(self.dir, self.next), json.dumps({"stop": True}))
+        # Every rank has returned once its result file exists; the interpreters' own exit (seconds with
+        # torch loaded) is not waited for.
+        results = [Path(self.job.task(r).paths.result_pickle) for r in range(self.world_size)]
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self.job.done():
+            if all(p.exists() for p in results) or self.job.done():
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.cancel()
 
 
@@ -188,17 +197,27 @@ class PoolLauncher:
         from orchestrator.ckpt.rundir import METRICS_FILE
         from orchestrator.submit.progress import Progress
 
-        if self.pool is not None and (not self.pool.alive or self.pool.key != pool_key(cfg, layout.world_size)):
-            self.close()
-        if self.pool is None:
-            self.pool = WarmPool(cfg, layout.world_size, self.root / f"pool_{self.started}", self.allocation_min)
-            self.started += 1
+        self.prestart(cfg, layout.world_size)
         progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
         try:
             return self.pool.run(cfg, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
         except BaseException:
             self.pool = None  # cancelled by run(); the next trial starts fresh ranks
             raise
+
+    def prestart(self, cfg: JobConfig, world_size: int) -> None:
+        """Have warm ranks for ``cfg`` (start them now, so that their imports overlap the launcher's own
+        preparation of the trial); a pool with another key is closed first."""
+        if self.pool is not None and (not self.pool.alive or self.pool.key != pool_key(cfg, world_size)):
+            self.close()
+        if self.pool is None:
+            self.pool = WarmPool(cfg, world_size, self.root / f"pool_{self.started}", self.allocation_min)
+            self.started += 1
+
+    def stop(self) -> None:
+        """Ask the ranks to exit without waiting (:meth:`close` waits)."""
+        if self.pool is not None:
+            self.pool.stop()
 
     def close(self) -> None:
         if self.pool is not None:

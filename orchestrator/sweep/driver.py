@@ -206,8 +206,10 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     else:
         _DRIVER.wait_at_end = cfg.cluster.wait
         cfg.cluster.wait = False  # queue every point now; finish() waits for all of them
-    _record(point, record, "running")
     launcher = _DRIVER.launcher(cfg)
+    if launcher is not None and not (cfg.plan or cfg.dry_run):
+        launcher.prestart(cfg, layout.world_size)  # the ranks import torch while this process prepares
+    _record(point, record, "running")
     try:
         summary = run_fn(cfg, launcher) if launcher is not None else run_fn(cfg)
     except KeyboardInterrupt:
@@ -278,7 +280,8 @@ def finish() -> Optional[int]:
     sweep_dir = _DRIVER.sweep_dir
     if sweep_dir is None:
         return None
-    _DRIVER.close_pool()
+    if _DRIVER.pool is not None:
+        _DRIVER.pool.stop()  # the warm ranks exit while the table is built
     if _DRIVER.submitted and _DRIVER.wait_at_end:
         say(f"waiting for {len(_DRIVER.submitted)} SLURM job(s): "
             + ", ".join(f"point {p.num} = job {j}" for p, _, _, j in _DRIVER.submitted))
@@ -286,6 +289,7 @@ def finish() -> Optional[int]:
             _wait_submitted(point, cfg, world_size, job_id)
     rows, swept = write_summary(sweep_dir)
     print(format_report(sweep_dir, rows, swept), flush=True)
+    _DRIVER.close_pool()
     if _DRIVER.submitted and not _DRIVER.wait_at_end:
         say(f"jobs queued (cluster.wait=false); later: python -m orchestrator.sweep summarize {sweep_dir}")
     return exit_code(rows, unfinished_ok=bool(_DRIVER.submitted) and not _DRIVER.wait_at_end)
