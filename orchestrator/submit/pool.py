@@ -141,6 +141,12 @@ class WarmPool:
             raise JobFailedError(f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
                                  f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled")
 
+    def _ended(self) -> bool:
+        if self.cfg.cluster.kind == "local":
+            process = getattr(self.job, "_process", None)
+            return process is None or process.poll() is not None
+        return self._slurm_ended()
+
     def _slurm_ended(self) -> bool:
         from orchestrator.submit.wait import _SLURM_ENDED, _slurm_state
 
@@ -174,7 +180,7 @@ class WarmPool:
         results = [Path(self.job.task(r).paths.result_pickle) for r in range(self.world_size)]
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if all(p.exists() for p in results) or self.job.done():
+            if all(p.exists() for p in results) or self._ended():
                 return
             time.sleep(0.05)
         self.cancel()

@@ -106,6 +106,9 @@ class TrialRunner:
         from orchestrator.__main__ import run
         from orchestrator.spec.compose import compose_config
 
+        from submitit.core.logger import get_logger
+
+        get_logger()  # its handler binds to the real stderr now, not to this trial's log (closed after it)
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.time()
         with (run_dir / LOG).open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
