@@ -33,15 +33,12 @@ failed, 2 if one was invalid).
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
-import time
 from typing import Any, Callable, List, Optional
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.spec.checks import validate
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.pipeline import _Current, run  # run: the single-run pipeline
 from orchestrator.spec.schema import JobConfig
 
 TOOLS = {
@@ -57,117 +54,6 @@ HYDRA_FLAGS = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hy
 """Hydra's own inspection flags, handed to Hydra (they print and run nothing)."""
 WITH_CFG = {"--resolve", "--package", "-p"}
 """Hydra flags that only modify ``--cfg``."""
-
-
-def say(message: str) -> None:
-    print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
-
-
-class _Current:
-    """The config of the run in progress, for the interrupt message."""
-
-    cfg: Optional[JobConfig] = None
-
-
-def show_plan(cfg: JobConfig) -> None:
-    from orchestrator.plan import memory as planner
-    from orchestrator.plan import suggest
-    from orchestrator.plan.report import format_plan
-
-    print(format_plan(planner.plan(cfg)), flush=True)
-    suggestions = suggest.suggest(cfg)
-    if suggestions:
-        print(suggest.format_suggestions(suggestions), flush=True)
-
-
-def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
-    if cfg.cluster.kind == "slurm":
-        from orchestrator.submit.sbatch import render_sbatch
-
-        print(render_sbatch(cfg, layout.world_size, f"{cfg.run.dir}/submitit"), flush=True)
-    else:
-        say(f"would start {layout.world_size} local processes (submitit LocalExecutor) in {cfg.run.dir}")
-
-
-def prepare_data(cfg: JobConfig, indices: bool = True):
-    """Tokenize/index the data and (``indices``) build GPTDataset's sample indices once, before any rank
-    starts. Warm ranks build missing indices themselves (their megatron-core is imported already:
-    :mod:`orchestrator.runtime.pool`); the launcher would pay the import, seconds, for it."""
-    from orchestrator.runtime.data import cache_indices, prepare
-
-    prepared = prepare(cfg.data)
-    if indices:
-        cache_indices(cfg, prepared)  # a warm cache: no torch/megatron import in the launcher
-    return prepared
-
-
-def record_config(cfg: JobConfig) -> None:
-    """``<run.dir>/config.yaml``: the resolved config of the run that starts now, and the command."""
-    import yaml
-
-    from orchestrator.ckpt.rundir import CONFIG_FILE
-    from orchestrator.io import write_atomic
-    from orchestrator.spec.schema import to_dict
-
-    header = (f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-              f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n")
-    write_atomic(os.path.join(cfg.run.dir, CONFIG_FILE), header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def _has_checkpoints(cfg: JobConfig) -> bool:
-    from orchestrator.ckpt.manifest import save_dir_of
-
-    save_dir = save_dir_of(cfg)
-    return save_dir.is_dir() and any(p.is_dir() for p in save_dir.iterdir())
-
-
-def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
-    """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
-
-    ``launcher``: what submits and waits, ``(cfg, layout, prepared) -> summary``; default
-    :func:`orchestrator.submit.executor.launch` (a fresh job); sweeps and tune pass a
-    :class:`~orchestrator.submit.pool.PoolLauncher` (warm ranks)."""
-    from orchestrator.plan.inputs import gpu_preset
-
-    _Current.cfg = cfg
-    layout = validate(cfg)
-    gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
-    say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
-    say(layout.summary())
-    if cfg.plan or cfg.dry_run:
-        show_plan(cfg)
-        if cfg.dry_run:
-            dry_run(cfg, layout)
-        return None
-
-    from orchestrator.ckpt import resume
-    from orchestrator.ckpt.lock import RunLock
-    from orchestrator.runtime.data import data_fingerprint, tokenizer_identity
-    from orchestrator.submit.executor import launch
-
-    if cfg.checkpoint.init_from:
-        from orchestrator.ckpt.manifest import read_manifest
-
-        read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
-    fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
-    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
-                              warn=lambda m: say(f"warning: {m}"))
-    if latest is not None:
-        if latest.iteration >= cfg.training.train_iters:
-            say(f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
-                f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
-            return {"status": "already_done", "iteration": latest.iteration}
-        say(f"will resume from {latest.path} (iteration {latest.iteration})")
-    RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
-    prepared = prepare_data(cfg, indices=launcher is None)
-    record_config(cfg)
-    summary = (launcher or launch)(cfg, layout, prepared)
-    if summary.get("status") in ("completed", "exited", "stopped"):
-        step = summary.get("step_time_median_s")
-        say(f"{summary['status']}: iteration {summary.get('iteration')} | lm loss {summary.get('lm_loss'):.4f}"
-            + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
-            + f" | job {summary.get('job_id')}")
-    return summary
 
 
 # ---------------------------------------------------------------- the error boundary

@@ -103,7 +103,7 @@ class TrialRunner:
         return self._warm(args, run_dir)
 
     def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
-        from orchestrator.__main__ import run
+        from orchestrator.pipeline import run
         from orchestrator.spec.compose import compose_config
 
         from submitit.core.logger import get_logger
