@@ -35,6 +35,16 @@ def fsync_dir(path: PathLike) -> None:
             os.close(fd)
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+"""The process's umask, read once at import (os.umask can only be read by setting it)."""
+
+
 def write_atomic(path: PathLike, data: Union[str, bytes], *, fsync: bool = True) -> Path:
     """Write ``data`` to ``path`` atomically (temp file + rename); returns the path.
 
@@ -45,6 +55,7 @@ def write_atomic(path: PathLike, data: Union[str, bytes], *, fsync: bool = True)
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a written file gets the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()

@@ -144,7 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
     if not root.exists():
-        print(f"error: {root} does not exist", file=sys.stderr)
+        print(f"error: runs_root={root}: no such directory; fix: the run.root of your runs "
+              "(default: runs, relative to where you launched them)", file=sys.stderr)
         return 2
     statuses = [run_status(d) for d in find_runs(root)]
     if args.json:
