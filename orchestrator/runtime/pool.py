@@ -109,16 +109,59 @@ def _sample_indices(cfg, prepared, rank: int, timeout_s: float = 1800.0) -> None
         time.sleep(POLL_S)
 
 
+def pid_path(pool_dir: "str | os.PathLike", rank: int) -> Path:
+    """A forked rank's process id (local pools: the launcher checks these processes are alive)."""
+    return Path(pool_dir) / f"rank{rank}.pid"
+
+
+def _fork_ranks(world_size: int, log_dir: Path, job_id: str) -> int:
+    """Fork ranks 1..world_size-1 from this process (rank 0, imports done); returns this process's rank.
+
+    Each child gets the environment submitit gives a local task (``SUBMITIT_LOCAL_GLOBALID`` ...), so
+    the rendezvous and the job environment read it as usual, and its own ``<job>_<rank>_log.out/err``.
+    """
+    import sys
+
+    os.environ["SUBMITIT_LOCAL_NTASKS"] = str(world_size)
+    for rank in range(1, world_size):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            for var in ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID"):
+                os.environ[var] = str(rank)
+            for fd, suffix in ((1, "out"), (2, "err")):
+                log = os.open(log_dir / f"{job_id}_{rank}_log.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(log, fd)
+                os.close(log)
+            print(f"warm rank {rank} of {world_size}: forked from rank 0 (pid {os.getppid()}) after its imports",
+                  flush=True)
+            return rank
+    return 0
+
+
+def sys_flush_and_exit(code: int) -> None:
+    """End a forked rank now: flush its output, skip the interpreter's teardown and atexit handlers
+    (they belong to rank 0's submitit task)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class PoolJob:
-    """``PoolJob(pool_dir, env, owner)()``: one warm rank; returns how many trials it ran.
+    """``PoolJob(pool_dir, env, owner, fork_ranks)()``: warm ranks; returns how many trials ran.
 
     ``env`` is applied before torch is imported (as :class:`~orchestrator.runtime.job.TrainJob`);
-    ``owner``: the launcher's ``{"host", "pid", "pid_created"}``.
+    ``owner``: the launcher's ``{"host", "pid", "pid_created"}``. ``fork_ranks`` (local pools): the
+    job has one task, which imports torch and megatron-core once and forks the other ranks from
+    itself (copy-on-write), instead of each of ``fork_ranks`` processes importing them (8 CPU-s each).
     """
 
     def __init__(self, pool_dir: str, env: Optional[Dict[str, str]] = None,
-                 owner: Optional[Dict[str, Any]] = None):
+                 owner: Optional[Dict[str, Any]] = None, fork_ranks: int = 0):
         self.pool_dir, self.env, self.owner = str(pool_dir), dict(env or {}), dict(owner or {})
+        self.fork_ranks = fork_ranks
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
@@ -126,9 +169,39 @@ class PoolJob:
 
         done = exit_fast_after_success()
         _preload()
+        rank = _whoami()[0]
+        if self.fork_ranks > 1:
+            import submitit
+
+            env = submitit.JobEnvironment()
+            rank = _fork_ranks(self.fork_ranks, Path(env.paths.stdout).parent, str(env.job_id))
+            from orchestrator.io import write_atomic
+
+            write_atomic(pid_path(self.pool_dir, rank), str(os.getpid()))
+            if rank > 0:  # a forked rank never returns into submitit (rank 0's task reports the job)
+                code = 1
+                try:
+                    self._serve(rank)
+                    code = 0
+                except BaseException:  # noqa: BLE001 - its error file is written; the log gets the traceback
+                    traceback.print_exc()
+                finally:
+                    sys_flush_and_exit(code)
+        trials = self._serve(rank)
+        if self.fork_ranks > 1:
+            for _ in range(1, self.fork_ranks):
+                try:
+                    os.wait()
+                except ChildProcessError:
+                    break
+        done()
+        return {"trials": trials, "rank": rank}
+
+    def _serve(self, rank: int) -> int:
+        """Run trials until the stop file; returns how many ran (raises what a trial raised)."""
+        from orchestrator.io import write_atomic
         from orchestrator.runtime.distributed import shutdown
 
-        rank = _whoami()[0]
         pool_dir, num = Path(self.pool_dir), 0
         try:
             while True:
@@ -138,19 +211,14 @@ class PoolJob:
                 try:
                     summaries = self._trial(spec, rank)
                 except BaseException:
-                    from orchestrator.io import write_atomic
-
                     write_atomic(error_path(pool_dir, num, rank), traceback.format_exc())
                     raise
                 if rank == 0:
-                    from orchestrator.io import write_atomic
-
                     write_atomic(result_path(pool_dir, num), json.dumps({"summaries": summaries}, default=str))
                 num += 1
         finally:
             shutdown()
-        done()
-        return {"trials": num, "rank": rank}
+        return num
 
     @staticmethod
     def _trial(spec: Dict[str, Any], rank: int) -> list:

@@ -65,10 +65,14 @@ class WarmPool:
         own.cluster.timeout_min = allocation_min or (POOL_JOB_DAYS * 24 * 60 if cfg.cluster.kind == "local"
                                                      else cfg.cluster.timeout_min)
         self.cfg = own
-        executor = make_executor(own, world_size)
+        # Local: one task imports torch and megatron-core once and forks the other ranks (PoolJob.fork_ranks)
+        self.forked = cfg.cluster.kind == "local" and world_size > 1
+        executor = make_executor(own, 1 if self.forked else world_size)
+        payload = PoolJob(str(self.dir), job_environment(own, world_size), _owner(),
+                          fork_ranks=world_size if self.forked else 0)
         try:
             with _children_ignore_sigint():
-                self.job = executor.submit(PoolJob(str(self.dir), job_environment(own, world_size), _owner()))
+                self.job = executor.submit(payload)
         except Exception as exc:
             raise SubmissionError(f"submission of warm ranks to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
         self.next, self.alive, self.seen_all = 0, True, False
@@ -114,7 +118,6 @@ class WarmPool:
     def _check(self, num: int, started: float, timeout_s: float) -> None:
         """Raise JobFailedError when trial ``num`` failed, a rank died, the job ended or time ran out."""
         from orchestrator.runtime.pool import error_path
-        from orchestrator.submit.wait import _local_alive_ranks
 
         job_id = self.job.job_id
         errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
@@ -128,7 +131,7 @@ class WarmPool:
             raise JobFailedError(f"job {job_id}: rank {root} failed in warm trial {num}:\n"
                                  + "\n".join(tails[root][-15:]) + f"\nlogs: {Path(self.job.paths.stderr).parent}/")
         if self.cfg.cluster.kind == "local":
-            alive = _local_alive_ranks(self.job)
+            alive = self._alive_ranks()
             self.seen_all = self.seen_all or (alive is not None and len(alive) == self.world_size)
             if self.seen_all and (alive is None or len(alive) < self.world_size):
                 dead = sorted(set(range(self.world_size)) - (alive or set()))
@@ -140,6 +143,29 @@ class WarmPool:
         if time.time() - started > timeout_s:
             raise JobFailedError(f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
                                  f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled")
+
+    def _alive_ranks(self) -> Optional[set]:
+        """Local ranks whose process is alive (None: the job's controller is gone). Forked ranks are
+        found by their pid files (:func:`~orchestrator.runtime.pool.pid_path`), others as submitit tasks."""
+        from orchestrator.submit.wait import _local_alive_ranks
+
+        if not self.forked:
+            return _local_alive_ranks(self.job)
+        import psutil
+
+        from orchestrator.runtime.pool import pid_path
+
+        if self._ended():
+            return None
+        alive = set()
+        for rank in range(self.world_size):
+            try:
+                proc = psutil.Process(int(pid_path(self.dir, rank).read_text()))
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.add(rank)
+            except (OSError, ValueError, psutil.NoSuchProcess):
+                pass
+        return alive
 
     def _ended(self) -> bool:
         if self.cfg.cluster.kind == "local":
@@ -177,7 +203,7 @@ class WarmPool:
         self.alive = False
         # Every rank has returned once its result file exists; the interpreters' own exit (seconds with
         # torch loaded) is not waited for.
-        results = [Path(self.job.task(r).paths.result_pickle) for r in range(self.world_size)]
+        results = [Path(self.job.task(r).paths.result_pickle) for r in range(1 if self.forked else self.world_size)]
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if all(p.exists() for p in results) or self._ended():
