@@ -19,7 +19,7 @@ import pytest
 from conftest import run_cli
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
-from orchestrator.errors import JobFailedError, RunLockedError
+from orchestrator.errors import RunLockedError
 from orchestrator.runtime.data import prepare
 from orchestrator.runtime.job import decision_path
 from orchestrator.spec.checks import validate
@@ -62,8 +62,8 @@ def test_job_is_refused_on_every_rank_and_trains_nothing(holder, tmp_path):
     for rank in (0, 1):
         error = str(job.task(rank).exception())
         assert "RunLockedError" in error and f"pid {proc.pid} on host" in error, error
-    with pytest.raises(JobFailedError, match=f"in use by another run \\(pid {proc.pid}"):
-        executor.wait(job, cfg, layout.world_size)  # the production wait reports it
+    with pytest.raises(RunLockedError, match=f"in use by another run \\(pid {proc.pid}"):
+        executor.wait(job, cfg, layout.world_size)  # the production wait reports it: a user error, exit 2
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
     assert (run_dir / RunLock.NAME).read_text() == lock_before and proc.poll() is None
     decision = json.loads(decision_path(run_dir, job.job_id).read_text())

@@ -8,9 +8,10 @@ launcher's own :func:`orchestrator.submit.executor.wait`; or through the CLI its
 End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume,
 scancel while the launcher waits) lives in test_slurm_train.py; here: 4 ranks really run, the
 rendered script is the submitted one and an injection attempt creates no file; the requeue contract
-of orchestrator.runtime.preempt works with submitit's result files and the production wait; a
-cancelled job is not requeued; two detached submissions to one run directory: one trains, the
-other exits naming the holder of the run lock.
+of orchestrator.runtime.preempt works with submitit's result files and the production wait; two
+detached submissions to one run directory: one trains, the other exits naming the holder of the
+run lock. (That a cancelled job is not requeued is checked on a real training job, by
+test_slurm_train's scancel test.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
-from orchestrator.errors import JobFailedError
+from orchestrator.errors import JobFailedError, RunLockedError
 from orchestrator.spec.compose import compose_config
 from orchestrator.spec.schema import JobConfig
 from orchestrator.submit import executor, jobs, sbatch, status
@@ -180,27 +181,6 @@ def test_usr2_saves_requeues_and_resumes(tmp_path, capsys):
     assert st.state == "completed" and st.job.restarts == 1, st
 
 
-def test_cancelled_job_is_not_requeued(tmp_path):
-    """scancel sends SIGTERM, which also means "stop"; scontrol would requeue even a cancelled
-    job, so the contract must check the state first. The production wait says "cancelled"."""
-    state = tmp_path / "state"
-    state.mkdir()
-    run = tmp_path / "run"
-    cfg = dev_cfg(run)
-    job = submit(cfg, _train_like, str(state), 10_000, 0.2, 3, str(run))
-    wait_until(lambda: (state / "progress_0").exists(), 120, "the job to run")
-    scancel(str(job.job_id))
-    t0 = time.monotonic()
-    with pytest.raises(JobFailedError, match="was cancelled"):
-        executor.wait(job, cfg, 4)
-    assert time.monotonic() - t0 < 60
-    time.sleep(5)
-    again = jobs.slurm_job_status(str(job.job_id))
-    assert again.state == "cancelled" and again.restarts == 0, again
-    assert not list((run / "submitit").glob("*_result.pkl"))
-    assert status.run_status(run).state == "cancelled"
-
-
 def _cli(args: List[str], cache: Path) -> subprocess.Popen:
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
@@ -229,9 +209,9 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
         job = executor.make_executor(cfg, 2).job_class(run / "submitit", job_id, tasks=(0, 1))
         try:
             outcomes[job_id] = executor.wait(job, cfg, 2)
-        except JobFailedError as exc:
+        except RunLockedError as exc:  # a user error (exit 2), not a failed job
             outcomes[job_id] = exc
-    refused = [j for j, o in outcomes.items() if isinstance(o, JobFailedError)]
+    refused = [j for j, o in outcomes.items() if isinstance(o, RunLockedError)]
     assert len(refused) == 1, outcomes
     loser, = refused
     winner, = [j for j in ids if j != loser]

@@ -240,7 +240,14 @@ class _Wait:
         if not failed:
             return
         job = self.job
-        known = outcome.known_failure(self.run_dir, self.job_id, [self.results[i][1] for i in sorted(failed)])
+        errors = [self.results[i][1] for i in sorted(failed)]
+        refused = next((outcome.orchestrator_error(e) for e in errors if "RunLockedError: " in str(e)), None)
+        if refused:  # another run took the directory between the launcher's probe and the job: a user error
+            from orchestrator.errors import RunLockedError
+
+            cancel(self.job, self.cfg)
+            raise RunLockedError(refused)
+        known = outcome.known_failure(self.run_dir, self.job_id, errors)
         if known:
             raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)")
         # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the error
