@@ -528,10 +528,14 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
 
 
 @needs_slurm
-def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):
+def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path, cache_dir):
+    """scancel while the launcher waits: reported as cancelled (exit 1, the production wait's
+    message) within 60 s. scancel's SIGTERM also means "stop" to the job, and scontrol would requeue
+    even a cancelled job, so the requeue contract (cluster.max_num_timeout=3 of slurm_dev) must
+    check the state first: still cancelled, never restarted, some seconds later; no result file."""
     run_dir = tmp_path / "slurm"
     cli = Cli(SMALL + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster=slurm_dev",
-                       "run.name=slurm"], cache_dir, tmp_path / "logs")
+                       "cluster.max_num_timeout=3", "run.name=slurm"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -539,14 +543,17 @@ def test_scancel_is_reported_as_cancelled_within_60_s(tmp_path, cache_dir):
         subprocess.run(["scancel", job_id], check=True, timeout=30)
         code = cli.wait(60)
         elapsed = time.monotonic() - t0
-        print(f"launcher ended {elapsed:.1f} s after the {'scancel' if 'scancel' in cli.out_path.parent.parent.name else 'kill'}")
+        print(f"launcher ended {elapsed:.1f} s after the scancel")
     finally:
         cli.kill()
     assert code == 1 and elapsed < 60, (code, elapsed, cli.describe())
     assert f"job {job_id} was cancelled" in cli.stderr, cli.describe()
     assert "Traceback" not in cli.stderr
+    time.sleep(5)  # a wrong requeue would show by now
     st = jobs.slurm_job_status(job_id)
     assert st.state == "cancelled" and st.restarts == 0, st  # SIGTERM of scancel: stopped, not requeued
+    assert not list((run_dir / "submitit").glob("*_result.pkl"))
+    assert status.run_status(run_dir).state == "cancelled"
     rows = status_rows(tmp_path)
     assert rows["slurm"]["state"] == "cancelled" and rows["slurm"]["iteration"] >= 2, rows["slurm"]
     assert table_line(rows, "slurm").split()[1:3] == ["cancelled", job_id]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,19 +30,15 @@ def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
     assert not (tmp_path / "gpt_pp2_dp2" / "submitit").exists()  # nothing was started
 
 
-def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir):
-    """parallelism=none and pp2_dp2, same iteration-0 weights and data order: same losses (1e-3 rel)."""
-    common = SMALL + [f"run.root={tmp_path}", "training.train_iters=20", "optimizer.lr_warmup_iters=2"]
-    run_cli(common + ["parallelism=none", "run.name=init", "training.train_iters=0"], cache=cache_dir)
-    init = tmp_path / "init" / "checkpoints" / "iter_0000000"
-    assert (init / "manifest.json").exists()
-    run_cli(common + ["parallelism=none", "run.name=single", f"checkpoint.init_from={init}"], cache=cache_dir)
-    run_cli(common + ["parallelism=pp2_dp2", "run.name=pp2dp2", f"checkpoint.init_from={init}"], cache=cache_dir)
-    a, b = losses_by_iteration(tmp_path / "single"), losses_by_iteration(tmp_path / "pp2dp2")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for it in range(1, 21):
+def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir, reference, resume_args):
+    """parallelism=none and pp2_dp2 (the module's reference run), same iteration-0 weights and data
+    order: same losses (1e-3 rel)."""
+    run_cli(resume_args + [f"run.root={tmp_path}", "parallelism=none", "run.name=single"], cache=cache_dir)
+    a, b = losses_by_iteration(tmp_path / "single"), reference
+    assert sorted(a) == sorted(b) == list(range(1, REFERENCE_ITERS + 1))
+    for it in range(1, REFERENCE_ITERS + 1):
         assert abs(a[it] - b[it]) <= 1e-3 * abs(a[it]), (it, a[it], b[it])
-    assert a[20] < a[1] - 0.5  # and it learns
+    assert a[REFERENCE_ITERS] < a[1] - 0.5  # and it learns
 
 
 @pytest.mark.parametrize("parallelism", ["pp2_vpp2_dp2", "tp2_pp2"])
@@ -57,17 +54,51 @@ def test_other_layouts_train_and_checkpoint(tmp_path, cache_dir, parallelism):
     assert losses[8] < losses[1] - 0.3
 
 
-REFERENCE_ITERS = 12
-RESUME = SMALL + ["+experiment=gpt_pp2_dp2", f"training.train_iters={REFERENCE_ITERS}", "checkpoint.save_interval=null"]
+REFERENCE_ITERS = 20
+RESUME = SMALL + ["+experiment=gpt_pp2_dp2", f"training.train_iters={REFERENCE_ITERS}", "checkpoint.save_interval=null",
+                  "optimizer.lr_warmup_iters=2"]
+"""The module's gpt_pp2_dp2 config; every run of it starts from the same iteration-0 weights (``init``)."""
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    """One uninterrupted gpt_pp2_dp2 run: the losses every interrupted/resumed run must reproduce.
-    (Checkpoint saves do not change the math, so runs that save can be compared with it.)"""
+def init(tmp_path_factory, cache_dir) -> Path:
+    """Iteration-0 weights (one rank, no training): the layouts compare runs that start from them."""
+    root = tmp_path_factory.mktemp("init")
+    run_cli(SMALL + ["parallelism=none", f"run.root={root}", "run.name=init", "training.train_iters=0"],
+            cache=cache_dir)
+    path = root / "init" / "checkpoints" / "iter_0000000"
+    assert (path / "manifest.json").exists()
+    return path
+
+
+@pytest.fixture(scope="module")
+def resume_args(init):
+    return RESUME + [f"checkpoint.init_from={init}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir, resume_args):
+    """One uninterrupted gpt_pp2_dp2 run from ``init``: the losses every interrupted/resumed run and
+    every other layout must reproduce. (Checkpoint saves do not change the math, so runs that save
+    can be compared with it.)"""
     root = tmp_path_factory.mktemp("reference")
-    run_cli(RESUME + [f"run.root={root}", "run.name=full"], cache=cache_dir)
+    run_cli(resume_args + [f"run.root={root}", "run.name=full"], cache=cache_dir)
     return losses_by_iteration(root / "full")
+
+
+@pytest.fixture(scope="module")
+def cut(tmp_path_factory, cache_dir, resume_args) -> Path:
+    """The reference config stopped after 2 iterations (a checkpoint at 2); tests resume copies of it."""
+    root = tmp_path_factory.mktemp("cut")
+    first = run_cli(resume_args + [f"run.root={root}", "run.name=cut", "training.exit_after_iters=2"], cache=cache_dir)
+    assert "exited: iteration 2" in first.stdout
+    assert (root / "cut" / "checkpoints" / "iter_0000002" / "manifest.json").exists()
+    return root / "cut"
+
+
+def _copy_run(src: Path, root: Path) -> Path:
+    shutil.copytree(src, root / src.name, symlinks=True)
+    return root / src.name
 
 
 def _assert_matches(reference, run_dir: Path, after: int, rel: float) -> None:
@@ -77,37 +108,35 @@ def _assert_matches(reference, run_dir: Path, after: int, rel: float) -> None:
         assert abs(reference[it] - got[it]) <= rel * abs(reference[it]), (it, reference[it], got[it])
 
 
-def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, reference):
-    """Stop after 2 iterations (checkpoint), rerun the same command: the next 10 iterations match (1e-5 rel)."""
-    common = RESUME + [f"run.root={tmp_path}", "run.name=cut"]
-    first = run_cli(common + ["training.exit_after_iters=2"], cache=cache_dir)
-    assert "exited: iteration 2" in first.stdout
-    assert (tmp_path / "cut" / "checkpoints" / "iter_0000002" / "manifest.json").exists()
-    second = run_cli(common, cache=cache_dir)
+def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, reference, resume_args, cut):
+    """Stopped after 2 iterations (checkpoint), the same command rerun: the next 18 iterations match (1e-5 rel)."""
+    run_dir = _copy_run(cut, tmp_path)
+    second = run_cli(resume_args + [f"run.root={tmp_path}", "run.name=cut"], cache=cache_dir)
     assert "will resume from" in second.stdout and "iter_0000002" in second.stdout
-    records = read_metrics(tmp_path / "cut")
+    records = read_metrics(run_dir)
     assert [r["iteration"] for r in records] == list(range(1, REFERENCE_ITERS + 1))  # nothing retrained
-    _assert_matches(reference, tmp_path / "cut", after=2, rel=1e-5)
-    manifest = json.loads((tmp_path / "cut" / "checkpoints" / "iter_0000012" / "manifest.json").read_text())
-    assert manifest["iteration"] == 12 and manifest["consumed_samples"] == 12 * 16
+    _assert_matches(reference, run_dir, after=2, rel=1e-5)
+    manifest = json.loads((run_dir / "checkpoints" / f"iter_{REFERENCE_ITERS:07d}" / "manifest.json").read_text())
+    assert manifest["iteration"] == REFERENCE_ITERS and manifest["consumed_samples"] == REFERENCE_ITERS * 16
 
 
-def test_layout_change_is_refused_then_reshard_opt_in_continues(tmp_path, cache_dir, reference):
+def test_layout_change_is_refused_then_reshard_opt_in_continues(tmp_path, cache_dir, reference, resume_args, cut):
     """A PP=2 checkpoint relaunched with PP=1: refused before anything is submitted, with the diff and
     the matching override; with checkpoint.allow_reshard=true torch_dist reshards model and optimizer
     state and the losses continue as in the uninterrupted PP=2 run (1e-3 rel)."""
-    common = RESUME + [f"run.root={tmp_path}", "run.name=cut"]
-    run_cli(common + ["training.exit_after_iters=4"], cache=cache_dir)
-    submitted = sorted((tmp_path / "cut" / "submitit").glob("*_submitted.pkl"))
+    run_dir = _copy_run(cut, tmp_path)
+    common = resume_args + [f"run.root={tmp_path}", "run.name=cut"]
+    submitted = sorted((run_dir / "submitit").glob("*_submitted.pkl"))
+    assert submitted
     refused = run_cli(common + ["parallelism.pipeline_model_parallel_size=1"], cache=cache_dir, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "parallelism.pipeline_model_parallel_size" in refused.stderr and "| 2" in refused.stderr
     assert "parallelism.pipeline_model_parallel_size=2" in refused.stderr  # the override that matches
     assert "checkpoint.allow_reshard=true" in refused.stderr
-    assert sorted((tmp_path / "cut" / "submitit").glob("*_submitted.pkl")) == submitted  # nothing queued
+    assert sorted((run_dir / "submitit").glob("*_submitted.pkl")) == submitted  # nothing queued
     run_cli(common + ["parallelism.pipeline_model_parallel_size=1", "checkpoint.allow_reshard=true"], cache=cache_dir)
-    _assert_matches(reference, tmp_path / "cut", after=4, rel=1e-3)
-    manifest = json.loads((tmp_path / "cut" / "checkpoints" / "iter_0000012" / "manifest.json").read_text())
+    _assert_matches(reference, run_dir, after=2, rel=1e-3)
+    manifest = json.loads((run_dir / "checkpoints" / f"iter_{REFERENCE_ITERS:07d}" / "manifest.json").read_text())
     assert manifest["layout"]["pipeline_model_parallel_size"] == 1
     assert "parallelism.pipeline_model_parallel_size" in manifest["origin"]["resharded"]
 
@@ -123,7 +152,7 @@ def _rank_processes(run_dir: Path):
     return out
 
 
-def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, reference):
+def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, reference, resume_args):
     """kill -9 one rank mid-run: the launcher reports it (exit 1) instead of hanging; the rerun resumes
     from the last complete checkpoint and its losses match the uninterrupted run (1e-5 rel)."""
     import os
@@ -134,7 +163,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
 
     from conftest import REPO
 
-    common = RESUME + [f"run.root={tmp_path}", "run.name=killed", "checkpoint.save_interval=2"]
+    common = resume_args + [f"run.root={tmp_path}", "run.name=killed", "checkpoint.save_interval=2"]
     run_dir = tmp_path / "killed"
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *common], cwd=REPO, env=env,

@@ -149,10 +149,16 @@ class ParallelLayout:
     # ---- validation -----------------------------------------------------
     def problems(self) -> List[str]:
         """Every broken rule as one sentence naming keys, values and a fix (empty = valid)."""
-        tp, pp, cp, ep = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-                          self.context_parallel_size, self.expert_model_parallel_size)
-        vpp = self.virtual_pipeline_model_parallel_size
-        out: List[str] = []
+        return [*self._world_problems(), *self._batch_and_pipeline_problems(), *self._model_problems(),
+                *self._expert_problems()]
+
+    def _degrees(self):
+        return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size,
+                self.expert_model_parallel_size, self.virtual_pipeline_model_parallel_size, [])
+
+    def _world_problems(self) -> List[str]:
+        """The world size against TP x PP x CP and a stated DP."""
+        tp, pp, cp, ep, vpp, out = self._degrees()
         mp = self.model_parallel_size
         if self.world_size % mp:
             valid = [d for d in _divisors(self.world_size)]
@@ -169,6 +175,11 @@ class ParallelLayout:
                 f"fix: set parallelism.data_parallel_size=null (derive it) or {self.data_parallel_size}, "
                 f"or run {need} tasks (cluster.nodes x cluster.tasks_per_node = {need})"
             )
+        return out
+
+    def _batch_and_pipeline_problems(self) -> List[str]:
+        """GBS against MBS x DP; layers per (virtual) stage; the interleaved schedule's rule."""
+        tp, pp, cp, ep, vpp, out = self._degrees()
         dp = self.data_parallel_size
         step = self.micro_batch_size * dp
         if self.global_batch_size % step:
@@ -210,6 +221,11 @@ class ParallelLayout:
                     f"{self.global_batch_size} / ({self.micro_batch_size} x {dp}) = {m}; "
                     f"fix: training.global_batch_size one of {ok_gbs}, or virtual_pipeline_model_parallel_size=null"
                 )
+        return out
+
+    def _model_problems(self) -> List[str]:
+        """Heads and query groups against TP; sequence parallel; positions; CP's sequence split."""
+        tp, pp, cp, ep, vpp, out = self._degrees()
         heads = self.num_attention_heads
         if heads % tp:
             out.append(
@@ -238,6 +254,11 @@ class ParallelLayout:
                 f"model.seq_length={self.seq_length} is not divisible by 2 x context_parallel_size = {2 * cp}; "
                 f"fix: seq_length a multiple of {2 * cp}"
             )
+        return out
+
+    def _expert_problems(self) -> List[str]:
+        """Expert parallelism: experts, the TP x EP x PP grid, sequence parallel with TP."""
+        tp, pp, cp, ep, vpp, out = self._degrees()
         if ep > 1:
             if not self.num_moe_experts:
                 out.append(
