@@ -175,6 +175,33 @@ def _kind(key: str) -> Optional[str]:
     return REFUSE if key in _REFUSE_KEYS else RESHARD if key in _RESHARD_KEYS else WARN
 
 
+def _vocab_mismatches(manifest: dict, cfg: JobConfig, layout: ParallelLayout,
+                      tokenizer: Optional[dict]) -> List[Mismatch]:
+    """The vocabulary and its padding (megatron pads to a multiple of make_vocab_size_divisible_by x TP)."""
+    out: List[Mismatch] = []
+    model = manifest.get("model") or {}
+    vocab = model.get("vocab_size")
+    req_vocab = (tokenizer or {}).get("vocab_size", vocab)
+    if vocab is not None and req_vocab != vocab:
+        out.append(Mismatch("model.vocab_size", vocab, req_vocab, None, REFUSE, "the tokenizer's vocabulary changed"))
+    ck_div, div, tp = model.get("make_vocab_size_divisible_by"), cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
+    ck_pad = model.get("padded_vocab_size")
+    if vocab is not None and ck_pad is not None:
+        pad = padded_vocab_size(req_vocab, div, tp)
+        if ck_div != div:
+            out.append(Mismatch("model.make_vocab_size_divisible_by", ck_div, div,
+                                f"model.make_vocab_size_divisible_by={hydra_value(ck_div)}", REFUSE if pad != ck_pad else WARN,
+                                f"padded vocab {ck_pad} -> {pad}" if pad != ck_pad else "padded vocab unchanged"))
+        if pad != ck_pad:
+            keep = [d for d in range(ck_pad // tp, 0, -1)
+                    if ck_pad % tp == 0 and padded_vocab_size(req_vocab, d, tp) == ck_pad][:1]
+            hint = (f"; to keep TP={tp} set model.make_vocab_size_divisible_by={keep[0]}" if keep else
+                    f"; no make_vocab_size_divisible_by gives {ck_pad} at TP={tp}")
+            out.append(Mismatch("model.padded_vocab_size", ck_pad, pad, None, REFUSE,
+                                f"ceil({req_vocab} / ({div} x TP {tp})) x {div * tp} = {pad}" + hint))
+    return out
+
+
 def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optional[str],
             tokenizer: Optional[dict]) -> List[Mismatch]:
     """Every difference between ``manifest`` and the requested run, in table order.
@@ -216,26 +243,7 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
         out.append(Mismatch(key, ck_cfg.get(key), req_cfg.get(key), f"{key}={hydra_value(ck_cfg.get(key))}",
                             kind, note))
     # 3. vocab: megatron pads to a multiple of make_vocab_size_divisible_by x TP
-    model = manifest.get("model") or {}
-    vocab = model.get("vocab_size")
-    req_vocab = (tokenizer or {}).get("vocab_size", vocab)
-    if vocab is not None and req_vocab != vocab:
-        out.append(Mismatch("model.vocab_size", vocab, req_vocab, None, REFUSE, "the tokenizer's vocabulary changed"))
-    ck_div, div, tp = model.get("make_vocab_size_divisible_by"), cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
-    ck_pad = model.get("padded_vocab_size")
-    if vocab is not None and ck_pad is not None:
-        pad = padded_vocab_size(req_vocab, div, tp)
-        if ck_div != div:
-            out.append(Mismatch("model.make_vocab_size_divisible_by", ck_div, div,
-                                f"model.make_vocab_size_divisible_by={hydra_value(ck_div)}", REFUSE if pad != ck_pad else WARN,
-                                f"padded vocab {ck_pad} -> {pad}" if pad != ck_pad else "padded vocab unchanged"))
-        if pad != ck_pad:
-            keep = [d for d in range(ck_pad // tp, 0, -1)
-                    if ck_pad % tp == 0 and padded_vocab_size(req_vocab, d, tp) == ck_pad][:1]
-            hint = (f"; to keep TP={tp} set model.make_vocab_size_divisible_by={keep[0]}" if keep else
-                    f"; no make_vocab_size_divisible_by gives {ck_pad} at TP={tp}")
-            out.append(Mismatch("model.padded_vocab_size", ck_pad, pad, None, REFUSE,
-                                f"ceil({req_vocab} / ({div} x TP {tp})) x {div * tp} = {pad}" + hint))
+    out += _vocab_mismatches(manifest, cfg, layout, tokenizer)
     # 4. tokenizer and data content, when the caller knows them
     ck_tok = manifest.get("tokenizer") or {}
     for k in sorted(set(ck_tok) | set(tokenizer or {})) if tokenizer is not None else []:
