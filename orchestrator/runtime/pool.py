@@ -114,8 +114,9 @@ def pid_path(pool_dir: "str | os.PathLike", rank: int) -> Path:
     return Path(pool_dir) / f"rank{rank}.pid"
 
 
-def _fork_ranks(world_size: int, log_dir: Path, job_id: str) -> int:
-    """Fork ranks 1..world_size-1 from this process (rank 0, imports done); returns this process's rank.
+def _fork_ranks(world_size: int, log_dir: Path, job_id: str, children: list) -> int:
+    """Fork ranks 1..world_size-1 from this process (rank 0, imports done); returns this process's rank
+    (rank 0 gets its children's process ids appended to ``children``).
 
     Each child gets the environment submitit gives a local task (``SUBMITIT_LOCAL_GLOBALID`` ...), so
     the rendezvous and the job environment read it as usual, and its own ``<job>_<rank>_log.out/err``.
@@ -126,7 +127,10 @@ def _fork_ranks(world_size: int, log_dir: Path, job_id: str) -> int:
     for rank in range(1, world_size):
         sys.stdout.flush()
         sys.stderr.flush()
-        if os.fork() == 0:
+        pid = os.fork()
+        if pid:
+            children.append(pid)
+        else:
             for var in ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID"):
                 os.environ[var] = str(rank)
             for fd, suffix in ((1, "out"), (2, "err")):
@@ -169,12 +173,12 @@ class PoolJob:
 
         done = exit_fast_after_success()
         _preload()
-        rank = _whoami()[0]
+        rank, children = _whoami()[0], []
         if self.fork_ranks > 1:
             import submitit
 
             env = submitit.JobEnvironment()
-            rank = _fork_ranks(self.fork_ranks, Path(env.paths.stdout).parent, str(env.job_id))
+            rank = _fork_ranks(self.fork_ranks, Path(env.paths.stdout).parent, str(env.job_id), children)
             from orchestrator.io import write_atomic
 
             write_atomic(pid_path(self.pool_dir, rank), str(os.getpid()))
@@ -188,12 +192,11 @@ class PoolJob:
                 finally:
                     sys_flush_and_exit(code)
         trials = self._serve(rank)
-        if self.fork_ranks > 1:
-            for _ in range(1, self.fork_ranks):
-                try:
-                    os.wait()
-                except ChildProcessError:
-                    break
+        for pid in children:  # the forked ranks end with the same stop file
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
         done()
         return {"trials": trials, "rank": rank}
 
