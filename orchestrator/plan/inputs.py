@@ -6,7 +6,7 @@ Pure Python. Units: bytes, FLOP/s, bytes/s. Sources as in :mod:`orchestrator.pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from orchestrator.errors import ConfigError
 
@@ -178,3 +178,44 @@ class Recipe:
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+
+
+# ---- from a JobConfig -------------------------------------------------------------------------
+def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
+    """Tokenizer vocabulary of ``cfg.data.tokenizer`` and a note when it had to be assumed.
+
+    ``data.vocab_size`` when stated (a converted Megatron-LM run: its tokenizer files are not
+    here). ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
+    ``added_tokens`` (read with the json module); unreadable -> ``default`` (GPT-2's 50257).
+    """
+    if getattr(cfg.data, "vocab_size", None) is not None:
+        return cfg.data.vocab_size, None
+    tok = cfg.data.tokenizer
+    if tok == "byte":
+        return BYTE_TOKENIZER_VOCAB, None
+    import json
+    import os
+
+    try:
+        with open(os.path.expanduser(tok), encoding="utf-8") as fh:
+            spec = json.load(fh)
+        vocab = spec.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t.get("id", 0) for t in spec.get("added_tokens", [])]
+        return max(ids) + 1, None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return default, f"data.tokenizer={tok!r} could not be read here; assumed a vocabulary of {default}"
+
+
+def recipe_of(cfg) -> Recipe:
+    """The :class:`Recipe` of a :class:`~orchestrator.spec.schema.JobConfig`."""
+    m, o = cfg.model, cfg.optimizer
+    return Recipe(precision=cfg.training.precision, recompute_granularity=m.recompute_granularity,
+                  recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+                  use_distributed_optimizer=o.use_distributed_optimizer, optimizer=o.name,
+                  sgd_momentum=o.sgd_momentum)
+
+
+def gpus_per_node(cfg) -> int:
+    """GPUs per node of ``cfg.cluster`` for the planner (8 when the cluster does not say)."""
+    return cfg.cluster.gpus_per_node or 8

@@ -33,7 +33,7 @@ from orchestrator.spec.layout import ParallelLayout, layout_from_config, padded_
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
 from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
                                      FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
-                                     Recipe, _gib, gpu_preset)
+                                     Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of)
 from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 
 @dataclass(frozen=True)
@@ -375,45 +375,6 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         profile=profile, terms=terms, bubble_idle=idle)
 
 
-def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
-    """Tokenizer vocabulary of ``cfg.data.tokenizer`` and a note when it had to be assumed.
-
-    ``data.vocab_size`` when stated (a converted Megatron-LM run: its tokenizer files are not
-    here). ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
-    ``added_tokens`` (read with the json module); unreadable -> ``default`` (GPT-2's 50257).
-    """
-    if getattr(cfg.data, "vocab_size", None) is not None:
-        return cfg.data.vocab_size, None
-    tok = cfg.data.tokenizer
-    if tok == "byte":
-        return BYTE_TOKENIZER_VOCAB, None
-    import json
-    import os
-
-    try:
-        with open(os.path.expanduser(tok), encoding="utf-8") as fh:
-            spec = json.load(fh)
-        vocab = spec.get("model", {}).get("vocab", {})
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-        ids += [t.get("id", 0) for t in spec.get("added_tokens", [])]
-        return max(ids) + 1, None
-    except (OSError, ValueError, AttributeError, TypeError):
-        return default, f"data.tokenizer={tok!r} could not be read here; assumed a vocabulary of {default}"
-
-
-def recipe_of(cfg) -> Recipe:
-    """The :class:`Recipe` of a :class:`~orchestrator.spec.schema.JobConfig`."""
-    m, o = cfg.model, cfg.optimizer
-    return Recipe(precision=cfg.training.precision, recompute_granularity=m.recompute_granularity,
-                  recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
-                  use_distributed_optimizer=o.use_distributed_optimizer, optimizer=o.name,
-                  sgd_momentum=o.sgd_momentum)
-
-
-def _gpus_per_node(cfg) -> int:
-    return cfg.cluster.gpus_per_node or 8
-
-
 def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None,
          profile: Any = "auto") -> Plan:
     """Plan a :class:`~orchestrator.spec.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
@@ -433,7 +394,7 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     shape = ModelShape.from_model_config(cfg.model, vocab_size)
     ranks_per_node = layout.world_size // max(1, cfg.cluster.nodes) if preset.name == CPU_PRESET else None
     result = plan_layout(layout, shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
-                         gpus_per_node=_gpus_per_node(cfg), profile=profile, ranks_per_node=ranks_per_node)
+                         gpus_per_node=gpus_per_node(cfg), profile=profile, ranks_per_node=ranks_per_node)
     if note:
         result.notes.append(note)
     if profile is not None:

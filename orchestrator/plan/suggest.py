@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from orchestrator.errors import ConfigError
 from orchestrator.text import table
 from orchestrator.spec.layout import ParallelLayout
-from orchestrator.plan.memory import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, _gpus_per_node,
+from orchestrator.plan.memory import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, gpus_per_node,
                                   gpu_preset, layout_from_config, plan_layout, recipe_of, recipe_problems,
                                   vocab_size_of)
 
@@ -107,7 +107,7 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
     preset = gpu_preset(gpu if gpu is not None else cfg.gpu)
     if vocab_size is None:
         vocab_size, _ = vocab_size_of(cfg)
-    mfu, node = mfu or DEFAULT_MFU, _gpus_per_node(cfg)
+    mfu, node = mfu or DEFAULT_MFU, gpus_per_node(cfg)
     shape, recipe, layout = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg), layout_from_config(cfg)
     try:
         current: Optional[Plan] = plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node)
