@@ -310,9 +310,10 @@ class _Wait:
             return
         cancelled = not self.local and self.state.startswith("CANCELLED")
         # Allow result files a moment to land after the processes exit (the state is re-read
-        # every poll, so a transient answer does not end the wait).
+        # every poll, so a transient answer does not end the wait). A local task writes its result
+        # before it exits, on this machine's filesystem: a short grace is enough there.
         self.ended_since = self.ended_since or time.time()
-        if time.time() - self.ended_since <= (3 if cancelled else 15):
+        if time.time() - self.ended_since <= (3 if cancelled or self.local else 15):
             return
         job, state = self.job, self.state
         missing = [i for i in range(self.world_size) if i not in self.results]
