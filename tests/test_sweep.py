@@ -160,7 +160,9 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
     assert not (sd / "0" / "submitit").exists()  # nothing was submitted for it
     assert rows["1"]["status"] == "failed"
     assert "'many'" in rows["1"]["reason"]
-    assert rows["1"]["job_id"] and (sd / ".pool" / "pool_0" / "submitit" / f"{rows['1']['job_id']}_0_result.pkl").exists()
+    # It ran on warm ranks (the pool's job); the failing ranks left their tracebacks in the pool's files.
+    assert rows["1"]["job_id"] and (sd / ".pool" / "pool_0" / "submitit" / f"{rows['1']['job_id']}_submitted.pkl").exists()
+    assert "'many'" in (sd / ".pool" / "pool_0" / "trial_0.rank0.error").read_text()
     assert rows["1"]["tokens_per_s"] == "" and rows["1"]["step_time_median_s"] == ""  # nothing invented
     for num in ("0", "1"):
         point = json.loads((sd / num / "point.json").read_text())

@@ -88,7 +88,7 @@ class WarmPool:
         from orchestrator.runtime.pool import result_path, trial_path
 
         num, started = self.next, time.time()
-        self.next += 1
+        self.next, self.seen_all = self.next + 1, False
         record_submission(cfg.run.dir, str(self.job.job_id), cfg.cluster,
                           {"stdout": str(self.job.paths.stdout), "stderr": str(self.job.paths.stderr)},
                           num_tasks=self.world_size, warm_pool=str(self.dir), trial=num)
@@ -107,8 +107,13 @@ class WarmPool:
                     return dict(best, job_id=str(self.job.job_id), trial_wall_s=time.time() - started)
                 self._check(num, started, timeout_s)
                 time.sleep(0.05)
-        except BaseException:
+        except BaseException as exc:
+            from orchestrator.submit import outcome
+
             self.cancel()
+            cause = "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed"
+            why = "the launcher was interrupted (Ctrl-C or a signal)" if cause == "interrupted" else str(exc)
+            outcome.record_end(cfg.run.dir, str(self.job.job_id), cause, why)  # unless the trial recorded it
             raise
         finally:
             if progress is not None:
@@ -131,7 +136,7 @@ class WarmPool:
             raise JobFailedError(f"job {job_id}: rank {root} failed in warm trial {num}:\n"
                                  + "\n".join(tails[root][-15:]) + f"\nlogs: {Path(self.job.paths.stderr).parent}/")
         if self.cfg.cluster.kind == "local":
-            alive = self._alive_ranks()
+            alive = self._alive_ranks(num)
             self.seen_all = self.seen_all or (alive is not None and len(alive) == self.world_size)
             if self.seen_all and (alive is None or len(alive) < self.world_size):
                 dead = sorted(set(range(self.world_size)) - (alive or set()))
@@ -144,9 +149,10 @@ class WarmPool:
             raise JobFailedError(f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
                                  f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled")
 
-    def _alive_ranks(self) -> Optional[set]:
-        """Local ranks whose process is alive (None: the job's controller is gone). Forked ranks are
-        found by their pid files (:func:`~orchestrator.runtime.pool.pid_path`), others as submitit tasks."""
+    def _alive_ranks(self, num: int) -> Optional[set]:
+        """Local ranks of trial ``num`` whose process is alive (None: the job's controller is gone). Forked
+        ranks are found by their pid files (:func:`~orchestrator.runtime.pool.pid_path`), others as
+        submitit tasks."""
         from orchestrator.submit.wait import _local_alive_ranks
 
         if not self.forked:
@@ -160,7 +166,7 @@ class WarmPool:
         alive = set()
         for rank in range(self.world_size):
             try:
-                proc = psutil.Process(int(pid_path(self.dir, rank).read_text()))
+                proc = psutil.Process(int(pid_path(self.dir, num, rank).read_text()))
                 if proc.status() != psutil.STATUS_ZOMBIE:
                     alive.add(rank)
             except (OSError, ValueError, psutil.NoSuchProcess):

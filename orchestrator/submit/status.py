@@ -77,6 +77,9 @@ def run_status(run_dir: PathLike) -> RunStatus:
     last = submissions[-1]
     job_id, cluster = str(last.get("job_id")), str(last.get("cluster", "slurm"))
     folder = last.get("folder")
+    if last.get("warm_pool"):  # a sweep point or tune trial on warm ranks: its trial's files say how it ended
+        rs.job, rs.failure = warm_trial_status(last, records)
+        return rs
     st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
     if st.state == "unknown" and summary is not None and summary.get("status") == "completed":
         st.state = "completed"
@@ -86,6 +89,38 @@ def run_status(run_dir: PathLike) -> RunStatus:
     if st.state == "failed" and folder and not st.message:
         rs.failure = failed_rank_tail(folder, job_id, last.get("num_tasks"))
     return rs
+
+
+def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Tuple[JobStatus, Optional[str]]:
+    """(state, the failing rank's last lines) of a trial run on warm ranks (:mod:`orchestrator.submit.pool`):
+    its result file (the logging rank's summary), a rank's error file, else the pool job alive or not."""
+    import json
+
+    from orchestrator.runtime.pool import result_path
+
+    job_id, cluster = str(submitted["job_id"]), str(submitted.get("cluster", "local"))
+    pool, num, failure = Path(submitted["warm_pool"]), int(submitted.get("trial", 0)), None
+    st = JobStatus(state="unknown", job_id=job_id, cluster=cluster)
+    try:
+        summaries = json.loads(result_path(pool, num).read_text())["summaries"]
+    except (OSError, ValueError, KeyError):
+        summaries = None
+    errors = sorted(pool.glob(f"trial_{num}.rank*.error"))
+    if summaries:
+        best = next((x for x in summaries if isinstance(x, dict) and x.get("logging_rank")), summaries[-1]) or {}
+        st.state = {"completed": "completed", "exited": "stopped", "stopped": "stopped"}.get(best.get("status"), "unknown")
+    elif errors:
+        st.state, st.detail = "failed", f"{errors[0].name.split('.')[1]} raised an exception (warm trial {num})"
+        failure = "\n".join(errors[0].read_text(errors="replace").rstrip().splitlines()[-15:])
+    else:
+        from orchestrator.submit.jobs import _local_alive, slurm_job_status
+
+        live = _local_alive(job_id) if cluster == "local" else (slurm_job_status(job_id) or st).state == "running"
+        st.state, st.detail = ("running", "") if live else ("failed", f"the warm ranks ended before trial {num} did")
+    from orchestrator.submit.jobs import _attach_cause
+
+    _attach_cause(st, records)
+    return st, failure
 
 
 def find_runs(root: PathLike) -> List[Path]:

@@ -121,6 +121,8 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
     if not 0 <= opts.warmup_iters < opts.iters:
         raise ConfigError(f"tune.warmup_iters={opts.warmup_iters} must be < tune.iters={opts.iters} (some "
                           "iterations must be timed); fix: tune.warmup_iters=1")
+    if opts.max_minutes <= 0:
+        raise ConfigError(f"tune.max_minutes={opts.max_minutes} must be > 0; fix: tune.max_minutes=30")
     if not 0 < opts.memory_margin <= 1:
         raise ConfigError(f"tune.memory_margin={opts.memory_margin} must be in (0, 1]; fix: tune.memory_margin=0.9")
     return opts

@@ -32,7 +32,8 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
 * predicted step time: the same plan's (seconds); step-time error % = 100 x (predicted - measured) / measured;
 * bubble fraction: the planner's (p-1)/(v m + p-1) (Narayanan et al. 2021, section 2.2).
 
-Rows are ranked by measured tokens/s, fastest first; rows without a measurement follow in point order.
+Completed (and still running) points are ranked by measured tokens/s, fastest first; the rest follow
+in point order (a failed, interrupted or stopped point shows what it measured, unranked).
 """
 
 from __future__ import annotations
@@ -91,7 +92,13 @@ def _error_pct(predicted: Optional[float], measured: Optional[float]) -> Optiona
 
 
 def job_id_in(run_dir: Path) -> Optional[str]:
-    """The newest submitit job id under ``<run_dir>/submitit`` (``<id>_submitted.pkl``)."""
+    """The newest job id of a run: the latest submission in ``jobs.jsonl`` (a point on warm ranks names the
+    pool's job there), else the newest ``<run_dir>/submitit/<id>_submitted.pkl``."""
+    from orchestrator.ckpt.rundir import JOBS_FILE
+
+    submitted = [r for r in read_jsonl(Path(run_dir) / JOBS_FILE) if r.get("event") == "submitted"]
+    if submitted:
+        return str(submitted[-1].get("job_id"))
     folder = Path(run_dir) / "submitit"
     if not folder.is_dir():
         return None
@@ -257,10 +264,13 @@ def collect(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
                 values.setdefault(k, set()).add(v)
         swept = [k for k, vs in values.items() if len(vs) > 1 or len(points) == 1]
     rows = [_row(num, p, swept) for num, p in points.items()]
-    ranked = sorted((r for r in rows if r["tokens_per_s"] is not None), key=lambda r: -r["tokens_per_s"])
+    # Ranked: completed points, and points still running (a live view); a failed, interrupted or stopped
+    # point keeps its partial measurements in the table but no rank.
+    rankable = [r for r in rows if r["tokens_per_s"] is not None and r["status"] in ("completed", *UNFINISHED)]
+    ranked = sorted(rankable, key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(ranked, 1):
         r["rank"] = i
-    rest = [r for r in rows if r["tokens_per_s"] is None]
+    rest = [r for r in rows if r not in ranked]
     return ranked + rest, swept
 
 
@@ -377,7 +387,7 @@ def format_report(sweep_dir: Path, rows: Sequence[Dict[str, Any]], swept: Sequen
     lines = [f"[sweep] {len(rows)} point(s) in {sweep_dir}: "
              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
              "[sweep] ranked by measured tokens/s:", to_markdown(rows, ", ".join(gpus) or None).rstrip()]
-    best = next((r for r in rows if r["rank"] == 1), None)
+    best = min((r for r in rows if r["rank"] and r["status"] == "completed"), key=lambda r: r["rank"], default=None)
     if best is not None:
         lines.append(f"[sweep] fastest: point {best['point']} ({best['overrides']}): "
                      f"{best['tokens_per_s']:,.0f} tokens/s, median step {best['step_time_median_s'] * 1000:.1f} ms")

@@ -115,6 +115,7 @@ class Tuner:
         self.runner: Optional[TrialRunner] = None
         self.start = time.time()
         self.cands, self.rejected = search.candidates(base, opts)
+        self.cands_world = layout.world_size
 
     # ---- choosing ---------------------------------------------------------------------------
     def _price(self) -> None:
@@ -163,7 +164,8 @@ class Tuner:
         step = trial.step_s
         say(f"trial {trial.num}: {trial.status} in {trial.wall_s:.0f} s"
             + (f" ({trial.startup_s:.1f} s start-up)" if trial.startup_s is not None else "")
-            + (f": {step * 1e3:.1f} ms/step ({(step / trial.predicted_step_s - 1):+.0%} vs predicted), "
+            + (f": {step * 1e3:.1f} ms/step (predicted {(trial.predicted_step_s - step) / step:+.0%} off, as the "
+               f"table's step error), "
                f"{cand.layout.tokens_per_step / step:,.0f} tokens/s" if step else f": {short_reason(trial.reason)}"))
         return trial
 
@@ -204,10 +206,30 @@ class Tuner:
         write_summary(self.root)
 
     # ---- the session ------------------------------------------------------------------------
-    def run(self) -> int:
-        if not self.opts.dry_run and self.root.exists() and any(self.root.iterdir()):
+    def winner_path(self) -> Path:
+        from orchestrator.spec.compose import conf_dir
+
+        return Path(self.opts.out) if self.opts.out else conf_dir() / "experiment" / f"{self.name}.yaml"
+
+    def preflight(self) -> None:
+        """Refuse, before anything is created, what would overwrite or cannot run (ConfigError)."""
+        if self.root.exists() and any(self.root.iterdir()):
             raise ConfigError(f"tune.name={self.name}: {self.root} already holds a tune; "
                               f"fix: tune.name=<another name>, or remove {self.root}")
+        out = self.winner_path()
+        if out.exists():
+            key = f"tune.out={self.opts.out}" if self.opts.out else f"tune.name={self.name}"
+            raise ConfigError(f"{key}: {out} exists (the winner would replace it); "
+                              "fix: tune.name=<a new experiment name> or tune.out=<a new file>")
+        if not self.cands:
+            refused = ", ".join(f"{n} x {why}" for why, n in sorted(self.rejected.items())[:3])
+            raise ConfigError(f"tune.tp/pp/vpp/mbs/...: no layout of world size "
+                              f"{self.cands_world} and global batch {self.base.training.global_batch_size} passes "
+                              f"validate ({refused or 'nothing to enumerate'}); fix: widen the tune.* lists or "
+                              "change the base config's parallelism / training.global_batch_size")
+
+    def run(self) -> int:
+        self.preflight()
         self._price()
         self._announce()
         if self.opts.dry_run:
@@ -280,9 +302,7 @@ class Tuner:
         return buf.getvalue()
 
     def write_winner(self, best: Trial, reason: str) -> Path:
-        from orchestrator.spec.compose import conf_dir
-
-        path = Path(self.opts.out) if self.opts.out else conf_dir() / "experiment" / f"{self.name}.yaml"
+        path = self.winner_path()
         header = self.evidence(best, reason)
         text = search.experiment_yaml(self.name, self.overrides, best.cand.overrides, header)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +361,7 @@ def compose_base(overrides: List[str]):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        print(re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", __doc__).replace("``", "`"))
         print("tune options (tune.<name>=<value>):")
         for f in search.TuneConfig.__dataclass_fields__.values():
             print(f"  tune.{f.name} (default {f.default if f.default is not None else 'auto'})")
