@@ -197,6 +197,10 @@ class PoolJob:
 
         env = submitit.JobEnvironment()
         log_dir, job_id, pool_dir, num = Path(env.paths.stdout).parent, str(env.job_id), Path(self.pool_dir), 0
+        import gc
+
+        gc.collect()
+        gc.freeze()  # the children's collector leaves the imported objects alone: fewer copy-on-write copies
         while True:
             spec = _next_trial(pool_dir, num, self.owner)
             if spec is None:
