@@ -80,7 +80,7 @@ def main() -> int:
     report("fresh job per point (sweep.warm_pool=false)", walls[False], fresh)
     later = warm[1:]
     if later:
-        print(f"\nstart-up per warm point after the first: "
+        print("\nstart-up per warm point after the first: "
               + ", ".join(f"{p['wall'] - p['train']:.2f} s" for p in later) + " (target <= 3 s)")
     same = all(w["losses"] == f["losses"] for w, f in zip(warm, fresh))
     print(f"losses warm == fresh at every iteration of every point: {same}")

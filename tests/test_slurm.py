@@ -30,7 +30,7 @@ import pytest
 from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
-from orchestrator.errors import JobFailedError, RunLockedError
+from orchestrator.errors import RunLockedError
 from orchestrator.spec.compose import compose_config
 from orchestrator.spec.schema import JobConfig
 from orchestrator.submit import executor, jobs, sbatch, status
