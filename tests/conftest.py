@@ -69,8 +69,9 @@ def losses_by_iteration(run_dir: Path) -> Dict[int, float]:
 
 
 def submit_like_launcher(cfg, fn, *args, world_size: int):
-    """Submit ``fn`` (in place of the training job) exactly as orchestrator.submit.executor.submit
-    does: its executor for ``cfg.cluster``, the submission recorded in the run's jobs.jsonl."""
+    """Submit ``fn`` (in place of the training job) as orchestrator.submit.executor.submit does with
+    one task per rank (SLURM and GPU jobs; a local CPU job's task forks its ranks, which only
+    ``TrainJob`` does): its executor for ``cfg.cluster``, the submission recorded in the run's jobs.jsonl."""
     from orchestrator.ckpt import history
     from orchestrator.submit import executor
 

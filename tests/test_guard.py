@@ -312,16 +312,13 @@ def _iterations_done(run_dir: Path) -> int:
         return 0
 
 
-def _rank_process(job_id: str, rank: int):
+def _rank_process(run_dir: Path, job_id: str, rank: int):
+    """Rank ``rank``'s process, by the process ids the job recorded (its task forks the ranks)."""
     import psutil
 
-    for child in psutil.Process(int(job_id)).children():
-        try:
-            if child.environ().get("SUBMITIT_LOCAL_GLOBALID") == str(rank):
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    return None
+    from orchestrator.runtime.forked import read_rank_pids
+
+    return psutil.Process(read_rank_pids(run_dir / "submitit", job_id)[rank])
 
 
 @pytest.mark.slow
@@ -344,7 +341,7 @@ def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
             assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.2)
         job_id = [r for r in history.read_records(run_dir) if r["event"] == "submitted"][-1]["job_id"]
-        victim = _rank_process(job_id, 1)
+        victim = _rank_process(run_dir, job_id, 1)
         victim.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         code = cli.wait(timeout=timeout_s + 60)

@@ -25,21 +25,42 @@ DECISION_TIMEOUT_S = 300.0
 
 
 class TrainJob:
-    """``TrainJob(config_dict, prepared_dict, env)()`` trains one rank and returns its summary.
+    """``TrainJob(config_dict, prepared_dict, env, fork_ranks)()`` trains one rank and returns its summary.
 
     Plain data travels (dicts), not OmegaConf objects, so the pickle is small and
     version-independent; the job rebuilds the typed :class:`JobConfig`. ``env`` is
-    applied before torch is imported (thread counts, NCCL settings).
+    applied before torch is imported (thread counts, NCCL settings). ``fork_ranks`` = N > 1 (local
+    CPU jobs, submitted as one task): this task imports torch and megatron-core once, forks ranks
+    1..N-1 (:mod:`orchestrator.runtime.forked`) and trains as rank 0; each forked rank writes its
+    own submitit result file.
     """
 
-    def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None):
+    def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None,
+                 fork_ranks: int = 0):
         self.config = config
         self.prepared = prepared
         self.env = dict(env or {})
+        self.fork_ranks = fork_ranks
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
         done = exit_fast_after_success()
+        if self.fork_ranks > 1:
+            from orchestrator.runtime import forked
+
+            pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
+            try:  # an exception ends this process, and the forked ranks die with it
+                summary = self._train()
+            except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
+                forked.reap(pids)
+                raise
+            forked.reap(pids)
+        else:
+            summary = self._train()
+        done()
+        return summary
+
+    def _train(self) -> Dict[str, Any]:
         from orchestrator.spec.schema import from_dict
 
         cfg = from_dict(self.config)
@@ -47,9 +68,26 @@ class TrainJob:
             from orchestrator.runtime.data import PreparedData
             from orchestrator.runtime.train import run
 
-            summary = run(cfg, PreparedData(**self.prepared))
-        done()
-        return summary
+            return run(cfg, PreparedData(**self.prepared))
+
+    def _forked_rank(self) -> None:
+        """A forked rank: train, then write the result file as submitit writes a task's
+        (``("success", summary)`` or ``("error", traceback)``)."""
+        import traceback
+
+        import submitit
+        from submitit.core import utils
+
+        result = submitit.JobEnvironment().paths.result_pickle
+        try:
+            outcome: Tuple[str, Any] = ("success", self._train())
+        except Exception:
+            traceback.print_exc()
+            outcome = ("error", traceback.format_exc())
+        with utils.temporary_save_path(result) as tmp:
+            utils.cloudpickle_dump(outcome, tmp)
+        if outcome[0] == "error":
+            raise SystemExit(1)
 
 
 def exit_fast_after_success() -> "Callable[[], None]":

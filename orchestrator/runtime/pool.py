@@ -82,18 +82,6 @@ def _next_trial(pool_dir: Path, num: int, owner: Dict[str, Any]) -> Optional[Dic
     return None
 
 
-def _preload() -> None:
-    """Import what every trial needs while the launcher prepares the first one."""
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.datasets.gpt_dataset  # noqa: F401
-
-    import orchestrator.runtime.train  # noqa: F401
-    import orchestrator.runtime.build  # noqa: F401
-    import orchestrator.runtime.loop  # noqa: F401
-
-
 def _sample_indices(cfg, prepared, rank: int, timeout_s: float = 1800.0) -> None:
     """The trial's GPTDataset sample indices, built once: rank 0 builds what the cache lacks (the launcher
     of a warm pool does not), the others wait for its marker (every rank then loads them)."""
@@ -112,51 +100,6 @@ def _sample_indices(cfg, prepared, rank: int, timeout_s: float = 1800.0) -> None
 def pid_path(pool_dir: "str | os.PathLike", num: int, rank: int) -> Path:
     """The process id of rank ``rank`` of trial ``num`` in a local pool (the launcher checks it is alive)."""
     return Path(pool_dir) / f"trial_{num}.rank{rank}.pid"
-
-
-def resident_file_pages() -> list:
-    """Addresses of this process's resident pages in readable file-backed mappings (shared libraries,
-    bytecode caches), from ``/proc/self/maps`` and the present bit of ``/proc/self/pagemap`` (proc(5)).
-
-    A forked child maps none of these until it touches them (the kernel does not copy page tables of
-    file mappings at fork), so its RSS would read ~80 MiB lower than a fresh process's that imported the
-    same libraries (measured: 306 vs 384 MiB); :func:`touch_pages` in the child makes them count again,
-    so a forked rank's peak memory is a fresh job's. Empty where ``/proc`` is unavailable.
-    """
-    import struct
-
-    found: list = []
-    try:
-        with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
-            for line in maps:
-                parts = line.split()
-                if len(parts) < 6 or parts[4] == "0" or "r" not in parts[1] or parts[5].startswith("["):
-                    continue
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                pagemap.seek(start // 4096 * 8)
-                entries = pagemap.read((end - start) // 4096 * 8)
-                found += [start + i * 4096 for i, (e,) in enumerate(struct.iter_unpack("<Q", entries)) if e >> 63]
-    except (OSError, ValueError, struct.error):
-        return []
-    return found
-
-
-def touch_pages(pages: list) -> None:
-    """Read one byte of each page (the child's page tables then map them, and its RSS counts them)."""
-    import ctypes
-
-    for address in pages:
-        ctypes.string_at(address, 1)
-
-
-def sys_flush_and_exit(code: int) -> None:
-    """End a forked rank now: flush its output, skip the interpreter's teardown and atexit handlers
-    (they belong to the pool's submitit task)."""
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class PoolJob:
@@ -184,75 +127,56 @@ class PoolJob:
         from orchestrator.runtime.job import _whoami, exit_fast_after_success
 
         done = exit_fast_after_success()
-        _preload()
+        from orchestrator.runtime.forked import preload
+
+        preload()
         trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])
         done()
         return {"trials": trials}
 
     def _zygote(self) -> int:
         """Fork ``fork_ranks`` fresh ranks per trial and wait for them; returns how many trials ran."""
+        import gc
+
         import submitit
 
         from orchestrator.runtime.distributed import LOCAL_PORT_VAR, reserve_local_port
+        from orchestrator.runtime.forked import fork_child, resident_file_pages
 
         env = submitit.JobEnvironment()
         log_dir, job_id, pool_dir, num = Path(env.paths.stdout).parent, str(env.job_id), Path(self.pool_dir), 0
-        import gc
-
         gc.collect()
         gc.freeze()  # the children's collector leaves the imported objects alone: fewer copy-on-write copies
         while True:
             spec = _next_trial(pool_dir, num, self.owner)
             if spec is None:
                 return num
-            ranks_env = {"SUBMITIT_LOCAL_NTASKS": str(self.fork_ranks), LOCAL_PORT_VAR: str(reserve_local_port())}
+            ranks_env = {LOCAL_PORT_VAR: str(reserve_local_port())}
             pages = resident_file_pages()
-            pids = [self._fork(spec, num, rank, ranks_env, log_dir / f"{job_id}_{rank}_log", pages)
+            pids = [fork_child(rank, self.fork_ranks, ranks_env, None if rank == 0 else str(log_dir / f"{job_id}_{rank}_log"),
+                               pages, lambda rank=rank, num=num: self._forked_trial(spec, num, rank))
                     for rank in range(self.fork_ranks)]
             for pid in pids:
                 os.waitpid(pid, 0)
             num += 1
 
-    def _fork(self, spec: Dict[str, Any], num: int, rank: int, ranks_env: Dict[str, str], log: Path,
-              pages: list) -> int:
-        """Fork rank ``rank`` of trial ``num``; in the child: run it and exit (0: done, 1: it failed)."""
-        import sys
-
+    def _forked_trial(self, spec: Dict[str, Any], num: int, rank: int) -> None:
+        """Rank ``rank`` of trial ``num`` in a forked process (rank 0 keeps the task's own log)."""
         from orchestrator.io import write_atomic
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid:
-            return pid
-        code = 1
+        write_atomic(pid_path(self.pool_dir, num, rank), str(os.getpid()))
+        print(f"warm trial {num}: rank {rank} of {self.fork_ranks} forked (pid {os.getpid()})", flush=True)
         try:
-            touch_pages(pages)  # memory accounting as in a fresh process that imported the same libraries
-            os.environ.update(ranks_env, SUBMITIT_LOCAL_GLOBALID=str(rank), SUBMITIT_LOCAL_LOCALID=str(rank))
-            if rank > 0:  # rank 0 keeps the task's own log
-                for fd, suffix in ((1, "out"), (2, "err")):
-                    out = os.open(f"{log}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                    os.dup2(out, fd)
-                    os.close(out)
-            write_atomic(pid_path(self.pool_dir, num, rank), str(os.getpid()))
-            print(f"warm trial {num}: rank {rank} of {self.fork_ranks} forked (pid {os.getpid()})", flush=True)
             summaries = self._trial(spec, rank)
-            if rank == 0:
-                write_atomic(result_path(self.pool_dir, num), json.dumps({"summaries": summaries}, default=str))
-            else:  # outlive the trial's result: the launcher takes a rank gone before it for a death
-                deadline = time.monotonic() + 60.0
-                while not result_path(self.pool_dir, num).exists() and time.monotonic() < deadline:
-                    time.sleep(POLL_S)
-            code = 0
-        except BaseException:  # noqa: BLE001 - the error file is what the launcher reads
-            traceback.print_exc()
-            try:
-                write_atomic(error_path(self.pool_dir, num, rank), traceback.format_exc())
-            except OSError:
-                pass
-        finally:
-            sys_flush_and_exit(code)
-        return 0  # never reached
+        except BaseException:
+            write_atomic(error_path(self.pool_dir, num, rank), traceback.format_exc())
+            raise
+        if rank == 0:
+            write_atomic(result_path(self.pool_dir, num), json.dumps({"summaries": summaries}, default=str))
+        else:  # outlive the trial's result: the launcher takes a rank gone before it for a death
+            deadline = time.monotonic() + 60.0
+            while not result_path(self.pool_dir, num).exists() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
 
     def _serve(self, rank: int) -> int:
         """Run trials until the stop file; returns how many ran (raises what a trial raised)."""

@@ -46,6 +46,18 @@ def make_executor(cfg: JobConfig, world_size: int):
     return executor
 
 
+def forks_ranks(cfg: JobConfig, world_size: int) -> bool:
+    """Whether the job runs as one task that forks its other ranks (:mod:`orchestrator.runtime.forked`):
+    local multi-rank jobs on CPU. A job that may use a GPU (``training.device=cuda``, ``cluster.gpus_per_node``,
+    or ``auto`` on a machine with an NVIDIA driver) starts one process per rank instead: a device context
+    must not exist before a fork, and megatron-core's imports may create one."""
+    c = cfg.cluster
+    if c.kind != "local" or world_size <= 1 or c.gpus_per_node:
+        return False
+    device = cfg.training.device
+    return device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidiactl"))
+
+
 def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
     """Environment every rank gets: ``cluster.env`` plus CPU thread defaults for local CPU runs."""
     env = {k: str(v) for k, v in cfg.cluster.env.items()}
@@ -77,15 +89,29 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     """Submit the training job (one task per rank); returns the submitit job."""
     from orchestrator.runtime.job import TrainJob
 
-    executor = make_executor(cfg, layout.world_size)
-    payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size))
+    forks = forks_ranks(cfg, layout.world_size)
+    executor = make_executor(cfg, 1 if forks else layout.world_size)
+    payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size),
+                       fork_ranks=layout.world_size if forks else 0)
     try:
         with _children_ignore_sigint():
             job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
+    if forks:
+        job = as_rank_tasks(job, layout.world_size)
     _record(cfg, job, layout.world_size)
     return job
+
+
+def as_rank_tasks(job, world_size: int):
+    """The local job of one task that forks ``world_size`` ranks, seen as ``world_size`` tasks: ``job.task(r)``
+    names rank r's result and log files (the forked ranks write them), all watching the task's process."""
+    from submitit.local.local import LocalJob
+
+    ranks = LocalJob(job.paths.folder, job.job_id, tasks=range(world_size), process=job._process)
+    ranks.forks_ranks = True  # read by submit.wait: no rank is missing before the task has forked them
+    return ranks
 
 
 def _record(cfg: JobConfig, job, world_size: int) -> None:

@@ -56,7 +56,7 @@ class WarmPool:
 
     def __init__(self, cfg: JobConfig, world_size: int, pool_dir: Path, allocation_min: Optional[int] = None):
         from orchestrator.runtime.pool import PoolJob
-        from orchestrator.submit.executor import _children_ignore_sigint, job_environment, make_executor
+        from orchestrator.submit.executor import _children_ignore_sigint, forks_ranks, job_environment, make_executor
 
         self.key, self.world_size, self.dir = pool_key(cfg, world_size), world_size, Path(pool_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ class WarmPool:
                                                      else cfg.cluster.timeout_min)
         self.cfg = own
         # Local: one task imports torch and megatron-core once and forks the other ranks (PoolJob.fork_ranks)
-        self.forked = cfg.cluster.kind == "local" and world_size > 1
+        self.forked = forks_ranks(cfg, world_size)
         executor = make_executor(own, 1 if self.forked else world_size)
         payload = PoolJob(str(self.dir), job_environment(own, world_size), _owner(),
                           fork_ranks=world_size if self.forked else 0)

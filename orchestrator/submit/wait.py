@@ -110,9 +110,12 @@ def _local_alive_ranks(job) -> Optional[set]:
     """Ranks whose local task process is alive (None when the controller is gone or unreadable).
 
     Tasks are the controller's direct children; each carries its rank in SUBMITIT_LOCAL_GLOBALID
-    (the checkpoint writer's forked helpers are grandchildren and are not counted).
+    (the checkpoint writer's forked helpers are grandchildren and are not counted). Ranks forked by
+    the task (:mod:`orchestrator.runtime.forked`) are found by the process ids their job recorded.
     """
     import psutil
+
+    from orchestrator.runtime.forked import read_rank_pids
 
     process = getattr(job, "_process", None)
     if process is None or process.poll() is not None:
@@ -134,6 +137,15 @@ def _local_alive_ranks(job) -> Optional[set]:
                 continue
             if rank is not None:
                 alive.add(int(rank))
+        forked = read_rank_pids(job.paths.folder, str(job.job_id))
+        if getattr(job, "forks_ranks", False) and not forked:
+            return None  # the task is still importing: its ranks are not forked yet
+        for rank, pid in forked.items():
+            try:
+                if rank and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.add(rank)
+            except psutil.NoSuchProcess:
+                pass
         return alive
     except psutil.NoSuchProcess:
         return None
@@ -143,6 +155,12 @@ def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
     """Local ranks that exited without writing a result (SIGKILL, OOM killer); re-checked after 1 s."""
     for attempt in range(2):
         alive = _local_alive_ranks(job)
+        if alive is None and getattr(job, "forks_ranks", False) and 0 not in results:
+            # the task that forked the ranks (rank 0) ended without a result; its forks died with it
+            from orchestrator.runtime.forked import read_rank_pids
+
+            forked = bool(read_rank_pids(job.paths.folder, str(job.job_id)))
+            return [0] if forked and _read_result(Path(job.task(0).paths.result_pickle)) is None else []
         if alive is None or len(alive) == 0 and not results:
             return []  # not started yet, or the controller is gone (handled by the state check)
         for i in range(world_size):
@@ -155,7 +173,7 @@ def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
             return []
         if attempt == 0:
             time.sleep(1.0)  # a rank may have been between writing its result and exiting
-    return dead
+    return [0] if 0 in dead and getattr(job, "forks_ranks", False) else dead  # its forks died with rank 0
 
 
 def _mtime(path: Path) -> float:
