@@ -48,6 +48,14 @@ class JobFailedError(SubmissionError):
     exit_code = 1
 
 
+class RanksDiedError(OrchestratorError):
+    """Raised by rank 0 of a job whose ranks it forked (:mod:`orchestrator.runtime.forked`) when a
+    collective failed because some of those ranks had been killed (SIGKILL, the OOM killer); the
+    message names them."""
+
+    exit_code = 1
+
+
 class NonFiniteLossError(OrchestratorError):
     """Training produced a non-finite (NaN/inf) gradient norm or loss: the job stops at that iteration
     before anything of it is saved (``training.nan_policy``); raised on every rank alike."""

@@ -52,8 +52,9 @@ def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
 
 def prepare_data(cfg: JobConfig, indices: bool = True):
     """Tokenize/index the data and (``indices``) build GPTDataset's sample indices once, before any rank
-    starts. Warm ranks build missing indices themselves (their megatron-core is imported already:
-    :mod:`orchestrator.runtime.pool`); the launcher would pay the import, seconds, for it."""
+    starts. Warm ranks and a local job's one task build missing indices themselves (their megatron-core is
+    imported already: :mod:`orchestrator.runtime.pool`, :func:`orchestrator.submit.executor.one_task`);
+    the launcher would pay the import, seconds, for it."""
     from orchestrator.runtime.data import cache_indices, prepare
 
     prepared = prepare(cfg.data)
@@ -104,7 +105,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     from orchestrator.ckpt import resume
     from orchestrator.ckpt.lock import RunLock
     from orchestrator.runtime.data import data_fingerprint, tokenizer_identity
-    from orchestrator.submit.executor import launch
+    from orchestrator.submit.executor import launch, one_task
 
     if cfg.checkpoint.init_from:
         from orchestrator.ckpt.manifest import read_manifest
@@ -120,7 +121,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             return {"status": "already_done", "iteration": latest.iteration}
         say(f"will resume from {latest.path} (iteration {latest.iteration})")
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
-    prepared = prepare_data(cfg, indices=launcher is None)
+    prepared = prepare_data(cfg, indices=launcher is None and not one_task(cfg, layout.world_size))
     record_config(cfg)
     summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):

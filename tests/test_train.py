@@ -196,6 +196,46 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
     _assert_matches(reference, run_dir, after=resumed_at, rel=1e-5)
 
 
+def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
+    """A local CPU job's task forks its other ranks (runtime/forked.py). kill -9 of a forked rank (what
+    the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of
+    hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from conftest import REPO
+    from orchestrator.runtime.forked import read_rank_pids
+
+    args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=oom",
+                    "training.train_iters=400", "checkpoint.save_interval=null"]
+    run_dir = tmp_path / "oom"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO,
+                            env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and any(r["iteration"] >= 2 for r in read_metrics(run_dir))):
+            assert time.time() < deadline and proc.poll() is None, "the job did not train"
+            time.sleep(0.1)
+        folder = run_dir / "submitit"
+        job_id = next(p.name.split("_")[0] for p in folder.glob("*_ranks.json"))
+        pids = read_rank_pids(folder, job_id)
+        assert sorted(pids) == [0, 1] and psutil.Process(pids[1]).ppid() == pids[0], pids  # rank 1: a fork of rank 0
+        os.kill(pids[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, (out[-2000:], err[-2000:])
+    assert "rank(s) [1] died without a result" in err, err[-2000:]
+    alive = [pid for pid in pids.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], alive
+
+
 def _megatron_lr(steps: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:
     """Megatron's OptimizerParamScheduler.get_lr after ``steps`` steps: linear warm-up from 0, then
     cosine from max_lr to min_lr until ``decay`` steps, min_lr after."""

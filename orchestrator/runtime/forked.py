@@ -182,6 +182,22 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
     return pids
 
 
+def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
+    """The forked ranks that a signal has already ended (reaped now): ``{rank: signal name}``. Rank 0
+    calls it when a collective failed, to name the peer whose death broke it."""
+    import signal
+
+    killed: Dict[int, str] = {}
+    for rank, pid in sorted(pids.items()):
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if got and os.WIFSIGNALED(status):
+            killed[rank] = signal.Signals(os.WTERMSIG(status)).name
+    return killed
+
+
 def reap(pids: Dict[int, int], timeout_s: float = 60.0) -> Dict[int, int]:
     """Wait (at most ``timeout_s``) for the forked ranks to exit; returns ``{rank: exit status}`` of
     those that did (a signal ``s`` as ``-s``)."""

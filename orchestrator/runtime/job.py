@@ -32,19 +32,26 @@ class TrainJob:
     applied before torch is imported (thread counts, NCCL settings). ``fork_ranks`` = N > 1 (local
     CPU jobs, submitted as one task): this task imports torch and megatron-core once, forks ranks
     1..N-1 (:mod:`orchestrator.runtime.forked`) and trains as rank 0; each forked rank writes its
-    own submitit result file.
+    own submitit result file. ``build_indices`` (a job of one task): build GPTDataset's sample indices
+    first, when the cache lacks them (:func:`orchestrator.runtime.data.cache_indices`).
     """
 
     def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None,
-                 fork_ranks: int = 0):
+                 fork_ranks: int = 0, build_indices: bool = False):
         self.config = config
         self.prepared = prepared
         self.env = dict(env or {})
         self.fork_ranks = fork_ranks
+        self.build_indices = build_indices
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
         done = exit_fast_after_success()
+        if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
+            from orchestrator.runtime.data import PreparedData, cache_indices
+            from orchestrator.spec.schema import from_dict
+
+            cache_indices(from_dict(self.config), PreparedData(**self.prepared))
         if self.fork_ranks > 1:
             from orchestrator.runtime import forked
 
@@ -53,6 +60,15 @@ class TrainJob:
                 summary = self._train()
             except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
                 forked.reap(pids)
+                raise
+            except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
+                killed = forked.killed_ranks(pids)
+                if killed:
+                    from orchestrator.errors import RanksDiedError
+
+                    signals = ", ".join(sorted(set(killed.values())))
+                    raise RanksDiedError(f"rank(s) {sorted(killed)} died without a result ({signals}: killed? out of "
+                                         "memory?); the other ranks were stopped") from exc
                 raise
             forked.reap(pids)
         else:

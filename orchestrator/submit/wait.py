@@ -267,7 +267,8 @@ class _Wait:
             raise RunLockedError(refused)
         known = outcome.known_failure(self.run_dir, self.job_id, errors)
         if known:
-            raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)")
+            raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",
+                            "crashed", known)  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
         # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the error
         # above is its peers' broken collective: say so.
         dead = _dead_ranks(job, self.world_size, self.results) if self.local else []
