@@ -32,14 +32,28 @@ def slurm_unavailable_reason() -> str:
     return ""
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject): the SLURM tests run one after the
+    other on one worker (they share the dev cluster, and wait mostly on its timers) while the other
+    worker runs the rest, a module at a time (its module-scoped reference runs are built once)."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One data cache for the whole session (stdlib corpus tokenized once)."""
+    """One data cache for the whole session (stdlib corpus tokenized once; xdist workers share it: the
+    data preparation takes a file lock)."""
     env = os.environ.get("ORCHESTRATOR_TEST_CACHE")
     if env:
         Path(env).mkdir(parents=True, exist_ok=True)
         return Path(env)
-    return tmp_path_factory.mktemp("cache")
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "cache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def run_cli(args: List[str], *, cache: Path, timeout: int = 600, check: bool = True,

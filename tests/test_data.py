@@ -127,12 +127,15 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     manifest = json.loads((run_dir / "checkpoints" / "iter_0000004" / "manifest.json").read_text())
     assert manifest["data"]["weights"] == [0.5, 0.5] and manifest["config"]["data"]["weights"] == [0.5, 0.5]
-    # The ranks loaded the indices the launcher built (before submission); none was rebuilt in the job.
+    # A job of one task builds the indices itself, once, before its first iteration (the launcher, which
+    # would import torch and megatron-core for them, does not); none was rebuilt by the resume below.
     submitted = min(r["time"] for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
                     if r["event"] == "submitted")
+    first_step = min(r["time"] for r in read_metrics(run_dir))
     indices = sorted((cache / "indices").iterdir())
+    built = {p.name: p.stat().st_mtime for p in indices}
     assert any("BlendedDataset" in p.name for p in indices)
-    assert all(p.stat().st_mtime < submitted for p in indices), [(p.name, p.stat().st_mtime, submitted) for p in indices]
+    assert all(submitted < t < first_step for t in built.values()), (built, submitted, first_step)
 
     refused = run_cli(common + ["data.weights=[0.7,0.3]", "training.train_iters=6"], cache=cache, check=False)
     assert refused.returncode == 2, refused.stdout + refused.stderr
@@ -142,4 +145,5 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     assert "[0.5,0.5]" in row and "[0.7,0.3]" in row and "refused" in row
     assert "data.weights=[0.5,0.5]" in refused.stderr  # the override that matches the checkpoint
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]  # nothing trained
+    assert {p.name: p.stat().st_mtime for p in (cache / "indices").iterdir()} == built
     assert np.isfinite([r["lm_loss"] for r in read_metrics(run_dir)]).all()
