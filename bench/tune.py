@@ -16,7 +16,7 @@ vs measured for each shipped parallelism option (within 10%?), and Kendall's tau
 calibrated predicted and the measured step times across the grid (>= 0.7?). The machine's load is
 printed before and after: on a shared 2-core machine step times move with it.
 
-    python bench/tune.py                    # grid + tune + 1-rank run (10-40 minutes on 2 cores)
+    python bench/tune.py                    # grid + tune + 1-rank run (5 minutes on 2 quiet cores; 10-40 busy)
     python bench/tune.py --iters 6 --root /tmp/bench_tune
     python bench/tune.py --report /tmp/bench_tune    # re-print from an earlier run's files
 """
