@@ -27,7 +27,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 
 def preload() -> None:
@@ -53,6 +53,24 @@ def read_rank_pids(folder: "str | os.PathLike", job_id: str) -> Dict[int, int]:
         return {int(r): int(p) for r, p in json.loads(ranks_path(folder, job_id).read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
+
+
+def alive_forked_ranks(folder: "str | os.PathLike", job_id: str) -> Optional[Set[int]]:
+    """The forked ranks (1..N-1) of job ``job_id`` whose process is alive and not a zombie (a fork that
+    died stays one until rank 0 reaps it); None when the job recorded no forked ranks (yet)."""
+    import psutil
+
+    pids = read_rank_pids(folder, job_id)
+    if not pids:
+        return None
+    alive: Set[int] = set()
+    for rank, pid in pids.items():
+        try:
+            if rank and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(rank)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 def resident_file_pages() -> List[int]:

@@ -115,7 +115,7 @@ def _local_alive_ranks(job) -> Optional[set]:
     """
     import psutil
 
-    from orchestrator.runtime.forked import read_rank_pids
+    from orchestrator.runtime.forked import alive_forked_ranks
 
     process = getattr(job, "_process", None)
     if process is None or process.poll() is not None:
@@ -137,16 +137,10 @@ def _local_alive_ranks(job) -> Optional[set]:
                 continue
             if rank is not None:
                 alive.add(int(rank))
-        forked = read_rank_pids(job.paths.folder, str(job.job_id))
-        if getattr(job, "forks_ranks", False) and not forked:
+        forked = alive_forked_ranks(job.paths.folder, str(job.job_id))
+        if getattr(job, "forks_ranks", False) and forked is None:
             return None  # the task is still importing: its ranks are not forked yet
-        for rank, pid in forked.items():
-            try:
-                if rank and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.add(rank)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
+        return alive | (forked or set())
     except psutil.NoSuchProcess:
         return None
 
