@@ -134,11 +134,22 @@ def start_writer_queue() -> None:
     from orchestrator.runtime.preempt import with_stop_signals_shielded
 
     if cpu.is_active():
-        import multiprocessing
-
-        fsa._results_queue = with_stop_signals_shielded(lambda: multiprocessing.get_context("fork").Manager().Queue())
+        fsa._results_queue = with_stop_signals_shielded(_forked_results_queue)
     else:
         with_stop_signals_shielded(fsa._get_write_results_queue)
+
+
+def _forked_results_queue():
+    """A queue served by a forked multiprocessing Manager that dies with this rank (a SIGKILLed rank
+    would otherwise leave it running, holding ~370 MiB and the rank's log files)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from orchestrator.runtime.forked import die_with_parent
+
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(initializer=die_with_parent)
+    return manager.Queue()  # the proxy keeps the manager (and so its process) alive
 
 
 def _hash_in_parallel(path: Path) -> None:

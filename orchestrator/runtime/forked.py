@@ -124,11 +124,15 @@ def flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: Optional[int] = None) -> None:
     """SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``); exit now if the
-    parent is already gone."""
+    parent (``parent``, default: the current one) is already gone. Forked ranks call it, and so does the
+    checkpoint writer's results Manager that a CPU rank forks (:func:`orchestrator.runtime.checkpoint.start_writer_queue`):
+    a multiprocessing Manager never notices that its parent died."""
     import ctypes
     import signal
+
+    parent = os.getppid() if parent is None else parent
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
@@ -160,7 +164,7 @@ def fork_child(rank: int, world_size: int, env: Dict[str, str], log_prefix: Opti
         return pid
     code = 1
     try:
-        _die_with_parent(parent)
+        die_with_parent(parent)
         touch_pages(pages)
         os.environ.update(env, SUBMITIT_LOCAL_NTASKS=str(world_size), SUBMITIT_LOCAL_GLOBALID=str(rank),
                           SUBMITIT_LOCAL_LOCALID=str(rank))

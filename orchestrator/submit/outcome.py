@@ -91,10 +91,14 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
     attempt = latest.attempt if latest is not None else 0
     if latest is not None and latest.end is not None:
         return
+    from orchestrator.submit.status import last_metrics
+
+    reached = last_metrics(run_dir)[0]  # the iteration reached (the attempt's start when it logged none)
+    if latest is not None and latest.iteration is not None and (reached is None or reached < latest.iteration):
+        reached = latest.iteration
     try:
         if history.claim_attempt_end(run_dir, job_id, attempt):
-            history.record_attempt_ended(run_dir, job_id, attempt, cause,
-                                         iteration=latest.iteration if latest else None,
+            history.record_attempt_ended(run_dir, job_id, attempt, cause, iteration=reached,
                                          message=message.splitlines()[0] if message else "", recorded_by="launcher")
     except OSError:  # bookkeeping never hides the failure itself
         pass
