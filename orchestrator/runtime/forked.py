@@ -109,8 +109,8 @@ def touch_pages(pages: List[int]) -> None:
 
 
 def flush_and_exit(code: int) -> None:
-    """End a forked rank: run its ``atexit`` handlers (multiprocessing's shuts down the process that
-    megatron's checkpoint writer spawned, which would otherwise outlive the rank; TensorBoard and
+    """End a forked rank: run its ``atexit`` handlers (multiprocessing's shuts down the results Manager
+    that megatron's checkpoint writer started, which would otherwise outlive the rank; TensorBoard and
     logging flush), flush its output and exit without the interpreter's teardown (module clean-up and
     garbage collection cost ~1.5 CPU-s per rank, see :func:`orchestrator.runtime.job.exit_fast_after_success`)."""
     import atexit

@@ -52,28 +52,30 @@ class TrainJob:
             from orchestrator.spec.schema import from_dict
 
             cache_indices(from_dict(self.config), PreparedData(**self.prepared))
-        if self.fork_ranks > 1:
-            from orchestrator.runtime import forked
-
-            pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
-            try:  # an exception ends this process, and the forked ranks die with it
-                summary = self._train()
-            except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
-                forked.reap(pids)
-                raise
-            except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
-                killed = forked.killed_ranks(pids)
-                if killed:
-                    from orchestrator.errors import RanksDiedError
-
-                    signals = ", ".join(sorted(set(killed.values())))
-                    raise RanksDiedError(f"rank(s) {sorted(killed)} died without a result ({signals}: killed? out of "
-                                         "memory?); the other ranks were stopped") from exc
-                raise
-            forked.reap(pids)
-        else:
-            summary = self._train()
+        summary = self._train_forked() if self.fork_ranks > 1 else self._train()
         done()
+        return summary
+
+    def _train_forked(self) -> Dict[str, Any]:
+        """Fork ranks 1..N-1, train as rank 0, wait for the forks; a fork killed by a signal is named."""
+        from orchestrator.runtime import forked
+
+        pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
+        try:  # an exception ends this process, and the forked ranks die with it
+            summary = self._train()
+        except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
+            forked.reap(pids)
+            raise
+        except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
+            killed = forked.killed_ranks(pids)
+            if killed:
+                from orchestrator.errors import RanksDiedError
+
+                signals = ", ".join(sorted(set(killed.values())))
+                raise RanksDiedError(f"rank(s) {sorted(killed)} died without a result ({signals}: killed? out of "
+                                     "memory?); the other ranks were stopped") from exc
+            raise
+        forked.reap(pids)
         return summary
 
     def _train(self) -> Dict[str, Any]:
