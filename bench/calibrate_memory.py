@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from orchestrator.plan import calibrate, memory as planner, suggest  # noqa: E402  (pure Python: no torch here)
 from orchestrator.plan.inputs import cpu_preset  # noqa: E402
 from orchestrator.plan.profile import prior_profile, save_profile  # noqa: E402
-from orchestrator.spec.compose import compose_config  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 MiB = 2 ** 20
 # Big enough that model states and activations stand out of a ~430 MiB baseline, small enough for 2 cores.
@@ -93,7 +93,7 @@ def launch(name: str, overrides: List[str], root: Path, iters: int) -> Optional[
 
 def plan_speed() -> None:
     """Time a 100-point grid of plans and one suggest() for the 6.7B model on 128 GPUs (pure Python)."""
-    from orchestrator.spec.layout import ParallelLayout
+    from orchestrator.config.layout import ParallelLayout
 
     shape = planner.ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
                                max_position_embeddings=2048, vocab_size=50257)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _config(run_dir: Path, digest: str):
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     cfg = compose_config(["model=gpt_125m", "parallelism=none", "optimizer=adam", f"run.dir={run_dir}",
                           "training.device=cpu", f"data.cache_dir={run_dir / 'cache'}"])
@@ -44,7 +44,7 @@ def _config(run_dir: Path, digest: str):
 def _save_once(cfg, built, layout, vocab: int) -> dict:
     from orchestrator.ckpt import manifest as mf
     from orchestrator.ckpt import resume
-    from orchestrator.runtime import checkpoint as ckpt
+    from orchestrator.runtime.training import checkpoint as ckpt
 
     timings = {}
 
@@ -98,10 +98,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from orchestrator.runtime import cpu as cpu_backend
-    from orchestrator.runtime.distributed import init_distributed, shutdown
-    from orchestrator.runtime.model import build_model_and_optimizer, count_parameters, initialize_parallel_state
-    from orchestrator.spec.checks import validate
+    from orchestrator.runtime.rank import cpu as cpu_backend
+    from orchestrator.runtime.rank.distributed import init_distributed, shutdown
+    from orchestrator.runtime.rank.model import build_model_and_optimizer, count_parameters, initialize_parallel_state
+    from orchestrator.config.checks import validate
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_integrity_"))
     modes = args.modes.split(",")

@@ -198,12 +198,12 @@ def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
 def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
     """Compose the same config in-process, plan it on the H200 preset; (plan numbers, bare-loop spec)."""
     overrides = orchestrator_overrides(a, root) + [f"run.dir={root}/gpu_smoke"]
-    if importlib.util.find_spec("orchestrator.spec") and importlib.util.find_spec("orchestrator.spec.compose"):
-        cfg = importlib.import_module("orchestrator.spec.compose").compose_config(overrides)
+    if importlib.util.find_spec("orchestrator.config") and importlib.util.find_spec("orchestrator.config.compose"):
+        cfg = importlib.import_module("orchestrator.config.compose").compose_config(overrides)
     else:  # before the restructure: orchestrator/config.py
         from hydra import compose, initialize_config_dir
 
-        schema = _import_first("orchestrator.spec.schema", "orchestrator.config")
+        schema = _import_first("orchestrator.config.schema", "orchestrator.config")
         schema.register_configs()
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             cfg = schema.to_job_config(compose("config", overrides=overrides))
@@ -224,7 +224,7 @@ def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
 # ---- the bare megatron-core loop (a subprocess: its own CUDA context, peak memory and timeout) -------
 
 def _bare_model(spec: dict, device: str):
-    """TransformerConfig + GPTModel (+ Float16Module), field for field as orchestrator/runtime/model.py."""
+    """TransformerConfig + GPTModel (+ Float16Module), field for field as orchestrator/runtime/rank/model.py."""
     import torch
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.module import Float16Module
@@ -276,7 +276,7 @@ def bare_worker(spec: dict, out: Path, device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(0)
     else:  # only to check this code here: the CPU compatibility layer, fp32, gloo
-        from orchestrator.runtime import cpu
+        from orchestrator.runtime.rank import cpu
 
         cpu.activate()
     torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)

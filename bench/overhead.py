@@ -53,7 +53,7 @@ def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: in
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from orchestrator.runtime import cpu
+    from orchestrator.runtime.rank import cpu
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     cpu.activate()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.plan import calibrate, memory as planner  # noqa: E402  (pure Python: no torch here)
 from orchestrator.plan.profile import device_key, load_profile  # noqa: E402
-from orchestrator.spec.compose import compose_config  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 from orchestrator.sweep import search  # noqa: E402
 
 BASE = ["+experiment=gpt_pp2_dp2", "data=mock"]

@@ -2,9 +2,9 @@
 
 The entry reads top to bottom:
 
-1. ``conf/`` is composed against the closed schema (:func:`orchestrator.spec.compose.compose_config`:
+1. ``conf/`` is composed against the closed schema (:func:`orchestrator.config.compose.compose_config`:
    Hydra's compose API, so nothing is written anywhere by composing).
-2. :func:`~orchestrator.spec.checks.validate` — the one validate — checks every rule (values,
+2. :func:`~orchestrator.config.checks.validate` — the one validate — checks every rule (values,
    layout, model, device, data, ``run.name``); pure Python, no torch.
 3. The derived numbers are printed. ``plan=true`` prints the planner's estimates and stops;
    ``dry_run=true`` also prints the submission (the sbatch script on SLURM) and stops.
@@ -39,7 +39,7 @@ from typing import Any, Callable, List, Optional
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.pipeline import _Current, run  # run: the single-run pipeline
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 TOOLS = {
     "manifest": ("orchestrator.ckpt.cli", "list a run's checkpoints; check one against a config"),
@@ -67,7 +67,7 @@ def _user_error_types() -> tuple:
 def report(exc: BaseException) -> int:
     """Print a user error as one ``error:`` line (a resume diff follows it); return the exit code."""
     if not isinstance(exc, OrchestratorError):
-        from orchestrator.spec.compose import hydra_error
+        from orchestrator.config.compose import hydra_error
 
         exc = hydra_error(exc)
     first, *rest = str(exc).strip().splitlines() or [type(exc).__name__]
@@ -107,7 +107,7 @@ def guarded(body: Callable[[], int]) -> int:
 
 # ---------------------------------------------------------------- single runs, sweeps, help
 def _single(overrides: List[str]) -> int:
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     run(compose_config(overrides))
     return 0
@@ -115,7 +115,7 @@ def _single(overrides: List[str]) -> int:
 
 def _entry(dcfg: Any) -> Optional[float]:
     """Hydra's task function: a multirun point (recorded, never raised), or a plain run."""
-    from orchestrator.spec.schema import to_job_config
+    from orchestrator.config.schema import to_job_config
     from orchestrator.sweep import driver as sweep
 
     point = sweep.current_point()
@@ -129,8 +129,8 @@ def _hydra(argv: List[str]) -> int:
     """Hand ``argv`` to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
     import hydra
 
-    from orchestrator.spec.compose import conf_dir
-    from orchestrator.spec.schema import register_configs
+    from orchestrator.config.compose import conf_dir
+    from orchestrator.config.schema import register_configs
     from orchestrator.sweep import driver as sweep
 
     register_configs()
@@ -151,7 +151,7 @@ def _hydra(argv: List[str]) -> int:
 
 
 def _multirun(argv: List[str]) -> int:
-    from orchestrator.spec.compose import check_overrides, compose_config, group_options, parse_overrides, sweep_checks
+    from orchestrator.config.compose import check_overrides, compose_config, group_options, parse_overrides, sweep_checks
 
     overrides = [a for a in argv if not a.startswith("-")]
     check_overrides(parse_overrides(overrides), group_options(), multirun=True)
@@ -165,8 +165,8 @@ def help_text() -> str:
     import textwrap
 
     from orchestrator.plan.inputs import GPU_PRESETS
-    from orchestrator.spec.compose import group_options
-    from orchestrator.spec.schema import JobConfig as _J
+    from orchestrator.config.compose import group_options
+    from orchestrator.config.schema import JobConfig as _J
 
     groups = group_options()
     width = max(len(g) for g in groups) + 2
@@ -227,7 +227,7 @@ def _show_job_config(argv: List[str]) -> int:
     """``--cfg job [--resolve]``: the composed config as YAML, the way a run would see it (run.dir set)."""
     from omegaconf import OmegaConf
 
-    from orchestrator.spec.compose import compose_dict
+    from orchestrator.config.compose import compose_dict
 
     skip = {i + 1 for i, a in enumerate(argv) if a in ("--cfg", "-c")}
     overrides = [a for i, a in enumerate(argv) if i not in skip and not a.startswith("-")]

@@ -49,7 +49,7 @@ class JobFailedError(SubmissionError):
 
 
 class RanksDiedError(OrchestratorError):
-    """Raised by rank 0 of a job whose ranks it forked (:mod:`orchestrator.runtime.forked`) when a
+    """Raised by rank 0 of a job whose ranks it forked (:mod:`orchestrator.runtime.start.forked`) when a
     collective failed because some of those ranks had been killed (SIGKILL, the OOM killer); the
     message names them."""
 

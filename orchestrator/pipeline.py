@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Callable, Optional
 
-from orchestrator.spec.checks import validate
-from orchestrator.spec.layout import ParallelLayout
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.checks import validate
+from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.schema import JobConfig
 
 
 def say(message: str) -> None:
@@ -53,9 +53,10 @@ def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
 def prepare_data(cfg: JobConfig, indices: bool = True):
     """Tokenize/index the data and (``indices``) build GPTDataset's sample indices once, before any rank
     starts. Warm ranks and a local job's one task build missing indices themselves (their megatron-core is
-    imported already: :mod:`orchestrator.runtime.pool`, :func:`orchestrator.submit.executor.one_task`);
+    imported already: :mod:`orchestrator.runtime.start.pool`, :func:`orchestrator.submit.executor.one_task`);
     the launcher would pay the import, seconds, for it."""
-    from orchestrator.runtime.data import cache_indices, prepare
+    from orchestrator.data.prepare import prepare
+    from orchestrator.runtime.rank.dataset import cache_indices
 
     prepared = prepare(cfg.data)
     if indices:
@@ -69,7 +70,7 @@ def record_config(cfg: JobConfig) -> None:
 
     from orchestrator.ckpt.rundir import CONFIG_FILE
     from orchestrator.io import write_atomic
-    from orchestrator.spec.schema import to_dict
+    from orchestrator.config.schema import to_dict
 
     header = (f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
               f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n")
@@ -104,7 +105,8 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
 
     from orchestrator.ckpt import resume
     from orchestrator.ckpt.lock import RunLock
-    from orchestrator.runtime.data import data_fingerprint, tokenizer_identity
+    from orchestrator.data.prepare import data_fingerprint
+    from orchestrator.data.tokenizer import tokenizer_identity
     from orchestrator.submit.executor import launch, one_task
 
     if cfg.checkpoint.init_from:

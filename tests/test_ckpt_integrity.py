@@ -17,7 +17,7 @@ from orchestrator.ckpt.manifest import (METADATA_FILES, SMALL_FILE_BYTES, build_
                                         write_manifest)
 from orchestrator.ckpt.resume import REFUSE, WARN, blocking, compare
 from orchestrator.errors import ManifestError
-from orchestrator.spec.layout import layout_from_config, padded_vocab_size
+from orchestrator.config.layout import layout_from_config, padded_vocab_size
 from test_manifest import BYTE_VOCAB, changed, pp2_dp2, save_checkpoint
 
 
@@ -114,9 +114,9 @@ def _hash_rank(rank: int, port: int, path: str, out) -> None:
     import torch
 
     from orchestrator.ckpt import manifest as mf
-    from orchestrator.runtime import checkpoint as ckpt
-    from orchestrator.runtime.distributed import init_distributed
-    from orchestrator.spec.schema import JobConfig
+    from orchestrator.runtime.training import checkpoint as ckpt
+    from orchestrator.runtime.rank.distributed import init_distributed
+    from orchestrator.config.schema import JobConfig
 
     try:
         init_distributed(JobConfig())
@@ -134,7 +134,7 @@ def test_sha256_mode_hashes_each_file_once_across_ranks(cfg):
     import torch  # noqa: F401  (imported before forking: the ranks inherit it)
 
     from orchestrator.ckpt.manifest import checkpoint_files, file_digest
-    from orchestrator.runtime.distributed import reserve_local_port
+    from orchestrator.runtime.rank.distributed import reserve_local_port
 
     path = save_checkpoint(cfg, 50, manifest=False)
     files = checkpoint_files(path)

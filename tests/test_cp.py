@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from orchestrator.runtime.distributed import reserve_local_port
+from orchestrator.runtime.rank.distributed import reserve_local_port
 
 pytestmark = pytest.mark.slow  # two processes importing megatron-core
 
@@ -31,9 +31,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                       MASTER_PORT=str(port))
     from megatron.core import parallel_state as ps
 
-    from orchestrator.runtime import cp
-    from orchestrator.runtime.distributed import init_distributed, shutdown
-    from orchestrator.spec.schema import JobConfig
+    from orchestrator.runtime.rank import cp
+    from orchestrator.runtime.rank.distributed import init_distributed, shutdown
+    from orchestrator.config.schema import JobConfig
 
     cfg = JobConfig()
     cfg.training.device = "cpu"

@@ -1,4 +1,4 @@
-"""The megatron-core CPU compatibility layer (orchestrator.runtime.cpu), exercised on real megatron code."""
+"""The megatron-core CPU compatibility layer (orchestrator.runtime.rank.cpu), exercised on real megatron code."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator.errors import BackendError
-from orchestrator.runtime import cpu
+from orchestrator.runtime.rank import cpu
 
 
 def _free_port() -> int:

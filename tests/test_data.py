@@ -21,9 +21,10 @@ import pytest
 
 from conftest import REPO, read_metrics, run_cli
 from orchestrator.errors import DataError
-from orchestrator.runtime import corpus
-from orchestrator.runtime.data import build_tokenizer, prepare, tokenizer_identity
-from orchestrator.spec.schema import DataConfig
+from orchestrator.data import corpus
+from orchestrator.data.prepare import prepare
+from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
+from orchestrator.config.schema import DataConfig
 
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.jsonl"
 needs_text = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not found")

@@ -19,7 +19,7 @@ import pytest
 import torch  # imported once here: the forked ranks of the concurrency test inherit it
 
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.runtime.distributed import (LOCAL_PORT_VAR, SLURM_PORT_RANGE, check_agreement, choose_binding,
+from orchestrator.runtime.rank.distributed import (LOCAL_PORT_VAR, SLURM_PORT_RANGE, check_agreement, choose_binding,
                                               first_host, local_rendezvous_env, rendezvous_from_env)
 
 # ---- recorded environments --------------------------------------------------------------------------
@@ -141,8 +141,8 @@ def _local_rank(job: int, rank: int, port: int, busy_port: int, out) -> None:
                        "SUBMITIT_LOCAL_GLOBALID": str(rank), "SUBMITIT_LOCAL_LOCALID": str(rank),
                        "SUBMITIT_LOCAL_JOB_ID": str(1000 + job), LOCAL_PORT_VAR: str(port),
                        "MASTER_ADDR": "10.255.255.1", "MASTER_PORT": str(busy_port)})
-    from orchestrator.runtime.distributed import init_distributed
-    from orchestrator.spec.schema import JobConfig
+    from orchestrator.runtime.rank.distributed import init_distributed
+    from orchestrator.config.schema import JobConfig
 
     cfg = JobConfig()
     cfg.training.distributed_timeout_minutes = 2
@@ -178,8 +178,8 @@ def test_ten_local_runs_started_at_once_all_find_a_free_port():
 
 
 def test_gpu_path_modules_do_not_import_the_cpu_layer():
-    """runtime/cpu.py (megatron-core 0.16.x only) is for CPU jobs: what a GPU rank needs never imports it."""
-    code = ("import sys; import orchestrator.runtime.distributed, orchestrator.runtime.model, "
-            "orchestrator.runtime.checkpoint, orchestrator.runtime.cp; "
-            "assert 'orchestrator.runtime.cpu' not in sys.modules, 'cpu layer imported'")
+    """runtime/rank/cpu.py (megatron-core 0.16.x only) is for CPU jobs: what a GPU rank needs never imports it."""
+    code = ("import sys; import orchestrator.runtime.rank.distributed, orchestrator.runtime.rank.model, "
+            "orchestrator.runtime.training.checkpoint, orchestrator.runtime.rank.cp; "
+            "assert 'orchestrator.runtime.rank.cpu' not in sys.modules, 'cpu layer imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -29,8 +29,8 @@ import pytest
 from conftest import REPO, losses_by_iteration, read_metrics, run_cli
 from orchestrator.ckpt import history
 from orchestrator.errors import DiskFullError, NonFiniteLossError
-from orchestrator.runtime import guard as guard_mod
-from orchestrator.runtime.watchdog import HANG_EXIT_CODE, JobWatch, Watchdog, hang_path, stacks_path
+from orchestrator.runtime.faults import guard as guard_mod
+from orchestrator.runtime.faults.watchdog import HANG_EXIT_CODE, JobWatch, Watchdog, hang_path, stacks_path
 
 SMALL = ["model=gpt_tiny", "data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters=0"]
 
@@ -81,7 +81,7 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
 # ---- NaN guard (no process group: every decision is local) --------------------------------------
 
 def _cfg(tmp_path, **training):
-    from orchestrator.spec.schema import JobConfig
+    from orchestrator.config.schema import JobConfig
 
     cfg = JobConfig()
     cfg.run.dir = str(tmp_path)
@@ -316,7 +316,7 @@ def _rank_process(run_dir: Path, job_id: str, rank: int):
     """Rank ``rank``'s process, by the process ids the job recorded (its task forks the ranks)."""
     import psutil
 
-    from orchestrator.runtime.forked import read_rank_pids
+    from orchestrator.runtime.start.forked import read_rank_pids
 
     return psutil.Process(read_rank_pids(run_dir / "submitit", job_id)[rank])
 
@@ -362,7 +362,7 @@ def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
     assert f"error: job {job_id}: hang: rank(s) 1 on host(s) " in line and "not responding" in line, line
     stacks = (run_dir / "stacks" / "rank_0.txt").read_text()
     assert "finish_grad_sync" in stacks or "all_reduce" in stacks or "wait" in stacks, stacks[-2000:]
-    assert "orchestrator/runtime/loop.py" in stacks  # the main thread's stack, not only the watchdog's
+    assert "orchestrator/runtime/training/loop.py" in stacks  # the main thread's stack, not only the watchdog's
     row = _status(tmp_path)["hang"]
     assert (row["state"], row["job"]["cause"]) == ("failed", "hang") and row["attempts"][-1]["cause"] == "hang"
     assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.spec.schema import JobConfig, from_dict
+from orchestrator.config.schema import JobConfig, from_dict
 from orchestrator.errors import ManifestError, ResumeMismatchError, RunLockedError
-from orchestrator.spec.layout import layout_from_config
+from orchestrator.config.layout import layout_from_config
 from orchestrator.ckpt.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, iteration_dir, latest_complete,
                                    list_checkpoints, read_manifest, save_dir_of, write_manifest)
-from orchestrator.spec.layout import padded_vocab_size
+from orchestrator.config.layout import padded_vocab_size
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
-from orchestrator.runtime.data import PreparedData, tokenizer_identity
-from orchestrator.spec.schema import DataConfig
+from orchestrator.data.prepare import PreparedData
+from orchestrator.data.tokenizer import tokenizer_identity
+from orchestrator.config.schema import DataConfig
 
 REPO = Path(__file__).resolve().parent.parent
 BYTE_ID = tokenizer_identity(DataConfig(tokenizer="byte"))
@@ -50,7 +51,7 @@ def changed(cfg: JobConfig, **sections) -> JobConfig:
 
 def save_checkpoint(cfg: JobConfig, iteration: int, *, manifest: bool = True, digest: str = "sha256",
                     fingerprint: str = "fp-1", tokenizer: dict | None = None) -> Path:
-    """What the runtime does (runtime/train.py write_manifest): dist_checkpointing files first, then the
+    """What the runtime does (runtime/training/run.py write_manifest): dist_checkpointing files first, then the
     manifest with the tokenizer identity, the data identity and the versions it records."""
     layout = layout_from_config(cfg).validate()
     path = iteration_dir(save_dir_of(cfg), iteration)
@@ -360,7 +361,7 @@ def test_cli_show_and_list(cfg):
 
 
 def test_cli_check_composes_the_config_and_exits_1_on_mismatch(tmp_path):
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     run_dir = tmp_path / "run"
     base = ["+experiment=gpt_pp2_dp2", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -375,7 +376,7 @@ def test_cli_check_composes_the_config_and_exits_1_on_mismatch(tmp_path):
 
 def test_data_cache_dir_default_composes(tmp_path, monkeypatch):
     """The schema's default ``${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}`` parses and resolves."""
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     monkeypatch.delenv("ORCHESTRATOR_CACHE", raising=False)
     assert compose_config([f"run.dir={tmp_path}"]).data.cache_dir == "~/.cache/orchestrator"

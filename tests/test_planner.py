@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 
 from orchestrator.plan import memory as planner, suggest
 from orchestrator.plan.report import format_plan
-from orchestrator.spec.schema import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
+from orchestrator.config.schema import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
                                  TrainingConfig)
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.plan.memory import GiB, ModelShape, Recipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -302,7 +302,7 @@ def test_a_100_point_grid_plans_quickly():
 
 
 def test_planning_imports_neither_torch_nor_megatron():
-    code = ("import sys, orchestrator.spec.schema, orchestrator.spec.layout, orchestrator.spec.checks, orchestrator.plan.memory, orchestrator.plan.report, orchestrator.plan.suggest, "
+    code = ("import sys, orchestrator.config.schema, orchestrator.config.layout, orchestrator.config.checks, orchestrator.plan.memory, orchestrator.plan.report, orchestrator.plan.suggest, "
             "orchestrator.errors;"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'));"
             "print(bad); sys.exit(1 if bad else 0)")

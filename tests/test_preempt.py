@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runtime import preempt
-from orchestrator.runtime.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, StopRequest, Stopped
+from orchestrator.runtime.faults import preempt, requeue
+from orchestrator.runtime.faults.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, StopRequest, Stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_exit_codes_and_types():
 def test_decision_on_slurm(monkeypatch):
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SLURM_JOB_ID", "123")
-    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "RUNNING")
+    _patch_both(monkeypatch, "_slurm_job_state", lambda job_id: "RUNNING")
     stop = StopRequest(max_requeues=2)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert stop._decide() == (True, "requeue 2 of at most 2")
@@ -100,9 +100,9 @@ def test_timeouts_and_failures_are_counted_separately(monkeypatch, tmp_path):
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # one timeout + one hang so far
-    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "RUNNING")
+    _patch_both(monkeypatch, "_slurm_job_state", lambda job_id: "RUNNING")
     calls = []
-    monkeypatch.setattr(preempt, "_scontrol_requeue", lambda job_id: (calls.append(job_id), (True, ""))[1])
+    _patch_both(monkeypatch, "_scontrol_requeue", lambda job_id: (calls.append(job_id), (True, ""))[1])
     history.record_attempt_ended(tmp_path, "77", 0, "timeout", iteration=10, requeued=True)
     history.record_attempt_ended(tmp_path, "77", 1, "hang", iteration=12, requeued=True)
     assert preempt.job_identity() == ("77", 2)
@@ -120,7 +120,7 @@ def test_timeouts_and_failures_are_counted_separately(monkeypatch, tmp_path):
 
 _WORKER = textwrap.dedent("""
     import os, signal, sys, torch, torch.distributed as dist
-    from orchestrator.runtime.preempt import StopRequest
+    from orchestrator.runtime.faults.preempt import StopRequest
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
     stop = StopRequest(max_requeues=3).install()
@@ -156,7 +156,7 @@ def _job_gets_usr2():
     import signal
     import time
 
-    from orchestrator.runtime.preempt import StopRequest
+    from orchestrator.runtime.faults.preempt import StopRequest
 
     stop = StopRequest().install()
     os.kill(os.getpid(), signal.SIGUSR2)
@@ -168,7 +168,7 @@ def _job_gets_usr2():
 
 
 def _job_stops():
-    from orchestrator.runtime.preempt import StopRequest
+    from orchestrator.runtime.faults.preempt import StopRequest
 
     stop = StopRequest()
     stop.trigger("test")
@@ -187,3 +187,9 @@ def test_submitit_handler_replaced_and_stop_leaves_no_result(clean_env, tmp_path
     job.wait()  # LocalJob: bounded by the process' life
     assert not Path(job.paths.result_pickle).exists()  # neither "success" nor "error"
     assert "stopped" in Path(job.paths.stderr).read_text()
+
+
+def _patch_both(monkeypatch, name, value):
+    """The SLURM queries are looked up in preempt (the signal path) and requeue (failures)."""
+    monkeypatch.setattr(preempt, name, value)
+    monkeypatch.setattr(requeue, name, value)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.submit import sbatch
-from orchestrator.spec.schema import ClusterConfig, JobConfig, register_configs, to_job_config
+from orchestrator.config.schema import ClusterConfig, JobConfig, register_configs, to_job_config
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.spec.layout import world_size_of
+from orchestrator.config.layout import world_size_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"

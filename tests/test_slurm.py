@@ -8,7 +8,7 @@ launcher's own :func:`orchestrator.submit.executor.wait`; or through the CLI its
 End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume,
 scancel while the launcher waits) lives in test_slurm_train.py; here: 4 ranks really run, the
 rendered script is the submitted one and an injection attempt creates no file; the requeue contract
-of orchestrator.runtime.preempt works with submitit's result files and the production wait; two
+of orchestrator.runtime.faults.preempt works with submitit's result files and the production wait; two
 detached submissions to one run directory: one trains, the other exits naming the holder of the
 run lock. (That a cancelled job is not requeued is checked on a real training job, by
 test_slurm_train's scancel test.)
@@ -31,8 +31,8 @@ from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_l
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.errors import RunLockedError
-from orchestrator.spec.compose import compose_config
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.compose import compose_config
+from orchestrator.config.schema import JobConfig
 from orchestrator.submit import executor, jobs, sbatch, status
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
@@ -100,7 +100,7 @@ def _train_like(state_dir: str, total: int, step_s: float, max_requeues: int, ru
     import torch
     import torch.distributed as dist
 
-    from orchestrator.runtime.preempt import StopRequest, restart_count
+    from orchestrator.runtime.faults.preempt import StopRequest, restart_count
 
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     dist.init_process_group("gloo")

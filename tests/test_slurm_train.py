@@ -292,7 +292,7 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
     """`--kill-on-bad-exit=1` on every srun line unless cluster.srun_args says otherwise."""
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.spec.schema import register_configs, to_job_config
+    from orchestrator.config.schema import register_configs, to_job_config
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -591,7 +591,7 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
 
 _LATE_USR2 = r'''
 import os, signal, subprocess, sys, time
-from orchestrator.runtime.preempt import StopRequest
+from orchestrator.runtime.faults.preempt import StopRequest
 stop = StopRequest().install()
 if sys.argv[1] == "done":
     stop.training_done()
@@ -622,7 +622,7 @@ _WRITER_QUEUE = r'''
 import os, signal, time
 if __name__ == "__main__":  # the Manager is spawned: it imports this file again (keep that cheap)
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
-    from orchestrator.runtime import checkpoint
+    from orchestrator.runtime.training import checkpoint
     signal.signal(signal.SIGUSR2, lambda *a: print("rank handler ran", flush=True))  # the rank's StopRequest
     for mode in ("plain", "shielded"):
         fsa._results_queue = None

@@ -21,7 +21,7 @@ import pytest
 from conftest import slurm_unavailable_reason, submit_like_launcher
 from orchestrator.ckpt import history
 from orchestrator.errors import JobFailedError
-from orchestrator.spec.compose import compose_config
+from orchestrator.config.compose import compose_config
 from orchestrator.submit import executor, jobs, status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def _killed_on(rank: int):
 
 
 def _stop(run_dir: str):
-    from orchestrator.runtime.preempt import StopRequest
+    from orchestrator.runtime.faults.preempt import StopRequest
 
     stop = StopRequest(max_requeues=0, run_dir=run_dir).install()
     stop.trigger("test")

@@ -197,7 +197,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
 
 
 def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
-    """A local CPU job's task forks its other ranks (runtime/forked.py). kill -9 of a forked rank (what
+    """A local CPU job's task forks its other ranks (runtime/start/forked.py). kill -9 of a forked rank (what
     the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of
     hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it)."""
     import os
@@ -209,7 +209,7 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     import psutil
 
     from conftest import REPO
-    from orchestrator.runtime.forked import read_rank_pids
+    from orchestrator.runtime.start.forked import read_rank_pids
 
     args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=oom",
                     "training.train_iters=400", "checkpoint.save_interval=null"]

@@ -20,8 +20,8 @@ from conftest import REPO, run_cli
 from orchestrator.plan import calibrate, memory as planner
 from orchestrator.plan.inputs import cpu_preset
 from orchestrator.plan.profile import DeviceProfile, device_key, load_profile, prior_profile, save_profile
-from orchestrator.spec.checks import validate
-from orchestrator.spec.compose import compose_config
+from orchestrator.config.checks import validate
+from orchestrator.config.compose import compose_config
 from orchestrator.sweep import search
 from orchestrator.sweep.search import TrialOutcome, TuneConfig
 

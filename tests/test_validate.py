@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ConfigError, OrchestratorError
-from orchestrator.spec.checks import runs_on_cpu, validate
-from orchestrator.spec.compose import compose_config
+from orchestrator.config.checks import runs_on_cpu, validate
+from orchestrator.config.compose import compose_config
 
 SEED = 20251201
 COUNT = 600
@@ -148,7 +148,7 @@ def megatron_parallel_groups(layout) -> int:
 
     world, tp, pp = layout.world_size, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     cp, ep = layout.context_parallel_size, layout.expert_model_parallel_size
-    vpp = layout.virtual_pipeline_model_parallel_size if layout.vpp > 1 else None  # as runtime/model.py passes it
+    vpp = layout.virtual_pipeline_model_parallel_size if layout.vpp > 1 else None  # as runtime/rank/model.py passes it
     assert world % (tp * pp * cp) == 0, "world_size is not divisible by tp x pp x cp"
     assert vpp is None or pp > 1, "pipeline-model-parallel size should be greater than 1 with interleaved schedule"
     dp = world // (tp * pp * cp)
@@ -165,7 +165,7 @@ def megatron_parallel_groups(layout) -> int:
 
 def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     from orchestrator.plan import memory as planner
-    from orchestrator.runtime.model import transformer_config
+    from orchestrator.runtime.rank.model import transformer_config
 
     bases = [compose_config(b + ["run.root=/tmp/orchestrator-test-validate"]) for b in BASES]
     rng = random.Random(SEED)

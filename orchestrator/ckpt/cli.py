@@ -54,9 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     import argparse
 
     from orchestrator.errors import OrchestratorError
-    from orchestrator.spec.layout import layout_from_config
+    from orchestrator.config.layout import layout_from_config
     from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -1,7 +1,7 @@
 """The run lock: one live run per run directory (``<run_dir>/orchestrator.lock``).
 
 The job's rank 0 holds it for the job's life (local or SLURM, waited on or detached; see
-:mod:`orchestrator.runtime.job`); a requeued attempt of the same SLURM job takes it over. The
+:mod:`orchestrator.runtime.start.job`); a requeued attempt of the same SLURM job takes it over. The
 launcher only :meth:`~RunLock.probe` s it, to refuse early when a live run holds the directory.
 No torch import.
 """

@@ -33,10 +33,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from orchestrator.spec.schema import JobConfig, to_dict
+from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ManifestError
 from orchestrator.io import write_atomic
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 
 SCHEMA = "orchestrator.manifest/1"

@@ -45,10 +45,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from orchestrator.spec.schema import JobConfig, to_dict
+from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ResumeMismatchError
-from orchestrator.spec.layout import ParallelLayout, padded_vocab_size
-from orchestrator.spec.schedule import lr_schedule
+from orchestrator.config.layout import ParallelLayout, padded_vocab_size
+from orchestrator.config.schedule import lr_schedule
 from orchestrator.ckpt.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
                                    latest_complete, save_dir_of)
 

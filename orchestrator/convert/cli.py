@@ -95,7 +95,7 @@ def check(cfg):
     machine that converts (the job checks them again where it runs)."""
     import dataclasses
 
-    from orchestrator.spec.checks import validate
+    from orchestrator.config.checks import validate
 
     stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte")
     layout = validate(dataclasses.replace(cfg, data=stand_in))

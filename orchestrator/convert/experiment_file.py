@@ -132,7 +132,7 @@ def write(conv, root: Path, force: bool = False) -> Path:
 
 def search_overrides(root: Path) -> List[str]:
     """What ``python -m orchestrator`` needs to find experiments under ``root`` (none for the shipped conf/)."""
-    from orchestrator.spec.compose import conf_dir
+    from orchestrator.config.compose import conf_dir
 
     root = Path(root).resolve()
     if root == conf_dir().resolve():
@@ -149,7 +149,7 @@ def config_dir_with(root: Optional[Path]) -> Iterator[Optional[str]]:
     """A config directory holding the shipped ``conf/`` plus ``root/experiment/*.yaml`` (symlinks in a
     temporary directory), so experiments written outside ``conf/`` compose like shipped ones;
     None (the shipped ``conf/``) when ``root`` is ``conf/`` itself."""
-    from orchestrator.spec.compose import conf_dir
+    from orchestrator.config.compose import conf_dir
 
     conf = conf_dir().resolve()
     if root is None or Path(root).resolve() == conf:
@@ -174,7 +174,7 @@ def compose(overrides: List[str], root: Optional[Path] = None):
     """Compose ``conf/`` (plus the experiments under ``root``) with ``overrides`` into a JobConfig;
     any Hydra/OmegaConf error becomes one ConfigError line."""
     from orchestrator.errors import OrchestratorError
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     try:
         with config_dir_with(root) as config_dir:

@@ -178,7 +178,7 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
 
 
 def _is_option(group: str, name: str) -> bool:
-    from orchestrator.spec.compose import conf_dir
+    from orchestrator.config.compose import conf_dir
 
     return (conf_dir() / group / f"{name}.yaml").is_file()
 

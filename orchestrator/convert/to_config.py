@@ -79,9 +79,9 @@ def _defaults(conv: Conversion, given: Dict[str, Arg]) -> None:
 
 
 def schema_keys() -> List[str]:
-    """Every dotted leaf key of :class:`~orchestrator.spec.schema.JobConfig`, in field order."""
-    from orchestrator.spec.keys import is_section, schema_keys as all_keys
-    from orchestrator.spec.schema import JobConfig
+    """Every dotted leaf key of :class:`~orchestrator.config.schema.JobConfig`, in field order."""
+    from orchestrator.config.keys import is_section, schema_keys as all_keys
+    from orchestrator.config.schema import JobConfig
 
     return [k for k, f in all_keys(JobConfig).items() if not is_section(f)]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from orchestrator.plan.inputs import BUS_EFFICIENCY, GpuPreset, ModelShape, Recipe
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.config.layout import ParallelLayout
 
 def bubble(pp: int, num_microbatches: int, vpp: int = 1) -> Tuple[float, float]:
     """Pipeline bubble of one flush, [N21] section 2.2, as (overhead, fraction).

@@ -12,7 +12,7 @@ from orchestrator.errors import ConfigError
 
 GiB = 1024 ** 3
 BYTE_TOKENIZER_VOCAB = 258
-"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (runtime/data.py)."""
+"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (data/tokenizer.py)."""
 DEFAULT_MFU = 0.4
 """Assumed MFU of busy time (no bubble, no recomputation) when none is given."""
 FRAMEWORK_OVERHEAD_BYTES = 2 * GiB
@@ -120,7 +120,7 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, m, vocab_size: int = BYTE_TOKENIZER_VOCAB) -> "ModelShape":
-        """From an :class:`orchestrator.spec.schema.ModelConfig`."""
+        """From an :class:`orchestrator.config.schema.ModelConfig`."""
         return cls(
             num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
             seq_length=m.seq_length, vocab_size=vocab_size, num_query_groups=m.num_query_groups,
@@ -208,7 +208,7 @@ def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
 
 
 def recipe_of(cfg) -> Recipe:
-    """The :class:`Recipe` of a :class:`~orchestrator.spec.schema.JobConfig`."""
+    """The :class:`Recipe` of a :class:`~orchestrator.config.schema.JobConfig`."""
     m, o = cfg.model, cfg.optimizer
     return Recipe(precision=cfg.training.precision, recompute_granularity=m.recompute_granularity,
                   recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,

@@ -15,8 +15,8 @@ times are seconds. Sources:
 * [M] Megatron-Core's distributed-optimizer guide: bytes per parameter for weights,
   gradients and optimizer state, with and without sharding over DP.
 
-Entry points: :func:`plan` (a :class:`~orchestrator.spec.schema.JobConfig` in, a :class:`Plan`
-out), :func:`plan_layout` (a :class:`~orchestrator.spec.layout.ParallelLayout` + :class:`ModelShape`
+Entry points: :func:`plan` (a :class:`~orchestrator.config.schema.JobConfig` in, a :class:`Plan`
+out), :func:`plan_layout` (a :class:`~orchestrator.config.layout.ParallelLayout` + :class:`ModelShape`
 + :class:`Recipe`) and the plain-text :func:`format_plan`. Nearby layouts that fit are found by
 :mod:`orchestrator.suggest`. Every function here is a pure function of its arguments.
 """
@@ -28,12 +28,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
-from orchestrator.spec.checks import recompute_problems
-from orchestrator.spec.layout import ParallelLayout, layout_from_config, padded_vocab_size
+from orchestrator.config.checks import recompute_problems
+from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
 from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
                                      FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
                                      Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of)
+from orchestrator.plan.params import layer_params as _layer_params, stage_params as _stage_params  # noqa: F401
 from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 
 @dataclass(frozen=True)
@@ -153,62 +154,6 @@ class Plan:
                 "mfu_predicted": self.mfu_predicted}
 
 
-# ---- parameters ---------------------------------------------------------------------------
-
-def _layer_params(shape: ModelShape) -> Tuple[int, int, int, int]:
-    """(TP-replicated, TP-sharded, expert-replicated, expert-sharded) parameters of one layer.
-
-    Dense GPT layer with h = hidden, f = ffn, q = heads x kv_channels (= h), k = query groups x
-    kv_channels: norms 2 x (2h | h), QKV h(q+2k) [+ q+2k bias], projection qh [+ h],
-    fc1 h f (x2 gated) [+ f], fc2 f h [+ h]. Standard GPT: 12h^2 + 13h.
-    Row-parallel biases and norms are replicated over TP; the rest is split.
-    MoE: the MLP becomes ``num_moe_experts`` copies (split over TP x EP) plus an h x E router.
-    """
-    h, f, b = shape.hidden_size, shape.ffn, int(shape.add_bias_linear)
-    d = h // shape.num_attention_heads
-    q, k = shape.num_attention_heads * d, (shape.num_query_groups or shape.num_attention_heads) * d
-    gate = 2 if shape.activation == "swiglu" else 1
-    norm = 2 * h if shape.normalization == "LayerNorm" else h
-    replicated = 2 * norm + b * h  # two norms + projection bias
-    sharded = h * (q + 2 * k) + b * (q + 2 * k) + q * h
-    mlp_rep, mlp_sharded = b * h, h * f * gate + b * f * gate + f * h
-    if shape.num_moe_experts:
-        e = shape.num_moe_experts
-        return replicated + h * e, sharded, e * mlp_rep, e * mlp_sharded
-    return replicated + mlp_rep, sharded + mlp_sharded, 0, 0
-
-
-def _stage_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> List[Tuple[int, int, int, int]]:
-    """Per pipeline stage: (unsharded count, per-GPU dense, per-GPU expert, per-GPU count).
-
-    Embedding (vocab split over TP; learned positions replicated) on the first stage; final norm
-    and output layer on the last. With tied embeddings and PP > 1 the last stage keeps its own
-    copy of the word embeddings, which also has gradients and optimizer state.
-    """
-    t, p, ep = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.expert_model_parallel_size
-    h = shape.hidden_size
-    rep, sh, erep, esh = _layer_params(shape)
-    n = layout.layers_per_stage
-    pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
-    final_norm = 2 * h if shape.normalization == "LayerNorm" else h
-    out = []
-    for r in range(p):
-        full = n * (rep + sh + erep + esh)
-        dense = n * (rep + sh // t)
-        expert = n * (erep // ep + esh // (t * ep))
-        if r == 0:
-            full += vp * h + pos * h
-            dense += vp * h // t + pos * h
-        if r == p - 1:
-            full += final_norm
-            dense += final_norm
-            if shape.untie_embeddings_and_output_weights or p > 1:
-                full += vp * h
-                dense += vp * h // t
-        out.append((full, dense, expert, dense + expert))
-    return out
-
-
 # ---- activations ([K22] section 4) ----------------------------------------------------------
 
 def layer_activation_bytes(shape: ModelShape, layout: ParallelLayout, elem: int, selective: bool = False) -> float:
@@ -289,7 +234,7 @@ def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe
 # ---- the plan -----------------------------------------------------------------------------
 
 def recipe_problems(recipe: Recipe, layout: ParallelLayout) -> List[str]:
-    """Megatron's recomputation rules (:func:`orchestrator.spec.checks.recompute_problems`, the one copy)."""
+    """Megatron's recomputation rules (:func:`orchestrator.config.checks.recompute_problems`, the one copy)."""
     return recompute_problems(recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers,
                               layout.layers_per_stage)
 
@@ -377,7 +322,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
 
 def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None,
          profile: Any = "auto") -> Plan:
-    """Plan a :class:`~orchestrator.spec.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
+    """Plan a :class:`~orchestrator.config.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
 
     ``profile``: "auto" = the device's stored calibration profile when one exists (the plan's notes say
     which), a :class:`~orchestrator.plan.profile.DeviceProfile`, or None for the preset's assumptions.

@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from orchestrator.io import write_atomic
 from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
 from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
-from orchestrator.spec.checks import runs_on_cpu
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.config.checks import runs_on_cpu
+from orchestrator.config.layout import ParallelLayout
 
 PROFILE_VERSION = 3
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""

@@ -13,9 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
-from orchestrator.spec.schema import JobConfig, to_dict
+from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import SubmissionError
-from orchestrator.spec.layout import ParallelLayout
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.ckpt.rundir import METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.progress import Progress, final_lines
 from orchestrator.submit.wait import wait
@@ -47,7 +47,7 @@ def make_executor(cfg: JobConfig, world_size: int):
 
 
 def forks_ranks(cfg: JobConfig, world_size: int) -> bool:
-    """Whether the job runs as one task that forks its other ranks (:mod:`orchestrator.runtime.forked`):
+    """Whether the job runs as one task that forks its other ranks (:mod:`orchestrator.runtime.start.forked`):
     local multi-rank jobs on CPU. A job that may use a GPU (``training.device=cuda``, ``cluster.gpus_per_node``,
     or ``auto`` on a machine with an NVIDIA driver) starts one process per rank instead: a device context
     must not exist before a fork, and megatron-core's imports may create one."""
@@ -71,7 +71,7 @@ def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
     if cfg.cluster.kind == "local" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     if cfg.cluster.kind == "local":  # a free rendezvous port, reserved now (never the caller's MASTER_PORT)
-        from orchestrator.runtime.distributed import local_rendezvous_env
+        from orchestrator.runtime.rank.distributed import local_rendezvous_env
 
         env.update(local_rendezvous_env())
     return env
@@ -94,7 +94,7 @@ def _children_ignore_sigint():
 
 def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     """Submit the training job (one task per rank); returns the submitit job."""
-    from orchestrator.runtime.job import TrainJob
+    from orchestrator.runtime.start.job import TrainJob
 
     forks = forks_ranks(cfg, layout.world_size)
     executor = make_executor(cfg, 1 if forks else layout.world_size)

@@ -60,7 +60,7 @@ def disk_full(run_dir: str) -> Optional[str]:
     from pathlib import Path
 
     from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-    from orchestrator.runtime.diskspace import disk_full_message, out_of_space
+    from orchestrator.runtime.faults.diskspace import disk_full_message, out_of_space
 
     if not out_of_space(run_dir):
         return None

@@ -5,7 +5,7 @@
     launcher.close()                                # a stop file; the ranks exit
 
 :class:`PoolLauncher` keeps one :class:`WarmPool` (a submitit job running
-:class:`~orchestrator.runtime.pool.PoolJob` on every rank, local or one SLURM allocation) while
+:class:`~orchestrator.runtime.start.pool.PoolJob` on every rank, local or one SLURM allocation) while
 consecutive trials share the pool's key (world size, device, backend, cluster and rank
 environment); a trial with another key closes it and starts another. A failed trial (a rank's
 error file, a rank that died, the job gone, the trial's time bound) cancels the pool and raises
@@ -26,8 +26,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from orchestrator.errors import JobFailedError, SubmissionError
 from orchestrator.io import write_atomic
-from orchestrator.spec.layout import ParallelLayout
-from orchestrator.spec.schema import JobConfig, from_dict, to_dict
+from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.schema import JobConfig, from_dict, to_dict
 
 POOL_JOB_DAYS = 7
 """A local pool job's own time limit (each trial is bounded by the launcher, :meth:`WarmPool.run`)."""
@@ -55,7 +55,7 @@ class WarmPool:
     """One pool job: ``world_size`` warm ranks reading trial files from ``pool_dir``."""
 
     def __init__(self, cfg: JobConfig, world_size: int, pool_dir: Path, allocation_min: Optional[int] = None):
-        from orchestrator.runtime.pool import PoolJob
+        from orchestrator.runtime.start.pool import PoolJob
         from orchestrator.submit.executor import _children_ignore_sigint, forks_ranks, job_environment, make_executor
 
         self.key, self.world_size, self.dir = pool_key(cfg, world_size), world_size, Path(pool_dir)
@@ -85,7 +85,7 @@ class WarmPool:
 
         Raises JobFailedError (pool cancelled) when the trial fails or exceeds ``timeout_s``."""
         from orchestrator.ckpt.history import record_submission
-        from orchestrator.runtime.pool import result_path, trial_path
+        from orchestrator.runtime.start.pool import result_path, trial_path
 
         num, started = self.next, time.time()
         self.next, self.seen_all = self.next + 1, False
@@ -122,7 +122,7 @@ class WarmPool:
 
     def _check(self, num: int, started: float, timeout_s: float) -> None:
         """Raise JobFailedError when trial ``num`` failed, a rank died, the job ended or time ran out."""
-        from orchestrator.runtime.pool import error_path
+        from orchestrator.runtime.start.pool import error_path
 
         job_id = self.job.job_id
         errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
@@ -151,7 +151,7 @@ class WarmPool:
 
     def _alive_ranks(self, num: int) -> Optional[set]:
         """Local ranks of trial ``num`` whose process is alive (None: the job's controller is gone). Forked
-        ranks are found by their pid files (:func:`~orchestrator.runtime.pool.pid_path`), others as
+        ranks are found by their pid files (:func:`~orchestrator.runtime.start.pool.pid_path`), others as
         submitit tasks."""
         from orchestrator.submit.wait import _local_alive_ranks
 
@@ -159,7 +159,7 @@ class WarmPool:
             return _local_alive_ranks(self.job)
         import psutil
 
-        from orchestrator.runtime.pool import pid_path
+        from orchestrator.runtime.start.pool import pid_path
 
         if self._ended():
             return None
@@ -195,7 +195,7 @@ class WarmPool:
 
     def stop(self) -> None:
         """Write the stop file (once): each rank exits after its current trial."""
-        from orchestrator.runtime.pool import trial_path
+        from orchestrator.runtime.start.pool import trial_path
 
         if self.alive and not getattr(self, "_stopped", False):
             self._stopped = True

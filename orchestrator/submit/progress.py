@@ -2,7 +2,7 @@
 
 :class:`Progress` is polled by :func:`orchestrator.submit.wait.wait` while a job runs; it reads
 two growing files and keeps no other state: ``<run.dir>/metrics.jsonl`` (training records and the
-``start``/``eval``/``summary`` events the logging rank writes, :mod:`orchestrator.runtime.metrics`)
+``start``/``eval``/``summary`` events the logging rank writes, :mod:`orchestrator.runtime.training.metrics`)
 and rank 0's log (its ``[orchestrator] ...`` phase lines). :func:`final_lines` names the run
 directory, the metrics file, the TensorBoard command and the latest checkpoint after the job.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 
 def _eta(seconds: float) -> str:

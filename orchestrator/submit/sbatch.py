@@ -1,6 +1,6 @@
 """Render, then submit: the SLURM side of a job as pure functions of the config.
 
-:func:`executor_parameters` maps :class:`~orchestrator.spec.schema.ClusterConfig` onto the keyword
+:func:`executor_parameters` maps :class:`~orchestrator.config.schema.ClusterConfig` onto the keyword
 arguments of submitit's ``AutoExecutor(cluster="slurm").update_parameters`` (constructor arguments:
 :func:`executor_init_kwargs`); :func:`slurm_executor_parameters` gives the same in
 ``SlurmExecutor.update_parameters`` names (constructor: ``python=python_command(cfg)``). :func:`render_sbatch`

@@ -96,7 +96,7 @@ def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any
     its result file (the logging rank's summary), a rank's error file, else the pool job alive or not."""
     import json
 
-    from orchestrator.runtime.pool import result_path
+    from orchestrator.runtime.start.pool import result_path
 
     job_id, cluster = str(submitted["job_id"]), str(submitted.get("cluster", "local"))
     pool, num, failure = Path(submitted["warm_pool"]), int(submitted.get("trial", 0)), None

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import JobFailedError
 from orchestrator.slurm import restarts_of, scontrol_job
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
 
 
@@ -111,11 +111,11 @@ def _local_alive_ranks(job) -> Optional[set]:
 
     Tasks are the controller's direct children; each carries its rank in SUBMITIT_LOCAL_GLOBALID
     (the checkpoint writer's forked helpers are grandchildren and are not counted). Ranks forked by
-    the task (:mod:`orchestrator.runtime.forked`) are found by the process ids their job recorded.
+    the task (:mod:`orchestrator.runtime.start.forked`) are found by the process ids their job recorded.
     """
     import psutil
 
-    from orchestrator.runtime.forked import alive_forked_ranks
+    from orchestrator.runtime.start.forked import alive_forked_ranks
 
     process = getattr(job, "_process", None)
     if process is None or process.poll() is not None:
@@ -151,7 +151,7 @@ def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
         alive = _local_alive_ranks(job)
         if alive is None and getattr(job, "forks_ranks", False) and 0 not in results:
             # the task that forked the ranks (rank 0) ended without a result; its forks died with it
-            from orchestrator.runtime.forked import read_rank_pids
+            from orchestrator.runtime.start.forked import read_rank_pids
 
             forked = bool(read_rank_pids(job.paths.folder, str(job.job_id)))
             return [0] if forked and _read_result(Path(job.task(0).paths.result_pickle)) is None else []
@@ -199,7 +199,7 @@ class _Wait:
     """The state of one :func:`wait`: results read so far, requeues seen, running time counted."""
 
     def __init__(self, job, cfg: JobConfig, world_size: int):
-        from orchestrator.runtime.watchdog import JobWatch
+        from orchestrator.runtime.faults.watchdog import JobWatch
 
         self.job, self.cfg, self.c, self.world_size = job, cfg, cfg.cluster, world_size
         self.run_dir, self.job_id = cfg.run.dir, str(job.job_id)

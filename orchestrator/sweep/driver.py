@@ -169,8 +169,8 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     logging rank's summary out (None for plan/dry-run).
     """
     from orchestrator.plan import memory as planner
-    from orchestrator.spec.schema import to_job_config
-    from orchestrator.spec.checks import validate
+    from orchestrator.config.schema import to_job_config
+    from orchestrator.config.checks import validate
 
     _DRIVER.sweep_dir = point.sweep_dir
     record: Dict[str, Any] = {

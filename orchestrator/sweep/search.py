@@ -4,7 +4,7 @@ No processes, no files: :mod:`orchestrator.sweep.tune` runs the trials and calls
 
 * :func:`candidates` enumerates TP x PP x VPP x MBS x recomputation x distributed optimizer x
   sequence parallel for the base config's world size and GBS; every combination goes through the
-  one :func:`~orchestrator.spec.checks.validate` (and the planner's recomputation rules), so the
+  one :func:`~orchestrator.config.checks.validate` (and the planner's recomputation rules), so the
   search never runs what a user could not.
 * :func:`price` plans each on the device that runs with the current device profile;
   :func:`fits` keeps those whose predicted peak per rank is at most ``memory_margin`` x the limit.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from orchestrator.errors import ConfigError
-from orchestrator.spec.layout import ParallelLayout, layout_from_config
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.layout import ParallelLayout, layout_from_config
+from orchestrator.config.schema import JobConfig
 
 MiB = 2 ** 20
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None), "full": ("full", "uniform", 1)}
@@ -199,10 +199,10 @@ def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict
     """Valid candidates for the base config's world size, and a count of rejections by first reason.
 
     Each combination becomes a JobConfig (base with the knobs replaced; DP stated so a local run keeps
-    its world size) and must pass :func:`~orchestrator.spec.checks.validate`.
+    its world size) and must pass :func:`~orchestrator.config.checks.validate`.
     """
     from orchestrator.plan.memory import recipe_of, recipe_problems
-    from orchestrator.spec.checks import validate
+    from orchestrator.config.checks import validate
 
     world = layout_from_config(base).world_size
     space = search_space(base, opts, world)

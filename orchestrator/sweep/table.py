@@ -69,7 +69,7 @@ EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "wo
 
 
 def layout_record(layout) -> Dict[str, Any]:
-    """The layout numbers a point records (a :class:`~orchestrator.spec.layout.ParallelLayout` in)."""
+    """The layout numbers a point records (a :class:`~orchestrator.config.layout.ParallelLayout` in)."""
     return {"world_size": layout.world_size, "tensor_model_parallel_size": layout.tensor_model_parallel_size,
             "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,

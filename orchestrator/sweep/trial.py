@@ -104,7 +104,7 @@ class TrialRunner:
 
     def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
         from orchestrator.pipeline import run
-        from orchestrator.spec.compose import compose_config
+        from orchestrator.config.compose import compose_config
 
         from submitit.core.logger import get_logger
 

@@ -5,7 +5,7 @@
 
 Reads top to bottom (:meth:`Tuner.run`):
 
-1. Compose the base config from the Hydra overrides (:func:`~orchestrator.spec.compose.compose_config`);
+1. Compose the base config from the Hydra overrides (:func:`~orchestrator.config.compose.compose_config`);
    ``tune.*`` options go to :class:`~orchestrator.sweep.search.TuneConfig`.
 2. Enumerate every layout of its world size and global batch (:func:`~orchestrator.sweep.search.candidates`,
    each through the one ``validate``), price each on the device that runs (``cpu`` for CPU ranks,
@@ -93,7 +93,7 @@ class Tuner:
     def __init__(self, base, overrides: List[str], opts: TuneConfig, tune_args: Sequence[str] = ()):
         from orchestrator.plan.inputs import gpu_preset
         from orchestrator.plan.profile import device_key, device_of, load_profile, prior_profile
-        from orchestrator.spec.layout import layout_from_config
+        from orchestrator.config.layout import layout_from_config
 
         self.base, self.opts, self.tune_args = base, opts, [a for a in tune_args if not a.startswith("tune.out=")]
         self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
@@ -207,7 +207,7 @@ class Tuner:
 
     # ---- the session ------------------------------------------------------------------------
     def winner_path(self) -> Path:
-        from orchestrator.spec.compose import conf_dir
+        from orchestrator.config.compose import conf_dir
 
         return Path(self.opts.out) if self.opts.out else conf_dir() / "experiment" / f"{self.name}.yaml"
 
@@ -336,7 +336,7 @@ def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
 
 def compose_base(overrides: List[str]):
     """The base JobConfig (ConfigError for anything Hydra or the schema refuses)."""
-    from orchestrator.spec.compose import compose_config
+    from orchestrator.config.compose import compose_config
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 

@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ManifestError
 
 CHECKPOINTS = "checkpoints"
@@ -39,7 +39,7 @@ def iter_dir(cfg: JobConfig, iteration: int) -> Path:
 
 
 def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, object]:
-    from orchestrator.runtime.model import unwrap
+    from orchestrator.runtime.rank.model import unwrap
 
     if len(model) == 1:
         return {"model": unwrap(model[0]).sharded_state_dict()}
@@ -117,7 +117,7 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
 def start_writer_queue() -> None:
     """Start megatron's checkpoint-writer results queue (a multiprocessing Manager: a process started
     at the first save and kept for the next ones) shielded from the stop signals, see
-    :func:`orchestrator.runtime.preempt.with_stop_signals_shielded`. Idempotent.
+    :func:`orchestrator.runtime.faults.preempt.with_stop_signals_shielded`. Idempotent.
 
     megatron-core spawns that process (a fresh interpreter), which then imports torch to unpickle the
     first write results it receives: 2.6 s of the first save of every rank process (cProfile of a
@@ -130,8 +130,8 @@ def start_writer_queue() -> None:
         return
     if getattr(fsa, "_results_queue", None) is not None or not hasattr(fsa, "_get_write_results_queue"):
         return
-    from orchestrator.runtime import cpu
-    from orchestrator.runtime.preempt import with_stop_signals_shielded
+    from orchestrator.runtime.rank import cpu
+    from orchestrator.runtime.faults.preempt import with_stop_signals_shielded
 
     if cpu.is_active():
         fsa._results_queue = with_stop_signals_shielded(_forked_results_queue)
@@ -145,7 +145,7 @@ def _forked_results_queue():
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    from orchestrator.runtime.forked import die_with_parent
+    from orchestrator.runtime.rank.process import die_with_parent
 
     manager = SyncManager(ctx=multiprocessing.get_context("fork"))
     manager.start(initializer=die_with_parent)
@@ -173,7 +173,7 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
     """
     from megatron.core import dist_checkpointing
 
-    from orchestrator.runtime.model import unwrap
+    from orchestrator.runtime.rank.model import unwrap
 
     if not (path / "metadata.json").exists():
         raise ManifestError(f"{path} is not a megatron dist_checkpointing directory (no metadata.json)")

@@ -353,7 +353,7 @@ def world_size_of(cfg) -> "tuple[int, str]":
 
 
 def layout_from_config(cfg) -> ParallelLayout:
-    """Build (not validate) the layout of a :class:`~orchestrator.spec.schema.JobConfig`."""
+    """Build (not validate) the layout of a :class:`~orchestrator.config.schema.JobConfig`."""
     world, source = world_size_of(cfg)
     p, m, t = cfg.parallelism, cfg.model, cfg.training
     return ParallelLayout(

@@ -24,7 +24,7 @@ Hydra's compose API, never ``hydra.main`` — so composing writes nothing (no ``
    Without an experiment the name is ``<model>_<parallelism>`` (conf/config.yaml).
 4. ``run.dir`` (``${hydra:runtime.output_dir}`` in the schema, which is the sweep point's
    directory under ``-m``) becomes ``hydra.run.dir`` = ``run.root/run.name``, made absolute.
-5. :func:`orchestrator.spec.schema.to_job_config` refuses keys the schema does not have and
+5. :func:`orchestrator.config.schema.to_job_config` refuses keys the schema does not have and
    resolves the rest into dataclasses. Values are checked later by the one ``validate``.
 """
 
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from orchestrator.errors import ConfigError
-from orchestrator.spec.keys import did_you_mean, is_open, schema_keys, unknown_key_error
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.keys import did_you_mean, is_open, schema_keys, unknown_key_error
+from orchestrator.config.schema import JobConfig
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 NOT_IN_RUN_NAME = ("experiment", "cluster")
@@ -140,7 +140,7 @@ def hydra_error(exc: BaseException) -> ConfigError:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    from orchestrator.spec.keys import omegaconf_error
+    from orchestrator.config.keys import omegaconf_error
 
     if isinstance(exc, ConfigError):
         return exc
@@ -183,7 +183,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from orchestrator.spec.schema import register_configs
+    from orchestrator.config.schema import register_configs
 
     options = group_options(config_dir)
     parsed = parse_overrides(overrides)
@@ -225,7 +225,7 @@ def compose_config(overrides: List[str], config_dir: Optional[str] = None) -> Jo
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from orchestrator.spec.schema import to_job_config
+    from orchestrator.config.schema import to_job_config
 
     cfg = compose_dict(overrides, config_dir)
     try:

@@ -6,7 +6,7 @@ once, not once per rank) and broadcasts the decision — the checkpoint to load,
 stops every rank. Then every rank loads it (model, optimizer, scheduler, progress), or only the
 model weights of ``checkpoint.init_from``.
 
-The learning-rate schedule after a resume is the config's (:mod:`orchestrator.spec.schedule`):
+The learning-rate schedule after a resume is the config's (:mod:`orchestrator.config.schedule`):
 megatron's scheduler is built with ``override_opt_param_scheduler=True``, and the optimizer's
 param groups, which the checkpoint restores with the *old* ``max_lr``/``min_lr``, get the config's
 values back before the schedule is re-evaluated at the checkpoint's step count.
@@ -22,9 +22,9 @@ from typing import Dict, List, Optional
 import torch
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.runtime import checkpoint as ckpt
-from orchestrator.runtime.build import Rank, versions
-from orchestrator.spec.schedule import lr_schedule
+from orchestrator.runtime.training import checkpoint as ckpt
+from orchestrator.runtime.rank.build import Rank, versions
+from orchestrator.config.schedule import lr_schedule
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Start:
 def _verdict(rank: Rank, prepared):
     """Rank 0's preflight, broadcast: the CheckpointInfo to load (or None); raises its error everywhere."""
     from orchestrator.ckpt import resume as preflight
-    from orchestrator.runtime.data import tokenizer_identity
+    from orchestrator.data.tokenizer import tokenizer_identity
 
     verdict: List[object] = [None]
     if rank.rank0:
@@ -102,7 +102,7 @@ class Saver:
     """
 
     def __init__(self, rank: Rank, prepared, origin: Optional[Dict[str, object]], guard=None):
-        from orchestrator.runtime.data import tokenizer_identity
+        from orchestrator.data.tokenizer import tokenizer_identity
 
         self.rank, self.origin, self.guard = rank, origin, guard
         self.data_identity = prepared.identity(rank.cfg.data)

@@ -36,8 +36,8 @@ on the failure path one ``all_gather`` tells which ranks hold a non-finite loss 
   (the same reduction clipping would do); without it :meth:`check` falls back to one MAX all-reduce
   of a "this rank's loss is non-finite" flag per iteration.
 
-Hangs: :class:`~orchestrator.runtime.watchdog.Watchdog` (``training.hang_timeout_s``). Saves:
-:meth:`Guard.saving` (:func:`~orchestrator.runtime.diskspace.explain_save_failure`). Torch is imported inside the methods that need it.
+Hangs: :class:`~orchestrator.runtime.faults.watchdog.Watchdog` (``training.hang_timeout_s``). Saves:
+:meth:`Guard.saving` (:func:`~orchestrator.runtime.faults.diskspace.explain_save_failure`). Torch is imported inside the methods that need it.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import NonFiniteLossError, OrchestratorError
-from orchestrator.runtime.diskspace import explain_save_failure, latest_checkpoint
-from orchestrator.runtime.watchdog import Watchdog
+from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
+from orchestrator.runtime.faults.watchdog import Watchdog
 
 __all__ = ["Guard", "explain_save_failure", "last_iteration"]
 
@@ -82,7 +82,7 @@ class Guard:
     def __init__(self, cfg, run_dir, rank: int, host: Optional[str] = None, *, world_size: Optional[int] = None,
                  start_iteration: Optional[int] = None):
         global _ACTIVE
-        from orchestrator.runtime.preempt import job_identity
+        from orchestrator.runtime.faults.requeue import job_identity
 
         self.cfg, self.run_dir, self.rank = cfg, str(run_dir), int(rank)
         self.host = host or socket.gethostname()
@@ -253,7 +253,7 @@ class Guard:
         """Stop the watchdog and record how this attempt ended. Safe to call from a ``finally``: the
         exception in flight decides the cause (none: completed, or exited before train_iters). After
         a crash on SLURM with ``cluster.max_failures`` left, the job is requeued and every rank leaves
-        through :class:`~orchestrator.runtime.preempt.Requeued` (no error result)."""
+        through :class:`~orchestrator.runtime.faults.preempt.Requeued` (no error result)."""
         global _ACTIVE
         if self._closed:
             return
@@ -284,14 +284,15 @@ class Guard:
         return True
 
     def _requeue_failure(self, message: str) -> Tuple[bool, str]:
-        from orchestrator.runtime.preempt import requeue_for_failure
+        from orchestrator.runtime.faults.requeue import requeue_for_failure
 
         return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records ``crashed`` and decides on a requeue; the others wait
         for that decision (bounded) and leave requeued too, or let their exception propagate."""
-        from orchestrator.runtime.preempt import leave_requeued, on_slurm
+        from orchestrator.runtime.faults.requeue import leave_requeued
+        from orchestrator.slurm import on_slurm
 
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"

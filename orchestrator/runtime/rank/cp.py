@@ -4,9 +4,9 @@ With ``parallelism.context_parallel_size = CP > 1`` the CP ranks of one group re
 micro-batch (they share a data-parallel rank) and each keeps 2 of the ``2·CP`` sequence chunks,
 chosen by megatron-core's :func:`megatron.core.utils.get_batch_on_this_cp_rank`: chunks ``i`` and
 ``2·CP−1−i`` on CP rank ``i``, so causal attention work is balanced. ``seq_length % (2·CP) == 0``
-is checked before launch (``spec/layout.py``). Attention across the chunks is Transformer Engine's
+is checked before launch (``config/layout.py``). Attention across the chunks is Transformer Engine's
 (megatron's local attention has no CP), so CP > 1 needs the TE layer spec
-(:func:`orchestrator.runtime.model.resolve_transformer_impl` refuses it otherwise).
+(:func:`orchestrator.runtime.rank.model.resolve_transformer_impl` refuses it otherwise).
 
 The loss of a micro-batch is the mean over its *whole* sequence: each CP rank sums its tokens'
 losses, the (sum, count) pair is all-reduced over the CP group (a value only, no gradient), and the

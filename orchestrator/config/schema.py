@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from orchestrator.errors import ConfigError
-from orchestrator.spec.keys import check_keys, omegaconf_error
+from orchestrator.config.keys import check_keys, omegaconf_error
 
 
 @dataclass
@@ -319,7 +319,7 @@ def register_configs() -> None:
 def to_job_config(cfg: Any) -> JobConfig:
     """Resolve a composed ``DictConfig`` into a :class:`JobConfig` (raises ConfigError, one line).
 
-    Values are checked by :func:`orchestrator.spec.checks.validate`, not here.
+    Values are checked by :func:`orchestrator.config.checks.validate`, not here.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -332,7 +332,7 @@ def to_job_config(cfg: Any) -> JobConfig:
     if not isinstance(obj, JobConfig):
         raise ConfigError("config: the composed config is not an orchestrator JobConfig; "
                           "fix: keep `orchestrator_schema` first in conf/config.yaml's defaults")
-    from orchestrator.spec.layout import virtual_stages
+    from orchestrator.config.layout import virtual_stages
 
     p = obj.parallelism  # Megatron-LM's name for VPP resolved here, so every reader sees VPP
     p.virtual_pipeline_model_parallel_size = virtual_stages(

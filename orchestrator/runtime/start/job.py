@@ -31,9 +31,9 @@ class TrainJob:
     version-independent; the job rebuilds the typed :class:`JobConfig`. ``env`` is
     applied before torch is imported (thread counts, NCCL settings). ``fork_ranks`` = N > 1 (local
     CPU jobs, submitted as one task): this task imports torch and megatron-core once, forks ranks
-    1..N-1 (:mod:`orchestrator.runtime.forked`) and trains as rank 0; each forked rank writes its
+    1..N-1 (:mod:`orchestrator.runtime.start.forked`) and trains as rank 0; each forked rank writes its
     own submitit result file. ``build_indices`` (a job of one task): build GPTDataset's sample indices
-    first, when the cache lacks them (:func:`orchestrator.runtime.data.cache_indices`).
+    first, when the cache lacks them (:func:`orchestrator.runtime.rank.dataset.cache_indices`).
     """
 
     def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None,
@@ -48,8 +48,9 @@ class TrainJob:
         os.environ.update(self.env)
         done = exit_fast_after_success()
         if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
-            from orchestrator.runtime.data import PreparedData, cache_indices
-            from orchestrator.spec.schema import from_dict
+            from orchestrator.data.prepare import PreparedData
+            from orchestrator.runtime.rank.dataset import cache_indices
+            from orchestrator.config.schema import from_dict
 
             cache_indices(from_dict(self.config), PreparedData(**self.prepared))
         summary = self._train_forked() if self.fork_ranks > 1 else self._train()
@@ -58,7 +59,7 @@ class TrainJob:
 
     def _train_forked(self) -> Dict[str, Any]:
         """Fork ranks 1..N-1, train as rank 0, wait for the forks; a fork killed by a signal is named."""
-        from orchestrator.runtime import forked
+        from orchestrator.runtime.start import forked
 
         pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
         try:  # an exception ends this process, and the forked ranks die with it
@@ -79,12 +80,12 @@ class TrainJob:
         return summary
 
     def _train(self) -> Dict[str, Any]:
-        from orchestrator.spec.schema import from_dict
+        from orchestrator.config.schema import from_dict
 
         cfg = from_dict(self.config)
         with hold_run_lock(cfg.run.dir):
-            from orchestrator.runtime.data import PreparedData
-            from orchestrator.runtime.train import run
+            from orchestrator.data.prepare import PreparedData
+            from orchestrator.runtime.training.run import run
 
             return run(cfg, PreparedData(**self.prepared))
 
@@ -169,7 +170,7 @@ def hold_run_lock(run_dir: str, since: Optional[float] = None) -> Iterator[None]
     from orchestrator.ckpt.lock import RunLock
     from orchestrator.errors import RunLockedError
     from orchestrator.io import write_atomic
-    from orchestrator.runtime.preempt import Requeued
+    from orchestrator.runtime.faults.preempt import Requeued
 
     rank, job_id, attempt = _whoami()
     if rank != 0:

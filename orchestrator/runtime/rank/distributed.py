@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 LOCAL_PORT_VAR = "ORCHESTRATOR_MASTER_PORT"
 """The rendezvous port a local launcher reserved for its job (the only port a local run uses)."""

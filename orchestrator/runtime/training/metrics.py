@@ -34,7 +34,7 @@ from typing import Dict, List
 from orchestrator.ckpt.rundir import METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.errors import ConfigError
 from orchestrator.io import append_jsonl
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 PPL_CAP = 20.0
 """Perplexity is reported as exp(min(loss, 20)), as Megatron-LM does (no overflow on early losses)."""
@@ -94,7 +94,7 @@ class _Wandb:
                               "fix: pip install 'orchestrator[wandb]' or logging.wandb.project=null") from None
         import hashlib
 
-        from orchestrator.spec.schema import to_dict
+        from orchestrator.config.schema import to_dict
 
         w = cfg.logging.wandb
         run_id = f"{cfg.run.name}-{hashlib.sha256(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]}"

@@ -4,7 +4,7 @@ Plan, dry-run, run, every sweep point and the job itself call :func:`validate`. 
 torch import (installed packages are looked up with ``importlib.util.find_spec``, never imported).
 Every refusal is one :class:`~orchestrator.errors.ConfigError` (or
 :class:`~orchestrator.errors.LayoutError`) whose message is a single line
-``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.spec.layout` read
+``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.config.layout` read
 ``<key>=<value> <what> ...; fix: <how>``; several broken layout rules are joined with `` | ``).
 
 Order, so that the first message is the one that makes sense: value types, enumerations and
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.spec.layout import ParallelLayout, layout_from_config
-from orchestrator.spec.keys import is_section, schema_keys, type_words
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.layout import ParallelLayout, layout_from_config
+from orchestrator.config.keys import is_section, schema_keys, type_words
+from orchestrator.config.schema import JobConfig
 
 CHOICES = {
     "parallelism.distributed_backend": ("auto", "nccl", "gloo"),

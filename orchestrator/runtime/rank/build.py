@@ -3,7 +3,7 @@
 :func:`build_rank` — distributed init → CPU backend (device=cpu) → the one ``validate`` →
 megatron parallel state + seeds → tokenizer → GPT chunks, DDP, optimizer, LR schedule (megatron's
 ``OptimizerParamScheduler``; on resume the config's schedule wins, see
-:mod:`orchestrator.runtime.resume`) → the hooks megatron's schedules call (no_sync, finalize grads,
+:mod:`orchestrator.runtime.training.resume`) → the hooks megatron's schedules call (no_sync, finalize grads,
 loss scale).
 
 :func:`build_data` — megatron-core GPTDatasets (train, and the held-out validation split when
@@ -20,12 +20,12 @@ from typing import Callable, List, Optional
 
 import torch
 
-from orchestrator.spec.checks import validate
-from orchestrator.spec.layout import ParallelLayout
-from orchestrator.spec.schema import JobConfig
-from orchestrator.runtime import cpu as cpu_backend
-from orchestrator.runtime.distributed import init_distributed
-from orchestrator.runtime.model import Built, build_model_and_optimizer, initialize_parallel_state
+from orchestrator.config.checks import validate
+from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.schema import JobConfig
+from orchestrator.runtime.rank import cpu as cpu_backend
+from orchestrator.runtime.rank.distributed import init_distributed
+from orchestrator.runtime.rank.model import Built, build_model_and_optimizer, initialize_parallel_state
 
 
 def say(message: str) -> None:
@@ -83,7 +83,7 @@ def build_rank(cfg: JobConfig) -> Rank:
     if info.rank == 0:
         say(f"{info.world_size} ranks up ({info.backend} on {info.device}); building model {cfg.model.name}")
     initialize_parallel_state(cfg, cfg.training.seed, info.device)
-    from orchestrator.runtime.data import build_tokenizer
+    from orchestrator.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data)
     built = build_model_and_optimizer(cfg, tokenizer.vocab_size, info.device)
@@ -110,7 +110,7 @@ class Data:
 def _iterators(rank: Rank, dataset, consumed: int) -> object:
     from megatron.core import parallel_state as ps
 
-    from orchestrator.runtime.data import MicroBatchIterator
+    from orchestrator.runtime.rank.dataset import MicroBatchIterator
 
     mbs = rank.cfg.training.micro_batch_size
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -124,7 +124,8 @@ def build_data(rank: Rank, prepared, consumed: int) -> Data:
 
     Raises DataError for an empty split part.
     """
-    from orchestrator.runtime.data import build_datasets, samples_needed
+    from orchestrator.data.prepare import samples_needed
+    from orchestrator.runtime.rank.dataset import build_datasets
 
     train, valid = build_datasets(rank.cfg, prepared, rank.tokenizer, samples_needed(rank.cfg))
     make_valid = (lambda: _iterators(rank, valid, 0)) if valid is not None else None

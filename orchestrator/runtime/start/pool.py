@@ -12,8 +12,8 @@ writes them):
     <pool>/trial_<n>.rank<r>.error    a rank's exception, before the rank exits
 
 Per trial, each rank takes the trial's run lock as a job does, frees what the last trial left and
-resets its peak memory (:func:`~orchestrator.runtime.summary.reset_peak_memory`), then runs
-:func:`orchestrator.runtime.train.run` with ``keep_process_group=True``: megatron's parallel state,
+resets its peak memory (:func:`~orchestrator.runtime.training.summary.reset_peak_memory`), then runs
+:func:`orchestrator.runtime.training.run.run` with ``keep_process_group=True``: megatron's parallel state,
 seeds, model, optimizer and datasets are built from the trial's config exactly as in a fresh job
 (same losses, tested), only the default process group is kept. Trials must share the world size,
 device and backend (the launcher starts another pool otherwise).
@@ -85,7 +85,8 @@ def _next_trial(pool_dir: Path, num: int, owner: Dict[str, Any]) -> Optional[Dic
 def _sample_indices(cfg, prepared, rank: int, timeout_s: float = 1800.0) -> None:
     """The trial's GPTDataset sample indices, built once: rank 0 builds what the cache lacks (the launcher
     of a warm pool does not), the others wait for its marker (every rank then loads them)."""
-    from orchestrator.runtime.data import cache_indices, indices_cached
+    from orchestrator.data.prepare import indices_cached
+    from orchestrator.runtime.rank.dataset import cache_indices
 
     if rank == 0:
         cache_indices(cfg, prepared)
@@ -105,7 +106,7 @@ def pid_path(pool_dir: "str | os.PathLike", num: int, rank: int) -> Path:
 class PoolJob:
     """``PoolJob(pool_dir, env, owner, fork_ranks)()``: warm ranks; returns how many trials ran.
 
-    ``env`` is applied before torch is imported (as :class:`~orchestrator.runtime.job.TrainJob`);
+    ``env`` is applied before torch is imported (as :class:`~orchestrator.runtime.start.job.TrainJob`);
     ``owner``: the launcher's ``{"host", "pid", "pid_created"}``.
 
     * ``fork_ranks`` = N > 1 (local pools): the job has one task, which imports torch and megatron-core
@@ -124,10 +125,10 @@ class PoolJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
-        from orchestrator.runtime.job import _whoami, exit_fast_after_success
+        from orchestrator.runtime.start.job import _whoami, exit_fast_after_success
 
         done = exit_fast_after_success()
-        from orchestrator.runtime.forked import preload
+        from orchestrator.runtime.start.forked import preload
 
         preload()
         trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])
@@ -140,8 +141,9 @@ class PoolJob:
 
         import submitit
 
-        from orchestrator.runtime.distributed import LOCAL_PORT_VAR, reserve_local_port
-        from orchestrator.runtime.forked import fork_child, resident_file_pages
+        from orchestrator.runtime.rank.distributed import LOCAL_PORT_VAR, reserve_local_port
+        from orchestrator.runtime.rank.process import resident_file_pages
+        from orchestrator.runtime.start.forked import fork_child
 
         env = submitit.JobEnvironment()
         log_dir, job_id, pool_dir, num = Path(env.paths.stdout).parent, str(env.job_id), Path(self.pool_dir), 0
@@ -181,7 +183,7 @@ class PoolJob:
     def _serve(self, rank: int) -> int:
         """Run trials until the stop file; returns how many ran (raises what a trial raised)."""
         from orchestrator.io import write_atomic
-        from orchestrator.runtime.distributed import shutdown
+        from orchestrator.runtime.rank.distributed import shutdown
 
         pool_dir, num = Path(self.pool_dir), 0
         try:
@@ -206,11 +208,11 @@ class PoolJob:
         """Run one trial on this rank; rank 0 gets every rank's summary (others: [])."""
         import torch
 
-        from orchestrator.runtime.data import PreparedData
-        from orchestrator.runtime.job import hold_run_lock
-        from orchestrator.runtime.summary import reset_peak_memory
-        from orchestrator.runtime.train import run
-        from orchestrator.spec.schema import from_dict
+        from orchestrator.data.prepare import PreparedData
+        from orchestrator.runtime.start.job import hold_run_lock
+        from orchestrator.runtime.training.summary import reset_peak_memory
+        from orchestrator.runtime.training.run import run
+        from orchestrator.config.schema import from_dict
 
         cfg, prepared = from_dict(spec["config"]), PreparedData(**spec["prepared"])
         _sample_indices(cfg, prepared, rank)

@@ -1,6 +1,6 @@
 """Build megatron-core objects from the typed config: parallel state, GPT chunks, DDP, optimizer, LR schedule.
 
-Nothing here re-implements megatron-core: it maps :class:`~orchestrator.spec.schema.JobConfig`
+Nothing here re-implements megatron-core: it maps :class:`~orchestrator.config.schema.JobConfig`
 fields onto ``TransformerConfig``, ``GPTModel``, ``DistributedDataParallel``,
 ``get_megatron_optimizer`` and ``OptimizerParamScheduler`` by name, explicitly
 (no ``**kwargs`` passed through).
@@ -13,10 +13,10 @@ from typing import List
 
 import torch
 
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.spec.layout import padded_vocab_size
-from orchestrator.spec.schedule import lr_schedule
+from orchestrator.config.layout import padded_vocab_size
+from orchestrator.config.schedule import lr_schedule
 
 
 def stage_seed(seed: int, pipeline_rank: int) -> int:
@@ -248,7 +248,7 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
         end_wd=o.weight_decay,
         wd_incr_steps=lr.lr_decay_steps,
         wd_incr_style="constant",
-        # On resume the config's schedule wins over the checkpoint's (orchestrator.spec.schedule).
+        # On resume the config's schedule wins over the checkpoint's (orchestrator.config.schedule).
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from typing import Dict
 
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 
 def _stop_request(cfg: JobConfig):
-    """The preemption/timeout contract (``orchestrator.runtime.preempt``), installed."""
-    from orchestrator.runtime.preempt import StopRequest
+    """The preemption/timeout contract (``orchestrator.runtime.faults.preempt``), installed."""
+    from orchestrator.runtime.faults.preempt import StopRequest
 
     stop = StopRequest(max_requeues=cfg.cluster.max_num_timeout, run_dir=cfg.run.dir)
     stop.install()
@@ -29,7 +29,7 @@ def _stop_request(cfg: JobConfig):
 def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict.
 
-    ``keep_process_group``: a warm rank (:mod:`orchestrator.runtime.pool`) keeps the default process
+    ``keep_process_group``: a warm rank (:mod:`orchestrator.runtime.start.pool`) keeps the default process
     group for its next trial and tears down only megatron's parallel state; a job's own ranks
     destroy both.
 
@@ -42,14 +42,14 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     # and not checkpointable") instead of requeueing it. Ours only sets a flag: the first
     # iteration boundary then saves and requeues.
     stop = _stop_request(cfg)
-    from orchestrator.runtime import loop
-    from orchestrator.runtime.build import build_data, build_rank
-    from orchestrator.runtime.distributed import shutdown, teardown_parallel_state
-    from orchestrator.runtime.guard import Guard
-    from orchestrator.runtime.metrics import Trackers
-    from orchestrator.runtime.model import count_parameters
-    from orchestrator.runtime.resume import Saver, restore
-    from orchestrator.runtime.summary import summarize
+    from orchestrator.runtime.training import loop
+    from orchestrator.runtime.rank.build import build_data, build_rank
+    from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
+    from orchestrator.runtime.faults.guard import Guard
+    from orchestrator.runtime.training.metrics import Trackers
+    from orchestrator.runtime.rank.model import count_parameters
+    from orchestrator.runtime.training.resume import Saver, restore
+    from orchestrator.runtime.training.summary import summarize
 
     rank = build_rank(cfg)
     start = restore(rank, prepared)

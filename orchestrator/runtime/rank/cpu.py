@@ -214,7 +214,7 @@ def check_supported(version: "str | None" = None) -> None:
     if not ver.startswith(SUPPORTED_MEGATRON):
         raise BackendError(
             f"a CPU run needs megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)} (the CPU compatibility "
-            f"layer, orchestrator/runtime/cpu.py, is tested only there), found {ver}; fix: pip install "
+            f"layer, orchestrator/runtime/rank/cpu.py, is tested only there), found {ver}; fix: pip install "
             "'megatron-core>=0.16.1,<0.17', or run on GPUs (cluster.gpus_per_node=<n>), which megatron-core "
             "0.16.1-0.19.x serve without this layer"
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.spec.schema import JobConfig
+from orchestrator.config.schema import JobConfig
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.runtime import cp
-from orchestrator.runtime.build import Data, Rank
-from orchestrator.runtime.metrics import Trackers, perplexity
-from orchestrator.runtime.model import unwrap
-from orchestrator.runtime.resume import Saver, Start
-from orchestrator.runtime.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
+from orchestrator.runtime.rank import cp
+from orchestrator.runtime.rank.build import Data, Rank
+from orchestrator.runtime.training.metrics import Trackers, perplexity
+from orchestrator.runtime.rank.model import unwrap
+from orchestrator.runtime.training.resume import Saver, Start
+from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
 
 
 def _forward_step(data_iterator, model):
@@ -50,7 +50,7 @@ def _forward_step(data_iterator, model):
 
 
 class StopPoll:
-    """The stop decision of :class:`~orchestrator.runtime.preempt.StopRequest`, without a blocking
+    """The stop decision of :class:`~orchestrator.runtime.faults.preempt.StopRequest`, without a blocking
     collective per iteration (see the module docstring). Collective: every rank polls every iteration."""
 
     def __init__(self, stop):

@@ -1,9 +1,9 @@
 """The closed schema's keys: every dotted key, "did you mean", unknown keys and types in words.
 
-Pure functions of a schema class (the :class:`~orchestrator.spec.schema.JobConfig` dataclass tree,
+Pure functions of a schema class (the :class:`~orchestrator.config.schema.JobConfig` dataclass tree,
 passed in, so this module depends on nothing but :mod:`orchestrator.errors`). Used by composition
-(unknown override keys), :func:`~orchestrator.spec.schema.to_job_config` (keys a config file or a
-``+`` override added) and :func:`~orchestrator.spec.checks.validate` (value types). Every
+(unknown override keys), :func:`~orchestrator.config.schema.to_job_config` (keys a config file or a
+``+`` override added) and :func:`~orchestrator.config.checks.validate` (value types). Every
 message is one line ``<key>: <what>; fix: <how>``.
 """
 

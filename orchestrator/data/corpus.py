@@ -26,7 +26,7 @@ import numpy as np
 
 from orchestrator.errors import DataError
 from orchestrator.io import file_lock, write_atomic
-from orchestrator.spec.schema import DataConfig
+from orchestrator.config.schema import DataConfig
 
 
 def stdlib_documents(max_mb: float) -> List[Path]:
