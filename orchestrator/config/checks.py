@@ -306,7 +306,8 @@ def check_device(cfg: JobConfig) -> None:
     On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
     optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
     backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
-    cannot run. ``model.transformer_impl=transformer_engine`` also needs the package installed.
+    cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
+    package installed, checked for local jobs only (SLURM nodes have their own Python).
     """
     t, m = cfg.training, cfg.model
     if runs_on_cpu(cfg):
@@ -331,7 +332,13 @@ def check_device(cfg: JobConfig) -> None:
         if m.transformer_impl == "transformer_engine":
             raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
                               f"({where}); fix: model.transformer_impl=local (or auto)")
-    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        if cfg.parallelism.sequence_parallel:
+            raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
+                              f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
+                              "fix: parallelism.sequence_parallel=false")
+    # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
+    if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
+            and importlib.util.find_spec("transformer_engine") is None):
         raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
                           "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
 

@@ -19,7 +19,8 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
 * tokens/s = tokens per step (GBS x seq_length) / step time; samples/s = GBS / step time;
 * TFLOP/s per device = model FLOPs per step / step time / world size / 1e12, with model FLOPs
   per step from :func:`orchestrator.planner.flops_per_step`: 3 x the forward FLOPs (backward =
-  2 x forward), no recomputation counted -- for a standard GPT 72 B s l h^2 (1 + s/(6h) +
+  2 x forward), causal attention core (as Megatron-LM counts it), no recomputation counted -- for a
+  standard GPT 72 B s l h^2 (1 + s/(12h) +
   V/(12 l h)). Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
   GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), section 5.1, which reports per-GPU
   throughput this way (their 96 B s l h^2 variant adds the extra forward of full recomputation);
