@@ -71,6 +71,16 @@ def _killed_on(rank: int):
     return {"rank": _rank()}
 
 
+def _killed_then_peers_fail(rank: int):
+    """Rank ``rank`` dies of SIGKILL; its peers then fail as gloo's broken collectives do."""
+    import time
+
+    if _rank() != rank:
+        time.sleep(3)
+        raise ConnectionResetError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    _killed_on(rank)
+
+
 def _stop(run_dir: str):
     from orchestrator.runtime.faults.preempt import StopRequest
 
@@ -146,6 +156,20 @@ def test_local_rank_killed_without_a_result(tmp_path):
         executor.wait(job, cfg, 2)  # noticed while rank 0 still works, which is then stopped
     assert status.run_status(run).state == "failed"
     assert jobs.result_outcomes(run / "submitit", job.job_id) == {}
+
+
+def test_status_names_the_killed_rank_not_its_peers(tmp_path):
+    """Rank 1 SIGKILLed, ranks 0 and 2 then fail with "Connection reset by peer" before the launcher sees
+    the death: the launcher's line, the recorded end and ``status`` name rank 1 first."""
+    run = tmp_path / "run"
+    cfg = cfg_for(run, tasks=3)
+    job = submit_like_launcher(cfg, _killed_then_peers_fail, 1, world_size=3)
+    with pytest.raises(JobFailedError, match=r"rank\(s\) \[1\] died without a result .*; then rank [02] failed"):
+        executor.wait(job, cfg, 3)
+    st = status.run_status(run)
+    assert st.state == "failed" and st.job.cause == "crashed", st
+    assert st.job.message.startswith("rank(s) [1] died without a result"), st.job.message
+    assert st.job.describe() == "failed (crashed) - rank(s) [1] died without a result", st.job.describe()
 
 
 def test_local_stop_is_reported_as_stopped(tmp_path):

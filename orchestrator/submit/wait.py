@@ -273,7 +273,7 @@ class _Wait:
         srun = "" if self.local else _srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
-                        "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
+                        "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
 
     def check_dead_local(self) -> None:
         """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
