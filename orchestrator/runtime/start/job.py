@@ -57,7 +57,7 @@ class TrainJob:
         os.environ.update(self.env)
         done = exit_fast_after_success()
         if self.fork_ranks <= 1:
-            self._watch_launcher()  # a forking task starts it after the fork (no thread may exist at a fork)
+            self._watch_launcher()  # a forking task starts it after forking its ranks (from a thread-free process)
         if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
             from orchestrator.data.prepare import PreparedData
             from orchestrator.runtime.rank.dataset import cache_indices

@@ -34,7 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from orchestrator.runtime.faults.launcher import launcher_alive
+from orchestrator.runtime.faults.launcher import launcher_alive, watch_launcher
+from orchestrator.runtime.faults.preempt import request_stop
 
 IDLE_TIMEOUT_S = 900.0
 """A warm rank with no trial for this long exits (its launcher died without a stop file)."""
@@ -157,6 +158,7 @@ class PoolJob:
 
         write_atomic(pid_path(self.pool_dir, num, rank), str(os.getpid()))
         print(f"warm trial {num}: rank {rank} of {self.fork_ranks} forked (pid {os.getpid()})", flush=True)
+        watch_launcher(self.owner, request_stop)  # a dead launcher stops the trial (saving), then the pool
         try:
             summaries = self._trial(spec, rank)
         except BaseException:
