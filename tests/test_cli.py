@@ -337,8 +337,9 @@ def test_a_refused_resume_leaves_the_run_directory_byte_identical(interrupted):
 
 
 def test_a_dry_run_tells_the_resume_verdict_and_a_refusal_exits_2(interrupted):
-    """dry_run/plan run the real run's resume preflight: a changed vocabulary padding is refused (exit 2,
-    the diff table) before the sbatch script, nothing is written; an unchanged request would resume."""
+    """dry_run/plan run the real run's resume preflight: a changed vocabulary padding, or CP=2 on the CP=1
+    checkpoint, is refused (exit 2, the diff table) before the sbatch script, nothing is written; an
+    unchanged request would resume."""
     cwd, run_dir, env, _ = interrupted
     before = snapshot(run_dir)
     base = [*TINY, "training.train_iters=1000", f"run.root={run_dir.parent}"]
@@ -346,7 +347,13 @@ def test_a_dry_run_tells_the_resume_verdict_and_a_refusal_exits_2(interrupted):
     results = run_batch([[*base, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
                          [*base, *slurm, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
                          [*base, "model.make_vocab_size_divisible_by=64", "plan=true"],
-                         [*base, *slurm, "dry_run=true"]], cwd, env)
+                         [*base, *slurm, "dry_run=true"],
+                         [*base, "cluster=slurm_a100_4x8", "cluster.nodes=1", "cluster.tasks_per_node=2",
+                          "parallelism.context_parallel_size=2", "dry_run=true"]], cwd, env)
+    cp = results[4]  # CP=2 on the CP=1 checkpoint, for a GPU cluster (validate refuses CP on CPU ranks)
+    assert cp["code"] == 2 and cp["stderr"].startswith("error: cannot resume from "), cp
+    rows = [[cell.strip() for cell in line.split("|")] for line in cp["stderr"].splitlines()]
+    assert ["parallelism.context_parallel_size", "1", "2", "refused"] in rows, cp["stderr"]
     for refused in results[:3]:
         lines = refused["stderr"].strip().splitlines()
         assert refused["code"] == 2 and lines[0].startswith(f"error: cannot resume from {run_dir}/checkpoints/iter_"), refused
