@@ -1,0 +1,163 @@
+"""Pictures of a pipeline: the schedule as a Gantt chart and the memory per stage as stacked bars.
+
+matplotlib (Agg) is imported when drawing, never at import, so ``plan=true`` stays torch-free and
+imports matplotlib only when ``plan_picture=`` asks for a file. Colours are Okabe–Ito's colour-blind-safe
+palette; blocks carry their micro-batch (and chunk) as text when it fits, idle time is the hatched grey
+under them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+from orchestrator.plan.pipeline_schedule import FORWARD, Schedule
+
+# Okabe & Ito (2008): forward blue / sky blue, backward vermillion / orange, per chunk parity
+_FORWARD = ("#0072B2", "#56B4E9")
+_BACKWARD = ("#D55E00", "#E69F00")
+_TEXT = {"#0072B2": "white", "#56B4E9": "black", "#D55E00": "white", "#E69F00": "black"}
+_IDLE = "#E8E8E8"
+_MEMORY = (("weights", "#0072B2"), ("gradients", "#56B4E9"), ("optimizer state", "#009E73"),
+           ("activations", "#E69F00"), ("overhead", "#999999"))
+SAFETY = 0.8
+"""The memory safety line: an estimate below 80% of device memory (Fujii et al. 2024: never OOMed)."""
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bubble_title(s: Schedule) -> str:
+    """``PP4, m=8, v=2 (interleaved 1F1B): bubble (p-1)/(v·m) = 3/(2·8) = 18.8%``."""
+    overhead, fraction = s.formula()
+    return (f"PP{s.pp}, m={s.num_microbatches}, v={s.vpp} ({s.name}): bubble (p-1)/(v·m) = "
+            f"{s.pp - 1}/({s.vpp}·{s.num_microbatches}) = {overhead:.1%} of ideal, {fraction:.1%} of the step")
+
+
+def _label(step, width_pt: float, vpp: int, fontsize: float) -> str:
+    """The longest label that fits ``width_pt``: "3 c1", "3", or nothing."""
+    for text in ((f"{step.microbatch} c{step.chunk}",) if vpp > 1 else ()) + (f"{step.microbatch}",):
+        if len(text) * fontsize * 0.62 + 2 <= width_pt:
+            return text
+    return ""
+
+
+def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: float = 1e3) -> None:
+    """One row per pipeline rank (rank 0 on top), forward and backward blocks, idle hatched."""
+    lo, hi = schedule.window
+    span = (hi - lo) * scale
+    fig = ax.figure
+    width_in = ax.get_position().width * fig.get_figwidth()
+    pt_per_unit = width_in * 72 / span if span > 0 else 0.0
+    fontsize = 7.5
+    for r in range(schedule.pp):
+        y = schedule.pp - 1 - r
+        ax.barh(y, span, left=0, height=0.8, color=_IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
+        for st in schedule.on(r):
+            colour = (_FORWARD if st.kind == FORWARD else _BACKWARD)[st.chunk % 2]
+            x, w = (st.start - lo) * scale, (st.end - st.start) * scale
+            ax.barh(y, w, left=x, height=0.8, color=colour, edgecolor="white", linewidth=0.6,
+                    hatch=".." if st.chunk >= 2 else None)
+            text = _label(st, w * pt_per_unit, schedule.vpp, fontsize)
+            if text:
+                ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=fontsize, color=_TEXT[colour])
+    for wait in schedule.extra.get("waits", []):  # type: ignore[union-attr]
+        y = schedule.pp - 1 - int(wait["stage"])
+        ax.barh(y - 0.45, (wait["end"] - wait["start"]) * scale, left=(wait["start"] - lo) * scale, height=0.08,
+                color="black", linewidth=0)
+    idle = schedule.idle_share()
+    ax.set_yticks(range(schedule.pp))
+    ax.set_yticklabels([f"rank {r}\nidle {idle[r]:.0%}" for r in reversed(range(schedule.pp))], fontsize=8.5)
+    ax.set_xlim(0, span)
+    ax.set_ylim(-0.6, schedule.pp - 0.4)
+    ax.set_xlabel(f"time ({unit})" if unit else "time (forward of one stage = 1)", fontsize=9)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _legend(ax, vpp: int, waits: bool) -> None:
+    """The block colours, under ``ax`` (below its axis label)."""
+    from matplotlib.patches import Patch
+
+    chunks = range(min(vpp, 2))
+    handles = [Patch(color=_FORWARD[c], label=f"forward{f', chunk {c}' if vpp > 1 else ''}") for c in chunks]
+    handles += [Patch(color=_BACKWARD[c], label=f"backward{f', chunk {c}' if vpp > 1 else ''}") for c in chunks]
+    handles.append(Patch(facecolor=_IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
+    if waits:
+        handles.append(Patch(color="black", label="send/recv call"))
+    ax.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8.5, frameon=False,
+              bbox_to_anchor=(0.5, -0.28 if ax.get_subplotspec().get_gridspec().nrows == 1 else -0.45))
+
+
+def draw_memory(ax, plan) -> None:
+    """Stacked bars per stage (GiB) against the device's memory and the 80% safety line."""
+    gib = 2.0 ** 30
+    stages = plan.stages
+    xs = list(range(len(stages)))
+    bottom = [0.0] * len(stages)
+    for (name, colour), attr in zip(_MEMORY, ("weights", "gradients", "optimizer", "activations", "overhead")):
+        vals = [getattr(st, attr) / gib for st in stages]
+        ax.bar(xs, vals, bottom=bottom, color=colour, label=name, width=0.6, edgecolor="white", linewidth=0.5)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    mem = plan.gpu.memory_bytes / gib
+    ax.axhline(mem, color="black", linewidth=1.2)
+    ax.axhline(SAFETY * mem, color="black", linewidth=1.0, linestyle="--")
+    top = max(max(bottom), mem) * 1.12
+    ax.text(len(stages) - 0.5, mem, f"{plan.gpu.name} {mem:.3g} GiB", ha="right", va="bottom", fontsize=8)
+    ax.text(len(stages) - 0.5, SAFETY * mem, f"{SAFETY:.0%} safety line", ha="right", va="bottom", fontsize=8)
+    ax.set_ylim(0, top)
+    ax.set_xlim(-0.6, len(stages) - 0.4)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"stage {r}" for r in xs], fontsize=8.5)
+    ax.set_ylabel("GiB per GPU", fontsize=9)
+    ax.set_title(f"memory per stage (peak {max(bottom):.3g} GiB)", fontsize=10, loc="left")
+    ax.legend(fontsize=8, loc="upper center", frameon=False, ncol=3, bbox_to_anchor=(0.5, -0.12),
+              handlelength=1.2, columnspacing=0.8)
+    ax.tick_params(axis="y", labelsize=8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _save(fig, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def draw_plan(path: str, plan, schedule: Schedule) -> None:
+    """``plan=true plan_picture=PATH``: the predicted schedule beside the memory per stage."""
+    plt = _pyplot()
+    rows = schedule.pp
+    fig, (gantt, memory) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.55 * max(rows, 4)),
+                                        gridspec_kw={"width_ratios": [3.2, 1]})
+    fig.subplots_adjust(left=0.07, right=0.985, top=0.80, bottom=0.25, wspace=0.18)
+    draw_gantt(gantt, schedule, f"predicted schedule, one iteration ({plan.gpu.name} device costs)")
+    draw_memory(memory, plan)
+    fig.suptitle(bubble_title(schedule), fontsize=11.5, x=0.07, ha="left")
+    _legend(gantt, schedule.vpp, waits=False)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def draw_schedules(path: str, schedules: Sequence[Schedule], titles: List[str], suptitle: Optional[str] = None) -> None:
+    """Schedules stacked one above the other on their own time axes (a traced run: predicted, measured)."""
+    plt = _pyplot()
+    rows = sum(max(s.pp, 2) for s in schedules)
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(12, 1.4 + 0.55 * rows + 0.6 * len(schedules)), squeeze=False)
+    fig.subplots_adjust(left=0.09, right=0.985, top=0.88, bottom=0.16, hspace=0.75)
+    for ax, s, title in zip(axes[:, 0], schedules, titles):
+        draw_gantt(ax, s, title)
+    fig.suptitle(suptitle or bubble_title(schedules[0]), fontsize=11.5, x=0.09, ha="left")
+    _legend(axes[-1, 0], schedules[0].vpp, waits=any(s.extra.get("waits") for s in schedules))
+    _save(fig, path)
+    plt.close(fig)
