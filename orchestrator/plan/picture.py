@@ -48,13 +48,16 @@ def _label(step, width_pt: float, vpp: int, fontsize: float) -> str:
     return ""
 
 
-def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: float = 1e3) -> None:
-    """One row per pipeline rank (rank 0 on top), forward and backward blocks, idle hatched."""
+def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: float = 1e3,
+               axis_span: Optional[float] = None) -> None:
+    """One row per pipeline rank (rank 0 on top), forward and backward blocks, idle hatched; the time
+    axis runs to ``axis_span`` (default: this schedule's window) so schedules drawn together compare."""
     lo, hi = schedule.window
     span = (hi - lo) * scale
+    axis_span = max(axis_span or span, span)
     fig = ax.figure
     width_in = ax.get_position().width * fig.get_figwidth()
-    pt_per_unit = width_in * 72 / span if span > 0 else 0.0
+    pt_per_unit = width_in * 72 / axis_span if axis_span > 0 else 0.0
     fontsize = 7.5
     for r in range(schedule.pp):
         y = schedule.pp - 1 - r
@@ -74,7 +77,7 @@ def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: floa
     idle = schedule.idle_share()
     ax.set_yticks(range(schedule.pp))
     ax.set_yticklabels([f"rank {r}\nidle {idle[r]:.0%}" for r in reversed(range(schedule.pp))], fontsize=8.5)
-    ax.set_xlim(0, span)
+    ax.set_xlim(0, axis_span)
     ax.set_ylim(-0.6, schedule.pp - 0.4)
     ax.set_xlabel(f"time ({unit})" if unit else "time (forward of one stage = 1)", fontsize=9)
     ax.set_title(title, fontsize=10, loc="left")
@@ -94,7 +97,7 @@ def _legend(ax, vpp: int, waits: bool) -> None:
     if waits:
         handles.append(Patch(color="black", label="send/recv call"))
     ax.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8.5, frameon=False,
-              bbox_to_anchor=(0.5, -0.28 if ax.get_subplotspec().get_gridspec().nrows == 1 else -0.45))
+              bbox_to_anchor=(0.5, -0.28 if ax.get_subplotspec().get_gridspec().nrows == 1 else -0.32))
 
 
 def draw_memory(ax, plan) -> None:
@@ -108,19 +111,16 @@ def draw_memory(ax, plan) -> None:
         ax.bar(xs, vals, bottom=bottom, color=colour, label=name, width=0.6, edgecolor="white", linewidth=0.5)
         bottom = [b + v for b, v in zip(bottom, vals)]
     mem = plan.gpu.memory_bytes / gib
-    ax.axhline(mem, color="black", linewidth=1.2)
-    ax.axhline(SAFETY * mem, color="black", linewidth=1.0, linestyle="--")
-    top = max(max(bottom), mem) * 1.12
-    ax.text(len(stages) - 0.5, mem, f"{plan.gpu.name} {mem:.3g} GiB", ha="right", va="bottom", fontsize=8)
-    ax.text(len(stages) - 0.5, SAFETY * mem, f"{SAFETY:.0%} safety line", ha="right", va="bottom", fontsize=8)
-    ax.set_ylim(0, top)
+    ax.axhline(mem, color="black", linewidth=1.2, label=f"{plan.gpu.name}: {mem:.3g} GiB")
+    ax.axhline(SAFETY * mem, color="black", linewidth=1.0, linestyle="--", label=f"{SAFETY:.0%} of it")
+    ax.set_ylim(0, max(max(bottom), mem) * 1.08)
     ax.set_xlim(-0.6, len(stages) - 0.4)
     ax.set_xticks(xs)
     ax.set_xticklabels([f"stage {r}" for r in xs], fontsize=8.5)
     ax.set_ylabel("GiB per GPU", fontsize=9)
     ax.set_title(f"memory per stage (peak {max(bottom):.3g} GiB)", fontsize=10, loc="left")
-    ax.legend(fontsize=8, loc="upper center", frameon=False, ncol=3, bbox_to_anchor=(0.5, -0.12),
-              handlelength=1.2, columnspacing=0.8)
+    ax.legend(fontsize=8, loc="upper center", frameon=False, ncol=2, bbox_to_anchor=(0.5, -0.12),
+              handlelength=1.5, columnspacing=0.8)
     ax.tick_params(axis="y", labelsize=8)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -138,9 +138,9 @@ def draw_plan(path: str, plan, schedule: Schedule) -> None:
     """``plan=true plan_picture=PATH``: the predicted schedule beside the memory per stage."""
     plt = _pyplot()
     rows = schedule.pp
-    fig, (gantt, memory) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.55 * max(rows, 4)),
+    fig, (gantt, memory) = plt.subplots(1, 2, figsize=(13, 2.2 + 0.55 * max(rows, 4)),
                                         gridspec_kw={"width_ratios": [3.2, 1]})
-    fig.subplots_adjust(left=0.07, right=0.985, top=0.80, bottom=0.25, wspace=0.18)
+    fig.subplots_adjust(left=0.07, right=0.985, top=0.83, bottom=0.30, wspace=0.18)
     draw_gantt(gantt, schedule, f"predicted schedule, one iteration ({plan.gpu.name} device costs)")
     draw_memory(memory, plan)
     fig.suptitle(bubble_title(schedule), fontsize=11.5, x=0.07, ha="left")
@@ -153,10 +153,12 @@ def draw_schedules(path: str, schedules: Sequence[Schedule], titles: List[str], 
     """Schedules stacked one above the other on their own time axes (a traced run: predicted, measured)."""
     plt = _pyplot()
     rows = sum(max(s.pp, 2) for s in schedules)
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(12, 1.4 + 0.55 * rows + 0.6 * len(schedules)), squeeze=False)
-    fig.subplots_adjust(left=0.09, right=0.985, top=0.88, bottom=0.16, hspace=0.75)
+    height = 1.5 + 0.5 * rows + 0.7 * len(schedules)
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(12, height), squeeze=False)
+    fig.subplots_adjust(left=0.09, right=0.985, top=1 - 0.75 / height, bottom=1.0 / height, hspace=0.55)
+    longest = max((s.window[1] - s.window[0]) * 1e3 for s in schedules)
     for ax, s, title in zip(axes[:, 0], schedules, titles):
-        draw_gantt(ax, s, title)
+        draw_gantt(ax, s, title, axis_span=longest)
     fig.suptitle(suptitle or bubble_title(schedules[0]), fontsize=11.5, x=0.09, ha="left")
     _legend(axes[-1, 0], schedules[0].vpp, waits=any(s.extra.get("waits") for s in schedules))
     _save(fig, path)

@@ -1,0 +1,87 @@
+"""The pipeline bubble measured against (p-1)/(v m): PP4 with m = 4, 8, 16 micro-batches, v = 1 and 2.
+
+One local sweep on warm ranks (4 CPU ranks; gpt_tiny with 8 layers so v = 2 has a layer per chunk;
+micro-batch size 1, DP 1, so num_microbatches = global_batch_size), every point traced at iteration
+``--trace`` (``sweep.trace_iteration``: the first iterations pay one-off costs). Per point it prints the
+formula, the predicted schedule's bubble (megatron's order timed with the traced run's own mean forward
+and backward costs, :func:`orchestrator.plan.pipeline_schedule.predict`) and the measured one: idle / busy
+per stage (mean, min..max) and idle share of the iteration (mean over stages), with measured / formula.
+On CPU the ranks share the machine's cores, so a stage's idle time runs other ranks' work: expect the
+trend of the formula (falling with m and v), not its values.
+
+    python bench/bubble.py                            # ~3-6 minutes on 2 quiet cores
+    python bench/bubble.py --m 4,8,16 --v 1,2 --trace 3 --root /tmp/bench_bubble
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator.plan.pipeline_schedule import predict  # noqa: E402
+
+
+def _mean(doc, kind: str, stage=None) -> float:
+    times = [s["end"] - s["start"] for s in doc["measured"] if s["kind"] == kind and stage in (None, s["stage"])]
+    return sum(times) / len(times)
+
+
+def _forward_per_stage(doc, b):
+    """Each stage's measured mean forward of one micro-batch through all its chunks."""
+    return [b["vpp"] * _mean(doc, "F", r) for r in range(b["pp"])]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", default="4,8,16", help="num_microbatches values (global batch sizes at MBS 1, DP 1)")
+    ap.add_argument("--v", default="1,2", help="virtual pipeline sizes")
+    ap.add_argument("--trace", type=int, default=3, help="the iteration traced (and the last one trained)")
+    ap.add_argument("--root", default=None)
+    args = ap.parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="bench_bubble_"))
+    vpp = ",".join("null" if v == "1" else v for v in args.v.split(","))
+    cmd = [sys.executable, "-m", "orchestrator", "-m", "parallelism=pp4", "model.num_layers=8",
+           f"parallelism.virtual_pipeline_model_parallel_size={vpp}", f"training.global_batch_size={args.m}",
+           "training.micro_batch_size=1", f"training.train_iters={args.trace}", f"sweep.trace_iteration={args.trace}",
+           "training.eval_iters=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+           "data.stdlib_max_mb=2", f"run.root={root}", "run.name=bubble"]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if proc.returncode != 0:
+        sys.exit(f"sweep failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    (sweep_dir,) = sorted((root / "sweeps" / "bubble").iterdir())
+    print(f"PP4, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced; sweep {time.time() - start:.0f} s, "
+          f"{os.cpu_count()} CPUs; {sweep_dir}")
+    print(f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'predicted':>9} {'measured idle/busy':>26} {'ratio':>5} | "
+          f"{'(p-1)/(vm+p-1)':>14} {'measured idle share':>19} | {'iteration ms':>12}")
+    rows = []
+    for point in sorted(sweep_dir.glob("*/schedule.json"), key=lambda p: int(p.parent.name)):
+        b = json.loads(point.read_text())["bubble"]
+        doc = json.loads(point.read_text())
+        pred = predict(b["pp"], b["num_microbatches"], b["vpp"], forward=_forward_per_stage(doc, b),
+                       backward_ratio=_mean(doc, "B") / _mean(doc, "F"))
+        over = b["measured_bubble_overhead"]
+        mean_over, mean_idle = sum(over) / len(over), sum(b["measured_idle_share"]) / len(over)
+        rows.append((b["vpp"], b["num_microbatches"], mean_over))
+        print(f"{b['vpp']:>2} {b['num_microbatches']:>3} | {b['predicted_bubble_overhead']:>10.1%} "
+              f"{sum(pred.bubble_overhead()) / b['pp']:>9.1%} "
+              f"{mean_over:>8.1%} ({min(over):.0%}..{max(over):.0%}){'':>7} "
+              f"{mean_over / b['predicted_bubble_overhead']:>5.2f} | {b['predicted_idle_share']:>14.1%} "
+              f"{mean_idle:>19.1%} | {1e3 * b['iteration_s']:>12.1f}")
+    for v in sorted({r[0] for r in rows}):
+        series = [o for vv, _, o in sorted(rows) if vv == v]
+        print(f"v={v}: measured bubble falls as m grows: {all(a > b for a, b in zip(series, series[1:]))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
