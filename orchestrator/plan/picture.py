@@ -127,10 +127,16 @@ def draw_memory(ax, plan) -> None:
 
 
 def _save(fig, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
+    """The PNG, written atomically, in a 64-colour palette (a third of the bytes; the picture has few colours)."""
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    tmp = f"{path}.tmp"
+    Image.open(buf).convert("RGB").quantize(colors=64).save(tmp, format="PNG", optimize=True)
     os.replace(tmp, path)
 
 

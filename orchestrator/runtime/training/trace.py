@@ -129,7 +129,8 @@ class Tracer:
         self.result = bubble_record(measured, self.iteration)
         if self.rank.is_logger:
             write(self.rank.cfg.run.dir, everyone, measured, self.result)
-        self.rank.say(describe(measured, self.iteration))
+        for line in describe(measured, self.iteration):
+            self.rank.say(line)
 
 
 def _inner(model):
@@ -165,15 +166,16 @@ def bubble_record(measured: Schedule, iteration: int) -> Dict[str, object]:
             "predicted_bubble_overhead": overhead, "predicted_idle_share": fraction}
 
 
-def describe(measured: Schedule, iteration: int) -> str:
-    """Lines: the measured bubble per stage next to (p-1)/(v m)."""
+def describe(measured: Schedule, iteration: int) -> List[str]:
+    """Lines: the measured bubble per stage next to (p-1)/(v m) and (p-1)/(v m + p-1)."""
     p, v, m = measured.pp, measured.vpp, measured.num_microbatches
     overhead, fraction = measured.formula()
-    per = ", ".join(f"stage {r} {o:.1%} (idle {i:.1%})" for r, (o, i) in
-                    enumerate(zip(measured.bubble_overhead(), measured.idle_share())))
-    return (f"schedule of iteration {iteration} ({measured.name}, {1e3 * (measured.window[1] - measured.window[0]):.1f} ms): "
-            f"measured bubble idle/busy {per}\n"
-            f"  predicted (p-1)/(v m) = {p - 1}/({v} x {m}) = {overhead:.1%} (idle share (p-1)/(v m + p-1) = {fraction:.1%})")
+    lines = [f"schedule of iteration {iteration} ({measured.name}, PP{p}, m={m}, v={v}; "
+             f"{1e3 * (measured.window[1] - measured.window[0]):.1f} ms), measured bubble per stage vs "
+             f"(p-1)/(v m) = {p - 1}/({v} x {m}) = {overhead:.1%} and idle share (p-1)/(v m + p-1) = {fraction:.1%}:"]
+    lines += [f"  stage {r}: idle/busy {o:.1%} vs {overhead:.1%}; idle share {i:.1%} vs {fraction:.1%}"
+              for r, (o, i) in enumerate(zip(measured.bubble_overhead(), measured.idle_share()))]
+    return lines
 
 
 def _chrome(ranks: List[dict]) -> Dict[str, object]:
