@@ -4,7 +4,7 @@ One local sweep on warm ranks (4 CPU ranks; gpt_tiny with 8 layers so v = 2 has 
 micro-batch size 1, DP 1, so num_microbatches = global_batch_size), every point traced at iteration
 ``--trace`` (``sweep.trace_iteration``: the first iterations pay one-off costs). Per point it prints the
 formula, the predicted schedule's bubble (megatron's order timed with the traced run's own mean forward
-and backward costs, :func:`orchestrator.plan.pipeline_schedule.predict`) and the measured one: idle / busy
+per stage and backward / forward ratio, :func:`orchestrator.plan.pipeline_schedule.predict_like`) and the measured one: idle / busy
 per stage (mean, min..max) and idle share of the iteration (mean over stages), with measured / formula.
 On CPU the ranks share the machine's cores, so a stage's idle time runs other ranks' work: expect the
 trend of the formula (falling with m and v), not its values.
@@ -27,17 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.plan.pipeline_schedule import predict  # noqa: E402
-
-
-def _mean(doc, kind: str, stage=None) -> float:
-    times = [s["end"] - s["start"] for s in doc["measured"] if s["kind"] == kind and stage in (None, s["stage"])]
-    return sum(times) / len(times)
-
-
-def _forward_per_stage(doc, b):
-    """Each stage's measured mean forward of one micro-batch through all its chunks."""
-    return [b["vpp"] * _mean(doc, "F", r) for r in range(b["pp"])]
+from orchestrator.plan.pipeline_schedule import measured_schedule, predict_like  # noqa: E402
 
 
 def main() -> int:
@@ -67,8 +57,7 @@ def main() -> int:
     for point in sorted(sweep_dir.glob("*/schedule.json"), key=lambda p: int(p.parent.name)):
         b = json.loads(point.read_text())["bubble"]
         doc = json.loads(point.read_text())
-        pred = predict(b["pp"], b["num_microbatches"], b["vpp"], forward=_forward_per_stage(doc, b),
-                       backward_ratio=_mean(doc, "B") / _mean(doc, "F"))
+        pred = predict_like(measured_schedule(doc["ranks"], b["pp"], b["vpp"], b["num_microbatches"]))
         over = b["measured_bubble_overhead"]
         mean_over, mean_idle = sum(over) / len(over), sum(b["measured_idle_share"]) / len(over)
         rows.append((b["vpp"], b["num_microbatches"], mean_over))

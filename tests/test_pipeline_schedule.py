@@ -20,7 +20,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
-from orchestrator.plan.pipeline_schedule import predict, schedule_table, stage_order, warmup_count
+from orchestrator.plan.pipeline_schedule import (measured_schedule, predict, predict_like, schedule_table, stage_order,
+                                                 warmup_count)
 
 
 def test_schedule_table_is_megatrons_own_example():
@@ -49,6 +50,26 @@ def test_predicted_bubble_is_the_formula_without_communication(pp, m, v):
     assert s.bubble_overhead() == pytest.approx([overhead] * pp)
     assert s.idle_share() == pytest.approx([fraction] * pp)
     assert len(s.steps) == 2 * pp * m * v
+
+
+def test_a_trace_reads_back_as_its_schedule():
+    """schedule.json's per-rank events -> the measured Schedule of replica 0: a 'recorded' copy of a
+    prediction (plus a dp 1 replica and send/recv calls, which must not count as work) gives its bubble."""
+    s = predict(4, 8, 2, comm=0.25)
+    ranks = []
+    for dp in (0, 1):
+        for r in range(4):
+            events = [{"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start, "end": st.end}
+                      for st in s.on(r)]
+            events += [{"kind": "recv_forward", "microbatch": -1, "chunk": -1, "start": 0.0, "end": 0.5},
+                       {"kind": "iteration", "microbatch": -1, "chunk": -1, "start": 0.0, "end": s.window[1]}]
+            ranks.append({"rank": dp * 4 + r, "pp_rank": r, "dp_rank": dp, "tp_rank": 0, "events": events})
+    measured = measured_schedule(ranks, 4, 2, 8)
+    assert len(measured.steps) == len(s.steps) and len(measured.extra["waits"]) == 4
+    assert measured.bubble_overhead() == pytest.approx(s.bubble_overhead())
+    assert [measured.order(r) for r in range(4)] == [stage_order(4, r, 8, 2) for r in range(4)]
+    again = predict_like(measured)  # equal stages, backward = 2 x forward: the formula
+    assert again.bubble_overhead() == pytest.approx([3 / 16] * 4)
 
 
 def test_plan_picture_is_written_without_torch(tmp_path):

@@ -9,7 +9,7 @@ under them.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from orchestrator.plan.pipeline_schedule import FORWARD, Schedule
 
@@ -24,13 +24,14 @@ SAFETY = 0.8
 """The memory safety line: an estimate below 80% of device memory (Fujii et al. 2024: never OOMed)."""
 
 
-def _pyplot():
-    import matplotlib
+def _figure(width: float, height: float):
+    """A matplotlib Figure on the Agg canvas, without pyplot (no global figure state, a lighter import)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def bubble_title(s: Schedule) -> str:
@@ -59,21 +60,26 @@ def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: floa
     width_in = ax.get_position().width * fig.get_figwidth()
     pt_per_unit = width_in * 72 / axis_span if axis_span > 0 else 0.0
     fontsize = 7.5
-    for r in range(schedule.pp):
+    for r in range(schedule.pp):  # one collection per row (hundreds of patches draw slowly)
         y = schedule.pp - 1 - r
-        ax.barh(y, span, left=0, height=0.8, color=_IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
-        for st in schedule.on(r):
-            colour = (_FORWARD if st.kind == FORWARD else _BACKWARD)[st.chunk % 2]
+        ax.broken_barh([(0, span)], (y - 0.4, 0.8), facecolors=_IDLE, hatch="///", edgecolor="#BBBBBB",
+                       linewidth=0)
+        steps = schedule.on(r)
+        colours = [(_FORWARD if st.kind == FORWARD else _BACKWARD)[st.chunk % 2] for st in steps]
+        ax.broken_barh([((st.start - lo) * scale, (st.end - st.start) * scale) for st in steps], (y - 0.4, 0.8),
+                       facecolors=colours, edgecolor="white", linewidth=0.6,
+                       hatch=".." if schedule.vpp > 2 and any(st.chunk >= 2 for st in steps) else None)
+        for st, colour in zip(steps, colours):
             x, w = (st.start - lo) * scale, (st.end - st.start) * scale
-            ax.barh(y, w, left=x, height=0.8, color=colour, edgecolor="white", linewidth=0.6,
-                    hatch=".." if st.chunk >= 2 else None)
             text = _label(st, w * pt_per_unit, schedule.vpp, fontsize)
             if text:
                 ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=fontsize, color=_TEXT[colour])
+    waits: Dict[int, list] = {}
     for wait in schedule.extra.get("waits", []):  # type: ignore[union-attr]
-        y = schedule.pp - 1 - int(wait["stage"])
-        ax.barh(y - 0.45, (wait["end"] - wait["start"]) * scale, left=(wait["start"] - lo) * scale, height=0.08,
-                color="black", linewidth=0)
+        waits.setdefault(schedule.pp - 1 - int(wait["stage"]), []).append(
+            ((wait["start"] - lo) * scale, (wait["end"] - wait["start"]) * scale))
+    for y, ranges in waits.items():
+        ax.broken_barh(ranges, (y - 0.49, 0.08), facecolors="black", linewidth=0)
     idle = schedule.idle_share()
     ax.set_yticks(range(schedule.pp))
     ax.set_yticklabels([f"rank {r}\nidle {idle[r]:.0%}" for r in reversed(range(schedule.pp))], fontsize=8.5)
@@ -128,39 +134,34 @@ def draw_memory(ax, plan) -> None:
 
 def _save(fig, path: str) -> None:
     """The PNG, written atomically, in a 64-colour palette (a third of the bytes; the picture has few colours)."""
-    import io
-
     from PIL import Image  # matplotlib's own dependency
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
+    fig.canvas.draw()
+    image = Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
     tmp = f"{path}.tmp"
-    Image.open(buf).convert("RGB").quantize(colors=64).save(tmp, format="PNG", optimize=True)
+    image.convert("RGB").quantize(colors=64).save(tmp, format="PNG")
     os.replace(tmp, path)
 
 
 def draw_plan(path: str, plan, schedule: Schedule) -> None:
     """``plan=true plan_picture=PATH``: the predicted schedule beside the memory per stage."""
-    plt = _pyplot()
-    rows = schedule.pp
-    fig, (gantt, memory) = plt.subplots(1, 2, figsize=(13, 2.2 + 0.55 * max(rows, 4)),
-                                        gridspec_kw={"width_ratios": [3.2, 1]})
+    fig = _figure(13, 2.2 + 0.55 * max(schedule.pp, 4))
+    gantt, memory = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3.2, 1]})
     fig.subplots_adjust(left=0.07, right=0.985, top=0.83, bottom=0.30, wspace=0.18)
     draw_gantt(gantt, schedule, f"predicted schedule, one iteration ({plan.gpu.name} device costs)")
     draw_memory(memory, plan)
     fig.suptitle(bubble_title(schedule), fontsize=11.5, x=0.07, ha="left")
     _legend(gantt, schedule.vpp, waits=False)
     _save(fig, path)
-    plt.close(fig)
 
 
 def draw_schedules(path: str, schedules: Sequence[Schedule], titles: List[str], suptitle: Optional[str] = None) -> None:
     """Schedules stacked one above the other on their own time axes (a traced run: predicted, measured)."""
-    plt = _pyplot()
     rows = sum(max(s.pp, 2) for s in schedules)
     height = 1.5 + 0.5 * rows + 0.7 * len(schedules)
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(12, height), squeeze=False)
+    fig = _figure(12, height)
+    axes = fig.subplots(len(schedules), 1, squeeze=False)
     fig.subplots_adjust(left=0.09, right=0.985, top=1 - 0.75 / height, bottom=1.0 / height, hspace=0.55)
     longest = max((s.window[1] - s.window[0]) * 1e3 for s in schedules)
     for ax, s, title in zip(axes[:, 0], schedules, titles):
@@ -168,4 +169,3 @@ def draw_schedules(path: str, schedules: Sequence[Schedule], titles: List[str], 
     fig.suptitle(suptitle or bubble_title(schedules[0]), fontsize=11.5, x=0.09, ha="left")
     _legend(axes[-1, 0], schedules[0].vpp, waits=any(s.extra.get("waits") for s in schedules))
     _save(fig, path)
-    plt.close(fig)

@@ -195,3 +195,38 @@ def predict_for_plan(plan) -> Schedule:
     messages = 2 * m * v if p > 1 else 1
     return predict(p, m, v, forward=(forward,), backward_ratio=3.0 if full else 2.0,
                    comm=plan.pp_comm_s / messages if p > 1 else 0.0)
+
+
+def measured_schedule(ranks: List[dict], pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """A traced iteration (``schedule.json``'s ``ranks``: each rank's pp/dp/tp rank and events) as the
+    :class:`Schedule` of data-parallel replica 0, tensor-parallel rank 0, in seconds since the ranks'
+    barrier; its window is the longest ``forward_backward`` call of its stages, its send/recv calls go
+    to ``extra["waits"]``."""
+    steps, ends, waits = [], [], []
+    for r in ranks:
+        if r["dp_rank"] != 0 or r["tp_rank"] != 0:
+            continue
+        for e in r["events"]:
+            if e["kind"] in (FORWARD, BACKWARD):
+                steps.append(Step(r["pp_rank"], e["microbatch"], e["chunk"], e["kind"], e["start"], e["end"]))
+            elif e["kind"] == "iteration":
+                ends.append((e["start"], e["end"]))
+            else:
+                waits.append({"stage": r["pp_rank"], "kind": e["kind"], "start": e["start"], "end": e["end"]})
+    span = (min(s for s, _ in ends), max(e for _, e in ends)) if ends else None
+    return Schedule(pp, vpp, num_microbatches, steps, source="measured", span=span, extra={"waits": waits})
+
+
+def mean_cost(schedule: Schedule, kind: str, stage: Optional[int] = None) -> float:
+    """Mean duration of ``kind`` steps (on ``stage``, or all), 0.0 when there is none."""
+    times = [s.end - s.start for s in schedule.steps if s.kind == kind and stage in (None, s.stage)]
+    return sum(times) / len(times) if times else 0.0
+
+
+def predict_like(measured: Schedule) -> Schedule:
+    """The predicted schedule of a measured one's layout, timed with its own mean costs: each stage's
+    mean forward (x v: a whole stage), the mean backward / forward ratio, free transfers."""
+    f = mean_cost(measured, FORWARD)
+    forward = [measured.vpp * (mean_cost(measured, FORWARD, r) or f) for r in range(measured.pp)]
+    return predict(measured.pp, measured.num_microbatches, measured.vpp, forward=forward,
+                   backward_ratio=mean_cost(measured, BACKWARD) / f if f > 0 else 2.0)

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.plan.pipeline_schedule import BACKWARD, FORWARD, Schedule, Step, predict
+from orchestrator.plan.pipeline_schedule import BACKWARD, FORWARD, Schedule, measured_schedule, predict_like
 
 SCHEDULE_FILE, CHROME_FILE, PICTURE_FILE = "schedule.json", "schedule_trace.json", "schedule.png"
 _P2P = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
@@ -139,24 +139,6 @@ def _inner(model):
     return model
 
 
-def measured_schedule(ranks: List[dict], pp: int, vpp: int, num_microbatches: int) -> Schedule:
-    """The pipeline of data-parallel replica 0 (tensor-parallel rank 0) as a :class:`Schedule`, in
-    seconds since the barrier; its window is the longest ``forward_backward`` call of its stages."""
-    steps, ends, waits = [], [], []
-    for r in ranks:
-        if r["dp_rank"] != 0 or r["tp_rank"] != 0:
-            continue
-        for e in r["events"]:
-            if e["kind"] in (FORWARD, BACKWARD):
-                steps.append(Step(r["pp_rank"], e["microbatch"], e["chunk"], e["kind"], e["start"], e["end"]))
-            elif e["kind"] == "iteration":
-                ends.append((e["start"], e["end"]))
-            else:
-                waits.append({"stage": r["pp_rank"], "kind": e["kind"], "start": e["start"], "end": e["end"]})
-    span = (min(s for s, _ in ends), max(e for _, e in ends)) if ends else None
-    return Schedule(pp, vpp, num_microbatches, steps, source="measured", span=span, extra={"waits": waits})
-
-
 def bubble_record(measured: Schedule, iteration: int) -> Dict[str, object]:
     """The measured bubble per stage next to the formula: the summary's ``schedule_trace``."""
     overhead, fraction = measured.formula()
@@ -198,8 +180,7 @@ def write(run_dir: str, ranks: List[dict], measured: Schedule, result: Dict[str,
     from orchestrator.io import write_atomic
     from orchestrator.plan import picture
 
-    predicted = predict(measured.pp, measured.num_microbatches, measured.vpp,
-                        forward=(_mean_forward(measured),), backward_ratio=_backward_ratio(measured))
+    predicted = predict_like(measured)
     doc = {"bubble": result, "ranks": ranks,
            "predicted": [vars(s) for s in predicted.steps], "measured": [vars(s) for s in measured.steps]}
     write_atomic(os.path.join(run_dir, SCHEDULE_FILE), json.dumps(doc))
@@ -207,21 +188,6 @@ def write(run_dir: str, ranks: List[dict], measured: Schedule, result: Dict[str,
     picture.draw_schedules(os.path.join(run_dir, PICTURE_FILE), [predicted, measured],
                            [f"predicted ({measured.name}, measured mean step costs)",
                             f"measured, iteration {result['iteration']}"])
-
-
-def _mean(values: List[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _mean_forward(measured: Schedule) -> float:
-    """A stage's forward of one micro-batch (all its chunks), mean over the measured forwards."""
-    return measured.vpp * _mean([s.end - s.start for s in measured.steps if s.kind == FORWARD])
-
-
-def _backward_ratio(measured: Schedule) -> float:
-    f = _mean([s.end - s.start for s in measured.steps if s.kind == FORWARD])
-    b = _mean([s.end - s.start for s in measured.steps if s.kind == BACKWARD])
-    return b / f if f > 0 else 2.0
 
 
 def tracer_for(rank) -> Optional[Tracer]:
