@@ -147,3 +147,15 @@ def test_megatron_runs_the_predicted_order_on_every_rank(tmp_path, cache_dir):
         assert sum(e["ph"] == "X" and e["cat"] == "compute" for e in chrome["traceEvents"]) == 4 * 2 * m * v
         assert (run_dir / "schedule.png").read_bytes()[:4] == b"\x89PNG"
     assert seen == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("key", ["training.trace_iteration", "sweep.trace_iteration"])
+def test_a_trace_iteration_below_one_is_refused_in_one_line(key):
+    from orchestrator.config.checks import validate
+    from orchestrator.config.compose import compose_dict
+    from orchestrator.config.schema import to_job_config
+    from orchestrator.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(to_job_config(compose_dict(["parallelism=pp4", f"{key}=0"])))
+    assert str(err.value) == f"{key}=0: must be a positive integer or null; fix: {key}=null (the default)"
