@@ -11,7 +11,9 @@ iteration N (collective: every rank traces the same iteration):
   ``set_current_microbatch``); a gradient hook on its output names the micro-batch whose backward
   reaches it;
 * megatron's ``backward_step`` and :class:`P2PCommunicator`'s send/recv methods are wrapped (module and
-  class attributes swapped in for the iteration and restored after it): start and end of each.
+  class attributes swapped in for the iteration and restored after it): start and end of each;
+* on a GPU every clock reading first synchronizes the device (kernels run asynchronously), so the traced
+  iteration runs without CPU/GPU overlap: its times are the steps' own, its total a little longer.
 
 Then every rank's events are gathered; the logging rank writes ``<run.dir>/schedule.json`` (the
 events, the measured and predicted schedules, the bubble per stage), ``<run.dir>/schedule_trace.json``
@@ -52,8 +54,11 @@ class Tracer:
         self._zero = 0.0
         self._pending: List[tuple] = []  # (micro-batch, chunk) whose output gradient has arrived
         self.result: Optional[Dict[str, object]] = None
+        self._cuda = rank.device == "cuda"
 
     def _now(self) -> float:
+        if self._cuda:  # kernels run asynchronously: a step ends when the device has done its work
+            torch.cuda.synchronize()
         return time.perf_counter() - self._zero
 
     def _event(self, kind: str, start: float, end: float, microbatch: int = -1, chunk: int = -1) -> None:
