@@ -67,8 +67,8 @@ def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: floa
         steps = schedule.on(r)
         colours = [(_FORWARD if st.kind == FORWARD else _BACKWARD)[st.chunk % 2] for st in steps]
         ax.broken_barh([((st.start - lo) * scale, (st.end - st.start) * scale) for st in steps], (y - 0.4, 0.8),
-                       facecolors=colours, edgecolor="white", linewidth=0.6,
-                       hatch=".." if schedule.vpp > 2 and any(st.chunk >= 2 for st in steps) else None)
+                       facecolors=colours, edgecolor="white",
+                       linewidth=0.6 if steps and pt_per_unit * span / len(steps) > 6 else 0.0)  # dense: no seams
         for st, colour in zip(steps, colours):
             x, w = (st.start - lo) * scale, (st.end - st.start) * scale
             text = _label(st, w * pt_per_unit, schedule.vpp, fontsize)
@@ -96,9 +96,17 @@ def _legend(ax, vpp: int, waits: bool) -> None:
     """The block colours, under ``ax`` (below its axis label)."""
     from matplotlib.patches import Patch
 
+    def which(c: int) -> str:  # colours alternate with the chunk: 0, 2, ... and 1, 3, ...
+        members = list(range(c, vpp, 2))
+        if vpp == 1:
+            return ""
+        if len(members) == 1:
+            return f", chunk {c}"
+        return ", chunks " + ", ".join(map(str, members[:2])) + (", …" if len(members) > 2 else "")
+
     chunks = range(min(vpp, 2))
-    handles = [Patch(color=_FORWARD[c], label=f"forward{f', chunk {c}' if vpp > 1 else ''}") for c in chunks]
-    handles += [Patch(color=_BACKWARD[c], label=f"backward{f', chunk {c}' if vpp > 1 else ''}") for c in chunks]
+    handles = [Patch(color=_FORWARD[c], label=f"forward{which(c)}") for c in chunks]
+    handles += [Patch(color=_BACKWARD[c], label=f"backward{which(c)}") for c in chunks]
     handles.append(Patch(facecolor=_IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
     if waits:
         handles.append(Patch(color="black", label="send/recv call"))
@@ -122,7 +130,9 @@ def draw_memory(ax, plan) -> None:
     ax.set_ylim(0, max(max(bottom), mem) * 1.08)
     ax.set_xlim(-0.6, len(stages) - 0.4)
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"stage {r}" for r in xs], fontsize=8.5)
+    ax.set_xticklabels([f"stage {r}" if len(xs) <= 4 else str(r) for r in xs], fontsize=8.5)
+    if len(xs) > 4:
+        ax.set_xlabel("pipeline stage", fontsize=9)
     ax.set_ylabel("GiB per GPU", fontsize=9)
     ax.set_title(f"memory per stage (peak {max(bottom):.3g} GiB)", fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="upper center", frameon=False, ncol=2, bbox_to_anchor=(0.5, -0.12),
@@ -133,14 +143,15 @@ def draw_memory(ax, plan) -> None:
 
 
 def _save(fig, path: str) -> None:
-    """The PNG, written atomically, in a 64-colour palette (a third of the bytes; the picture has few colours)."""
+    """The PNG, written atomically, straight from the canvas (one encode). Not palette-quantized: that maps a
+    colour seen only in a legend onto a frequent neighbour."""
     from PIL import Image  # matplotlib's own dependency
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.canvas.draw()
     image = Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
     tmp = f"{path}.tmp"
-    image.convert("RGB").quantize(colors=64).save(tmp, format="PNG")
+    image.convert("RGB").save(tmp, format="PNG")
     os.replace(tmp, path)
 
 
