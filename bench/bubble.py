@@ -9,6 +9,11 @@ per stage (mean, min..max) and idle share of the iteration (mean over stages), w
 On CPU the ranks share the machine's cores, so a stage's idle time runs other ranks' work: expect the
 trend of the formula (falling with m and v), not its values.
 
+Measured here 2026-12-01 (2 cores shared with other jobs, load average 20-43; --repeat 2, 631 s): 1F1B
+m = 4 idle/busy 67.9% vs 75.0% (idle share 40.1% vs 42.9%); every other point 2.5-7.8x the formula, not
+monotone in m or v: the other jobs' load, not the schedule, set those numbers (the pictures show single
+stages stretched 5-10x). Rerun on quiet cores before reading a trend into it.
+
     python bench/bubble.py                            # ~3-6 minutes on 2 quiet cores
     python bench/bubble.py --m 4,8,16 --v 1,2 --trace 3 --repeat 2 --root /tmp/bench_bubble
 """
