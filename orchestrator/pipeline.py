@@ -35,7 +35,14 @@ def show_plan(cfg: JobConfig) -> None:
     from orchestrator.plan import suggest
     from orchestrator.plan.report import format_plan
 
-    print(format_plan(planner.plan(cfg)), flush=True)
+    plan = planner.plan(cfg)
+    print(format_plan(plan), flush=True)
+    if cfg.plan_picture:  # nothing is drawn unless asked
+        from orchestrator.plan import picture
+        from orchestrator.plan.pipeline_schedule import predict_for_plan
+
+        picture.draw_plan(cfg.plan_picture, plan, predict_for_plan(plan))
+        say(f"wrote {cfg.plan_picture}: the predicted schedule and the memory per stage")
     suggestions = suggest.suggest(cfg)
     if suggestions:
         print(suggest.format_suggestions(suggestions), flush=True)
