@@ -109,13 +109,12 @@ def _existing(key: str, value: Any, what: str) -> str:
 
 
 def _eod(data, kind: str, vocab_size: int, found: Optional[int], where: str,
-         vocab: Optional[Dict[str, int]] = None) -> Tuple[int, Optional[str]]:
+         vocab: Optional[Dict[str, int]] = None, how: str = "a tokenizer that has one") -> Tuple[int, Optional[str]]:
     """(eod id, its token) from ``data.eod_id`` when set, else the tokenizer's own (``found``)."""
     eod = data.eod_id if data.eod_id is not None else found
     if eod is None:
         raise ConfigError(f"data.tokenizer={data.tokenizer}: the tokenizer defines no end-of-document token "
-                          f"({where}); fix: data.eod_id=<the id that ends a document>, or give the tokenizer "
-                          "an eos token")
+                          f"({where}); fix: {how}, or data.eod_id=<the id that ends each document>")
     if not 0 <= eod < vocab_size:
         raise ConfigError(f"data.eod_id={eod}: outside the {kind} tokenizer's {vocab_size} ids; "
                           f"fix: data.eod_id between 0 and {vocab_size - 1}")
@@ -161,8 +160,8 @@ def _huggingface(data, key: str, value: str) -> TokenizerFacts:
         raise ConfigError(f"{key}={value}: eos_token {eos!r} is not in {tok_json}'s vocabulary; "
                           "fix: an eos_token the vocabulary has, or data.eod_id=<id>")
     size = max(vocab.values()) + 1
-    eod, token = _eod(data, "huggingface", size, vocab.get(eos) if eos else None,
-                      f"no eos_token in {config}", vocab)
+    eod, token = _eod(data, "huggingface", size, vocab.get(eos) if eos else None, f"no eos_token in {config}",
+                      vocab, f'add "eos_token": "<a token of its vocabulary>" to {config}')
     return TokenizerFacts("huggingface", size, eod, token, tuple(files), directory)
 
 
