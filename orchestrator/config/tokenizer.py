@@ -104,7 +104,7 @@ def _existing(key: str, value: Any, what: str) -> str:
         raise ConfigError(f"{key}={value!r}: needs {what}; fix: {key}=/path/to/it")
     path = os.path.expanduser(value)
     if not os.path.exists(path):
-        raise ConfigError(f"{key}={value}: no such file or directory (from {os.getcwd()}); fix: the path of {what}")
+        raise ConfigError(f"{key}={value!r}: no such file or directory (from {os.getcwd()}); fix: the path of {what}")
     return path
 
 
