@@ -182,7 +182,7 @@ def test_a_tokenizers_json_with_eos_trains_and_a_changed_config_is_refused_on_re
     config = hf_dir / "tokenizer_config.json"
     config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}))
     args = ["data=jsonl", f"data.paths=[{hf_dir / 'c.jsonl'}]", f"data.tokenizer={hf_dir / 'tokenizer.json'}",
-            "data.split=100,0,0", "training.eval_iters=0", "training.global_batch_size=4", f"run.root={tmp_path}",
+            "data.split='100,0,0'", "training.eval_iters=0", "training.global_batch_size=4", f"run.root={tmp_path}",
             "run.name=hf"]
     run_cli(args + ["training.train_iters=2"], cache=tmp_path / "cache", timeout=600)
     manifest = json.loads((tmp_path / "hf" / "checkpoints" / "iter_0000002" / "manifest.json").read_text())
