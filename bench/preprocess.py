@@ -108,7 +108,7 @@ def run_upstream(args, vocab: Path, merges: Path, work: Path) -> tuple:
 
 def run_ours(args, vocab: Path, merges: Path, work: Path) -> tuple:
     spec = json.dumps({"input": str(args.input), "vocab": str(vocab), "merges": str(merges),
-                       "workers": args.workers, "cache": str(work / "cache")})
+                       "workers": args.workers, "cache": tempfile.mkdtemp(prefix="cache-", dir=work)})  # cold
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", OURS, spec], env=env, capture_output=True, text=True)
