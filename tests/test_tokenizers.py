@@ -133,13 +133,13 @@ def test_a_tokenizer_without_eos_is_refused_in_one_line(tmp_path, hf_dir):
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
-def test_prepared_ids_are_the_tokenizers_own(tmp_path, hf_dir):
-    """tokenizer.json with eos through megatron-core's HuggingFaceTokenizer, 2 worker processes, and a
-    SentencePiece model through its SentencePieceTokenizer: each document's ids are the tokenizer
-    library's own, then the eod."""
+def test_prepared_ids_are_the_tokenizers_own(tmp_path, hf_dir, gpt2):
+    """tokenizer.json with eos and GPT-2 BPE files through megatron-core's HuggingFaceTokenizer, a
+    SentencePiece model through its SentencePieceTokenizer, 2 worker processes: each document's ids
+    are the tokenizer library's own, then the eod."""
     import sentencepiece
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from orchestrator.data.prepare import prepare
 
@@ -149,7 +149,11 @@ def test_prepared_ids_are_the_tokenizers_own(tmp_path, hf_dir):
                                              vocab_size=300, model_type="bpe")
     reference = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    bpe = Tokenizer(models.BPE.from_file(str(gpt2[1]), str(gpt2[2])))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     for data, encode, eod in (
+            (DataConfig(tokenizer="GPT2BPETokenizer", vocab_file=str(gpt2[1]), merge_file=str(gpt2[2])),
+             lambda t: bpe.encode(t).ids, GPT2_EOD),
             (DataConfig(tokenizer=str(hf_dir)), lambda t: reference.encode(t).ids, reference.token_to_id("</s>")),
             (DataConfig(tokenizer="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model")),
              sp.encode, sp.eos_id())):
