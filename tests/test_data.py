@@ -51,7 +51,9 @@ def test_identity_is_megatrons_byte_tokenizer(byte_tokenizer):
 
 
 @needs_text
-def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer, workers):
+    """In this process or in two tokenizing processes (data.workers=2): the same counts, lines and ids."""
     good = speeches(0, 3)
     lines = [good[0].encode(),                       # 1 document
              b'{"text": "caf\xe9 au lait"}',           # 2 invalid UTF-8 (latin-1 byte)
@@ -67,7 +69,8 @@ def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer):
     path.write_bytes(b"\n".join(lines) + b"\n")
     cache = tmp_path / "cache"
     said: List[str] = []
-    prepared = prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache)), log=said.append)
+    prepared = prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache), workers=workers),
+                       log=said.append)
     texts = [json.loads(g)["text"] for g in good]
     tokens = sum(len(t.encode()) + 1 for t in texts)  # UTF-8 bytes + one <eod> each
     summary = [s for s in said if s.startswith("data corpus: ")]
@@ -101,14 +104,15 @@ def test_a_file_without_documents_is_refused_in_one_line_and_leaves_nothing(tmp_
 
 
 def test_a_failure_while_writing_removes_the_temporary_files(tmp_path, byte_tokenizer):
-    def documents():
-        yield 1, "first document"
+    def chunks():
+        yield [(1, b'{"text": "first document"}')]
         raise KeyboardInterrupt  # Ctrl-C in the middle of a preparation
 
     prefix = tmp_path / "prepared" / "x"
     prefix.parent.mkdir()
+    encoder = corpus.Encoder(byte_tokenizer, 256, np.uint16, "text")
     with pytest.raises(KeyboardInterrupt):
-        corpus._write_indexed(prefix, documents(), byte_tokenizer, corpus.CorpusStats(), "x.jsonl")
+        corpus._write_indexed(prefix, chunks(), encoder, 1, corpus.CorpusStats(), "x.jsonl")
     assert list(prefix.parent.iterdir()) == []
 
 

@@ -254,12 +254,16 @@ def test_data_content_and_tokenizer_identity(cfg, tmp_path):
     manifest = read_manifest(save_checkpoint(cfg, 50))
     tok = tmp_path / "tok" / "tokenizer.json"
     tok.parent.mkdir()
-    tok.write_text('{"model": {"type": "BPE", "vocab": {"a": 0}}}')
+    tok.write_text('{"model": {"type": "BPE", "vocab": {"a": 0, "</s>": 1}}}')
+    (tok.parent / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
     hf = tokenizer_identity(DataConfig(tokenizer=str(tok)))  # what the runtime records for a tokenizer.json
     found = {m.key: m for m in compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-2", tokenizer=hf)}
     assert found["data.fingerprint"].kind == "refuse" and found["data.fingerprint"].requested == "fp-2"
     assert found["tokenizer.name"].kind == "refuse" and found["tokenizer.name"].checkpoint == "byte-level"
-    assert found["tokenizer.sha256"].kind == "refuse" and found["tokenizer.sha256"].requested == hf["sha256"]
+    for file in ("tokenizer.json", "tokenizer_config.json"):  # every file that defines it
+        key = f"tokenizer.sha256:{file}"
+        assert found[key].kind == "refuse" and found[key].requested == hf[f"sha256:{file}"]
+    assert found["tokenizer.eod"].checkpoint == 256 and found["tokenizer.eod"].requested == 1
 
 
 def test_warn_only_changes_resume_with_a_warning(cfg):

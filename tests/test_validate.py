@@ -117,7 +117,8 @@ def files(tmp_path_factory) -> dict:
     (root / "b.jsonl").write_text('{"text": "world"}\n')
     for ext in (".bin", ".idx"):
         (root / f"corpus{ext}").write_bytes(b"\0")
-    (root / "tokenizer.json").write_text("{}")
+    (root / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1, "</s>": 2}}}')
+    (root / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
     return {"jsonl": str(root / "a.jsonl"), "jsonl2": str(root / "b.jsonl"), "prefix": str(root / "corpus"),
             "tokenizer": str(root / "tokenizer.json")}
 

@@ -26,6 +26,7 @@ from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.keys import is_section, schema_keys, type_words
 from orchestrator.config.schema import JobConfig
+from orchestrator.config.tokenizer import tokenizer_facts
 
 CHOICES = {
     "parallelism.distributed_backend": ("auto", "nccl", "gloo"),
@@ -53,7 +54,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("parallelism.virtual_pipeline_model_parallel_size", 1, True), ("parallelism.context_parallel_size", 1, False),
     ("parallelism.num_layers_per_virtual_pipeline_stage", 1, True), ("data.vocab_size", 1, True),
     ("parallelism.expert_model_parallel_size", 1, False), ("parallelism.data_parallel_size", 1, True),
-    ("parallelism.num_layers_per_virtual_pipeline_stage", 1, True), ("data.vocab_size", 1, True),
+    ("data.eod_id", 0, True), ("data.workers", 1, True),
     ("model.num_layers", 1, False), ("model.hidden_size", 1, False), ("model.num_attention_heads", 1, False),
     ("model.num_query_groups", 1, True), ("model.ffn_hidden_size", 1, True), ("model.seq_length", 1, False),
     ("model.max_position_embeddings", 1, False), ("model.make_vocab_size_divisible_by", 1, False),
@@ -87,11 +88,6 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
 ]
 """Real-valued fields and their ranges (finite values only)."""
 NULLABLE_NUMBERS = {"training.hang_timeout_s"}
-
-MEGATRON_TOKENIZER_TYPES = ("GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                            "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
-                            "BertWordPieceLowerCase", "BertWordPieceCase")
-"""Megatron-LM ``--tokenizer-type`` names an imported config may carry (plan and export only)."""
 
 SEED_MAX = 2 ** 32 - 1
 """numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32 - 1]."""
@@ -384,21 +380,15 @@ def check_data(cfg: JobConfig) -> None:
     if not isinstance(d.cache_dir, str) or not d.cache_dir:
         raise ConfigError(f"data.cache_dir={show(d.cache_dir)}: must be a directory path; "
                           "fix: data.cache_dir=~/.cache/orchestrator")
-    _check_tokenizer(d.tokenizer)
+    _check_tokenizer(d)
 
 
-def _check_tokenizer(tokenizer: Any) -> None:
-    if tokenizer == "byte":
-        return
-    path = Path(os.path.expanduser(str(tokenizer)))
-    if tokenizer in MEGATRON_TOKENIZER_TYPES and not path.is_file():
-        raise ConfigError(f"data.tokenizer={show(tokenizer)}: a Megatron-LM tokenizer type (from an imported run), "
-                          "which the runtime does not build; fix: data.tokenizer=byte or the path of a HuggingFace "
-                          "tokenizer.json")
-    if not isinstance(tokenizer, str) or not path.is_file():
-        raise ConfigError(f"data.tokenizer={show(tokenizer)}: no such file; "
-                          "fix: data.tokenizer=byte or the path of a HuggingFace tokenizer.json")
-    if importlib.util.find_spec("transformers") is None:
-        raise ConfigError(f"data.tokenizer={show(tokenizer)}: a HuggingFace tokenizer needs the transformers "
-                          "package, which is not installed; fix: pip install transformers, or data.tokenizer=byte")
-
+def _check_tokenizer(d: Any) -> None:
+    """The tokenizer's files, vocabulary and eod (:func:`tokenizer_facts`), and the package that
+    tokenizes with it when this data is tokenized here (an indexed dataset is read, never tokenized)."""
+    facts = tokenizer_facts(d)
+    if d.kind in ("jsonl", "stdlib") and facts.kind in ("huggingface", "gpt2-bpe") \
+            and importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"data.tokenizer={show(d.tokenizer)}: tokenizing with it needs the transformers package "
+                          "(megatron-core's HuggingFaceTokenizer), which is not installed; fix: pip install "
+                          "transformers, or data.tokenizer=byte")

@@ -121,19 +121,24 @@ class DataConfig:
     """Blend weights, one per path; null = equal weights."""
     json_key: str = "text"
     tokenizer: str = "byte"
-    """byte (UTF-8 bytes, 256 ids + specials, no download), a path to a tokenizer.json file, or a
-    Megatron-LM --tokenizer-type of an imported run (GPT2BPETokenizer, NullTokenizer, ...; plan and
-    export only until the runtime builds it)."""
+    """byte (UTF-8 bytes, 256 ids + eod + pad, no download); a Megatron-LM --tokenizer-type:
+    GPT2BPETokenizer (vocab_file + merge_file), HuggingFaceTokenizer or SentencePieceTokenizer
+    (tokenizer_model), NullTokenizer (vocab_size); or the path of a HuggingFace tokenizer.json or its
+    directory. Built with megatron-core's tokenizer classes (orchestrator/config/tokenizer.py)."""
     vocab_file: Optional[str] = None
-    """Megatron-LM --vocab-file (GPT2BPETokenizer's vocab.json) of an imported run."""
+    """GPT2BPETokenizer's vocab.json (Megatron-LM --vocab-file)."""
     merge_file: Optional[str] = None
-    """Megatron-LM --merge-file (GPT2BPETokenizer's merges.txt) of an imported run."""
+    """GPT2BPETokenizer's merges.txt (Megatron-LM --merge-file)."""
     tokenizer_model: Optional[str] = None
-    """Megatron-LM --tokenizer-model (SentencePiece model, ...) of an imported run."""
+    """SentencePieceTokenizer's .model file, or HuggingFaceTokenizer's tokenizer.json / directory
+    (Megatron-LM --tokenizer-model)."""
     vocab_size: Optional[int] = None
-    """Tokenizer vocabulary (ids) before Megatron's padding. Null: from data.tokenizer (byte 258, a
-    tokenizer.json read here). Set it when the tokenizer files are not on this machine (a converted
-    GPT2BPETokenizer run: 50257); the plan uses it."""
+    """Token ids the data may hold (eod included), before Megatron's padding. Null: read from the
+    tokenizer's files. Needed by NullTokenizer (pre-tokenized data without a tokenizer, e.g. 50257 for
+    GPT-2 ids); with another tokenizer it must agree with its files."""
+    eod_id: Optional[int] = None
+    """The end-of-document id appended after every document. Null: the tokenizer's (GPT-2: 50256, a
+    HuggingFace tokenizer's eos_token); set it for a tokenizer that defines none."""
     cache_dir: str = "${oc.env:ORCHESTRATOR_CACHE,'~/.cache/orchestrator'}"
     """Where prepared .bin/.idx files and dataset indices are cached."""
     split: str = "98,2,0"
@@ -141,6 +146,9 @@ class DataConfig:
     part is held out for training.eval_iters."""
     stdlib_max_mb: float = 8.0
     """stdlib: how many MB of source text to take (sorted, deterministic)."""
+    workers: Optional[int] = None
+    """Processes that tokenize (Megatron-LM preprocess_data.py's --workers). Null: one per core
+    (one for less than 4 MB of text)."""
 
 
 @dataclass

@@ -97,7 +97,8 @@ def check(cfg):
 
     from orchestrator.config.checks import validate
 
-    stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte")
+    stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte",
+                                   vocab_size=None, eod_id=None)
     layout = validate(dataclasses.replace(cfg, data=stand_in))
     try:
         validate(cfg)

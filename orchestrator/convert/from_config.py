@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List
 
 from orchestrator.convert import launcher
 from orchestrator.convert import megatron_args as M
+from orchestrator.config.tokenizer import TOKENIZER_TYPES
 from orchestrator.convert.experiment_file import compose, json_value, write
 
 GROUPS = ("parallelism", "model", "optimizer", "data", "training", "cluster")
@@ -92,10 +93,10 @@ def _tokenizer(cfg) -> List[List[str]]:
     size = getattr(d, "vocab_size", None)
     if d.tokenizer == "byte":
         return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str(M.NULL_TOKENIZER_BYTE_VOCAB)]]
-    if d.tokenizer.endswith(".json"):
+    if d.tokenizer not in TOKENIZER_TYPES:  # a tokenizer.json or its directory
         path = PurePosixPath(d.tokenizer)
         local_dir = path.name == "tokenizer.json" and str(path.parent).startswith(("/", ".", "~"))
-        model = str(path.parent) if local_dir else d.tokenizer
+        model = str(path.parent) if local_dir else d.tokenizer  # a directory stays one
         out = [["--tokenizer-type", "HuggingFaceTokenizer"], ["--tokenizer-model", model]]
     elif d.tokenizer == "NullTokenizer":
         return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str((size or 1) - 1)]]

@@ -79,32 +79,34 @@ class CorpusStats:
         return f"{source}: skipped {self.skipped_lines:,} lines: {causes}"
 
 
-def _jsonl_documents(path: Path, key: str, stats: CorpusStats) -> Iterator[Tuple[int, str]]:
-    """(line number, text) of each usable line of a JSONL file; the others are counted in ``stats``."""
+def _jsonl_lines(path: Path, chunk_lines: int) -> Iterator[List[Tuple[int, bytes]]]:
+    """Chunks of (line number, raw line) of a JSONL file."""
     with path.open("rb") as f:
+        chunk: List[Tuple[int, bytes]] = []
         for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                stats.skip("blank", lineno)
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.skip("invalid UTF-8", lineno)
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                stats.skip("not JSON", lineno)
-                continue
-            if not isinstance(rec, dict) or not isinstance(rec.get(key), str):
-                stats.skip(f"without a string {key!r} field", lineno)
-                continue
-            yield lineno, rec[key]
+            chunk.append((lineno, raw))
+            if len(chunk) == chunk_lines:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
 
 
-def _stdlib_texts(files: List[Path]) -> Iterator[Tuple[int, str]]:
-    for i, f in enumerate(files, 1):
-        yield i, f.read_text(encoding="utf-8", errors="replace")
+def _document(raw: bytes, key: str) -> Tuple[Optional[str], Optional[str]]:
+    """(text, None) of a usable JSONL line, or (None, the cause it is skipped for)."""
+    if not raw.strip():
+        return None, "blank"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "invalid UTF-8"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None, "not JSON"
+    if not isinstance(rec, dict) or not isinstance(rec.get(key), str):
+        return None, f"without a string {key!r} field"
+    return rec[key], None
 
 
 def fingerprint_files(paths: List[Path], extra: str) -> str:
@@ -117,29 +119,88 @@ def fingerprint_files(paths: List[Path], extra: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _write_indexed(prefix: Path, documents: Iterator[Tuple[int, str]], tokenizer, stats: CorpusStats,
+@dataclass(frozen=True)
+class Encoder:
+    """What a tokenizing process needs: the tokenizer, the eod appended after each document, the
+    .bin dtype and the JSON key. One per source; worker processes inherit it (fork)."""
+
+    tokenizer: object
+    eod: int
+    dtype: type
+    key: str
+
+    def encode(self, chunk: List[Tuple[int, object]]) -> List[Tuple[int, object]]:
+        """(line number, token ids with the eod | a skip cause | None for an empty document) per item;
+        an item is a JSONL line (bytes) or, for stdlib, a file path (str)."""
+        out: List[Tuple[int, object]] = []
+        for lineno, item in chunk:
+            if isinstance(item, bytes):
+                text, cause = _document(item, self.key)
+                if cause is not None:
+                    out.append((lineno, cause))
+                    continue
+            else:
+                text = Path(item).read_text(encoding="utf-8", errors="replace")
+            try:
+                ids = self.tokenizer.tokenize(text)  # type: ignore[attr-defined]
+            except (UnicodeError, ValueError):
+                out.append((lineno, "text the tokenizer rejects"))
+                continue
+            if len(ids) == 0:
+                out.append((lineno, None))
+                continue
+            doc = np.empty(len(ids) + 1, dtype=self.dtype)
+            doc[:-1] = ids
+            doc[-1] = self.eod
+            out.append((lineno, doc))
+        return out
+
+
+_ENCODER: Optional[Encoder] = None
+"""The encoder of the preparation in progress, inherited by its forked worker processes."""
+
+
+def _encode(chunk):
+    return _ENCODER.encode(chunk)  # type: ignore[union-attr]
+
+
+def _encoded(encoder: Encoder, chunks: Iterator[list], workers: int) -> Iterator[List[Tuple[int, object]]]:
+    """Each chunk encoded, in order: in this process (``workers`` 1) or in ``workers`` forked
+    processes (multiprocessing.Pool, as Megatron-LM's tools/preprocess_data.py tokenizes)."""
+    global _ENCODER
+    if workers <= 1:
+        yield from (encoder.encode(c) for c in chunks)
+        return
+    import multiprocessing
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HuggingFace's Rust pool, in a forked child
+    _ENCODER = encoder
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap(_encode, chunks)
+    finally:
+        _ENCODER = None
+
+
+def _write_indexed(prefix: Path, chunks: Iterator[list], encoder: Encoder, workers: int, stats: CorpusStats,
                    source: str) -> None:
     """Tokenize documents into ``prefix.bin``/``prefix.idx`` (megatron IndexedDatasetBuilder) and
     ``prefix.stats.json``. Writes ``prefix.tmp.*`` first and renames; removes them on any failure."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     tmp_bin, tmp_idx = Path(f"{prefix}.tmp.bin"), Path(f"{prefix}.tmp.idx")
-    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=encoder.dtype)
     try:
-        for lineno, text in documents:
-            try:
-                ids = tokenizer.tokenize(text)
-            except (UnicodeError, ValueError):
-                stats.skip("text the tokenizer rejects", lineno)
-                continue
-            if len(ids) == 0:
-                stats.empty += 1
-                continue
-            ids = list(ids) + [tokenizer.eod]
-            builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-            stats.documents += 1
-            stats.tokens += len(ids)
+        for results in _encoded(encoder, chunks, workers):
+            for lineno, got in results:
+                if isinstance(got, str):
+                    stats.skip(got, lineno)
+                elif got is None:
+                    stats.empty += 1
+                else:
+                    builder.add_document(got, [len(got)])
+                    stats.documents += 1
+                    stats.tokens += len(got)
         if stats.documents == 0:
             raise DataError(f"{source}: no usable document ({stats.describe()}); fix: check the file "
                             f"and data.json_key")
@@ -152,6 +213,25 @@ def _write_indexed(prefix: Path, documents: Iterator[Tuple[int, str]], tokenizer
         for tmp in (tmp_bin, tmp_idx):
             tmp.unlink(missing_ok=True)
         raise
+
+
+def token_dtype(vocab_size: int) -> type:
+    """The .bin dtype for ``vocab_size`` ids: megatron-core's choice (``DType.optimal_dtype``, the one
+    Megatron-LM's preprocess_data.py makes)."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.optimal_dtype(vocab_size)
+
+
+def workers_for(data: DataConfig, files: List[Path]) -> int:
+    """Tokenizing processes: ``data.workers``, or (null) one per core this process may use, one
+    for less than 4 MB of text (a pool would cost more than it saves)."""
+    if data.workers is not None:
+        return data.workers
+    if sum(f.stat().st_size for f in files) < 4e6:
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      32))
 
 
 def _cached_stats(prefix: Path) -> Tuple[CorpusStats, str]:
@@ -167,7 +247,7 @@ def _cached_stats(prefix: Path) -> Tuple[CorpusStats, str]:
         return stats, "; skipped lines and empty documents were not recorded by the older preparation"
 
 
-def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path], tokenizer,
+def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path], encoder: Optional[Encoder],
                    log: Callable[[str], None]) -> None:
     """Tokenize one source into ``prefix`` unless cached; print its counts (and skipped lines)."""
     source = str(files[0]) if data.kind == "jsonl" else f"data.kind=stdlib ({len(files)} files)"
@@ -176,10 +256,13 @@ def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path],
             stats, note = _cached_stats(prefix)
             state = f"cached in {prefix}{note}"
         else:
-            log(f"preparing data: tokenizing {source} into {prefix}.bin/.idx")
+            workers = workers_for(data, files)
+            log(f"preparing data: tokenizing {source} into {prefix}.bin/.idx ({workers} "
+                f"process{'es' if workers > 1 else ''})")
             stats = CorpusStats()
-            docs = _jsonl_documents(files[0], data.json_key, stats) if data.kind == "jsonl" else _stdlib_texts(files)
-            _write_indexed(prefix, docs, tokenizer, stats, source)
+            chunks = (_jsonl_lines(files[0], 256) if data.kind == "jsonl"
+                      else ([(i, str(f))] for i, f in enumerate(files, 1)))
+            _write_indexed(prefix, chunks, encoder, workers, stats, source)  # type: ignore[arg-type]
             state = f"prepared in {prefix}"
     log(f"data {name}: {stats.describe()} ({state})")
     warning = stats.warning(source)

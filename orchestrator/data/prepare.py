@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 
 from orchestrator.errors import DataError
-from orchestrator.data.corpus import fingerprint_files, prepare_source, stdlib_documents
+from orchestrator.config.tokenizer import TokenizerFacts, tokenizer_facts
+from orchestrator.data.corpus import Encoder, fingerprint_files, prepare_source, stdlib_documents, token_dtype
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
 from orchestrator.config.schema import DataConfig, JobConfig
 
@@ -112,25 +113,80 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
     """
     _check_weights(data)
     root = _cache_root(data)
-    root.mkdir(parents=True, exist_ok=True)
     if data.kind == "mock":
+        root.mkdir(parents=True, exist_ok=True)
         return PreparedData(prefixes=[], weights=None, fingerprint="mock", cache_dir=str(root))
     sources = _sources(data)
     fingerprint, prints = _fingerprint(data, sources)
+    facts = tokenizer_facts(data)
     if data.kind == "indexed":
         prefixes = [os.path.expanduser(p) for p in data.paths]
+        check_token_ids(data, facts, prefixes, root, log)  # before anything is written
+        root.mkdir(parents=True, exist_ok=True)
     else:
+        root.mkdir(parents=True, exist_ok=True)
         paths = [root / "prepared" / f"{name}-{fp}" for (name, _), fp in zip(sources, prints)]
         cached = all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists() for p in paths)
-        tokenizer = None if cached else build_tokenizer(data)  # megatron's import costs seconds: only to tokenize
+        encoder = None
+        if not cached:  # megatron's import costs seconds: only to tokenize
+            encoder = Encoder(build_tokenizer(data), facts.eod, token_dtype(facts.vocab_size), data.json_key)
         prefixes = []
         for (name, files), prefix in zip(sources, paths):
-            prepare_source(data, prefix, name, files, tokenizer, log)
+            prepare_source(data, prefix, name, files, encoder, log)
             prefixes.append(str(prefix))
     weights = None
     if len(prefixes) > 1:
         weights = [float(w) for w in data.weights] if data.weights else [1.0 / len(prefixes)] * len(prefixes)
     return PreparedData(prefixes, weights, fingerprint, str(root))
+
+
+def _token_range(prefix: str, cache: Path) -> Dict[str, object]:
+    """{dtype, min, max} of the token ids in ``prefix.bin`` (megatron's IndexedDataset says the dtype),
+    read once: cached in ``cache`` (keyed by the .idx content and the .bin size and time)."""
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dtype = np.dtype(IndexedDataset(prefix, mmap=True).index.dtype)
+    tokens = np.memmap(f"{prefix}.bin", dtype=dtype, mode="r")
+    lo, hi, step = None, None, 1 << 26
+    for start in range(0, len(tokens), step):
+        part = tokens[start:start + step]
+        lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+        hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+    return {"dtype": dtype.name, "min": lo if lo is not None else 0, "max": hi if hi is not None else -1}
+
+
+def check_token_ids(data: DataConfig, facts: TokenizerFacts, prefixes: List[str], root: Path, log: Log) -> None:
+    """``data=indexed``: every prefix's .bin holds integer ids in [0, vocab) of the run's tokenizer;
+    DataError (one line naming the prefix, the largest id and the vocabulary) otherwise. The range of
+    each prefix is read once and cached under ``<cache_dir>/indexed/`` (only once it fits)."""
+    from orchestrator.io import write_atomic
+
+    for i, prefix in enumerate(prefixes):
+        st = os.stat(f"{prefix}.bin")
+        key = fingerprint_files([Path(f"{prefix}.idx")], f"{st.st_size}:{st.st_mtime_ns}")
+        cache = root / "indexed" / f"{Path(prefix).name}-{key}.json"
+        fresh = not cache.is_file()
+        if fresh:
+            log(f"checking the token ids of {prefix}.bin ({st.st_size / 1e6:,.1f} MB)")
+        ids = _token_range(prefix, cache)
+        where = f"data.paths[{i}]={data.paths[i]}"
+        if ids["dtype"].startswith("float"):  # type: ignore[union-attr]
+            raise DataError(f"{where}: its .idx says the tokens are {ids['dtype']}, not integer ids; "
+                            "fix: the prefix of a tokenized dataset")
+        if ids["max"] >= facts.vocab_size or ids["min"] < 0:  # type: ignore[operator]
+            what = (f"largest token id {ids['max']}" if ids["max"] >= facts.vocab_size  # type: ignore[operator]
+                    else f"token id {ids['min']}")
+            raise DataError(f"{where}: {what} ({ids['dtype']}) does not fit the vocabulary of data.tokenizer="
+                            f"{data.tokenizer} ({facts.vocab_size} ids); fix: the tokenizer that made this data (e.g. "
+                            "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
+                            f"data.tokenizer=NullTokenizer data.vocab_size={int(ids['max']) + 1}")  # type: ignore[call-overload]
+        if fresh:
+            write_atomic(cache, json.dumps(ids) + "\n")
 
 
 def samples_needed(cfg: JobConfig) -> int:

@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from orchestrator.config.tokenizer import BYTE_VOCAB
 from orchestrator.errors import ConfigError
 
+BYTE_TOKENIZER_VOCAB = BYTE_VOCAB + 2
+"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (config/tokenizer.py)."""
+
 GiB = 1024 ** 3
-BYTE_TOKENIZER_VOCAB = 258
-"""Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (data/tokenizer.py)."""
 DEFAULT_MFU = 0.4
 """Assumed MFU of busy time (no bubble, no recomputation) when none is given."""
 FRAMEWORK_OVERHEAD_BYTES = 2 * GiB
@@ -182,29 +184,20 @@ def _gib(n: float) -> str:
 
 # ---- from a JobConfig -------------------------------------------------------------------------
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
-    """Tokenizer vocabulary of ``cfg.data.tokenizer`` and a note when it had to be assumed.
+    """Tokenizer vocabulary of ``cfg.data`` and a note when it had to be assumed.
 
-    ``data.vocab_size`` when stated (a converted Megatron-LM run: its tokenizer files are not
-    here). ``byte`` -> 258. A tokenizer.json path -> 1 + the largest id in ``model.vocab`` and
-    ``added_tokens`` (read with the json module); unreadable -> ``default`` (GPT-2's 50257).
+    The vocabulary the job builds the model with: :func:`orchestrator.config.tokenizer.tokenizer_facts`
+    (the one function deciding it). When the tokenizer's files are not here (planning a converted
+    run elsewhere): ``data.vocab_size`` if stated, else ``default`` (GPT-2's 50257), with a note.
     """
-    if getattr(cfg.data, "vocab_size", None) is not None:
-        return cfg.data.vocab_size, None
-    tok = cfg.data.tokenizer
-    if tok == "byte":
-        return BYTE_TOKENIZER_VOCAB, None
-    import json
-    import os
+    from orchestrator.config.tokenizer import tokenizer_facts
 
     try:
-        with open(os.path.expanduser(tok), encoding="utf-8") as fh:
-            spec = json.load(fh)
-        vocab = spec.get("model", {}).get("vocab", {})
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-        ids += [t.get("id", 0) for t in spec.get("added_tokens", [])]
-        return max(ids) + 1, None
-    except (OSError, ValueError, AttributeError, TypeError):
-        return default, f"data.tokenizer={tok!r} could not be read here; assumed a vocabulary of {default}"
+        return tokenizer_facts(cfg.data).vocab_size, None
+    except ConfigError as exc:
+        if cfg.data.vocab_size is not None:
+            return cfg.data.vocab_size, None
+        return default, f"{exc}; assumed a vocabulary of {default}"
 
 
 def recipe_of(cfg) -> Recipe:

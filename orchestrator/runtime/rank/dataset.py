@@ -23,7 +23,7 @@ from typing import Dict, Iterator
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.data.prepare import PreparedData, indices_marker, samples_needed, valid_samples_needed
-from orchestrator.data.tokenizer import build_tokenizer
+from orchestrator.data.tokenizer import dataset_tokenizer
 from orchestrator.errors import DataError
 
 
@@ -148,5 +148,5 @@ def cache_indices(cfg: JobConfig, prepared: PreparedData) -> None:
     marker = indices_marker(cfg, prepared)
     if marker.exists():
         return
-    build_datasets(cfg, prepared, build_tokenizer(cfg.data), samples_needed(cfg))
+    build_datasets(cfg, prepared, dataset_tokenizer(cfg.data), samples_needed(cfg))
     write_atomic(marker, json.dumps({"built": True}) + "\n")
