@@ -18,6 +18,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -303,6 +304,71 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     assert [a["cause"] for a in attempts] == ["nan", "completed"], attempts
     final = json.loads((run_dir / "checkpoints" / "iter_0000014" / "manifest.json").read_text())
     assert [(a["cause"], a["iteration"]) for a in final["history"]] == [("nan", bad), ("completed", 14)]
+
+
+def _checkpoint_tensors(path: Path, into: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint (model and optimizer state), read back with torch's own
+    ``dcp_to_torch_save``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = into / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+@pytest.mark.slow
+def test_skip_policy_leaves_updates_unapplied_continues_and_stops_after_too_many_in_a_row(tmp_path, cache_dir):
+    """training.nan_policy=skip in a real job: +inf put into a gradient at iterations 3, 5, 6 and 7
+    (the runtime's test-only NONFINITE_GRAD_ENV) with max_skipped_steps=2. Iteration 3 is skipped (its
+    checkpoint's weights and optimizer moments equal iteration 2's; the LR schedule does not advance),
+    4 trains again (weights change), 5 and 6 are skipped (2 in a row), 7 is the third in a row: the job
+    stops with one NaN line (exit 1), saving nothing of 7; each skip is counted in jobs.jsonl."""
+    import torch
+
+    from orchestrator.runtime.training.loop import NONFINITE_GRAD_ENV
+
+    run_dir = tmp_path / "skip"
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=skip", "training.train_iters=10",
+                            "checkpoint.save_interval=1", "training.nan_policy=skip", "training.max_skipped_steps=2",
+                            "optimizer.lr_warmup_iters=0"],
+                   cache=cache_dir, check=False, timeout=900, env={NONFINITE_GRAD_ENV: "3,5,6,7"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert re.match(r"error: job \S+: non-finite gradient norm inf at iteration 7; ", line), line
+    assert "Traceback" not in proc.stderr
+    assert "training.nan_policy=skip: 2 step(s) skipped in a row already" in line, line
+    records = {r["iteration"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == [1, 2, 3, 4, 5, 6], sorted(records)
+    assert [i for i, r in records.items() if r["skipped"]] == [3, 5, 6]
+    assert all(math.isfinite(r["lm_loss"]) for r in records.values())
+    assert records[3]["grad_norm"] == math.inf and math.isfinite(records[4]["grad_norm"])
+    # the schedule does not advance on a skipped step: iteration 4 applies the lr iteration 3 would have
+    assert records[4]["lr"] == records[3]["lr"] != records[2]["lr"], [records[i]["lr"] for i in (2, 3, 4)]
+    skipped = [(r["iteration"], r["value"]) for r in history.read_records(run_dir) if r["event"] == "nan_skipped"]
+    assert skipped == [(3, "inf"), (5, "inf"), (6, "inf")], skipped
+    (a,) = history.attempts(history.read_records(run_dir))
+    assert (a.cause, a.iteration) == ("nan", 7)
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"iter_{i:07d}" for i in range(1, 7)]
+    state = {i: _checkpoint_tensors(ckpts / f"iter_{i:07d}", tmp_path) for i in (2, 3, 4, 6)}
+    weights = [k for k in state[2] if not k.startswith("/optimizer.")]
+    moments = [k for k in state[2] if k.startswith("/optimizer.state.exp_avg")]
+    assert weights and moments, sorted(state[2])[:20]
+    for keys in (weights, moments):
+        assert all(torch.equal(state[2][k], state[3][k]) for k in keys)  # step 3 was not applied
+        assert not all(torch.equal(state[3][k], state[4][k]) for k in keys)  # step 4 was
+        assert all(torch.equal(state[4][k], state[6][k]) for k in keys)  # 5 and 6 were not either
 
 
 def _iterations_done(run_dir: Path) -> int:
