@@ -272,6 +272,12 @@ TINY = ["training.global_batch_size=4", "training.eval_iters=0", "model.transfor
         "checkpoint.save_interval=1"]
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT's default disposition (a shell starts background jobs with
+    SIGINT ignored, and an ignored SIGINT would reach the launcher so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
               sig: signal.Signals = signal.SIGINT, group: bool = True) -> subprocess.CompletedProcess:
     """Start the CLI, and once ``wait_for`` is printed send ``sig``: to its whole process group (a
@@ -279,7 +285,7 @@ def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
     ``group=False``, to the launcher process alone (``kill PID``, a closed terminal's SIGHUP): then
     the launcher must stop the ranks itself."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONPATH=str(REPO), **env))
     seen = []
     for line in proc.stdout:
