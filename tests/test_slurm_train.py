@@ -92,6 +92,12 @@ REL = 1e-5
 
 # ---- helpers -----------------------------------------------------------------------------------
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT's default disposition, so that :meth:`Cli.kill`'s SIGINT
+    cancels the job even when pytest itself was started as a shell's background job (SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Cli:
     """`python -m orchestrator ARGS` in the background, output to files (no pipe to fill up)."""
 
@@ -101,7 +107,7 @@ class Cli:
         env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
-                                         stdout=out, stderr=err, text=True)
+                                         stdout=out, stderr=err, text=True, preexec_fn=_sigint_default)
 
     @property
     def stdout(self) -> str:
