@@ -5,8 +5,10 @@
   ``error:`` line on stderr, exit 2, torch never imported, and the run directories' files
   byte-identical before and after (nothing created either).
 * plan / dry-run write nothing; only a run that starts records ``<run.dir>/config.yaml``; a refused
-  resume leaves the run directory byte-identical; Ctrl-C exits 130 without a traceback, with the
-  resume hint only when a checkpoint exists.
+  resume leaves the run directory byte-identical; Ctrl-C (SIGINT to the process group), SIGHUP and
+  SIGTERM (to the launcher alone, which then stops the ranks itself) exit 130 without a traceback,
+  no rank left, with the resume hint only when a checkpoint exists; ``manifest check --deep`` catches
+  a byte flipped in a real sha256-digested shard that the default check does not read.
 * ``--help`` / ``--version`` are the tool's own; the config surface is frozen.
 """
 

@@ -6,6 +6,9 @@ The slow ones run real local jobs through the CLI (gloo on CPU, gpt_tiny):
 * ``optimizer.lr=1000``: the job stops at the first non-finite gradient norm with one line naming
   the iteration, the value and the ranks; no checkpoint at or after it; ``status`` says ``nan``; a
   rerun with a sane lr resumes from the last good checkpoint and finishes with finite losses.
+* ``training.nan_policy=skip``: +inf put into a gradient at chosen iterations (the runtime's test-only
+  ``ORCHESTRATOR_TEST_NONFINITE_GRAD_AT``): skipped updates leave the checkpointed weights and Adam
+  moments unchanged, training continues, one skip too many in a row stops the job with a NaN end.
 * SIGSTOP of one rank of a 2-rank job: the job ends within ``hang_timeout_s`` + 30 s naming that
   rank; the live rank's stacks are in ``<run_dir>/stacks/``.
 * A run directory on a small tmpfs whose second checkpoint does not fit: one line naming ENOSPC,
@@ -132,6 +135,29 @@ def test_skip_policy_without_guard_step_refuses_to_pretend(tmp_path, clean_env):
     g = guard_mod.Guard(_cfg(tmp_path, nan_policy="skip", max_skipped_steps=3), tmp_path, 0, None)
     with pytest.raises(NonFiniteLossError, match="needs the loop to step through Guard.step"):
         g.check(3, None, float("inf"))
+
+
+def test_a_host_whose_every_rank_is_gone_is_a_node_failure_one_rank_a_crash(tmp_path, clean_env):
+    """The survivors of a failed collective say so (rank_alive); every rank of one host silent while
+    the other host's answered is a lost node; one silent rank, or a one-host job, is a crash."""
+    from orchestrator.runtime.faults import lost
+    from orchestrator.runtime.faults.watchdog import heartbeat_path, write_heartbeat
+
+    assert lost.lost_hosts({0, 1}, {0: "node1", 1: "node1", 2: "node2", 3: "node2"}) == {"node2": [2, 3]}
+    assert lost.lost_hosts({0, 1, 2}, {0: "node1", 1: "node1", 2: "node2", 3: "node2"}) == {}
+    assert lost.lost_hosts(set(), {0: "node1", 1: "node2"}) == {}  # nobody answered: nothing to compare
+    for rank, host in enumerate(["node1", "node1", "node2", "node2"]):
+        path = heartbeat_path(tmp_path, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_heartbeat(path, {"rank": rank, "host": host, "job_id": "7", "attempt": 0})
+    lost.report_alive(str(tmp_path), "7", 0, 1)
+    lost.report_alive(str(tmp_path), "7", 0, 0)
+    t0 = time.monotonic()
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, wait_s=0.5) == ("node failure", "node node2 lost (ranks 2,3)")
+    assert time.monotonic() - t0 >= 0.5  # it waited for the others
+    lost.report_alive(str(tmp_path), "7", 0, 3)
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, wait_s=0.1) == ("crashed", "")  # node2 still had rank 3
+    assert lost.crash_cause(str(tmp_path), "8", 0, 4, wait_s=0.1) == ("crashed", "")  # another job's heartbeats
 
 
 # ---- disk full ------------------------------------------------------------------------------------

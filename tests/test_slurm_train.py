@@ -671,7 +671,7 @@ def test_a_nan_is_never_requeued(tmp_path, cache_dir):
     time.sleep(3)  # a wrong requeue would show by now
     assert jobs.slurm_job_status(job_id).restarts == 0, st
     assert attempt_causes(run_dir, job_id) == [(0, "nan", False)]
-    assert "requeued" not in cli.stdout
+    assert f"job {job_id} requeued" not in cli.stdout, cli.stdout
 
 
 # ---- a late time-limit signal (no cluster needed) ----------------------------------------------

@@ -184,29 +184,6 @@ def test_slurm_state_mapping(raw, restarts, state):
     assert (st.state, st.restarts, st.slurm_state, st.reason) == (state, restarts, raw, None)
 
 
-def test_a_whole_node_killed_is_a_node_failure_one_rank_killed_a_crash(tmp_path):
-    """srun's own lines (as the dev cluster's node-loss test records them) decide: every task of one
-    node of a multi-node job killed, the other node's not -> the crash its survivors recorded becomes
-    a ``node failure``; one rank killed, a one-node job, or every node: no node failure."""
-    from types import SimpleNamespace
-
-    from orchestrator.submit import outcome
-
-    srun = ("srun: error: node2: tasks 2-3: Killed\n"
-            "srun: error: node1: tasks 0-1: Exited with exit code 75")
-    assert outcome.lost_nodes(srun, 2, 2) == {"node2": [2, 3]}
-    assert outcome.lost_nodes("srun: error: node2: task 3: Killed", 2, 2) == {}
-    assert outcome.lost_nodes("srun: error: node1: tasks 0-3: Killed", 4, 1) == {}
-    assert outcome.lost_nodes("srun: error: node1: task 0: Killed\nsrun: error: node1: task 1: Killed\n"
-                              "srun: error: node2: tasks 2,3: Killed", 2, 2) == {}
-    history.record_attempt_ended(tmp_path, "9", 0, "crashed", iteration=7, message="rank 0 (node1) crashed")
-    cluster = SimpleNamespace(tasks_per_node=2, nodes=2)
-    assert outcome.note_lost_nodes(str(tmp_path), "9", 0, srun, cluster) == "node node2 lost (ranks 2,3)"
-    (a,) = history.attempts(history.read_records(tmp_path))
-    assert (a.cause, a.iteration, a.message) == ("node failure", 7, "node node2 lost (ranks 2,3); rank 0 (node1) crashed")
-    assert outcome.note_lost_nodes(str(tmp_path), "9", 0, "srun: error: node2: task 3: Killed", cluster) == ""
-
-
 def test_status_module_is_torch_free():
     code = "import sys, orchestrator.submit.status; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -171,7 +171,7 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
 
     for rec in records:
         event, job_id = rec.get("event"), str(rec.get("job_id"))
-        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision", "attempt_cause"):
+        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision"):
             continue
         key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
         a = current.get(key)
@@ -187,9 +187,6 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
         elif event == "requeue_decision":  # after a hang or a crash: recorded after the attempt's end
             if a is not None:
                 a.requeued = a.requeued or bool(rec.get("requeued"))
-        elif event == "attempt_cause":  # the launcher saw more than the job (a lost node behind a crash)
-            if a is not None and a.cause == "crashed":
-                a.cause, a.message = rec.get("cause"), "; ".join(filter(None, [rec.get("message"), a.message]))
         elif a is None or a.end is None:
             a = a or fresh(key)
             a.end, a.cause, a.message = rec.get("time"), rec.get("cause"), rec.get("message") or ""

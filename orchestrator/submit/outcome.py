@@ -9,8 +9,6 @@ The launcher (:func:`orchestrator.submit.wait.wait`) asks here before it words a
   (when it is full the ranks can write neither results nor logs);
 * :func:`record_end` — when the job could not record its end (ranks killed, node lost, the launcher
   gave up or was interrupted), the launcher records it, once (``claim_attempt_end``);
-* :func:`note_lost_nodes` — srun reported every task of a node of a multi-node job killed, the
-  other node(s) not: the attempt's cause becomes ``node failure`` (an ``attempt_cause`` record);
 * :func:`requeued_after_failure` — a failed attempt that the job requeued itself
   (``cluster.max_failures``): its error results are stale, the launcher keeps waiting.
 
@@ -21,12 +19,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable, Optional
 
 from orchestrator.ckpt import history
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
-_SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? ([0-9,-]+): Killed$", re.M)
 _JOB_CAUSES = ("nan", "hang")  # a crash's record names one rank's error; its traceback says more
 
 
@@ -120,35 +117,6 @@ def srun_errors(job, lines: int = 6) -> str:
         return "\n".join(found[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
-
-
-def lost_nodes(srun: str, tasks_per_node: int, nodes: int) -> Dict[str, List[int]]:
-    """Node -> ranks, for the nodes of a multi-node job all of whose tasks srun reported killed
-    (``srun: error: node2: tasks 2-3: Killed``) while some other node's were not: a lost node, not one
-    rank's crash (the OOM killer takes one process)."""
-    killed: Dict[str, set] = {}
-    for node, spec in _SRUN_KILLED.findall(srun or ""):
-        for part in spec.split(","):
-            lo, _, hi = part.partition("-")
-            killed.setdefault(node, set()).update(range(int(lo), int(hi or lo) + 1))
-    lost = {node: sorted(r) for node, r in killed.items() if len(r) >= tasks_per_node}
-    return lost if nodes > 1 and 0 < len(lost) < nodes else {}
-
-
-def note_lost_nodes(run_dir: str, job_id: str, attempt: int, srun: str, cluster: Any) -> str:
-    """When srun's lines show a lost node (:func:`lost_nodes`), make the cause of the attempt
-    ``attempt`` of ``job_id`` (which its survivors record as ``crashed``) ``node failure``; returns
-    the one-line account (``node node2 lost (ranks 2,3)``), or ""."""
-    lost = lost_nodes(srun, int(cluster.tasks_per_node or 1), int(cluster.nodes or 1))
-    if not lost:
-        return ""
-    text = "; ".join(f"node {node} lost (ranks {','.join(map(str, ranks))})" for node, ranks in lost.items())
-    try:
-        history.record_event(run_dir, "attempt_cause", job_id=str(job_id), attempt=attempt, cause="node failure",
-                             message=text, nodes=sorted(lost))
-    except OSError:  # bookkeeping never hides the failure itself
-        pass
-    return text
 
 
 def slurm_cause(state: str) -> str:

@@ -259,10 +259,9 @@ class _Wait:
         tail = str(detail).strip().splitlines()[-15:] if detail else []
         cause = f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else ""
         srun = "" if self.local else outcome.srun_errors(job)
-        lost = srun and outcome.note_lost_nodes(self.run_dir, self.job_id, self.requeues, srun, self.c)
-        raise self.fail(f"job {job.job_id}: {lost + '; ' if lost else ''}{cause}rank {rank} failed:\n" + "\n".join(tail)
+        raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
-                        "node failure" if lost else "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
+                        "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
 
     def check_dead_local(self) -> None:
         """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
@@ -294,9 +293,7 @@ class _Wait:
             failure = outcome.failed_attempt_message(self.run_dir, self.job_id)
             if failure is not None:  # srun's lines name the node and the tasks that died
                 srun = outcome.srun_errors(self.job)
-                lost = outcome.note_lost_nodes(self.run_dir, self.job_id, restarts - 1, srun, self.c)
-                print(f"[orchestrator] job {self.job_id} failed: {lost + ': ' if lost else ''}{failure}"
-                      + (f"\n{srun}" if srun else "")
+                print(f"[orchestrator] job {self.job_id} failed: {failure}" + (f"\n{srun}" if srun else "")
                       + f"\n[orchestrator] job {self.job_id} requeued after a failure (cluster.max_failures="
                       f"{self.c.max_failures}); it resumes from its latest checkpoint", flush=True)
             else:
