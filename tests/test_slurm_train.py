@@ -615,18 +615,21 @@ def test_preemption_is_requeued_then_the_time_limit_finds_the_requeues_used_up(t
     """What SLURM does on preemption (PreemptMode=REQUEUE): it requeues the running job itself and
     sends SIGTERM; `scontrol requeue JOB` from outside does exactly that. With cluster.max_num_timeout=1
     the attempt saves, leaves requeued and is recorded ``preempted``; SLURM restarts the job, which
-    resumes from that checkpoint and runs into its time limit (--time=2 --signal=USR2@30): the one
+    resumes from that checkpoint and runs into its time limit (2 min, --signal=USR2@30): the one
     requeue is used up, so it saves and stops (cause ``timeout``, not requeued), and the launcher
     exits 1 saying so."""
     run_dir = tmp_path / "slurm"
     cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=100000",
-                                  "checkpoint.save_interval=null", "cluster.timeout_min=2", "cluster.signal_delay_s=30",
+                                  "checkpoint.save_interval=null", "cluster.signal_delay_s=30",
                                   "cluster.max_num_timeout=1"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 240, "training on SLURM", cli)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # the preemption
         wait_until(lambda: f"job {job_id} requeued (1 of at most 1)" in cli.stdout, 120, "the launcher to see it", cli)
+        # The requeued attempt gets a 2-minute limit (USR2@30 arrives 60-90 s after it starts); the first
+        # kept slurm_dev's 15, so that no time-limit signal can come before the preemption on a busy machine.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], check=True, timeout=30)
         code = cli.wait(420)
     finally:
         cli.kill()
@@ -672,6 +675,7 @@ def test_a_nan_is_never_requeued(tmp_path, cache_dir):
     assert jobs.slurm_job_status(job_id).restarts == 0, st
     assert attempt_causes(run_dir, job_id) == [(0, "nan", False)]
     assert f"job {job_id} requeued" not in cli.stdout, cli.stdout
+    assert "Traceback" not in cli.stderr
 
 
 # ---- a late time-limit signal (no cluster needed) ----------------------------------------------
