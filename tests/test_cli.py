@@ -281,25 +281,29 @@ def _sigint_default() -> None:
 
 
 def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
-              sig: signal.Signals = signal.SIGINT, group: bool = True) -> subprocess.CompletedProcess:
+              sig: signal.Signals = signal.SIGINT, group: bool = True, watch: Path | None = None):
     """Start the CLI, and once ``wait_for`` is printed send ``sig``: to its whole process group (a
     terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike), or, with
     ``group=False``, to the launcher process alone (``kill PID``, a closed terminal's SIGHUP): then
-    the launcher must stop the ranks itself."""
+    the launcher must stop the ranks itself. ``watch``: a run directory whose job processes are listed
+    just before the signal (``.before`` of the result)."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONPATH=str(REPO), **env))
-    seen = []
+    seen, before = [], []
     for line in proc.stdout:
         seen.append(line)
         if wait_for in line:
+            before = processes_of(watch) if watch is not None else []
             if group:
                 os.killpg(proc.pid, sig)
             else:
                 os.kill(proc.pid, sig)
             break
     out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
+    result = subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
+    result.before = before
+    return result
 
 
 def processes_of(run_dir: Path) -> list:
@@ -344,10 +348,10 @@ def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_check
     assert f"run the same command again to resume from {run_dir}/checkpoints/iter_" in proc.stderr
     assert not no_rank_left(run_dir)
     fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
-                      "[orchestrator] schedule:", sig=signal.SIGHUP, group=False)
+                      "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh")
     assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
     assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr
-    assert not no_rank_left(tmp_path / "fresh")
+    assert fresh.before and not no_rank_left(tmp_path / "fresh"), fresh.before  # the job was there, then gone
 
 
 def _manifest_check(ckpt: Path, args: List[str], cwd: Path, env: Dict[str, str], deep: bool):
@@ -367,10 +371,10 @@ def test_sigterm_to_the_launcher_stops_the_ranks_and_deep_check_catches_a_flippe
 
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
     args = [*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=term", "checkpoint.digest=sha256"]
-    proc = interrupt(args, tmp_path, env, "iteration 2/", sig=signal.SIGTERM, group=False)
+    proc = interrupt(args, tmp_path, env, "iteration 2/", sig=signal.SIGTERM, group=False, watch=tmp_path / "term")
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
     assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
-    assert not no_rank_left(tmp_path / "term")
+    assert proc.before and not no_rank_left(tmp_path / "term"), proc.before
     m = re.search(r"run the same command again to resume from (\S+) \(iteration (\d+)\)", proc.stderr)
     assert m and Path(m.group(1)).parent == tmp_path / "term" / "checkpoints", proc.stderr
     ckpt = Path(m.group(1))
