@@ -108,6 +108,9 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     msg = str(info.value)
     assert msg.startswith("non-finite gradient norm nan at iteration 7; lm loss non-finite on rank(s) 0")
     assert "the latest checkpoint stays iter_0000004" in msg and "\n" not in msg
+    # tighter clipping is a *smaller* clip_grad: never suggest raising it
+    assert msg.endswith("fix: lower optimizer.lr=0.001 (or raise optimizer.lr_warmup_iters=0, or clip harder "
+                        "with optimizer.clip_grad below 1) and rerun to resume"), msg
     try:
         raise info.value
     except NonFiniteLossError:
@@ -153,11 +156,12 @@ def test_a_host_whose_every_rank_is_gone_is_a_node_failure_one_rank_a_crash(tmp_
     lost.report_alive(str(tmp_path), "7", 0, 1)
     lost.report_alive(str(tmp_path), "7", 0, 0)
     t0 = time.monotonic()
-    assert lost.crash_cause(str(tmp_path), "7", 0, 4, wait_s=0.5) == ("node failure", "node node2 lost (ranks 2,3)")
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, "rank 0 (node1) crashed", wait_s=0.5) == (
+        "node failure", "node node2 lost (ranks 2,3): rank 0 (node1) crashed")
     assert time.monotonic() - t0 >= 0.5  # it waited for the others
     lost.report_alive(str(tmp_path), "7", 0, 3)
-    assert lost.crash_cause(str(tmp_path), "7", 0, 4, wait_s=0.1) == ("crashed", "")  # node2 still had rank 3
-    assert lost.crash_cause(str(tmp_path), "8", 0, 4, wait_s=0.1) == ("crashed", "")  # another job's heartbeats
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, "x", wait_s=0.1) == ("crashed", "x")  # node2 still had rank 3
+    assert lost.crash_cause(str(tmp_path), "8", 0, 4, "x", wait_s=0.1) == ("crashed", "x")  # another job's heartbeats
 
 
 # ---- disk full ------------------------------------------------------------------------------------

@@ -638,8 +638,8 @@ def test_preemption_is_requeued_then_the_time_limit_finds_the_requeues_used_up(t
     assert attempt_causes(run_dir, job_id) == [(0, "preempted", True), (1, "timeout", False)], history.read_records(run_dir)
     assert len(stops) == 2 and stops[0] < stops[1], stops
     (line,) = [x for x in cli.stderr.splitlines() if x.startswith("error:")]
-    assert f"error: job {job_id} " in line and "requeues used up: 1 timeout/preemption requeue(s) >= " \
-        "cluster.max_num_timeout=1" in line, cli.describe()
+    assert line.startswith(f"error: job {job_id}: reached its time limit") and \
+        "its requeues are used up (1 of cluster.max_num_timeout=1)" in line, cli.describe()
     log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
     ckpt = run_dir / "checkpoints" / f"iter_{stops[0]:07d}"
     assert f"resumed from {ckpt} at iteration {stops[0]}" in log, log[-3000:]

@@ -64,7 +64,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("training.timing_warmup_iters", 0, False), ("training.exit_after_iters", 1, True),
     ("training.distributed_timeout_minutes", 1, False), ("training.eval_interval", 1, True),
     ("training.eval_iters", 0, False), ("training.max_skipped_steps", 0, False),
-    ("checkpoint.save_interval", 0, True),
+    ("checkpoint.save_interval", 0, True), ("training.trace_iteration", 1, True), ("sweep.trace_iteration", 1, True),
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
@@ -306,7 +306,8 @@ def check_device(cfg: JobConfig) -> None:
     On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
     optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
     backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
-    cannot run. ``model.transformer_impl=transformer_engine`` also needs the package installed.
+    cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
+    package installed, checked for local jobs only (SLURM nodes have their own Python).
     """
     t, m = cfg.training, cfg.model
     if runs_on_cpu(cfg):
@@ -331,7 +332,13 @@ def check_device(cfg: JobConfig) -> None:
         if m.transformer_impl == "transformer_engine":
             raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
                               f"({where}); fix: model.transformer_impl=local (or auto)")
-    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        if cfg.parallelism.sequence_parallel:
+            raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
+                              f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
+                              "fix: parallelism.sequence_parallel=false")
+    # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
+    if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
+            and importlib.util.find_spec("transformer_engine") is None):
         raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
                           "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
 

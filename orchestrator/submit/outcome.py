@@ -3,7 +3,7 @@
 The launcher (:func:`orchestrator.submit.wait.wait`) asks here before it words a failure:
 
 * :func:`known_failure` — the job's own account: the ``attempt_ended`` record of its latest attempt
-  (a NaN stop, a declared hang, a time-limit stop not requeued, with the one-line message the job wrote), else the message of an
+  (a NaN stop, a declared hang, with the one-line message the job wrote), else the message of an
   :class:`~orchestrator.errors.OrchestratorError` that ended a rank (a full disk, a resume refused in
   the job), read from the end of the rank's traceback, else a full disk under the run directory
   (when it is full the ranks can write neither results nor logs);
@@ -47,8 +47,6 @@ def known_failure(run_dir: str, job_id: str, errors: Iterable[Any] = ()) -> Opti
     latest = _latest(run_dir, job_id)
     if latest is not None and latest.cause in _JOB_CAUSES and latest.message:
         return latest.message
-    if latest is not None and latest.cause in history.TIMEOUT_CAUSES and not latest.requeued and latest.message:
-        return latest.message  # a stop that was not requeued (requeues used up, a cancelled job)
     for text in errors:
         message = orchestrator_error(text)
         if message:
@@ -71,6 +69,38 @@ def disk_full(run_dir: str) -> Optional[str]:
     iters = sorted(p for p in base.glob("iter_*") if p.is_dir()) if base.is_dir() else []
     torn = [p for p in iters if not (p / "manifest.json").exists()]
     return disk_full_message(torn[-1] if torn else base)
+
+
+def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
+    """One plain line (after ``job <id>: ``) when job ``job_id`` ended by stopping itself after a save, not
+    requeued (a time limit or preemption with ``cluster.max_num_timeout`` requeues used up, a local time
+    limit, a stop signal):
+    what stopped it, the requeues used and the checkpoint a rerun resumes from; else None. Such a job
+    writes no result files, and its end is no crash."""
+    from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+    from orchestrator.runtime.faults.diskspace import latest_checkpoint
+
+    records = history.read_records(run_dir)
+    mine = [a for a in history.attempts(records) if a.job_id == str(job_id)]
+    latest = max(mine, key=lambda a: a.attempt) if mine else None
+    if latest is None or latest.requeued or latest.cause not in (*history.TIMEOUT_CAUSES, "interrupted"):
+        return None
+    if not any(r.get("event") == "stopped" and str(r.get("job_id")) == str(job_id) for r in records):
+        return None  # ended by the launcher (Ctrl-C, its time bound), not by the job's own stop
+    used = sum(1 for a in mine if a.requeued and a.cause in history.TIMEOUT_CAUSES)
+    what = {"timeout": f"reached its time limit (cluster.timeout_min={cluster.timeout_min})",
+            "preempted": "was preempted"}.get(latest.cause, "was stopped by a signal")
+    if cluster.kind != "slurm":
+        requeues = "local runs are not requeued"
+    elif latest.cause in history.TIMEOUT_CAUSES:
+        requeues = f"its requeues are used up ({used} of cluster.max_num_timeout={cluster.max_num_timeout})"
+    else:
+        requeues = f"not requeued ({used} requeue(s) used)"
+    ckpt = latest_checkpoint(run_dir)
+    resume = (f"rerun the same command to resume from {run_dir}/{CHECKPOINTS_DIR}/{ckpt}" if ckpt
+              else "no checkpoint was saved, so a rerun starts from scratch")
+    saved = f" after saving iteration {latest.iteration}" if ckpt else ""
+    return f"{what} and stopped{saved}; {requeues}; {resume}"
 
 
 def failed_attempt_message(run_dir: str, job_id: str) -> Optional[str]:

@@ -191,8 +191,12 @@ class Guard:
             tail = (f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
                     if state == "skipped" else
                     " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)")
+        o = self.cfg.optimizer  # clipping is tightened by a *smaller* clip_grad (0 turns it off)
+        clip = ("turn gradient clipping on with optimizer.clip_grad=1.0" if not o.clip_grad else
+                f"clip harder with optimizer.clip_grad below {o.clip_grad:g}")
         message = (f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
-                   f"fix: lower optimizer.lr (or raise optimizer.clip_grad / lr_warmup_iters) and rerun to resume")
+                   f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
+                   f"{clip}) and rerun to resume")
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             _quietly(lambda: history.record_event(self.run_dir, "nan", job_id=self.job_id, attempt=self.attempt,
                                                   iteration=iteration, value=str(value), what=what,
@@ -289,21 +293,18 @@ class Guard:
         return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
 
     def _after_crash(self, exc: BaseException) -> None:
-        """The first rank to claim the end records ``crashed`` (``node failure`` when every rank of a host
-        is gone: :mod:`~orchestrator.runtime.faults.lost`) and decides on a requeue; the others wait
-        for that decision (bounded) and leave requeued too, or let their exception propagate."""
+        """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
+        requeue; the others wait for that decision (bounded) and leave requeued too, or let their exception go."""
         from orchestrator.runtime.faults.lost import crash_cause, report_alive
         from orchestrator.runtime.faults.requeue import leave_requeued
         from orchestrator.slurm import on_slurm
 
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
-        slurm = on_slurm() and self.watchdog is not None  # ranks across hosts, heartbeat files naming them
-        if slurm:
-            _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
+        slurm = on_slurm() and self.watchdog is not None  # ranks across hosts: the heartbeat files name them
+        slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            cause, lost = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size) if slurm else ("crashed", "")
-            message = f"{lost}: {message}" if lost else message
+            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm)
             history_ok = _quietly(lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))

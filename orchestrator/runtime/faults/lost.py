@@ -42,13 +42,14 @@ def _hosts(run_dir: str, job_id: str, attempt: int, world_size: int) -> Dict[int
     return hosts
 
 
-def crash_cause(run_dir: str, job_id: str, attempt: int, world_size: int, wait_s: float = 3.0) -> Tuple[str, str]:
-    """(``node failure`` or ``crashed``, the lost nodes in one line or "") for the crash of attempt
-    ``attempt``; call after :func:`report_alive`. Waits at most ``wait_s`` seconds, only for a job
-    whose ranks span several hosts."""
-    hosts = _hosts(run_dir, job_id, attempt, world_size)
+def crash_cause(run_dir: str, job_id: str, attempt: int, world_size: int, message: str = "", look: bool = True,
+                wait_s: float = 3.0) -> Tuple[str, str]:
+    """(``node failure`` or ``crashed``, ``message`` led by the lost nodes: ``node node2 lost (ranks
+    2,3): ...``) for the crash of attempt ``attempt``; call after :func:`report_alive`. Waits at most
+    ``wait_s`` seconds, only for a job whose ranks span several hosts; ``look=False``: ``crashed``."""
+    hosts = _hosts(run_dir, job_id, attempt, world_size) if look else {}
     if len(hosts) < world_size or len(set(hosts.values())) < 2:
-        return "crashed", ""
+        return "crashed", message
     deadline = time.monotonic() + wait_s
     while True:
         alive = {int(r["rank"]) for r in history.read_records(run_dir)
@@ -59,6 +60,6 @@ def crash_cause(run_dir: str, job_id: str, attempt: int, world_size: int, wait_s
         time.sleep(0.2)
     lost = lost_hosts(alive, hosts)
     if not lost:
-        return "crashed", ""
-    return "node failure", "; ".join(f"node {host} lost (ranks {','.join(map(str, ranks))})"
-                                     for host, ranks in lost.items())
+        return "crashed", message
+    nodes = "; ".join(f"node {host} lost (ranks {','.join(map(str, ranks))})" for host, ranks in lost.items())
+    return "node failure", f"{nodes}: {message}" if message else nodes
