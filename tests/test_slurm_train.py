@@ -33,7 +33,9 @@ therefore runs *while* the SLURM job starts up instead of after it: its busy ran
 SLURM job's start-up (~25 s alone, ~60 s next to them), so the first allocation trains for at
 most ~30 s before its signal (measured: stopped after 31-139 of 200 iterations) and 200
 iterations outlast it; the rest (20-45 s) fits into the second allocation before its signal.
-The node-loss run: the launcher names the lost node 0.3-2 s after the kill; the requeued attempt
+The preemption run (one rank): 200-215 s, most of it the requeued attempt waiting for its time-limit
+signal; the NaN run: about a minute. The node-loss run: the launcher names the lost node 4-5 s after the
+kill (3 s of it the survivors' wait for each other, runtime/faults/lost.py); the requeued attempt
 starts ~15 s after the requeue and finishes 65-120 s after the kill (load 13-25; 133 s in all at
 load 13, its 20-iteration reference running alongside).
 """
