@@ -5,8 +5,10 @@
   ``error:`` line on stderr, exit 2, torch never imported, and the run directories' files
   byte-identical before and after (nothing created either).
 * plan / dry-run write nothing; only a run that starts records ``<run.dir>/config.yaml``; a refused
-  resume leaves the run directory byte-identical; Ctrl-C exits 130 without a traceback, with the
-  resume hint only when a checkpoint exists.
+  resume leaves the run directory byte-identical; Ctrl-C (SIGINT to the process group), SIGHUP and
+  SIGTERM (to the launcher alone, which then stops the ranks itself) exit 130 without a traceback,
+  no rank left, with the resume hint only when a checkpoint exists; ``manifest check --deep`` catches
+  a byte flipped in a real sha256-digested shard that the default check does not read.
 * ``--help`` / ``--version`` are the tool's own; the config surface is frozen.
 """
 
@@ -272,20 +274,58 @@ TINY = ["training.global_batch_size=4", "training.eval_iters=0", "model.transfor
         "checkpoint.save_interval=1"]
 
 
-def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str) -> subprocess.CompletedProcess:
-    """Start the CLI, and once ``wait_for`` is printed send SIGINT to its whole process group (a
-    terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike)."""
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT's default disposition (a shell starts background jobs with
+    SIGINT ignored, and an ignored SIGINT would reach the launcher so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
+              sig: signal.Signals = signal.SIGINT, group: bool = True, watch: Path | None = None):
+    """Start the CLI, and once ``wait_for`` is printed send ``sig``: to its whole process group (a
+    terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike), or, with
+    ``group=False``, to the launcher process alone (``kill PID``, a closed terminal's SIGHUP): then
+    the launcher must stop the ranks itself. ``watch``: a run directory whose job processes are listed
+    just before the signal (``.before`` of the result)."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONPATH=str(REPO), **env))
-    seen = []
+    seen, before = [], []
     for line in proc.stdout:
         seen.append(line)
         if wait_for in line:
-            os.killpg(proc.pid, signal.SIGINT)
+            before = processes_of(watch) if watch is not None else []
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(proc.pid, sig)
             break
     out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
+    result = subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
+    result.before = before
+    return result
+
+
+def processes_of(run_dir: Path) -> list:
+    """Live processes whose command line names ``run_dir`` (a local job's submitit task and the ranks it
+    forks run ``submitit.local._local`` with a folder under it), orphans included."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def no_rank_left(run_dir: Path, within_s: float = 30) -> list:
+    deadline = time.monotonic() + within_s
+    while (left := processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -297,18 +337,62 @@ def interrupted(tmp_path_factory, cache_dir):
     return cwd, cwd / "runs" / "gpt_tiny_none", env, proc
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(interrupted, tmp_path):
+    """Ctrl-C (SIGINT to the process group) after a checkpoint: 130 and the resume hint; SIGHUP to the
+    launcher alone (a closed terminal) before any checkpoint: 130, no hint, and the launcher stopped
+    the ranks itself (none left)."""
     cwd, run_dir, env, proc = interrupted
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
     assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
     assert f"run the same command again to resume from {run_dir}/checkpoints/iter_" in proc.stderr
-    # a fresh run interrupted before any checkpoint: no resume hint
+    assert not no_rank_left(run_dir)
     fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
-                      "[orchestrator] schedule:")
+                      "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh")
     assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
     assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr
+    assert fresh.before and not no_rank_left(tmp_path / "fresh"), fresh.before  # the job was there, then gone
 
 
+def _manifest_check(ckpt: Path, args: List[str], cwd: Path, env: Dict[str, str], deep: bool):
+    return subprocess.run([sys.executable, "-m", "orchestrator", "manifest", "check", str(ckpt),
+                           *(["--deep"] if deep else []), "--", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_the_ranks_and_deep_check_catches_a_flipped_byte(tmp_path, cache_dir):
+    """SIGTERM to the launcher process alone (``kill PID``) at iteration 2: exit 130 without a
+    traceback, no rank left alive, the resume hint naming the checkpoint. That checkpoint was saved
+    with checkpoint.digest=sha256: `manifest check` accepts it; one byte flipped in its largest shard
+    (same size) passes the default check, which does not claim to have re-hashed anything, and
+    `manifest check --deep` refuses it naming the file."""
+    import re
+
+    env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
+    args = [*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=term", "checkpoint.digest=sha256"]
+    proc = interrupt(args, tmp_path, env, "iteration 2/", sig=signal.SIGTERM, group=False, watch=tmp_path / "term")
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
+    assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.before and not no_rank_left(tmp_path / "term"), proc.before
+    m = re.search(r"run the same command again to resume from (\S+) \(iteration (\d+)\)", proc.stderr)
+    assert m and Path(m.group(1)).parent == tmp_path / "term" / "checkpoints", proc.stderr
+    ckpt = Path(m.group(1))
+    ok = _manifest_check(ckpt, args, tmp_path, env, deep=True)
+    assert ok.returncode == 0 and "the config matches the checkpoint" in ok.stdout, ok.stdout + ok.stderr
+    assert re.search(r"deep check: \d+ file\(s\) re-hashed and matching\n", ok.stdout), ok.stdout  # all hashed
+    shard = max(ckpt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cheap = _manifest_check(ckpt, args, tmp_path, env, deep=False)
+    assert cheap.returncode == 0 and "re-hashed" not in cheap.stdout, cheap.stdout + cheap.stderr
+    deep = _manifest_check(ckpt, args, tmp_path, env, deep=True)
+    assert deep.returncode == 2 and f"changed {shard.name} (content)" in deep.stderr, deep.stdout + deep.stderr
+    assert deep.stderr.startswith("error: ") and len(deep.stderr.strip().splitlines()) == 1, deep.stderr
+
+
+@pytest.mark.slow
 def test_only_a_run_that_starts_records_its_config(interrupted):
     _, run_dir, _, _ = interrupted
     text = (run_dir / "config.yaml").read_text()
@@ -322,6 +406,7 @@ def test_only_a_run_that_starts_records_its_config(interrupted):
     assert not (run_dir / ".hydra").exists() and not list(run_dir.glob("*.log"))
 
 
+@pytest.mark.slow
 def test_a_refused_resume_leaves_the_run_directory_byte_identical(interrupted):
     cwd, run_dir, env, _ = interrupted
     before = snapshot(run_dir)

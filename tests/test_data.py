@@ -117,6 +117,7 @@ def test_a_failure_while_writing_removes_the_temporary_files(tmp_path, byte_toke
 
 
 # ---- a blend through the CLI ------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_text
 def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

@@ -6,6 +6,9 @@ The slow ones run real local jobs through the CLI (gloo on CPU, gpt_tiny):
 * ``optimizer.lr=1000``: the job stops at the first non-finite gradient norm with one line naming
   the iteration, the value and the ranks; no checkpoint at or after it; ``status`` says ``nan``; a
   rerun with a sane lr resumes from the last good checkpoint and finishes with finite losses.
+* ``training.nan_policy=skip``: +inf put into a gradient at chosen iterations (the runtime's test-only
+  ``ORCHESTRATOR_TEST_NONFINITE_GRAD_AT``): skipped updates leave the checkpointed weights and Adam
+  moments unchanged, training continues, one skip too many in a row stops the job with a NaN end.
 * SIGSTOP of one rank of a 2-rank job: the job ends within ``hang_timeout_s`` + 30 s naming that
   rank; the live rank's stacks are in ``<run_dir>/stacks/``.
 * A run directory on a small tmpfs whose second checkpoint does not fit: one line naming ENOSPC,
@@ -18,6 +21,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +138,30 @@ def test_skip_policy_without_guard_step_refuses_to_pretend(tmp_path, clean_env):
     g = guard_mod.Guard(_cfg(tmp_path, nan_policy="skip", max_skipped_steps=3), tmp_path, 0, None)
     with pytest.raises(NonFiniteLossError, match="needs the loop to step through Guard.step"):
         g.check(3, None, float("inf"))
+
+
+def test_a_host_whose_every_rank_is_gone_is_a_node_failure_one_rank_a_crash(tmp_path, clean_env):
+    """The survivors of a failed collective say so (rank_alive); every rank of one host silent while
+    the other host's answered is a lost node; one silent rank, or a one-host job, is a crash."""
+    from orchestrator.runtime.faults import lost
+    from orchestrator.runtime.faults.watchdog import heartbeat_path, write_heartbeat
+
+    assert lost.lost_hosts({0, 1}, {0: "node1", 1: "node1", 2: "node2", 3: "node2"}) == {"node2": [2, 3]}
+    assert lost.lost_hosts({0, 1, 2}, {0: "node1", 1: "node1", 2: "node2", 3: "node2"}) == {}
+    assert lost.lost_hosts(set(), {0: "node1", 1: "node2"}) == {}  # nobody answered: nothing to compare
+    for rank, host in enumerate(["node1", "node1", "node2", "node2"]):
+        path = heartbeat_path(tmp_path, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_heartbeat(path, {"rank": rank, "host": host, "job_id": "7", "attempt": 0})
+    lost.report_alive(str(tmp_path), "7", 0, 1)
+    lost.report_alive(str(tmp_path), "7", 0, 0)
+    t0 = time.monotonic()
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, "rank 0 (node1) crashed", wait_s=0.5) == (
+        "node failure", "node node2 lost (ranks 2,3): rank 0 (node1) crashed")
+    assert time.monotonic() - t0 >= 0.5  # it waited for the others
+    lost.report_alive(str(tmp_path), "7", 0, 3)
+    assert lost.crash_cause(str(tmp_path), "7", 0, 4, "x", wait_s=0.1) == ("crashed", "x")  # node2 still had rank 3
+    assert lost.crash_cause(str(tmp_path), "8", 0, 4, "x", wait_s=0.1) == ("crashed", "x")  # another job's heartbeats
 
 
 # ---- disk full ------------------------------------------------------------------------------------
@@ -306,6 +334,71 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     assert [a["cause"] for a in attempts] == ["nan", "completed"], attempts
     final = json.loads((run_dir / "checkpoints" / "iter_0000014" / "manifest.json").read_text())
     assert [(a["cause"], a["iteration"]) for a in final["history"]] == [("nan", bad), ("completed", 14)]
+
+
+def _checkpoint_tensors(path: Path, into: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint (model and optimizer state), read back with torch's own
+    ``dcp_to_torch_save``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = into / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+@pytest.mark.slow
+def test_skip_policy_leaves_updates_unapplied_continues_and_stops_after_too_many_in_a_row(tmp_path, cache_dir):
+    """training.nan_policy=skip in a real job: +inf put into a gradient at iterations 3, 5, 6 and 7
+    (the runtime's test-only NONFINITE_GRAD_ENV) with max_skipped_steps=2. Iteration 3 is skipped (its
+    checkpoint's weights and optimizer moments equal iteration 2's; the LR schedule does not advance),
+    4 trains again (weights change), 5 and 6 are skipped (2 in a row), 7 is the third in a row: the job
+    stops with one NaN line (exit 1), saving nothing of 7; each skip is counted in jobs.jsonl."""
+    import torch
+
+    from orchestrator.runtime.training.loop import NONFINITE_GRAD_ENV
+
+    run_dir = tmp_path / "skip"
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=skip", "training.train_iters=10",
+                            "checkpoint.save_interval=1", "training.nan_policy=skip", "training.max_skipped_steps=2",
+                            "optimizer.lr_warmup_iters=0"],
+                   cache=cache_dir, check=False, timeout=900, env={NONFINITE_GRAD_ENV: "3,5,6,7"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert re.match(r"error: job \S+: non-finite gradient norm inf at iteration 7; ", line), line
+    assert "Traceback" not in proc.stderr
+    assert "training.nan_policy=skip: 2 step(s) skipped in a row already" in line, line
+    records = {r["iteration"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == [1, 2, 3, 4, 5, 6], sorted(records)
+    assert [i for i, r in records.items() if r["skipped"]] == [3, 5, 6]
+    assert all(math.isfinite(r["lm_loss"]) for r in records.values())
+    assert records[3]["grad_norm"] == math.inf and math.isfinite(records[4]["grad_norm"])
+    # the schedule does not advance on a skipped step: iteration 4 applies the lr iteration 3 would have
+    assert records[4]["lr"] == records[3]["lr"] != records[2]["lr"], [records[i]["lr"] for i in (2, 3, 4)]
+    skipped = [(r["iteration"], r["value"]) for r in history.read_records(run_dir) if r["event"] == "nan_skipped"]
+    assert skipped == [(3, "inf"), (5, "inf"), (6, "inf")], skipped
+    (a,) = history.attempts(history.read_records(run_dir))
+    assert (a.cause, a.iteration) == ("nan", 7)
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"iter_{i:07d}" for i in range(1, 7)]
+    state = {i: _checkpoint_tensors(ckpts / f"iter_{i:07d}", tmp_path) for i in (2, 3, 4, 6)}
+    weights = [k for k in state[2] if not k.startswith("/optimizer.")]
+    moments = [k for k in state[2] if k.startswith("/optimizer.state.exp_avg")]
+    assert weights and moments, sorted(state[2])[:20]
+    for keys in (weights, moments):
+        assert all(torch.equal(state[2][k], state[3][k]) for k in keys)  # step 3 was not applied
+        assert not all(torch.equal(state[3][k], state[4][k]) for k in keys)  # step 4 was
+        assert all(torch.equal(state[4][k], state[6][k]) for k in keys)  # 5 and 6 were not either
 
 
 def _iterations_done(run_dir: Path) -> int:

@@ -1,6 +1,7 @@
 """The timeout/preemption contract without SLURM: flag, collective decision, exit without a result.
 
-The SLURM half (scontrol requeue, restart count, cancelled jobs not requeued) is in tests/test_slurm.py.
+The SLURM half (scontrol requeue, restart count, requeue limits per cause, a preemption, cancelled
+jobs not requeued) runs on the dev cluster: tests/test_slurm_train.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runtime.faults import preempt, requeue
+from orchestrator.runtime.faults import preempt
 from orchestrator.runtime.faults.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, StopRequest, Stopped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,49 +74,17 @@ def test_exit_codes_and_types():
     assert LOCAL_REQUEUE_RETURN_CODE not in (REQUEUE_EXIT_CODE, STOP_EXIT_CODE)
 
 
-def test_decision_on_slurm(monkeypatch):
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+def test_a_local_job_inside_an_allocation_is_not_slurms(monkeypatch):
+    """A local (submitit LocalExecutor) job started inside a SLURM allocation is never requeued with
+    ``scontrol``. (The SLURM decisions themselves — requeue while RUNNING, requeues used up, a
+    cancelled job not requeued, failures against cluster.max_failures, a preemption — run on the dev
+    cluster: tests/test_slurm_train.py.)"""
     monkeypatch.setenv("SLURM_JOB_ID", "123")
-    _patch_both(monkeypatch, "_slurm_job_state", lambda job_id: "RUNNING")
-    stop = StopRequest(max_requeues=2)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert stop._decide() == (True, "requeue 2 of at most 2")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    ok, why = stop._decide()
-    assert not ok and "requeues used up" in why
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    monkeypatch.setattr(preempt, "_slurm_job_state", lambda job_id: "COMPLETING")  # after scancel
-    ok, why = stop._decide()
-    assert not ok and "COMPLETING" in why
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")  # a local job inside an allocation is not SLURM's
-    assert not preempt.on_slurm()
-
-
-def test_timeouts_and_failures_are_counted_separately(monkeypatch, tmp_path):
-    """cluster.max_num_timeout counts attempts that ended in a timeout/preemption, cluster.max_failures
-    those that failed (hang, node failure, crash), both from the run's history, not SLURM's one
-    restart counter."""
-    from orchestrator.ckpt import history
-
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # one timeout + one hang so far
-    _patch_both(monkeypatch, "_slurm_job_state", lambda job_id: "RUNNING")
-    calls = []
-    _patch_both(monkeypatch, "_scontrol_requeue", lambda job_id: (calls.append(job_id), (True, ""))[1])
-    history.record_attempt_ended(tmp_path, "77", 0, "timeout", iteration=10, requeued=True)
-    history.record_attempt_ended(tmp_path, "77", 1, "hang", iteration=12, requeued=True)
-    assert preempt.job_identity() == ("77", 2)
-    stop = StopRequest(max_requeues=2, run_dir=str(tmp_path))
-    assert stop._decide() == (True, "requeue 2 of at most 2")  # SLURM_RESTART_COUNT=2 alone would refuse
-    assert StopRequest(max_requeues=1, run_dir=str(tmp_path))._decide()[0] is False
-    history.record_attempt_ended(tmp_path, "77", 2, "crashed", iteration=12)
-    assert preempt.requeue_for_failure(str(tmp_path), 2) == (True, "requeued SLURM job 77 (failure 2 of at most 2 retried)")
-    ok, why = preempt.requeue_for_failure(str(tmp_path), 1)
-    assert not ok and why == "not requeued: failure 2 > cluster.max_failures=1"
-    assert calls == ["77"]
+    assert preempt.on_slurm()
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
-    assert preempt.requeue_for_failure(str(tmp_path), 5) == (False, "not requeued (a local run)")
+    assert not preempt.on_slurm()
+    assert preempt.requeue_for_failure("/nonexistent", 5) == (False, "not requeued (a local run)")
 
 
 _WORKER = textwrap.dedent("""
@@ -187,12 +156,6 @@ def test_submitit_handler_replaced_and_stop_leaves_no_result(clean_env, tmp_path
     job.wait()  # LocalJob: bounded by the process' life
     assert not Path(job.paths.result_pickle).exists()  # neither "success" nor "error"
     assert "stopped" in Path(job.paths.stderr).read_text()
-
-
-def _patch_both(monkeypatch, name, value):
-    """The SLURM queries are looked up in preempt (the signal path) and requeue (failures)."""
-    monkeypatch.setattr(preempt, name, value)
-    monkeypatch.setattr(requeue, name, value)
 
 
 # ---- a dead launcher (runtime/faults/launcher.py) ---------------------------------------------------

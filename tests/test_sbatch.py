@@ -125,31 +125,31 @@ def _noop():
     return 0
 
 
-def test_render_equals_what_auto_executor_submits(fake_slurm):
-    import submitit
+def _production_executor(cfg: JobConfig, world: int):
+    """The executor ``cluster=slurm*`` submits with (orchestrator.submit.executor.make_executor)."""
+    from orchestrator.submit import executor
 
+    return executor.make_executor(cfg, world)
+
+
+def test_render_equals_what_the_production_executor_submits(fake_slurm):
     cfg = a100_job()
+    cfg.run.dir = str(fake_slurm / "runs" / "gpt")
     world, _ = world_size_of(cfg)
-    folder = fake_slurm / "runs" / "gpt" / "submitit"
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", **sbatch.executor_init_kwargs(cfg))
-    executor.update_parameters(**sbatch.executor_parameters(cfg, world))
-    job = executor.submit(_noop)
+    job = _production_executor(cfg, world).submit(_noop)
     assert job.job_id == "4242"
     submitted = (fake_slurm / "submitted.sh").read_text()
-    assert submitted == sbatch.render_sbatch(cfg, world, folder)
+    assert submitted == sbatch.render_sbatch(cfg, world, Path(cfg.run.dir) / "submitit")
+    assert "#SBATCH --nodes=4" in submitted and "#SBATCH --ntasks-per-node=8" in submitted
 
 
-def test_render_equals_what_slurm_executor_submits(fake_slurm):
-    import submitit
-
-    cfg = compose("+experiment=gpt_pp2_dp2", "cluster=slurm_dev")
+def test_render_equals_what_the_production_executor_submits_for_the_dev_cluster(fake_slurm):
+    cfg = compose("+experiment=gpt_pp2_dp2", "cluster=slurm_dev", f"run.dir={fake_slurm / 'with space' / 'run'}")
     world, _ = world_size_of(cfg)
-    folder = fake_slurm / "with space" / "submitit"
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_num_timeout,
-                                      python=sbatch.python_command(cfg))
-    executor.update_parameters(**sbatch.slurm_executor_parameters(cfg, world))
-    executor.submit(_noop)
-    assert (fake_slurm / "submitted.sh").read_text() == sbatch.render_sbatch(cfg, world, folder)
+    _production_executor(cfg, world).submit(_noop)
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert submitted == sbatch.render_sbatch(cfg, world, Path(cfg.run.dir) / "submitit")
+    assert "#SBATCH --partition=dev" in submitted and "#SBATCH --signal=USR2@60" in submitted
 
 
 # ---- quoting: nothing typed becomes shell -----------------------------------------------------
@@ -285,14 +285,17 @@ def test_bad_values_raise_config_error(cluster, match):
         sbatch.executor_parameters(slurm_cfg(**cluster), 4)
 
 
-def test_auto_executor_accepts_every_parameter(fake_slurm):
-    """submitit itself validates names (NameError for unknown ones): every key we emit is known."""
-    import submitit
-
+def test_the_production_executor_accepts_every_parameter(fake_slurm):
+    """submitit itself validates names (an error for unknown ones): every key we emit is known."""
     cfg = slurm_cfg(partition="p", account="a", qos="q", constraint="c", exclude="n1", mem="4G", cpus_per_task=2,
                     srun_args=["--cpu-bind=none"], additional_parameters={"reservation": "r"}, gpus_per_node=4)
-    executor = submitit.AutoExecutor(folder=fake_slurm / "f", cluster="slurm", **sbatch.executor_init_kwargs(cfg))
-    executor.update_parameters(**sbatch.executor_parameters(cfg, 4))
+    cfg.run.dir = str(fake_slurm / "f")
+    _production_executor(cfg, 4).submit(_noop)
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert submitted == sbatch.render_sbatch(cfg, 4, Path(cfg.run.dir) / "submitit")
+    for line in ("#SBATCH --partition=p", "#SBATCH --account=a", "#SBATCH --qos=q", "#SBATCH --constraint=c",
+                 "#SBATCH --exclude=n1", "#SBATCH --mem=4G", "#SBATCH --reservation=r"):
+        assert line in submitted, line
 
 
 def test_sbatch_module_is_torch_free():

@@ -5,13 +5,12 @@ exactly as `cluster=slurm` submits them — :func:`orchestrator.submit.executor.
 the `slurm_dev` preset, the submission recorded as the launcher records it — and waited on with the
 launcher's own :func:`orchestrator.submit.executor.wait`; or through the CLI itself.
 
-End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume,
-scancel while the launcher waits) lives in test_slurm_train.py; here: 4 ranks really run, the
-rendered script is the submitted one and an injection attempt creates no file; the requeue contract
-of orchestrator.runtime.faults.preempt works with submitit's result files and the production wait; two
-detached submissions to one run directory: one trains, the other exits naming the holder of the
-run lock. (That a cancelled job is not requeued is checked on a real training job, by
-test_slurm_train's scancel test.)
+End-to-end training on SLURM (losses equal to the local run, timeout -> save -> requeue -> resume
+with the production wait reporting the requeue, a preemption, requeues used up, a NaN never
+requeued, scancel while the launcher waits) lives in test_slurm_train.py; here: 4 ranks really run,
+the rendered script is the submitted one and an injection attempt creates no file; two detached
+submissions to one run directory: one trains, the other exits naming the holder of the run lock.
+(The USR2 stand-in job that was here repeated test_slurm_train's real time-limit run.)
 """
 
 from __future__ import annotations
@@ -88,48 +87,6 @@ def _rank_report():
             "nccl_ib_disable": os.environ.get("NCCL_IB_DISABLE"), "job_name": os.environ.get("SLURM_JOB_NAME")}
 
 
-def _train_like(state_dir: str, total: int, step_s: float, max_requeues: int, run_dir: str,
-                resume_step_s: float = 0.01):
-    """A stand-in for the training loop with the preempt contract: resume from the "checkpoint"
-    (a file), step with a collective, stop on request: save, requeue or exit."""
-    import os
-    import time
-    from pathlib import Path
-
-    import submitit
-    import torch
-    import torch.distributed as dist
-
-    from orchestrator.runtime.faults.preempt import StopRequest, restart_count
-
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    stop = StopRequest(max_requeues=max_requeues, run_dir=run_dir).install()
-    ckpt = Path(state_dir) / "checkpoint"
-    start = int(ckpt.read_text()) if ckpt.exists() else 0
-    iteration = start
-    if restart_count():
-        step_s = resume_step_s  # the resumed run finishes quickly (before another early signal)
-    while iteration < total:
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        time.sleep(step_s)
-        iteration += 1
-        if rank == 0:
-            (Path(state_dir) / f"progress_{restart_count()}").write_text(str(iteration))
-        if stop.requested():
-            dist.barrier()
-            if rank == 0:
-                tmp = ckpt.with_suffix(".tmp")
-                tmp.write_text(str(iteration))
-                os.replace(tmp, ckpt)
-            stop.requeue_or_exit("test stop")
-    dist.destroy_process_group()
-    return {"rank": rank, "start": start, "end": iteration, "restarts": restart_count(),
-            "signal": stop.signal_name}
-
-
 # ---- tests ---------------------------------------------------------------------------------------
 
 def test_four_ranks_run_the_rendered_script_and_injection_creates_no_file(tmp_path, monkeypatch):
@@ -153,32 +110,6 @@ def test_four_ranks_run_the_rendered_script_and_injection_creates_no_file(tmp_pa
     assert sorted(p.name for p in cwd.iterdir()) == []
     st = status.run_status(run)
     assert st.state == "completed" and st.job.job_id == str(job.job_id)
-
-
-def test_usr2_saves_requeues_and_resumes(tmp_path, capsys):
-    """The preemption path of the contract: USR2 to every task (as `--signal` does near the time
-    limit) -> collective stop -> save -> scontrol requeue -> SLURM restarts the job -> it resumes
-    from the saved iteration and completes; the production wait reports the requeue and waits
-    through it; no result file in between."""
-    state = tmp_path / "state"
-    state.mkdir()
-    run = tmp_path / "run"
-    cfg = dev_cfg(run)
-    job = submit(cfg, _train_like, str(state), 60, 0.2, 1, str(run))
-    wait_until(lambda: (state / "progress_0").exists() and int((state / "progress_0").read_text() or 0) >= 5,
-               120, "5 iterations of the first run")
-    scancel("--signal=USR2", str(job.job_id))
-    results = executor.wait(job, cfg, 4)
-    assert f"job {job.job_id} requeued (1 of at most" in capsys.readouterr().out
-    saved = int((state / "progress_0").read_text())
-    assert {r["start"] for r in results} == {saved} and {r["end"] for r in results} == {60}
-    assert {r["restarts"] for r in results} == {1}
-    events = [r for r in history.read_records(run) if r["event"] == "requeued"]
-    assert len(events) == 1 and events[0]["signal"] == "SIGUSR2" and events[0]["restart_count"] == 0
-    log = Path(job.paths.stderr).read_text()
-    assert "requeued SLURM job" in log and "requeue 1 of at most 1" in log
-    st = status.run_status(run)
-    assert st.state == "completed" and st.job.restarts == 1, st
 
 
 def _cli(args: List[str], cache: Path) -> subprocess.Popen:

@@ -15,12 +15,15 @@ nodes (`slurm-dev-up.sh --single`). Every wait is bounded.
   reports success; losses, including those after each resume point, equal an uninterrupted local
   run (1e-5 relative).
 * A node lost mid-run (every process of the job on the node of stage 1 killed): the attempt ends
-  within 60 s, the launcher names the node and the ranks, the job requeues itself
+  within 60 s, the launcher names the node and the ranks (cause ``node failure``), the job requeues itself
   (`cluster.max_failures`), resumes from the last complete checkpoint and finishes with the losses
   of an uninterrupted run (1e-5 relative); both nodes are usable afterwards.
 * scancel while the launcher waits: reported as cancelled (non-zero exit) within 60 s.
 * A rank killed with SIGKILL (`cluster.max_failures=0`): the launcher reports it and the job ends
-  instead of hanging.
+  instead of hanging; the attempt is ``crashed`` (one rank, not a node) and not requeued.
+* Preemption (`scontrol requeue`, what SLURM's PreemptMode=REQUEUE does): ``preempted``, requeued by
+  SLURM; the requeued attempt's time limit then finds `cluster.max_num_timeout=1` used up and stops.
+* `optimizer.lr=1000` with `cluster.max_failures=1`: ``nan``, never requeued.
 * `python -m orchestrator status` lists each run with its state, requeues, last iteration and loss.
 
 Time (2 cores): SLURM sends `--signal=USR2@30` of a 2-minute job 60-90 s after it starts
@@ -30,7 +33,9 @@ therefore runs *while* the SLURM job starts up instead of after it: its busy ran
 SLURM job's start-up (~25 s alone, ~60 s next to them), so the first allocation trains for at
 most ~30 s before its signal (measured: stopped after 31-139 of 200 iterations) and 200
 iterations outlast it; the rest (20-45 s) fits into the second allocation before its signal.
-The node-loss run: the launcher names the lost node 0.3-2 s after the kill; the requeued attempt
+The preemption run (one rank): 200-215 s, most of it the requeued attempt waiting for its time-limit
+signal; the NaN run: about a minute. The node-loss run: the launcher names the lost node 4-5 s after the
+kill (3 s of it the survivors' wait for each other, runtime/faults/lost.py); the requeued attempt
 starts ~15 s after the requeue and finishes 65-120 s after the kill (load 13-25; 133 s in all at
 load 13, its 20-iteration reference running alongside).
 """
@@ -89,6 +94,12 @@ REL = 1e-5
 
 # ---- helpers -----------------------------------------------------------------------------------
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT's default disposition, so that :meth:`Cli.kill`'s SIGINT
+    cancels the job even when pytest itself was started as a shell's background job (SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Cli:
     """`python -m orchestrator ARGS` in the background, output to files (no pipe to fill up)."""
 
@@ -98,7 +109,7 @@ class Cli:
         env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
-                                         stdout=out, stderr=err, text=True)
+                                         stdout=out, stderr=err, text=True, preexec_fn=_sigint_default)
 
     @property
     def stdout(self) -> str:
@@ -496,7 +507,7 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     assert not leftovers, leftovers
 
     # The message: the node and the ranks that died (srun's line), and the requeue.
-    assert f"[orchestrator] job {job_id} failed: " in said, said
+    assert f"[orchestrator] job {job_id} failed: node {node} lost (ranks 2,3): " in said, said
     assert srun_killed(said, node) == ranks, said
     assert f"job {job_id} requeued after a failure (cluster.max_failures=1)" in said, said
     assert elapsed < 60, elapsed
@@ -510,7 +521,8 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     assert f"completed: iteration {n} |" in out and out.rstrip().endswith(f"| job {job_id}"), out
     assert end and end.state == "completed" and end.restarts == 1, end
     attempts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
-    assert [(a.attempt, a.cause) for a in attempts] == [(0, "crashed"), (1, "completed")], attempts
+    assert [(a.attempt, a.cause) for a in attempts] == [(0, "node failure"), (1, "completed")], attempts
+    assert attempts[0].message.startswith(f"node {node} lost (ranks 2,3)"), attempts[0]
     assert attempts[1].start_iteration == resume_at and attempts[1].iteration == n, attempts
 
     # Every loss of both attempts (the retrained iterations too) equals the uninterrupted run's.
@@ -584,7 +596,88 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     assert f"error: job {job_id}" in cli.stderr, cli.describe()
     assert "task 1: Killed" in (run_dir / "submitit" / f"{job_id}_0_log.err").read_text()  # srun saw it
     assert rank_process(run_dir, 0) is None and rank_process(run_dir, 2) is None  # nobody left blocked
-    assert status.run_status(run_dir).state in ("failed", "cancelled")
+    st = status.run_status(run_dir)
+    assert st.state in ("failed", "cancelled") and st.job.results.get(1) is None, st  # no result from the killed rank
+    # one rank of the node killed: a crash, not a node failure; cluster.max_failures=0: not requeued
+    assert attempt_causes(run_dir, job_id) == [(0, "crashed", False)], history.read_records(run_dir)
+    assert jobs.slurm_job_status(job_id).restarts == 0
+
+
+ONE_RANK = ["parallelism=none", "cluster=slurm_dev", "cluster.tasks_per_node=1"]
+"""The smallest SLURM job: one rank (what the requeue limits need; the layouts are tested above)."""
+
+
+def attempt_causes(run_dir: Path, job_id: str) -> List[tuple]:
+    return [(a.attempt, a.cause, a.requeued) for a in history.attempts(history.read_records(run_dir))
+            if a.job_id == job_id]
+
+
+@needs_slurm
+def test_preemption_is_requeued_then_the_time_limit_finds_the_requeues_used_up(tmp_path, cache_dir):
+    """What SLURM does on preemption (PreemptMode=REQUEUE): it requeues the running job itself and
+    sends SIGTERM; `scontrol requeue JOB` from outside does exactly that. With cluster.max_num_timeout=1
+    the attempt saves, leaves requeued and is recorded ``preempted``; SLURM restarts the job, which
+    resumes from that checkpoint and runs into its time limit (2 min, --signal=USR2@30): the one
+    requeue is used up, so it saves and stops (cause ``timeout``, not requeued), and the launcher
+    exits 1 saying so."""
+    run_dir = tmp_path / "slurm"
+    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=100000",
+                                  "checkpoint.save_interval=null", "cluster.signal_delay_s=30",
+                                  "cluster.max_num_timeout=1"], cache_dir, tmp_path / "logs")
+    try:
+        job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
+        wait_until(lambda: iterations_done(run_dir) >= 2, 240, "training on SLURM", cli)
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # the preemption
+        wait_until(lambda: f"job {job_id} requeued (1 of at most 1)" in cli.stdout, 120, "the launcher to see it", cli)
+        # The requeued attempt gets a 2-minute limit (USR2@30 arrives 60-90 s after it starts); the first
+        # kept slurm_dev's 15, so that no time-limit signal can come before the preemption on a busy machine.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], check=True, timeout=30)
+        code = cli.wait(420)
+    finally:
+        cli.kill()
+    assert code == 1, cli.describe()
+    stops = [e["iteration"] for e in events(run_dir, "stopped")]
+    assert attempt_causes(run_dir, job_id) == [(0, "preempted", True), (1, "timeout", False)], history.read_records(run_dir)
+    assert len(stops) == 2 and stops[0] < stops[1], stops
+    (line,) = [x for x in cli.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: job {job_id}: reached its time limit") and \
+        "its requeues are used up (1 of cluster.max_num_timeout=1)" in line, cli.describe()
+    log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
+    ckpt = run_dir / "checkpoints" / f"iter_{stops[0]:07d}"
+    assert f"resumed from {ckpt} at iteration {stops[0]}" in log, log[-3000:]
+    assert json.loads((run_dir / "checkpoints" / f"iter_{stops[1]:07d}" / "manifest.json").read_text())[
+        "iteration"] == stops[1]
+    err = (run_dir / "submitit" / f"{job_id}_0_log.err").read_text()
+    assert f"SLURM requeued job {job_id} itself (preemption)" in err, err[-3000:]
+    st = wait_until(lambda: (x := jobs.slurm_job_status(job_id)) and x.ended and x, 60, "SLURM to end the job")
+    assert st.restarts == 1, st  # the preemption's requeue only
+    listing = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60).stdout
+    assert f"preempted (requeued)  iteration {stops[0]}" in listing and f"timeout  iteration {stops[1]}" in listing, \
+        listing
+
+
+@needs_slurm
+def test_a_nan_is_never_requeued(tmp_path, cache_dir):
+    """optimizer.lr=1000 on SLURM with cluster.max_failures=1 left: the NaN stop ends the job (exit 1,
+    one line), the attempt's cause is ``nan`` and SLURM never restarts it."""
+    run_dir = tmp_path / "slurm"
+    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=40",
+                                  "optimizer.lr=1000", "cluster.max_failures=1"], cache_dir, tmp_path / "logs")
+    try:
+        job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
+        code = cli.wait(400)
+    finally:
+        cli.kill()
+    assert code == 1, cli.describe()
+    (line,) = [x for x in cli.stderr.splitlines() if x.startswith("error:")]
+    assert re.search(r"non-finite (gradient norm|lm loss) \S+ at iteration \d+", line), cli.describe()
+    st = wait_until(lambda: (x := jobs.slurm_job_status(job_id)) and x.ended and x, 60, "SLURM to end the job")
+    time.sleep(3)  # a wrong requeue would show by now
+    assert jobs.slurm_job_status(job_id).restarts == 0, st
+    assert attempt_causes(run_dir, job_id) == [(0, "nan", False)]
+    assert f"job {job_id} requeued" not in cli.stdout, cli.stdout
+    assert "Traceback" not in cli.stderr
 
 
 # ---- a late time-limit signal (no cluster needed) ----------------------------------------------

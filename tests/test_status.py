@@ -1,9 +1,10 @@
 """Job records and run status: records, result files, metrics, the status CLI, scontrol's output.
 
-No mocks: local jobs are real submitit jobs submitted by the production executor and waited on with
-its production wait; SLURM states come from real dev-cluster jobs where SLURM answers (skipped,
-with the reason, where it does not) and from recorded ``scontrol show job`` text for the states a
-test cannot provoke cheaply (TIMEOUT, NODE_FAIL ...).
+No mocks: `status` reads the files a real 2-iteration run wrote; the other local jobs are real
+submitit jobs submitted by the production executor and waited on with its production wait; SLURM
+states come from recorded ``scontrol show job`` text for the states a test cannot provoke cheaply
+(TIMEOUT, NODE_FAIL ...). Real SLURM runs' status (completed after requeues, cancelled, a killed
+rank, preempted, nan) is asserted by tests/test_slurm_train.py on the runs it makes anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from conftest import slurm_unavailable_reason, submit_like_launcher
+from conftest import losses_by_iteration, run_cli, submit_like_launcher
 from orchestrator.ckpt import history
 from orchestrator.errors import JobFailedError
 from orchestrator.config.compose import compose_config
@@ -26,15 +27,6 @@ from orchestrator.submit import executor, jobs, status
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
-_SLURM = slurm_unavailable_reason()
-
-
-def write_metrics(run: Path, metrics=((1, 5.5), (2, 5.25))) -> None:
-    """metrics.jsonl as the runtime writes it (one record per iteration, then events)."""
-    with open(run / "metrics.jsonl", "w") as f:
-        for it, loss in metrics:
-            f.write(json.dumps({"iteration": it, "lm_loss": loss, "lr": 1e-3}) + "\n")
-        f.write(json.dumps({"event": "checkpoint", "iteration": metrics[-1][0]}) + "\n")
 
 
 def cfg_for(run: Path, *cluster: str, tasks: int = 2):
@@ -132,29 +124,32 @@ def test_record_submission_fields(tmp_path):
 
 # ---- local jobs ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def local_runs(tmp_path_factory):
-    """Real local jobs through the production executor and wait: one succeeds, one has a rank raise."""
+def local_runs(tmp_path_factory, cache_dir):
+    """Real local jobs: a 2-iteration gpt_tiny run through the CLI (its own metrics.jsonl and
+    jobs.jsonl), and a job through the production executor and wait that has a rank raise."""
     root = tmp_path_factory.mktemp("runs")
     ok, bad = root / "local_ok", root / "local_bad"
-    cfg_ok, cfg_bad = cfg_for(ok), cfg_for(bad)
-    job_ok = submit_like_launcher(cfg_ok, _ok, world_size=2)
+    run_cli(["data.stdlib_max_mb=2", "training.train_iters=2", "training.eval_iters=0", "training.log_interval=1",
+             f"run.root={root}", "run.name=local_ok"], cache=cache_dir)
+    job_ok = next(r["job_id"] for r in history.read_records(ok) if r["event"] == "submitted")
+    cfg_bad = cfg_for(bad)
     job_bad = submit_like_launcher(cfg_bad, _raise_on, 1, world_size=2)
-    assert [r["rank"] for r in executor.wait(job_ok, cfg_ok, 2)] == [0, 1]
     with pytest.raises(JobFailedError, match="boom"):
         executor.wait(job_bad, cfg_bad, 2)
-    write_metrics(ok)
-    write_metrics(bad, ((1, 6.0),))
-    return root, {"ok": (ok, str(job_ok.job_id)), "bad": (bad, str(job_bad.job_id))}
+    return root, {"ok": (ok, str(job_ok)), "bad": (bad, str(job_bad.job_id))}
 
 
+@pytest.mark.slow
 def test_completed_and_failed_local_jobs(local_runs):
     _, runs = local_runs
     s_ok, s_bad = status.run_status(runs["ok"][0]), status.run_status(runs["bad"][0])
-    assert (s_ok.state, s_ok.job.job_id, s_ok.iteration, s_ok.lm_loss) == ("completed", runs["ok"][1], 2, 5.25)
-    assert s_ok.job.results == {0: "success", 1: "success"}
+    loss = losses_by_iteration(runs["ok"][0])[2]  # what the run wrote
+    assert (s_ok.state, s_ok.job.job_id, s_ok.iteration, s_ok.lm_loss) == ("completed", runs["ok"][1], 2, loss)
+    assert s_ok.job.results == {0: "success"} and s_ok.job.cause == "completed"
     assert s_bad.state == "failed" and s_bad.job.message == "rank 1 failed: ValueError: boom", s_bad
 
 
+@pytest.mark.slow
 def test_cli_lists_runs(local_runs):
     root, runs = local_runs
     out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root)],
@@ -164,8 +159,15 @@ def test_cli_lists_runs(local_runs):
     header = next(line for line in lines if line.split()[:2] == ["RUN", "STATE"])
     assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS"]
     row = next(line for line in lines if line.split()[:1] == ["local_ok"])
-    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", "5.2500"]
+    loss = losses_by_iteration(runs["ok"][0])[2]
+    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", f"{loss:.4f}"]
     assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
+    js = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert js.returncode == 0, js.stderr
+    rows = {Path(d["run_dir"]).name: d for d in map(json.loads, js.stdout.splitlines())}
+    assert (rows["local_ok"]["state"], rows["local_ok"]["iteration"], rows["local_ok"]["lm_loss"]) == ("completed", 2, loss)
+    assert [(a["cause"], a["iteration"]) for a in rows["local_ok"]["attempts"]] == [("completed", 2)]
 
 
 def test_local_rank_killed_without_a_result(tmp_path):
@@ -220,24 +222,6 @@ def test_local_stop_is_reported_as_stopped(tmp_path):
     assert [r["event"] for r in history.read_records(run) if r["event"] == "stopped"] == ["stopped"]
     st = status.run_status(run)
     assert st.state == "stopped" and st.job.results == {}, st  # no result file: it did not finish
-
-
-# ---- SLURM -----------------------------------------------------------------------------------------
-@pytest.mark.slurm
-@pytest.mark.skipif(bool(_SLURM), reason=f"SLURM dev cluster not reachable: {_SLURM}")
-def test_slurm_rank_killed_is_failed_with_srun_lines(tmp_path):
-    """A rank SIGKILLed (as by the OOM killer) on the dev cluster: srun's --kill-on-bad-exit ends the
-    job, SLURM says FAILED, the status names the failure from the logs (no result file to read)."""
-    run = tmp_path / "run"
-    cfg = cfg_for(run, "cluster=slurm_dev", "cluster.tasks_per_node=2")
-    job = submit_like_launcher(cfg, _killed_on, 1, world_size=2)
-    with pytest.raises(JobFailedError, match=f"job {job.job_id} ended") as err:
-        executor.wait(job, cfg, 2)
-    assert "task 1: Killed" in str(err.value)  # srun's own line names the rank that died first
-    st = status.run_status(run)
-    assert st.state == "failed" and st.job.slurm_state == "FAILED", st
-    assert "without results from rank(s) [1]" in st.job.message, st
-    assert st.job.results.get(1) is None
 
 
 # ---- scontrol output -------------------------------------------------------------------------------

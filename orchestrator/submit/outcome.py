@@ -18,6 +18,7 @@ No torch import.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from orchestrator.ckpt import history
@@ -134,6 +135,18 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
                                          message=message.splitlines()[0] if message else "", recorded_by="launcher")
     except OSError:  # bookkeeping never hides the failure itself
         pass
+
+
+def srun_errors(job, lines: int = 6) -> str:
+    """srun's own error lines from the batch log (e.g. ``srun: error: node: task 1: Killed``): the
+    rank that died first, which its peers' broken-collective errors do not name."""
+    try:
+        path = Path(job.paths.stderr)  # the batch script's stderr (task 0's log) holds srun's messages
+        found = [line for line in path.read_text(errors="replace").splitlines()
+                 if line.startswith("srun: error:") and "task" in line]
+        return "\n".join(found[-lines:])
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
 
 
 def slurm_cause(state: str) -> str:

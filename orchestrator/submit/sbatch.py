@@ -1,9 +1,9 @@
 """Render, then submit: the SLURM side of a job as pure functions of the config.
 
 :func:`executor_parameters` maps :class:`~orchestrator.config.schema.ClusterConfig` onto the keyword
-arguments of submitit's ``AutoExecutor(cluster="slurm").update_parameters`` (constructor arguments:
-:func:`executor_init_kwargs`); :func:`slurm_executor_parameters` gives the same in
-``SlurmExecutor.update_parameters`` names (constructor: ``python=python_command(cfg)``). :func:`render_sbatch`
+arguments of submitit's generic ``update_parameters`` names; :func:`slurm_executor_parameters` gives
+the same in ``SlurmExecutor.update_parameters`` names (constructor: ``python=python_command(cfg)``),
+what :func:`orchestrator.submit.executor.make_executor` submits with. :func:`render_sbatch`
 feeds the same parameters to submitit's own renderer (``submitit.slurm.slurm._make_sbatch_string``,
 the function ``SlurmExecutor`` calls when it writes the script it hands to ``sbatch``), so the
 preview *is* the submitted script; a test compares the two byte for byte.
@@ -301,11 +301,6 @@ def python_command(cfg) -> str:
     """The quoted python executable that runs each task (``cluster.python`` or this interpreter)."""
     python = cfg.cluster.python or sys.executable
     return shlex.quote(_no_control("cluster.python", python))
-
-
-def executor_init_kwargs(cfg) -> Dict[str, Any]:
-    """Constructor arguments for ``submitit.AutoExecutor(folder, cluster="slurm", **kwargs)``."""
-    return {"slurm_max_num_timeout": cfg.cluster.max_num_timeout, "slurm_python": python_command(cfg)}
 
 
 def _renderer_kwargs(params: Dict[str, Any]) -> Dict[str, Any]:

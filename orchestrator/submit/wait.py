@@ -51,18 +51,6 @@ _SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
                 "DEADLINE", "PREEMPTED", "UNKNOWN"}
 
 
-def _srun_errors(job, lines: int = 6) -> str:
-    """srun's own error lines from the batch log (e.g. ``srun: error: node: task 1: Killed``): the
-    rank that died first, which its peers' broken-collective errors do not name."""
-    try:
-        path = Path(job.paths.stderr)  # the batch script's stderr (task 0's log) holds srun's messages
-        found = [line for line in path.read_text(errors="replace").splitlines()
-                 if line.startswith("srun: error:") and "task" in line]
-        return "\n".join(found[-lines:])
-    except Exception:  # pragma: no cover - diagnostics only
-        return ""
-
-
 def _stderr_tail(job, task: int, lines: int = 25) -> str:
     try:
         paths = job.task(task).paths
@@ -270,7 +258,7 @@ class _Wait:
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
         cause = f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else ""
-        srun = "" if self.local else _srun_errors(job)
+        srun = "" if self.local else outcome.srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
                         "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
@@ -305,7 +293,7 @@ class _Wait:
             self.requeues = restarts
             failure = outcome.failed_attempt_message(self.run_dir, self.job_id)
             if failure is not None:  # srun's lines name the node and the tasks that died
-                srun = _srun_errors(self.job)
+                srun = outcome.srun_errors(self.job)
                 print(f"[orchestrator] job {self.job_id} failed: {failure}" + (f"\n{srun}" if srun else "")
                       + f"\n[orchestrator] job {self.job_id} requeued after a failure (cluster.max_failures="
                       f"{self.c.max_failures}); it resumes from its latest checkpoint", flush=True)
@@ -341,7 +329,7 @@ class _Wait:
                 f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
                 f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
                 f"logs: {logs}/")
-        srun = "" if self.local else _srun_errors(job)
+        srun = "" if self.local else outcome.srun_errors(job)
         raise JobFailedError(f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
                              + (f"{srun}\n" if srun else "")
                              + f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")

@@ -293,16 +293,20 @@ class Guard:
         return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
 
     def _after_crash(self, exc: BaseException) -> None:
-        """The first rank to claim the end records ``crashed`` and decides on a requeue; the others wait
-        for that decision (bounded) and leave requeued too, or let their exception propagate."""
+        """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
+        requeue; the others wait for that decision (bounded) and leave requeued too, or let their exception go."""
+        from orchestrator.runtime.faults.lost import crash_cause, report_alive
         from orchestrator.runtime.faults.requeue import leave_requeued
         from orchestrator.slurm import on_slurm
 
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
+        slurm = on_slurm() and self.watchdog is not None  # ranks across hosts: the heartbeat files name them
+        slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
+            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm)
             history_ok = _quietly(lambda: history.record_attempt_ended(
-                self.run_dir, self.job_id, self.attempt, "crashed", iteration=self.iteration, message=message,
+                self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))
             requeued, detail = self._requeue_failure(message) if history_ok else (False, "")
             _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,

@@ -28,6 +28,9 @@ What happens:
   latest checkpoint (auto-resume through the manifest check), and ``install()`` prints the
   restart count on rank 0. Rank 0 records the attempt's end (``timeout``, ``preempted`` or
   ``interrupted``, with the iteration) in the run's history (:mod:`orchestrator.ckpt.history`).
+* A preemption (``PreemptMode=REQUEUE``, or ``scontrol requeue`` from outside): SLURM requeues the
+  job itself and sends SIGTERM; its restart count is then above this attempt's, so the ranks save
+  and leave requeued without asking again, cause ``preempted`` (counted against ``max_requeues``).
 * Failures (a hang, a crash) are requeued by :func:`requeue_for_failure` against their own limit,
   ``cluster.max_failures``, counted the same way.
 
@@ -65,7 +68,7 @@ from typing import Any, Optional
 
 from orchestrator.runtime.faults.requeue import (  # noqa: F401 - re-exported: the signal path's names
     REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, Stopped, _arm_exit_watchdog, _destroy_process_groups, _flush_streams,
-    _rank, _scontrol_requeue, _slurm_job_state, job_identity, leave_requeued, requeue_for_failure)
+    _rank, _scontrol_requeue, _slurm_job_state, _slurm_restarts, job_identity, leave_requeued, requeue_for_failure)
 from orchestrator.slurm import on_slurm, restart_count, slurm_job_id
 
 _REQUESTED: dict = {}
@@ -119,6 +122,7 @@ class StopRequest:
         self.max_requeues = int(max_requeues)
         self.run_dir = run_dir
         self._flag = False
+        self._preempted = False  # SLURM requeued the job itself (see _requeued_by_slurm)
         self.signal_name: Optional[str] = None
         self.signal_time: Optional[float] = None
         self._previous: dict = {}
@@ -241,6 +245,14 @@ class StopRequest:
             return False, f"job {job_id} is {state} (cancelled or ending), not requeued"
         return True, f"requeue {count + 1} of at most {self.max_requeues}"
 
+    def _requeued_by_slurm(self) -> bool:
+        """Whether SLURM itself has requeued this job since the attempt started (a preemption with
+        ``PreemptMode=REQUEUE``, or ``scontrol requeue`` from outside: the SIGTERM came with it)."""
+        if not on_slurm() or not slurm_job_id():
+            return False
+        restarts = _slurm_restarts(slurm_job_id() or "")
+        return restarts is not None and restarts > restart_count()
+
     def requeue_or_exit(self, reason: str = "", group=None, iteration: Optional[int] = None) -> None:
         """Requeue the SLURM job (rank 0) and exit every rank; never returns.
 
@@ -253,20 +265,25 @@ class StopRequest:
         if self.signal_name:
             why += f" ({self.signal_name})"
         # 1. every rank has saved and arrived; rank 0 says whether it will requeue
+        # (2: SLURM requeued the job itself, a preemption: it restarts it, nothing to ask)
         want = 0
         detail = ""
         if rank == 0:
-            want, detail = self._decide()
-            want = int(want)
+            if self._requeued_by_slurm():
+                want, detail = 2, f"SLURM requeued job {slurm_job_id()} itself (preemption)"
+            else:
+                want, detail = self._decide()
+                want = int(want)
         want = self._all_max(want, group)
         # 2. rank 0 requeues; 3. everybody learns whether that worked
-        done = 0
-        if rank == 0 and want:
+        done = int(want == 2)
+        self._preempted = want == 2
+        if rank == 0 and want == 1:
             ok, problem = _scontrol_requeue(slurm_job_id() or "")
             done = int(ok)
             if problem:
                 detail = problem
-        done = self._all_max(done, group) if want else 0
+        done = self._all_max(done, group) if want == 1 else done
         event = "requeued" if done else "stopped"
         if rank == 0:
             self._log(f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}" if on_slurm()
@@ -294,7 +311,8 @@ class StopRequest:
 
                 iteration = guard.last_iteration()
             requeued = event == "requeued"
-            cause = ("timeout" if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
+            cause = ("preempted" if self._preempted else
+                     "timeout" if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
                      else "preempted" if requeued else "interrupted")
             if history.claim_attempt_end(self.run_dir, job_id, attempt):
                 history.record_attempt_ended(self.run_dir, job_id, attempt, cause, iteration=iteration,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +49,27 @@ def _forward_step(data_iterator, model):
     output = model(tokens, position_ids, None, labels=labels)
     loss_mask = batch["loss_mask"] if batch is not None else None
     return output, partial(cp.loss_func, loss_mask)
+
+
+NONFINITE_GRAD_ENV = "ORCHESTRATOR_TEST_NONFINITE_GRAD_AT"
+"""Test-only (tests/test_guard.py): a comma-separated list of iterations at which every rank sets one
+element of its first gradient to +inf after the backward pass, before the optimizer step, to exercise
+``training.nan_policy`` in a real job. Unset in every real run; nothing else reads it."""
+
+
+def _inject_nonfinite_grad(model, iteration: int) -> None:
+    """Put +inf into one gradient element at the iterations named by :data:`NONFINITE_GRAD_ENV`."""
+    at = os.environ.get(NONFINITE_GRAD_ENV)
+    if not at or str(iteration) not in at.split(","):
+        return
+    for chunk in model:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None:
+                grad.view(-1)[0] = math.inf
+                return
 
 
 class StopPoll:
@@ -227,6 +249,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
                 forward_step_func=forward_step, data_iterator=data.train, model=b.model,
                 num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
                 micro_batch_size=t.micro_batch_size, forward_only=False)
+        _inject_nonfinite_grad(b.model, it + 1)
         lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
         # guard.step: megatron's optimizer step that never applies a non-finite update
         update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
