@@ -63,13 +63,19 @@ def _killed_on(rank: int):
     return {"rank": _rank()}
 
 
-def _killed_then_peers_fail(rank: int):
-    """Rank ``rank`` dies of SIGKILL; its peers then fail as gloo's broken collectives do."""
+def _killed_then_peers_fail(rank: int, marker: str):
+    """Rank ``rank`` dies of SIGKILL; its peers then fail as gloo's broken collectives do (after the death,
+    whatever the machine's load: they wait for the marker the dying rank writes)."""
     import time
+    from pathlib import Path
 
     if _rank() != rank:
-        time.sleep(3)
+        deadline = time.time() + 120
+        while not Path(marker).exists() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
         raise ConnectionResetError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    Path(marker).touch()
     _killed_on(rank)
 
 
@@ -185,7 +191,7 @@ def test_status_names_the_killed_rank_not_its_peers(tmp_path):
     the death: the launcher's line, the recorded end and ``status`` name rank 1 first."""
     run = tmp_path / "run"
     cfg = cfg_for(run, tasks=3)
-    job = submit_like_launcher(cfg, _killed_then_peers_fail, 1, world_size=3)
+    job = submit_like_launcher(cfg, _killed_then_peers_fail, 1, str(tmp_path / "killed"), world_size=3)
     with pytest.raises(JobFailedError, match=r"rank\(s\) \[1\] died without a result .*; then rank [02] failed"):
         executor.wait(job, cfg, 3)
     st = status.run_status(run)

@@ -143,8 +143,11 @@ def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
 
             forked = bool(read_rank_pids(job.paths.folder, str(job.job_id)))
             return [0] if forked and _read_result(Path(job.task(0).paths.result_pickle)) is None else []
-        if alive is None or len(alive) == 0 and not results:
-            return []  # not started yet, or the controller is gone (handled by the state check)
+        process = getattr(job, "_process", None)
+        ended = alive is None and process is not None and process.poll() is not None
+        if (alive is None and not ended) or (not alive and not results):
+            return []  # not started yet, or nothing ran to compare with (handled by the state check)
+        alive = alive or set()  # a controller that ended with its tasks: a rank without a result died
         for i in range(world_size):
             if i not in results:
                 r = _read_result(Path(job.task(i).paths.result_pickle))
