@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -53,6 +54,15 @@ def room_problem(run_dir: str, path: Path, expected: int) -> Optional[str]:
     return (f"checkpoint {path.name} not started: it needs ~{size_text(expected)} and {mount} has "
             f"{size_text(free)} free of {size_text(total)}; {resume}; fix: free space there (or set run.root to a "
             f"larger filesystem, or lower checkpoint.keep_last) and rerun to resume")
+
+
+def _dying_with_parent(write, *args, **kwargs):
+    """megatron's forked writer process, killed with its rank (a SIGKILLed rank's writer would finish
+    the shards of a save nobody completes, holding the rank's memory and files for as long)."""
+    from orchestrator.runtime.rank.process import die_with_parent
+
+    die_with_parent()
+    return write(*args, **kwargs)
 
 
 @dataclass
@@ -108,6 +118,8 @@ class Saver:
                 _, request = ckpt.save_async(r.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
                                              consumed_samples=consumed)
                 request.add_finalize_fn(lambda: self._finalize_async(save))
+                if request.async_fn is not None:  # None: nothing for this rank to write
+                    request = request._replace(async_fn=partial(_dying_with_parent, request.async_fn))
                 self.async_saves.schedule(request)
                 self._pending = save
                 save.blocking_s = slowest(r, time.perf_counter() - save.t0)
