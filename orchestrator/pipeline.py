@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from orchestrator.config.checks import validate
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import ConfigError
 
 
 def say(message: str) -> None:
@@ -124,6 +125,16 @@ def verdict(cfg: JobConfig, latest, *, dry: bool) -> str:
     return f"{'would start' if dry else 'starts'} fresh: no checkpoint in {save_dir_of(cfg)}"
 
 
+def _check_space(cfg: JobConfig) -> None:
+    """ConfigError (one line) when the run's filesystem cannot hold the checkpoints it keeps at once."""
+    from orchestrator.ckpt.space import space_refusal
+    from orchestrator.plan.ckpt_size import checkpoint_bytes, checkpoint_params, held_at_peak
+
+    refusal = space_refusal(cfg, checkpoint_bytes(cfg), held_at_peak(cfg), checkpoint_params(cfg))
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
     """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
 
@@ -137,6 +148,8 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
+    if not cfg.plan:
+        _check_space(cfg)
     if cfg.plan or cfg.dry_run:
         show_plan(cfg)
         say(verdict(cfg, preflight(cfg, layout), dry=True))  # a refusal: exit 2 with its table, as the run's

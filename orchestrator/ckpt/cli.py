@@ -113,13 +113,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         infos = list_checkpoints(save_dir, verify=not args.no_verify, deep=args.deep)
         if not infos:
             print(f"{save_dir}: no checkpoints")
-        for info in infos:
+        from orchestrator.ckpt.retention import describe
+
+        for info, why in zip(infos, describe(save_dir, infos)):
             lay = (info.manifest or {}).get("layout") or {}
             shape = (f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
                      f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
                      f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}") if lay else "-"
             extra = f"consumed {info.manifest['consumed_samples']}" if info.manifest else info.reason
-            print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}")
+            print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  [kept: {why}]"
+                  if not why.startswith("removed") else
+                  f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  [{why}]")
         return 0
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -186,7 +186,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
                    versions: Optional[dict] = None, env: Optional[dict] = None, origin: Optional[dict] = None,
                    rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
                    hosts: Optional[List[str]] = None,
-                   history: Optional[list] = None) -> dict:
+                   history: Optional[list] = None, save: Optional[dict] = None) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
@@ -195,7 +195,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
     run came from (see :func:`orchestrator.resume.origin_of`); ``digest``: ``size`` or ``sha256``
     (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank;
     ``history``: the run's attempts (default: read from ``<run.dir>/jobs.jsonl``,
-    :func:`orchestrator.ckpt.history.history_for_manifest`).
+    :func:`orchestrator.ckpt.history.history_for_manifest`); ``save``: how the save went (``async``,
+    ``started``, ``completed``, the slowest rank's ``write_s`` and ``blocking_s``; bytes are ``files.bytes``).
     """
     if history is None:
         from orchestrator.ckpt.history import history_for_manifest
@@ -237,6 +238,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "origin": origin,
         "history": history,
         "state": rng_and_data_state,
+        "save": save,
         "config": to_dict(cfg),
         "files": file_digest(checkpoint_dir, digest or getattr(cfg.checkpoint, "digest", "size")),
     }

@@ -235,6 +235,17 @@ class CheckpointConfig:
     digest: str = "size"
     """What the manifest digests: ``size`` (file sizes + dist_checkpointing metadata hashed; cheap at any
     size) or ``sha256`` (every file, hashed by the ranks in parallel at save; ``manifest check --deep``)."""
+    keep_last: Optional[int] = 3
+    """Keep the newest K complete checkpoints (K >= 2: the newest may still be being written); older ones
+    are removed once a newer manifest is written (:mod:`orchestrator.ckpt.retention`). null keeps all."""
+    keep_every: Optional[int] = None
+    """Checkpoints at multiples of N iterations are never removed (milestones for evaluation)."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's asynchronous dist_checkpointing): training
+    waits only while the state is staged; the manifest follows once every rank's write finished."""
+    space_check: bool = True
+    """Refuse a run whose run.root cannot hold keep_last + 1 predicted checkpoints, and stop a job before a
+    save that no longer fits the free space; false leaves only the ENOSPC report of a failed save."""
 
 
 @dataclass

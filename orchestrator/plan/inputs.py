@@ -173,9 +173,19 @@ class Recipe:
         16-bit grads, i.e. totals of 16 / 18 / 20 bytes per parameter with weights and gradients.
         SGD keeps one momentum buffer (none when momentum is 0).
         """
-        states = 2 if self.optimizer == "adam" else (1 if self.sgd_momentum else 0)
         master = 0 if self.precision == "fp32" else (4 if self.grad_bytes == 4 else 8)
-        return 4 * states + master
+        return 4 * self.optimizer_states + master
+
+    @property
+    def optimizer_states(self) -> int:
+        """fp32 tensors the optimizer keeps per parameter: Adam's two moments, SGD's momentum (or none)."""
+        return 2 if self.optimizer == "adam" else (1 if self.sgd_momentum else 0)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes per parameter in a checkpoint: the weights (in their precision), the optimizer's fp32
+        states and, in mixed precision, its fp32 master weights (gradients are not saved)."""
+        return self.param_bytes + 4 * self.optimizer_states + (0 if self.precision == "fp32" else 4)
 
 
 def _gib(n: float) -> str:

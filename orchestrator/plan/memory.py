@@ -35,6 +35,7 @@ from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_
                                      FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
                                      Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of)
 from orchestrator.plan.params import layer_params as _layer_params, stage_params as _stage_params  # noqa: F401
+from orchestrator.plan.params import total_params as _total_params
 from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 
 @dataclass(frozen=True)
@@ -301,7 +302,6 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         compute, tp_s, pp_s, dp_s, framework, fixed = (sec[k] for k in ("compute", "tp", "pp", "dp", "framework",
                                                                         "fixed"))
         idle = bool(sec["bubble_idle"])
-    tied_copy = vp * shape.hidden_size if (p > 1 and not shape.untie_embeddings_and_output_weights) else 0
     rep, sh, erep, esh = _layer_params(shape)
     pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
     notes = []
@@ -312,7 +312,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return Plan(
         layout=layout, shape=shape, recipe=recipe, gpu=gpu, mfu_assumed=mfu, padded_vocab_size=vp,
-        params_total=sum(s[0] for s in per_stage) - tied_copy, params_per_layer=rep + sh + erep + esh,
+        params_total=_total_params(shape, layout, vp), params_per_layer=rep + sh + erep + esh,
         params_embedding=(vp + pos) * shape.hidden_size, params_per_stage=[s[0] for s in per_stage],
         stages=stages, activations_by_recompute=by_recompute, bubble_overhead=overhead,
         bubble_fraction=fraction, compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,

@@ -63,3 +63,11 @@ def stage_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> List[Tup
                 dense += vp * h // t
         out.append((full, dense, expert, dense + expert))
     return out
+
+
+def total_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> int:
+    """Distinct parameters of the whole model (each once: over TP, PP and EP shards, the tied output
+    layer's copy on the last stage not counted twice) at padded vocabulary ``vp``."""
+    tied_copy = vp * shape.hidden_size if (layout.pipeline_model_parallel_size > 1
+                                           and not shape.untie_embeddings_and_output_weights) else 0
+    return sum(s[0] for s in stage_params(shape, layout, vp)) - tied_copy

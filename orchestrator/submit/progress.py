@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -107,8 +108,11 @@ class Progress:
             if self.bar is not None:
                 self.bar.update(self.task, completed=rec["iteration"], total=self.total)
             if rec.get("iteration"):
+                loaded = f", loaded in {rec['load_s']:.2f} s" if rec.get("load_s") is not None else ""
                 self._say(f"[orchestrator] training iterations {rec['iteration'] + 1}..{self.total} "
-                          f"(resumed at iteration {rec['iteration']})")
+                          f"(resumed at iteration {rec['iteration']}{loaded})")
+        elif event == "saved":
+            self._say(saved_line(rec))
         elif event == "eval":
             self._say(f"[orchestrator] validation at iteration {rec['iteration']}: lm loss {rec['lm_loss']:.4f} | "
                       f"ppl {rec['ppl']:.2f}")
@@ -130,6 +134,18 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def saved_line(rec: Dict[str, Any]) -> str:
+    """One line per save: size, the slowest rank's blocking and write times, what retention removed."""
+    from orchestrator.ckpt.space import size_text
+
+    name = Path(str(rec.get("path", ""))).name or f"iteration {rec.get('iteration')}"
+    how = (f"training blocked {rec['blocking_s']:.2f} s, written in {rec['write_s']:.2f} s (async, completed "
+           f"{time.strftime('%H:%M:%S', time.localtime(rec['completed']))})" if rec.get("async") else
+           f"training blocked {rec['blocking_s']:.2f} s")
+    removed = f" | removed {', '.join(rec['removed'])}" if rec.get("removed") else ""
+    return f"[orchestrator] saved {name}: {size_text(rec.get('bytes'))} | {how} (slowest rank){removed}"
 
 
 def final_lines(cfg: JobConfig) -> str:

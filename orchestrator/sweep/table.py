@@ -143,8 +143,8 @@ def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
     records = read_jsonl(Path(run_dir) / METRICS_FILE)
     if not records:
         return {}
-    # Job boundaries (start, stopped, summary); an evaluation in the middle of a job is not one.
-    last_event = max((i for i, r in enumerate(records) if r.get("event") not in (None, "eval")), default=-1)
+    # Job boundaries (start, stopped, summary); an evaluation or a save in the middle of a job is not one.
+    last_event = max((i for i, r in enumerate(records) if r.get("event") not in (None, "eval", "saved")), default=-1)
     if last_event >= 0 and records[last_event].get("event") == "summary":
         s = records[last_event]
         per_rank = [x for x in s.get("peak_rss_mb_per_rank") or [] if isinstance(x, (int, float))]

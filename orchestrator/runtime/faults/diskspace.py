@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+from orchestrator.ckpt.space import disk_space as _disk_space, size_text as _size
 from orchestrator.errors import DiskFullError
 
 
@@ -59,30 +59,6 @@ def disk_full_message(path: "str | os.PathLike") -> str:
     return (f"no space left on device (ENOSPC) saving checkpoint {path}: {space}; the torn save has no "
             f"manifest and is skipped on resume, {resume}; fix: free space there (or set run.root to a larger "
             f"filesystem) and rerun to resume")
-
-
-def _disk_space(path: Path) -> Tuple[Optional[int], Optional[int], str]:
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        usage = shutil.disk_usage(p)
-    except OSError:
-        return None, None, str(p)
-    mount = p.resolve()
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    return usage.free, usage.total, str(mount)
-
-
-def _size(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n}"
 
 
 def latest_checkpoint(run_dir: "str | os.PathLike") -> Optional[str]:

@@ -78,18 +78,11 @@ class _Watchdog:
         return False
 
 
-def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int,
-         manifest_fn) -> Path:
-    """Save model + optimizer + scheduler state at ``iteration``; rank 0 writes the manifest last.
-
-    ``manifest_fn(checkpoint_dir) -> None`` is called on rank 0 after every rank finished writing.
-    Raises nothing on timeout: the watchdog ends the rank with exit code 3 instead of hanging.
-    """
-    from megatron.core import dist_checkpointing
-
+def _prepare(cfg: JobConfig, model, optimizer, scheduler, iteration: int, consumed_samples: int):
+    """The checkpoint directory (a torn or older one there moved aside, never deleted) and this rank's
+    sharded state; collective."""
     path = iter_dir(cfg, iteration)
-    rank = torch.distributed.get_rank()
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         if path.exists():
             # A directory already here is either a torn save (no manifest) or an older save of the
             # same iteration: move it aside (never delete), so the new digest covers only new files.
@@ -103,15 +96,39 @@ def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consume
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"iteration": iteration, "consumed_samples": consumed_samples}
     start_writer_queue()
+    return path, state
+
+
+def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int,
+         manifest_fn) -> Path:
+    """Save model + optimizer + scheduler state at ``iteration``; rank 0 writes the manifest last.
+
+    ``manifest_fn(checkpoint_dir) -> None`` is called on rank 0 after every rank finished writing.
+    Raises nothing on timeout: the watchdog ends the rank with exit code 3 instead of hanging.
+    """
+    from megatron.core import dist_checkpointing
+
+    path, state = _prepare(cfg, model, optimizer, scheduler, iteration, consumed_samples)
     with _Watchdog(cfg.checkpoint.save_timeout_s, f"checkpoint save to {path}"):
         dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
         if getattr(cfg.checkpoint, "digest", "size") == "sha256":
             _hash_in_parallel(path)
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         manifest_fn(path)
     torch.distributed.barrier()
     return path
+
+
+def save_async(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int):
+    """Stage this rank's state for an asynchronous write at ``iteration`` and return megatron's
+    ``AsyncRequest`` (:mod:`orchestrator.runtime.training.async_save` schedules it). Nothing is complete
+    until the request's finalize functions ran: megatron's write ``.metadata`` and ``metadata.json``; the
+    caller's, appended after them, the manifest (so a kill before leaves a torn, skipped directory)."""
+    from megatron.core import dist_checkpointing
+
+    path, state = _prepare(cfg, model, optimizer, scheduler, iteration, consumed_samples)
+    return path, dist_checkpointing.save(state, str(path), async_sharded_save=True)
 
 
 def start_writer_queue() -> None:

@@ -277,10 +277,12 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
                 log.eval(it, consumed, evaluate(rank, forward_backward, data))
         if save_now or stopping or exiting:
             saver(it, consumed)
+        saver.poll()  # an asynchronous write finishes here, on every rank together
         if guard is not None:
             guard.beat(it)
         if stopping:
             poll.close()
+            saver.finish()  # the requeued job resumes from this save: its write must be complete
             trackers.event({"event": "stopped", "iteration": it, "time": time.time()})
             stop.requeue_or_exit("signal")
         if exiting:

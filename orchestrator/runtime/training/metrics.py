@@ -12,7 +12,10 @@ writes; every other rank gets a :class:`Trackers` whose methods do nothing.
   ``lr`` is the learning rate that iteration's optimizer step applied (the schedule evaluated at
   ``iteration - 1`` completed steps, Megatron's formula). Other records carry ``event``:
   ``resumed``, ``eval`` (``iteration``, ``consumed_samples``, ``lm_loss``, ``ppl``, ``eval_iters``),
-  ``saved``, ``stopped``, ``summary``. The launcher streams this file for its progress display.
+  ``saved`` (``iteration``, ``path``, ``bytes``, the slowest rank's ``blocking_s`` and ``write_s``,
+  ``async``, ``started``, ``completed``, ``removed``, ``prune_s``: :mod:`orchestrator.runtime.training.saving`),
+  ``stopped``, ``summary``; ``start`` carries ``load_s`` after a resume. The launcher streams this file
+  for its progress display.
 * TensorBoard (``logging.tensorboard``, on by default): event files under
   ``<run.dir>/tensorboard`` with Megatron-LM's tag names, each written twice — indexed by
   iteration (``lm loss``) and by consumed samples (``lm loss vs samples``): ``lm loss``,

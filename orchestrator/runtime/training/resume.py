@@ -1,4 +1,4 @@
-"""In-job resume or initialisation, and the checkpoint saver that writes manifests.
+"""In-job resume or initialisation (the checkpoint saver is :mod:`orchestrator.runtime.training.saving`).
 
 :func:`restore` runs the launcher's resume check again inside the job (the config or the directory
 may have changed since submission): rank 0 verifies the latest checkpoint once (hashing every file
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -24,7 +25,8 @@ import torch
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.runtime.training import checkpoint as ckpt
-from orchestrator.runtime.rank.build import Rank, versions
+from orchestrator.runtime.rank.build import Rank
+from orchestrator.runtime.training.saving import Saver, slowest  # noqa: F401  (Saver: the loop's save call)
 from orchestrator.config.schedule import lr_schedule
 
 
@@ -38,6 +40,8 @@ class Start:
     """The manifest's ``origin``: the checkpoint resumed from (with resharded keys) or ``init_from``."""
     resumed_from: Optional[str]
     """The checkpoint directory loaded with its optimizer state; None for a fresh start or init_from."""
+    load_s: Optional[float] = None
+    """How long loading it took on the slowest rank (s); None without a checkpoint to load."""
 
 
 def _warn_in_job(message: str) -> None:
@@ -87,55 +91,16 @@ def restore(rank: Rank, prepared) -> Start:
     latest = _verdict(rank, prepared)
     if latest is not None:
         rank.say(f"loading checkpoint {latest.path}")
+        t0 = time.perf_counter()
         progress = ckpt.load(Path(latest.path), built.model, built.optimizer, built.scheduler)
+        load_s = slowest(rank, time.perf_counter() - t0)
         apply_config_schedule(rank)
         iteration = progress["iteration"]
-        rank.say(f"resumed from {latest.path} at iteration {iteration}; "
+        rank.say(f"resumed from {latest.path} at iteration {iteration} (loaded in {load_s:.2f} s, slowest rank); "
                  f"{lr_schedule(cfg).describe(iteration + 1)}")
-        return Start(iteration, progress["consumed_samples"], origin_of(latest), str(latest.path))
+        return Start(iteration, progress["consumed_samples"], origin_of(latest), str(latest.path), load_s)
     if cfg.checkpoint.init_from:
         ckpt.load(Path(cfg.checkpoint.init_from), built.model)
         rank.say(f"model weights initialised from {cfg.checkpoint.init_from}")
         return Start(0, 0, {"init_from": cfg.checkpoint.init_from}, None)
     return Start(0, 0, None, None)
-
-
-class Saver:
-    """Saves a checkpoint of this rank's state; rank 0 writes the manifest last.
-
-    The manifest records the config (``optimizer.lr``, ``training.train_iters`` as run), under
-    ``state.scheduler`` megatron's scheduler state as used (max/min lr, warm-up and decay steps,
-    step count), and the run's attempts (``history``, from the guard).
-    """
-
-    def __init__(self, rank: Rank, prepared, origin: Optional[Dict[str, object]], guard=None):
-        from orchestrator.data.tokenizer import tokenizer_identity
-
-        self.rank, self.origin, self.guard = rank, origin, guard
-        self.data_identity = prepared.identity(rank.cfg.data)
-        self.tokenizer = tokenizer_identity(rank.cfg.data)
-        self.versions = versions()
-
-    def _write_manifest(self, path: Path, iteration: int, consumed: int) -> None:
-        from orchestrator.ckpt import manifest as mf
-
-        r = self.rank
-        manifest = mf.build_manifest(
-            r.cfg, r.layout, iteration=iteration, consumed_samples=consumed, checkpoint_dir=str(path),
-            vocab_size=r.tokenizer.vocab_size, padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
-            tokenizer=self.tokenizer, data=self.data_identity, versions=self.versions, origin=self.origin,
-            rng_and_data_state={"scheduler": r.built.scheduler.state_dict()},
-            history=self.guard.history(iteration) if self.guard is not None else None,
-            hosts=list(getattr(r.info, "hosts", ()) or []) or None,
-        )
-        mf.write_manifest(str(path), manifest)
-
-    def __call__(self, iteration: int, consumed: int) -> Path:
-        """Save at ``iteration``; returns the checkpoint directory (collective: every rank calls it)."""
-        b = self.rank.built
-        self.rank.say(f"saving checkpoint {ckpt.iter_dir(self.rank.cfg, iteration).name}")
-        # The guard allows a save its time (hang watchdog) and names a full disk (ENOSPC, path, free space).
-        with self.guard.saving(iteration) if self.guard is not None else contextlib.nullcontext():
-            return ckpt.save(self.rank.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
-                             consumed_samples=consumed,
-                             manifest_fn=lambda p: self._write_manifest(p, iteration, consumed))

@@ -57,18 +57,19 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     trackers = Trackers(cfg, rank.is_logger)
     guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank],
                   world_size=rank.info.world_size, start_iteration=start.iteration)
-    saver = Saver(rank, prepared, start.origin, guard)
+    saver = Saver(rank, prepared, start.origin, guard, trackers)
     if rank.rank0:  # for the job's own log (the launcher printed it before submission)
         print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
     rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
              f"{start.iteration + 1}..{cfg.training.train_iters}")
     trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,
-                    "resumed_from": start.resumed_from, "time": time.time()})
+                    "resumed_from": start.resumed_from, "load_s": start.load_s, "time": time.time()})
     try:
         outcome = loop.train(rank, data, start, saver, trackers, stop, guard)
         resumed_finished = start.resumed_from is not None and outcome.iteration == start.iteration
         if outcome.status == "completed" and cfg.checkpoint.save_at_end and not resumed_finished:
             saver(outcome.iteration, outcome.consumed_samples)
+        saver.finish()  # a pending asynchronous write completes (manifest, retention) before the job ends
         summary = summarize(rank, outcome, start.resumed_from)
         trackers.event(summary)
     finally:

@@ -1,0 +1,74 @@
+"""Free space for checkpoints: what a filesystem has, what a run already holds, a refusal in one line.
+
+The launcher refuses a run (before anything is queued) whose run directory's filesystem cannot hold
+the checkpoints it will keep at once (:func:`orchestrator.plan.ckpt_size.held_at_peak` x the predicted
+size, less what the run already holds there); ``checkpoint.space_check=false`` opts out. The job
+checks again before each save (:mod:`orchestrator.runtime.training.saving`). No torch import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple
+
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+
+
+def disk_space(path: "str | os.PathLike") -> Tuple[Optional[int], Optional[int], str]:
+    """(free bytes, total bytes, mount point) of the filesystem holding ``path`` (or its nearest
+    existing parent); (None, None, path) when it cannot be read."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return None, None, str(p)
+    mount = p.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return usage.free, usage.total, str(mount)
+
+
+def size_text(n: "Optional[float]") -> str:
+    """Bytes as people read them: 512 B, 10.1 MiB, 1.2 TiB."""
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def held_bytes(run_dir: "str | os.PathLike") -> int:
+    """Bytes of the complete (manifest-holding) ``iter_*`` checkpoints already in ``<run_dir>/checkpoints``."""
+    total = 0
+    base = Path(run_dir) / CHECKPOINTS_DIR
+    for ckpt in (base.iterdir() if base.is_dir() else ()):
+        if ckpt.name.startswith("iter_") and (ckpt / "manifest.json").is_file():
+            total += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    return total
+
+
+def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[str]:
+    """The one-line refusal (``<key>=<value>: <what>; fix: <how>``) when the run directory's filesystem
+    cannot hold ``held`` checkpoints of ``per_checkpoint`` bytes (less what the run already holds
+    there; at least one new one); None when it can, when it cannot be read, or with space_check off."""
+    c = cfg.checkpoint
+    if not c.space_check:
+        return None
+    free, _, mount = disk_space(cfg.run.dir)
+    already = held_bytes(cfg.run.dir)
+    need = max(per_checkpoint, held * per_checkpoint - already)
+    if free is None or free >= need:
+        return None
+    key = f"checkpoint.keep_last={'null' if c.keep_last is None else c.keep_last}"
+    every = f" and checkpoint.keep_every={c.keep_every}" if c.keep_every else ""
+    return (f"{key}: this run keeps up to {held} checkpoints at once{every} (the newest being written while "
+            f"the older ones stay), ~{size_text(per_checkpoint)} each (predicted: {params:,} parameters x "
+            f"{per_checkpoint // max(1, params)} B), so {size_text(need)} more than the {size_text(already)} "
+            f"it holds there, but {mount} has {size_text(free)} free; fix: free space on {mount}, run.root=<a larger "
+            f"filesystem>, a lower checkpoint.keep_last or checkpoint.save_interval, or checkpoint.space_check=false")
