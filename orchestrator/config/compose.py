@@ -93,6 +93,12 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
             if o.type == OverrideType.DEL:
                 raise ConfigError(f"{line}: the {key} group cannot be removed; fix: choose another option, "
                                   f"{key}=<one of {', '.join(options[key])}>")
+            if o.value() is None and o.type != OverrideType.DEL:
+                raise ConfigError(f"{line}: a config group needs an option, not null; fix: "
+                                  f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>")
+            if o.type == OverrideType.FORCE_ADD:
+                raise ConfigError(f"{line}: ++ does not apply to a config group; fix: "
+                                  f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}")
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
                     best = did_you_mean(value, options[key])
@@ -191,7 +197,10 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base=None):
-            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+            try:
+                cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+            except ValueError as exc:  # Hydra's defaults list on a value it cannot take (hydra=true)
+                raise HydraException(str(exc)) from exc
         with open_dict(cfg):
             for key in ("run.name", "run.root"):  # an error names the key the user typed, not hydra.run.dir
                 OmegaConf.select(cfg, key, throw_on_missing=True)
