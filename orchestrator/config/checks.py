@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Tuple
 from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.keys import is_section, schema_keys, type_words
+from orchestrator.config.machine import check_local_gpus
 from orchestrator.config.schema import JobConfig
 
 CHOICES = {
@@ -106,6 +107,7 @@ def validate(cfg: JobConfig) -> ParallelLayout:
     if problems:
         raise LayoutError(" | ".join(problems))
     check_device(cfg)
+    check_local_gpus(cfg)  # a local job's GPUs are this machine's
     check_data(cfg)
     return layout
 
