@@ -60,8 +60,9 @@ WITH_CFG = {"--resolve", "--package", "-p"}
 def _user_error_types() -> tuple:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
-    return OrchestratorError, HydraException, OmegaConfBaseException
+    return OrchestratorError, HydraException, OmegaConfBaseException, YAMLError
 
 
 def report(exc: BaseException) -> int:

@@ -37,6 +37,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
+import yaml
+
 from orchestrator.errors import ConfigError
 from orchestrator.config.confdirs import conf_dir, conf_view, user_conf_dirs, where  # noqa: F401 (conf_dir: re-exported)
 from orchestrator.config.keys import did_you_mean, is_open, schema_keys, unknown_key_error
@@ -149,6 +151,12 @@ def hydra_error(exc: BaseException) -> ConfigError:
 
     if isinstance(exc, ConfigError):
         return exc
+    if isinstance(exc, yaml.YAMLError):  # a config file that is not YAML (a user's own, usually)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+        what = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or ["not YAML"])[0]
+        return ConfigError(f"{where}: not valid YAML ({what}); fix: correct that file (each key once per "
+                           "mapping, brackets and quotes closed)")
     if isinstance(exc, OverrideParseException):
         what = str(exc.message).strip().splitlines()[0]
         return ConfigError(f"{exc.override}: not a valid override ({what}); fix: key=value, key=[a,b] for a list, "
@@ -209,7 +217,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
             del cfg["hydra"]
             if OmegaConf.is_interpolation(cfg.run, "dir") and "hydra:" in str(cfg.run._get_node("dir")._value()):
                 cfg.run.dir = run_dir
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise hydra_error(exc) from None
     return cfg
 
