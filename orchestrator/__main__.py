@@ -118,9 +118,14 @@ def announce_conf_dirs(overrides: List[str]) -> None:
 
 
 def _single(overrides: List[str]) -> int:
-    from orchestrator.config.compose import compose_config
+    import shlex
 
-    cfg = compose_config(overrides)
+    from orchestrator.config.compose import compose_config
+    from orchestrator.meter import phase
+    from orchestrator.pipeline import say
+
+    with phase(f"composing {shlex.join(overrides) if overrides else 'the defaults'}", log=say):
+        cfg = compose_config(overrides)
     announce_conf_dirs(overrides)
     run(cfg)
     return 0

@@ -132,9 +132,9 @@ def test_cli_lists_runs(local_runs):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["RUN", "STATE"])
-    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS"]
+    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA"]
     row = next(line for line in lines if line.split()[:1] == ["local_ok"])
-    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", "5.2500"]
+    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", "5.2500", "-", "-"]
     assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
 
 

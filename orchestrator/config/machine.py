@@ -5,7 +5,8 @@ machine without them used to start, import megatron-core and fail in rank 0 ("th
 GPUs but rank 0 sees none"). :func:`check_local_gpus` refuses it in validate, in one line naming
 the overrides that run it on this machine's CPU. A plan or a dry run describes the job, not this
 machine (a GPU job is planned on a laptop), so they are not refused. SLURM jobs run elsewhere:
-their nodes' GPUs are the scheduler's business.
+their nodes' GPUs are the scheduler's business; and inside a job (``SUBMITIT_EXECUTOR`` set) a
+task sees only the GPUs bound to it, which the runtime checks.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def cpu_overrides(cfg) -> List[str]:
 def check_local_gpus(cfg) -> None:
     """Refuse a local job that asks for more GPUs than this machine has (ConfigError, one line)."""
     c, device = cfg.cluster, cfg.training.device
-    if c.kind != "local" or cfg.plan or cfg.dry_run or device == "cpu":
-        return
+    if c.kind != "local" or cfg.plan or cfg.dry_run or device == "cpu" or os.environ.get("SUBMITIT_EXECUTOR"):
+        return  # inside the job, the GPUs it sees are its binding (runtime/rank/distributed.py checks that)
     wanted = c.gpus_per_node or (1 if device == "cuda" else 0)
     have = local_gpu_count()
     if not wanted or have is None or have >= wanted:

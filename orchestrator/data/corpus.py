@@ -26,6 +26,7 @@ import numpy as np
 
 from orchestrator.errors import DataError
 from orchestrator.io import file_lock, write_atomic
+from orchestrator.meter import Meter
 from orchestrator.config.schema import DataConfig
 
 
@@ -107,13 +108,17 @@ def _stdlib_texts(files: List[Path]) -> Iterator[Tuple[int, str]]:
         yield i, f.read_text(encoding="utf-8", errors="replace")
 
 
-def fingerprint_files(paths: List[Path], extra: str) -> str:
+def fingerprint_files(paths: List[Path], extra: str, on_bytes: Optional[Callable[[int], None]] = None) -> str:
+    """The content hash of ``paths`` (names and bytes) and ``extra``; ``on_bytes``: called with each
+    chunk's size (a progress meter)."""
     h = hashlib.sha256(extra.encode())
     for p in paths:
         h.update(str(p.name).encode())
         with p.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
     return h.hexdigest()[:20]
 
 
@@ -179,7 +184,10 @@ def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path],
             log(f"preparing data: tokenizing {source} into {prefix}.bin/.idx")
             stats = CorpusStats()
             docs = _jsonl_documents(files[0], data.json_key, stats) if data.kind == "jsonl" else _stdlib_texts(files)
-            _write_indexed(prefix, docs, tokenizer, stats, source)
+            meter = Meter("tokenizing", sum(f.stat().st_size for f in files), log=log,
+                          counts=lambda: {"documents": stats.documents, "tokens": stats.tokens})
+            _write_indexed(prefix, meter.wrap(docs, lambda doc: len(doc[1])), tokenizer, stats, source)
+            meter.close()
             state = f"prepared in {prefix}"
     log(f"data {name}: {stats.describe()} ({state})")
     warning = stats.warning(source)

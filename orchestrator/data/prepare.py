@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 
 from orchestrator.errors import DataError
+from orchestrator.meter import Meter, phase
 from orchestrator.data.corpus import fingerprint_files, prepare_source, stdlib_documents
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
 from orchestrator.config.schema import DataConfig, JobConfig
@@ -94,12 +95,16 @@ def data_fingerprint(data: DataConfig) -> str:
     return _fingerprint(data, _sources(data))[0]
 
 
-def _fingerprint(data: DataConfig, sources: List[Tuple[str, List[Path]]]) -> Tuple[str, List[str]]:
+def _fingerprint(data: DataConfig, sources: List[Tuple[str, List[Path]]], log: Log = _say) -> Tuple[str, List[str]]:
     """(the data's fingerprint, one per source). Indexed prefixes hash their .idx files together."""
     tok_id = json.dumps(tokenizer_identity(data), sort_keys=True)
+    meter = Meter("fingerprinting", sum(f.stat().st_size for _, files in sources for f in files), log=log)
     if data.kind == "indexed":
-        return fingerprint_files([f for _, files in sources for f in files], tok_id), []
-    prints = [fingerprint_files(files, tok_id + data.json_key) for _, files in sources]
+        whole = fingerprint_files([f for _, files in sources for f in files], tok_id, meter.advance)
+        meter.close()
+        return whole, []
+    prints = [fingerprint_files(files, tok_id + data.json_key, meter.advance) for _, files in sources]
+    meter.close()
     return hashlib.sha256("".join(prints).encode()).hexdigest()[:20], prints
 
 
@@ -116,13 +121,16 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
     if data.kind == "mock":
         return PreparedData(prefixes=[], weights=None, fingerprint="mock", cache_dir=str(root))
     sources = _sources(data)
-    fingerprint, prints = _fingerprint(data, sources)
+    fingerprint, prints = _fingerprint(data, sources, log)
     if data.kind == "indexed":
         prefixes = [os.path.expanduser(p) for p in data.paths]
     else:
         paths = [root / "prepared" / f"{name}-{fp}" for (name, _), fp in zip(sources, prints)]
         cached = all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists() for p in paths)
-        tokenizer = None if cached else build_tokenizer(data)  # megatron's import costs seconds: only to tokenize
+        tokenizer = None
+        if not cached:  # megatron's import costs seconds: only to tokenize
+            with phase(f"loading the tokenizer ({data.tokenizer}; imports megatron-core)", log=log):
+                tokenizer = build_tokenizer(data)
         prefixes = []
         for (name, files), prefix in zip(sources, paths):
             prepare_source(data, prefix, name, files, tokenizer, log)
