@@ -129,7 +129,7 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
         cached = all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists() for p in paths)
         tokenizer = None
         if not cached:  # megatron's import costs seconds: only to tokenize
-            with phase(f"loading the tokenizer ({data.tokenizer}; imports megatron-core)", log=log):
+            with phase(f"preparing data: loading the tokenizer ({data.tokenizer}; imports megatron-core)", log=log):
                 tokenizer = build_tokenizer(data)
         prefixes = []
         for (name, files), prefix in zip(sources, paths):
