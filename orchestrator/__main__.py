@@ -6,8 +6,9 @@ The entry reads top to bottom:
    Hydra's compose API, so nothing is written anywhere by composing).
 2. :func:`~orchestrator.config.checks.validate` — the one validate — checks every rule (values,
    layout, model, device, data, ``run.name``); pure Python, no torch.
-3. The derived numbers are printed. ``plan=true`` prints the planner's estimates and stops;
-   ``dry_run=true`` also prints the submission (the sbatch script on SLURM) and stops.
+3. The derived numbers are printed. ``plan=true`` prints the planner's estimates and the resume
+   verdict of step 4 (a refusal exits 2 as the run would) and stops; ``dry_run=true`` also prints the
+   submission (the sbatch script on SLURM) and stops.
 4. Preflight, before anything expensive: a checkpoint in the run directory that the request
    cannot resume from is refused (data compared by content fingerprint, hashed, not tokenized);
    a live run holding the directory's lock is refused.
@@ -214,8 +215,10 @@ def help_text() -> str:
     lines += [
         "",
         "top-level keys:",
-        "  plan=true      print the layout, memory per GPU, pipeline bubble and FLOPs, and stop (no torch import)",
+        "  plan=true      print the layout, memory per GPU, pipeline bubble and FLOPs and the resume verdict",
+        "                 (would resume / start fresh, or refused with exit 2 as the run would), and stop (no torch)",
         "  dry_run=true   plan, then print the submission (the sbatch script on SLURM), and stop",
+        "  plan_picture=FILE.png  with plan=true: draw the predicted schedule and the memory per stage",
         "  gpu=NAME       the planner's GPU preset: " + ", ".join(GPU_PRESETS),
         "  run.name=NAME  the run directory is run.root/run.name (run.root=runs); an experiment's run is",
         "                 named by the experiment plus the groups chosen on the command line",

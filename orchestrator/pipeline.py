@@ -35,7 +35,14 @@ def show_plan(cfg: JobConfig) -> None:
     from orchestrator.plan import suggest
     from orchestrator.plan.report import format_plan
 
-    print(format_plan(planner.plan(cfg)), flush=True)
+    plan = planner.plan(cfg)
+    print(format_plan(plan), flush=True)
+    if cfg.plan_picture:  # nothing is drawn unless asked
+        from orchestrator.plan import picture
+        from orchestrator.plan.pipeline_schedule import predict_for_plan
+
+        picture.draw_plan(cfg.plan_picture, plan, predict_for_plan(plan))
+        say(f"wrote {cfg.plan_picture}: the predicted schedule and the memory per stage")
     suggestions = suggest.suggest(cfg)
     if suggestions:
         print(suggest.format_suggestions(suggestions), flush=True)
@@ -87,6 +94,39 @@ def _has_checkpoints(cfg: JobConfig) -> bool:
     return save_dir.is_dir() and any(p.is_dir() for p in save_dir.iterdir())
 
 
+def preflight(cfg: JobConfig, layout: ParallelLayout):
+    """The resume check before anything is prepared or queued, the same for a run and its plan or dry
+    run; writes nothing. Returns the checkpoint the run resumes from (None: it starts fresh); raises
+    ResumeMismatchError (with the diff table), ManifestError or RunLockedError (a live run holds the
+    directory) when the run would be refused."""
+    from orchestrator.ckpt import resume
+    from orchestrator.ckpt.lock import RunLock
+    from orchestrator.data.prepare import data_fingerprint
+    from orchestrator.data.tokenizer import tokenizer_identity
+
+    if cfg.checkpoint.init_from:
+        from orchestrator.ckpt.manifest import read_manifest
+
+        read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
+    fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
+    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
+                              warn=lambda m: say(f"warning: {m}"))
+    RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
+    return latest
+
+
+def verdict(cfg: JobConfig, latest, *, dry: bool) -> str:
+    """What the preflight decided, in one line (``dry``: as a plan or dry run says it)."""
+    if latest is not None and latest.iteration >= cfg.training.train_iters:
+        return (f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
+                f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
+    if latest is not None:
+        return f"{'would' if dry else 'will'} resume from {latest.path} (iteration {latest.iteration})"
+    from orchestrator.ckpt.manifest import save_dir_of
+
+    return f"{'would start' if dry else 'starts'} fresh: no checkpoint in {save_dir_of(cfg)}"
+
+
 def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
     """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
 
@@ -102,30 +142,18 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     say(layout.summary())
     if cfg.plan or cfg.dry_run:
         show_plan(cfg)
+        say(verdict(cfg, preflight(cfg, layout), dry=True))  # a refusal: exit 2 with its table, as the run's
         if cfg.dry_run:
             dry_run(cfg, layout)
         return None
 
-    from orchestrator.ckpt import resume
-    from orchestrator.ckpt.lock import RunLock
-    from orchestrator.data.prepare import data_fingerprint
-    from orchestrator.data.tokenizer import tokenizer_identity
     from orchestrator.submit.executor import launch, one_task
 
-    if cfg.checkpoint.init_from:
-        from orchestrator.ckpt.manifest import read_manifest
-
-        read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
-    fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
-    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
-                              warn=lambda m: say(f"warning: {m}"))
+    latest = preflight(cfg, layout)
     if latest is not None:
-        if latest.iteration >= cfg.training.train_iters:
-            say(f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
-                f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
-            return {"status": "already_done", "iteration": latest.iteration}
-        say(f"will resume from {latest.path} (iteration {latest.iteration})")
-    RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
+        say(verdict(cfg, latest, dry=False))
+    if latest is not None and latest.iteration >= cfg.training.train_iters:
+        return {"status": "already_done", "iteration": latest.iteration}
     prepared = prepare_data(cfg, indices=launcher is None and not one_task(cfg, layout.world_size))
     record_config(cfg)
     summary = (launcher or launch)(cfg, layout, prepared)

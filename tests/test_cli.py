@@ -369,6 +369,86 @@ def test_a_refused_resume_leaves_the_run_directory_byte_identical(interrupted):
     assert snapshot(run_dir) == before
 
 
+def test_a_dry_run_tells_the_resume_verdict_and_a_refusal_exits_2(interrupted):
+    """dry_run/plan run the real run's resume preflight: a changed vocabulary padding, or CP=2 on the CP=1
+    checkpoint, is refused (exit 2, the diff table) before the sbatch script, nothing is written; an
+    unchanged request would resume."""
+    cwd, run_dir, env, _ = interrupted
+    before = snapshot(run_dir)
+    base = [*TINY, "training.train_iters=1000", f"run.root={run_dir.parent}"]
+    slurm = ["cluster=slurm_dev", "cluster.tasks_per_node=1"]
+    results = run_batch([[*base, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
+                         [*base, *slurm, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
+                         [*base, "model.make_vocab_size_divisible_by=64", "plan=true"],
+                         [*base, *slurm, "dry_run=true"],
+                         [*base, "cluster=slurm_a100_4x8", "cluster.nodes=1", "cluster.tasks_per_node=2",
+                          "parallelism.context_parallel_size=2", "dry_run=true"]], cwd, env)
+    cp = results[4]  # CP=2 on the CP=1 checkpoint, for a GPU cluster (validate refuses CP on CPU ranks)
+    assert cp["code"] == 2 and cp["stderr"].startswith("error: cannot resume from "), cp
+    rows = [[cell.strip() for cell in line.split("|")] for line in cp["stderr"].splitlines()]
+    assert ["parallelism.context_parallel_size", "1", "2", "refused"] in rows, cp["stderr"]
+    for refused in results[:3]:
+        lines = refused["stderr"].strip().splitlines()
+        assert refused["code"] == 2 and lines[0].startswith(f"error: cannot resume from {run_dir}/checkpoints/iter_"), refused
+        assert sum(line.startswith("error:") for line in lines) == 1
+        assert any(line.startswith("model.padded_vocab_size") and "refused" in line for line in lines[1:]), lines
+        assert "model.make_vocab_size_divisible_by=128" in lines[-1]  # the override that matches
+        assert "#SBATCH" not in refused["stdout"]
+    ok = results[3]
+    assert ok["code"] == 0 and ok["stderr"] == "", ok
+    verdict = next(line for line in ok["stdout"].splitlines() if "would resume from" in line)
+    assert verdict.startswith(f"[orchestrator] would resume from {run_dir}/checkpoints/iter_")
+    assert ok["stdout"].index(verdict) < ok["stdout"].index("#SBATCH")  # the verdict above the script
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_waiting_launcher_ends_its_local_job_and_the_rerun_resumes(tmp_path, cache_dir):
+    """kill -9 of the launcher waiting on 2 forked CPU ranks: the job notices, saves, stops; no process of
+    it (submitit's controller, the task, the forked rank, the checkpoint writers) is left 15 s later, the
+    lock is released, the attempt is recorded; rerunning resumes, printing the change table once."""
+    import psutil
+
+    args = [*TINY, "training.micro_batch_size=2", "parallelism.data_parallel_size=2", f"run.root={tmp_path}",
+            "run.name=orphan"]
+    run_dir = tmp_path / "orphan"
+    env = dict(os.environ, PYTHONPATH=str(REPO), ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "training.train_iters=1000"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen = []
+        for line in launcher.stdout:
+            seen.append(line)
+            if "iteration 3/" in line:  # two checkpoints saved: every rank has its writer process
+                break
+        job = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(job) >= 5, (job, "".join(seen)[-3000:])  # controller, rank 0's task, rank 1, 2 writers
+        os.kill(launcher.pid, signal.SIGKILL)  # left a zombie (not reaped yet): it must read as dead
+        killed = time.monotonic()
+        alive = job
+        while alive and time.monotonic() - killed < 15:
+            time.sleep(0.5)
+            alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert alive == [], [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    from orchestrator.ckpt import history
+
+    (attempt,) = history.attempts(history.read_records(run_dir))
+    assert attempt.cause == "interrupted" and f"the launcher (pid {launcher.pid}) died" in attempt.message, attempt
+    assert not (run_dir / "orchestrator.lock").exists()
+    latest = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))
+    assert latest >= attempt.iteration >= 3, (latest, attempt)  # the stop saved the iteration it reached
+
+    rerun = subprocess.run([sys.executable, "-m", "orchestrator", *args, f"training.train_iters={latest + 1}"],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"will resume from {run_dir}/checkpoints/iter_{latest:07d}" in rerun.stdout
+    assert rerun.stdout.count("with changes:") == 1 and rerun.stdout.count("training.train_iters |") == 1, rerun.stdout
+    assert f"completed: iteration {latest + 1}" in rerun.stdout
+
+
 def test_config_surface_is_frozen():
     """Groups and options users type; change this list deliberately, with the README."""
     groups = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in (REPO / "conf").iterdir() if d.is_dir()}

@@ -104,6 +104,9 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     msg = str(info.value)
     assert msg.startswith("non-finite gradient norm nan at iteration 7; lm loss non-finite on rank(s) 0")
     assert "the latest checkpoint stays iter_0000004" in msg and "\n" not in msg
+    # tighter clipping is a *smaller* clip_grad: never suggest raising it
+    assert msg.endswith("fix: lower optimizer.lr=0.001 (or raise optimizer.lr_warmup_iters=0, or clip harder "
+                        "with optimizer.clip_grad below 1) and rerun to resume"), msg
     try:
         raise info.value
     except NonFiniteLossError:

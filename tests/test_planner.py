@@ -178,11 +178,11 @@ def test_bubble_closed_forms():
 def test_flops_match_narayanan():
     B, s, l, h, V = 256, 2048, 32, 4096, SEED_VOCAB
     model, hardware, _ = planner.flops_per_step(shape(), layout(), Recipe(), V)
-    assert model == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
+    assert model == pytest.approx(72 * B * s * l * h * h * (1 + s / (12 * h) + V / (12 * l * h)), rel=1e-12)
     assert hardware == model
     full = Recipe(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     _, hw_full, _ = planner.flops_per_step(shape(), layout(), full, V)
-    assert hw_full == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
+    assert hw_full == pytest.approx(96 * B * s * l * h * h * (1 + s / (12 * h) + V / (16 * l * h)), rel=1e-12)
 
 
 def test_step_time_without_pipeline_or_communication_is_flops_over_mfu():

@@ -193,3 +193,50 @@ def _patch_both(monkeypatch, name, value):
     """The SLURM queries are looked up in preempt (the signal path) and requeue (failures)."""
     monkeypatch.setattr(preempt, name, value)
     monkeypatch.setattr(requeue, name, value)
+
+
+# ---- a dead launcher (runtime/faults/launcher.py) ---------------------------------------------------
+def test_a_dead_launcher_asks_the_graceful_stop_then_ends_the_process(clean_env):
+    """A real process as the launcher: alive while it runs; killed and not yet reaped (a zombie), it reads
+    as dead; the watch asks the stop (naming its pid), then, the process still running after the grace,
+    ends it with the stop's exit status. Another host's launcher is never judged from here."""
+    import threading
+    import time
+
+    import psutil
+
+    from orchestrator.runtime.faults import launcher
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    owner = {**launcher.launcher_identity(), "pid": proc.pid, "pid_created": psutil.Process(proc.pid).create_time()}
+    asked, ended = [], threading.Event()
+    codes = []
+    try:
+        assert launcher.launcher_alive(owner)
+        assert launcher.launcher_alive({**owner, "host": "elsewhere"})
+        assert not launcher.launcher_alive({**owner, "pid_created": owner["pid_created"] - 60})  # pid reused since
+        watch = launcher.watch_launcher(owner, asked.append, poll_s=0.05, grace_s=0.5,
+                                        exit=lambda code: (codes.append(code), ended.set()))
+        time.sleep(0.3)
+        assert asked == [] and watch.is_alive()
+        proc.kill()  # not reaped: a zombie until proc.wait()
+        killed = time.monotonic()
+        assert ended.wait(5), "the watch never ended the process"
+        assert asked == [f"the launcher (pid {proc.pid}) died"] and codes == [STOP_EXIT_CODE]
+        assert 0.5 <= time.monotonic() - killed < 3
+    finally:
+        proc.kill()
+        proc.wait()
+    assert launcher.watch_launcher(None, asked.append) is None  # a detached job watches nothing
+
+
+def test_a_stop_asked_before_the_request_is_installed_is_kept(clean_env):
+    """The launcher may die while the job still starts up: the stop asked then is the first thing the
+    StopRequest installed later knows (the first iteration boundary saves and stops)."""
+    try:
+        preempt.request_stop("the launcher (pid 1) died")
+        stop = StopRequest().install()
+        assert stop.local_flag and stop.signal_name == "the launcher (pid 1) died"
+        stop.uninstall()
+    finally:
+        preempt._REQUESTED.clear()

@@ -71,6 +71,16 @@ def _killed_on(rank: int):
     return {"rank": _rank()}
 
 
+def _killed_then_peers_fail(rank: int):
+    """Rank ``rank`` dies of SIGKILL; its peers then fail as gloo's broken collectives do."""
+    import time
+
+    if _rank() != rank:
+        time.sleep(3)
+        raise ConnectionResetError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    _killed_on(rank)
+
+
 def _stop(run_dir: str):
     from orchestrator.runtime.faults.preempt import StopRequest
 
@@ -79,6 +89,26 @@ def _stop(run_dir: str):
     if stop.requested():
         stop.requeue_or_exit("test stop")  # a local run cannot be requeued: Stopped, no result file
     return "not stopped"
+
+
+def _stop_at_time_limit(run_dir: str):
+    """Wait for the controller's time-limit USR2, then stop as a rank does after its save."""
+    import time
+
+    from orchestrator.ckpt import history as h
+    from orchestrator.runtime.faults.preempt import StopRequest
+
+    stop = StopRequest(max_requeues=0, run_dir=run_dir).install()
+    h.record_attempt_started(run_dir, str(_submitit_job_id()), 0, iteration=0)
+    while not stop.local_flag:
+        time.sleep(0.1)
+    stop.requeue_or_exit("signal", iteration=7)  # local: Stopped, no result file
+
+
+def _submitit_job_id():
+    import submitit
+
+    return submitit.JobEnvironment().job_id
 
 
 # ---- records -------------------------------------------------------------------------------------
@@ -146,6 +176,38 @@ def test_local_rank_killed_without_a_result(tmp_path):
         executor.wait(job, cfg, 2)  # noticed while rank 0 still works, which is then stopped
     assert status.run_status(run).state == "failed"
     assert jobs.result_outcomes(run / "submitit", job.job_id) == {}
+
+
+def test_status_names_the_killed_rank_not_its_peers(tmp_path):
+    """Rank 1 SIGKILLed, ranks 0 and 2 then fail with "Connection reset by peer" before the launcher sees
+    the death: the launcher's line, the recorded end and ``status`` name rank 1 first."""
+    run = tmp_path / "run"
+    cfg = cfg_for(run, tasks=3)
+    job = submit_like_launcher(cfg, _killed_then_peers_fail, 1, world_size=3)
+    with pytest.raises(JobFailedError, match=r"rank\(s\) \[1\] died without a result .*; then rank [02] failed"):
+        executor.wait(job, cfg, 3)
+    st = status.run_status(run)
+    assert st.state == "failed" and st.job.cause == "crashed", st
+    assert st.job.message.startswith("rank(s) [1] died without a result"), st.job.message
+    assert st.job.describe() == "failed (crashed) - rank(s) [1] died without a result", st.job.describe()
+
+
+def test_a_job_that_stopped_at_its_time_limit_says_so_plainly(tmp_path):
+    """A job stopped by its time limit after a save (on SLURM: with its requeues used up) writes no result:
+    the launcher's line says what stopped it and the checkpoint a rerun resumes from, not "ended without
+    results" and a log tail. A local job's limit: the controller's USR2 ``signal_delay_s`` before it."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000007").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000007" / "manifest.json").write_text("{}")
+    cfg = cfg_for(run, "cluster.timeout_min=1", "cluster.signal_delay_s=55", tasks=1)
+    job = submit_like_launcher(cfg, _stop_at_time_limit, str(run), world_size=1)
+    with pytest.raises(JobFailedError) as err:
+        executor.wait(job, cfg, 1)
+    line = str(err.value)
+    assert line.startswith(f"job {job.job_id}: reached its time limit (cluster.timeout_min=1) and stopped after "
+                           f"saving iteration 7; local runs are not requeued; rerun the same command to resume from "
+                           f"{run}/checkpoints/iter_0000007 (logs: "), line
+    assert "\n" not in line and "without results" not in line
 
 
 def test_local_stop_is_reported_as_stopped(tmp_path):

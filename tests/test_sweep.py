@@ -42,10 +42,10 @@ def metrics_records(run_dir: Path) -> List[dict]:
 
 
 def gpt_tiny_model_flops(gbs: int) -> float:
-    """72 B s l h^2 (1 + s/6h + V/12lh) for gpt_tiny (s=128, l=4, h=128) and the byte vocabulary
+    """72 B s l h^2 (1 + s/12h + V/12lh) for gpt_tiny (s=128, l=4, h=128) and the byte vocabulary
     258 padded to 384 (Narayanan et al. 2021 without recomputation, i.e. 3 x forward)."""
     s, l, h, v = 128, 4, 128, 384
-    return 72 * gbs * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    return 72 * gbs * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
 
 
 # ---------------------------------------------------------------- a measured micro-batch sweep

@@ -219,6 +219,8 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     (["model.transformer_impl=transformer_engine"], "model.transformer_impl=transformer_engine: Transformer Engine "
                                                     "runs on GPUs only"),
     (["data=jsonl"], "data.paths=[]: data=jsonl needs at least one JSONL file"),
+    (["parallelism=tp2_pp2", "parallelism.sequence_parallel=true"],
+     "parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need GPUs"),
     (["run.name=../../x"], "run.name='../../x': must be one directory name"),
 ])
 def test_the_issue_list_is_refused_by_validate(overrides, expected):
@@ -240,17 +242,20 @@ def test_recompute_rule_is_one_rule_for_validate_and_planner():
     assert "between 1 and the layers per pipeline rank (2)" in str(by_validate.value)
 
 
-def test_transformer_engine_needs_the_package_even_on_gpus():
+def test_transformer_engine_is_looked_up_where_the_job_runs():
+    """A local GPU job needs Transformer Engine in this Python; a SLURM job's nodes have their own, so
+    the launcher's lack of it refuses nothing there."""
     import importlib.util
 
-    cfg = compose_config(["model=gpt_125m", "cluster=slurm", "training.precision=bf16",
-                          "model.transformer_impl=transformer_engine", "training.micro_batch_size=1",
-                          "training.global_batch_size=64", "parallelism.data_parallel_size=null"])
+    common = ["model=gpt_125m", "training.precision=bf16", "model.transformer_impl=transformer_engine",
+              "training.micro_batch_size=1", "training.global_batch_size=64", "parallelism.data_parallel_size=null"]
+    assert validate(compose_config(common + ["cluster=slurm"])).world_size == 8
+    local_gpu = compose_config(common + ["cluster.gpus_per_node=1", "cluster.tasks_per_node=1"])
     if importlib.util.find_spec("transformer_engine") is not None:
-        assert validate(cfg).world_size == 8
+        assert validate(local_gpu).world_size == 1
     else:
-        with pytest.raises(ConfigError, match="transformer_engine package is not installed"):
-            validate(cfg)
+        with pytest.raises(ConfigError, match="transformer_engine package is not installed here"):
+            validate(local_gpu)
 
 
 def test_data_options_name_the_path(tmp_path):

@@ -91,8 +91,12 @@ def collect_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def _hash_file(path: Path) -> str:
+    """sha256 of a file, read in 8 MiB blocks (``hashlib.file_digest`` needs Python 3.11; 3.10 is admitted)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 _KNOWN_HASHES: Dict[str, tuple] = {}

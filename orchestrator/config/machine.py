@@ -1,4 +1,8 @@
-"""What this machine can run, for jobs that run on it (``cluster.kind=local``): its GPUs, torch-free.
+"""What the job's device and this machine can run: the device checks of validate, torch-free.
+
+:func:`check_device`: what a CPU job cannot run (bf16, the distributed optimizer, nccl, CP,
+Transformer Engine) and packages the config needs. :func:`check_local_gpus`: the GPUs of this
+machine, for jobs that run on it (``cluster.kind=local``).
 
 A config that asks for GPUs (``cluster.gpus_per_node`` > 0, or ``training.device=cuda``) on a
 machine without them used to start, import megatron-core and fail in rank 0 ("the job asked for
@@ -12,10 +16,62 @@ task sees only the GPUs bound to it, which the runtime checks.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 from typing import List, Optional
 
 from orchestrator.errors import ConfigError
+from orchestrator.config.schema import JobConfig
+
+
+def runs_on_cpu(cfg: JobConfig) -> bool:
+    """True when the job's ranks see no GPU: ``training.device=cpu`` or ``cluster.gpus_per_node=0``
+    (submitit hides the GPUs of a local job that asks for none)."""
+    return cfg.training.device == "cpu" or not cfg.cluster.gpus_per_node
+
+
+def check_device(cfg: JobConfig) -> None:
+    """Refuse, before submission, what the job's device and installed packages cannot run (ConfigError).
+
+    On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
+    optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
+    backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
+    cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
+    package installed, checked for local jobs only (SLURM nodes have their own Python).
+    """
+    t, m = cfg.training, cfg.model
+    if runs_on_cpu(cfg):
+        where = ("training.device=cpu" if t.device == "cpu"
+                 else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU")
+        gpus = "cluster.gpus_per_node=<n>"
+        if t.device == "cuda":
+            raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
+        if t.precision != "fp32":
+            raise ConfigError(f"training.precision={t.precision}: needs a GPU ({where}); "
+                              f"fix: training.precision=fp32, or {gpus}")
+        if cfg.optimizer.use_distributed_optimizer:
+            raise ConfigError(f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
+                              "fix: optimizer.use_distributed_optimizer=false")
+        if cfg.parallelism.context_parallel_size > 1:
+            raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
+                              f"Transformer Engine attention on GPUs ({where}); "
+                              "fix: parallelism.context_parallel_size=1")
+        if cfg.parallelism.distributed_backend == "nccl":
+            raise ConfigError(f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
+                              "fix: parallelism.distributed_backend=auto (gloo on CPU)")
+        if m.transformer_impl == "transformer_engine":
+            raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
+                              f"({where}); fix: model.transformer_impl=local (or auto)")
+        if cfg.parallelism.sequence_parallel:
+            raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
+                              f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
+                              "fix: parallelism.sequence_parallel=false")
+    # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
+    if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
+            and importlib.util.find_spec("transformer_engine") is None):
+        raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
+                          "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
+
 
 GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
 """NVIDIA GPUs (one file each), the ROCm driver, WSL's GPU bridge: where a GPU shows itself."""
@@ -36,7 +92,7 @@ def local_gpu_count() -> Optional[int]:
     return min(len(ids), len(nvidia))
 
 
-def cpu_overrides(cfg) -> List[str]:
+def cpu_overrides(cfg: JobConfig) -> List[str]:
     """The overrides that run ``cfg`` on this machine's CPU (what the CPU device checks would ask next)."""
     out = ["training.device=cpu"]
     if cfg.training.precision != "fp32":
@@ -52,7 +108,7 @@ def cpu_overrides(cfg) -> List[str]:
     return out
 
 
-def check_local_gpus(cfg) -> None:
+def check_local_gpus(cfg: JobConfig) -> None:
     """Refuse a local job that asks for more GPUs than this machine has (ConfigError, one line)."""
     c, device = cfg.cluster, cfg.training.device
     if c.kind != "local" or cfg.plan or cfg.dry_run or device == "cpu" or os.environ.get("SUBMITIT_EXECUTOR"):

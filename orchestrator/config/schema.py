@@ -178,6 +178,10 @@ class TrainingConfig:
     eval_iters: int = 10
     """Validation batches (of global_batch_size samples each, the same batches every time) per
     evaluation; 0 disables evaluation. Needs a validation weight in data.split."""
+    trace_iteration: Optional[int] = None
+    """Record iteration N's pipeline schedule on every rank (forward, backward, send/recv waits) into
+    <run.dir>/schedule.json, schedule_trace.json (Chrome trace) and schedule.png, with the measured bubble
+    per stage next to (p-1)/(v m); null (default) records nothing."""
 
 
 @dataclass
@@ -275,6 +279,8 @@ class SweepConfig:
     warm_pool: bool = True
     """Local sweeps: consecutive points with the same world size run on the same warm rank processes
     (orchestrator.submit.pool), paying the process start-up once; false: a fresh job per point."""
+    trace_iteration: Optional[int] = None
+    """Trace this iteration of every point (training.trace_iteration): the table's measured bubble column."""
 
 
 @dataclass
@@ -307,6 +313,9 @@ class JobConfig:
     """Validate, print the plan and the submission (sbatch script) and stop."""
     gpu: str = "A100-80GB"
     """GPU preset used by the planner for memory fit and step-time estimates."""
+    plan_picture: Optional[str] = None
+    """With plan=true: also draw the predicted schedule (Gantt chart per pipeline rank) and the memory per
+    stage into this PNG file; null draws nothing."""
 
 
 def register_configs() -> None:

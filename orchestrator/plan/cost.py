@@ -27,8 +27,10 @@ def bubble(pp: int, num_microbatches: int, vpp: int = 1) -> Tuple[float, float]:
 def _layer_forward_flops_per_token(shape: ModelShape) -> Tuple[float, float]:
     """(dense matmul FLOPs, attention-core FLOPs) of one layer's forward pass per token.
 
-    Standard GPT: 24h^2 and 4sh, so with the 2hV logit layer and x3 for backward this is
-    [N21] eq. (3) without recomputation: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)).
+    Standard GPT: 24h^2 and 2sh. The attention core (QK^T and scores x V, 2 s q each per token) is
+    halved for the causal mask, as Megatron-LM's ``num_floating_point_operations``
+    (megatron/training/training.py) counts it; [N21] eq. (3) counts it whole (4sh). With the 2hV
+    logit layer and x3 for backward: 72 B s l h^2 (1 + s/(12h) + V/(12 l h)).
     """
     h, a = shape.hidden_size, shape.num_attention_heads
     d = h // a
@@ -38,16 +40,18 @@ def _layer_forward_flops_per_token(shape: ModelShape) -> Tuple[float, float]:
     dense = 2 * h * (q + 2 * k) + 2 * q * h + topk * 2 * h * shape.ffn * (gate + 1)
     if shape.num_moe_experts:
         dense += 2 * h * shape.num_moe_experts
-    return dense, 4 * shape.seq_length * q
+    return dense, 2 * shape.seq_length * q  # causal: half of 4 s q
 
 
 def flops_per_step(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int) -> Tuple[float, float, List[float]]:
     """(model FLOPs, hardware FLOPs, hardware FLOPs per pipeline stage) of one optimizer step.
 
-    Model FLOPs = 3 x forward (backward = 2 x forward), [N21] 5.1; for standard GPT this equals
-    72 B s l h^2 (1 + s/(6h) + V/(12 l h)). Hardware FLOPs add what recomputation redoes:
-    full = one more forward of the recomputed layers ([N21]'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
-    when every layer is recomputed), selective = the attention core again ([K22] sections 5-6).
+    Model FLOPs = 3 x forward (backward = 2 x forward), [N21] 5.1, with the causal attention core of
+    :func:`_layer_forward_flops_per_token`; for standard GPT 72 B s l h^2 (1 + s/(12h) + V/(12 l h)).
+    Hardware FLOPs add what recomputation redoes: full = one more forward of the recomputed layers
+    (96 B s l h^2 (1 + s/(12h) + V/(16 l h)) when every layer is recomputed), selective = the
+    attention core again ([K22] sections 5-6). The planner's MFU and the job's measured TFLOP/s
+    (``throughput_tflops``) both use this count.
     """
     tokens = layout.tokens_per_step
     dense, attn = _layer_forward_flops_per_token(shape)

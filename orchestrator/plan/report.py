@@ -58,7 +58,7 @@ def format_plan(plan: Plan) -> str:
         f"pipeline bubble ({sched}; Narayanan et al. 2021 sec. 2.2): bubble/ideal = (p-1)/(v m) = "
         f"{p - 1}/({v} x {m}) = {plan.bubble_overhead:.1%}; idle share of step = (p-1)/(v m + p-1) = "
         f"{plan.bubble_fraction:.1%}",
-        f"FLOPs per step: model {plan.model_flops:.3e} (3 x forward; 72 B s l h^2 (1 + s/6h + V/12lh) for GPT), "
+        f"FLOPs per step: model {plan.model_flops:.3e} (3 x forward; 72 B s l h^2 (1 + s/12h + V/12lh) for GPT), "
         f"hardware {plan.hardware_flops:.3e} (model + recomputation)",
         (f"step time with the device profile: {plan.step_time_s:.3g} s = compute {plan.compute_s:.3g} + TP comm "
          f"{plan.tp_comm_s:.3g} + PP comm {plan.pp_comm_s:.3g} + framework {plan.framework_s:.3g} + bubble "

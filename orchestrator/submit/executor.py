@@ -95,12 +95,15 @@ def _children_ignore_sigint():
 
 def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     """Submit the training job (one task per rank); returns the submitit job."""
+    from orchestrator.runtime.faults.launcher import launcher_identity
     from orchestrator.runtime.start.job import TrainJob
 
     forks = forks_ranks(cfg, layout.world_size)
     executor = make_executor(cfg, 1 if forks else layout.world_size)
+    waited = cfg.cluster.kind == "local" and cfg.cluster.wait  # such a job ends with this launcher
     payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size),
-                       fork_ranks=layout.world_size if forks else 0, build_indices=one_task(cfg, layout.world_size))
+                       fork_ranks=layout.world_size if forks else 0, build_indices=one_task(cfg, layout.world_size),
+                       launcher=launcher_identity() if waited else None)
     try:
         with _children_ignore_sigint():
             job = executor.submit(payload)

@@ -70,6 +70,38 @@ def disk_full(run_dir: str) -> Optional[str]:
     return disk_full_message(torn[-1] if torn else base)
 
 
+def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
+    """One plain line (after ``job <id>: ``) when job ``job_id`` ended by stopping itself after a save, not
+    requeued (a time limit or preemption with ``cluster.max_num_timeout`` requeues used up, a local time
+    limit, a stop signal):
+    what stopped it, the requeues used and the checkpoint a rerun resumes from; else None. Such a job
+    writes no result files, and its end is no crash."""
+    from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+    from orchestrator.runtime.faults.diskspace import latest_checkpoint
+
+    records = history.read_records(run_dir)
+    mine = [a for a in history.attempts(records) if a.job_id == str(job_id)]
+    latest = max(mine, key=lambda a: a.attempt) if mine else None
+    if latest is None or latest.requeued or latest.cause not in (*history.TIMEOUT_CAUSES, "interrupted"):
+        return None
+    if not any(r.get("event") == "stopped" and str(r.get("job_id")) == str(job_id) for r in records):
+        return None  # ended by the launcher (Ctrl-C, its time bound), not by the job's own stop
+    used = sum(1 for a in mine if a.requeued and a.cause in history.TIMEOUT_CAUSES)
+    what = {"timeout": f"reached its time limit (cluster.timeout_min={cluster.timeout_min})",
+            "preempted": "was preempted"}.get(latest.cause, "was stopped by a signal")
+    if cluster.kind != "slurm":
+        requeues = "local runs are not requeued"
+    elif latest.cause in history.TIMEOUT_CAUSES:
+        requeues = f"its requeues are used up ({used} of cluster.max_num_timeout={cluster.max_num_timeout})"
+    else:
+        requeues = f"not requeued ({used} requeue(s) used)"
+    ckpt = latest_checkpoint(run_dir)
+    resume = (f"rerun the same command to resume from {run_dir}/{CHECKPOINTS_DIR}/{ckpt}" if ckpt
+              else "no checkpoint was saved, so a rerun starts from scratch")
+    saved = f" after saving iteration {latest.iteration}" if ckpt else ""
+    return f"{what} and stopped{saved}; {requeues}; {resume}"
+
+
 def failed_attempt_message(run_dir: str, job_id: str) -> Optional[str]:
     """The message of the latest attempt of ``job_id`` when it ended in a failure (hang, node failure,
     crash: recorded before the job requeues itself), else None."""

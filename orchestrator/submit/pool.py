@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -45,16 +43,11 @@ def pool_key(cfg: JobConfig, world_size: int) -> Tuple[Any, ...]:
             cfg.training.distributed_timeout_minutes, json.dumps(cluster, sort_keys=True, default=str))
 
 
-def _owner() -> Dict[str, Any]:
-    import psutil
-
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_created": psutil.Process().create_time()}
-
-
 class WarmPool:
     """One pool job: ``world_size`` warm ranks reading trial files from ``pool_dir``."""
 
     def __init__(self, cfg: JobConfig, world_size: int, pool_dir: Path, allocation_min: Optional[int] = None):
+        from orchestrator.runtime.faults.launcher import launcher_identity
         from orchestrator.runtime.start.pool import PoolJob
         from orchestrator.submit.executor import _children_ignore_sigint, forks_ranks, job_environment, make_executor
 
@@ -68,7 +61,7 @@ class WarmPool:
         # Local: one task imports torch and megatron-core once and forks the other ranks (PoolJob.fork_ranks)
         self.forked = forks_ranks(cfg, world_size)
         executor = make_executor(own, 1 if self.forked else world_size)
-        payload = PoolJob(str(self.dir), job_environment(own, world_size), _owner(),
+        payload = PoolJob(str(self.dir), job_environment(own, world_size), launcher_identity(),
                           fork_ranks=world_size if self.forked else 0)
         try:
             with _children_ignore_sigint():

@@ -273,7 +273,7 @@ class _Wait:
         srun = "" if self.local else _srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
-                        "crashed", f"rank {rank} failed: {tail[-1] if tail else ''}")
+                        "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
 
     def check_dead_local(self) -> None:
         """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
@@ -285,7 +285,8 @@ class _Wait:
         if not dead:
             return
         logs = Path(self.job.task(dead[0]).paths.stderr).parent
-        known = outcome.known_failure(self.run_dir, self.job_id)
+        known = outcome.stopped_itself(self.run_dir, self.job_id, self.c) or outcome.known_failure(self.run_dir,
+                                                                                                  self.job_id)
         if known:
             raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)")
         raise self.fail(f"job {self.job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
@@ -328,18 +329,18 @@ class _Wait:
         self.ended_since = self.ended_since or time.time()
         if time.time() - self.ended_since <= (3 if cancelled or self.local else 15):
             return
-        job, state = self.job, self.state
+        job, state, logs = self.job, self.state, Path(self.job.paths.stderr).parent
         missing = [i for i in range(self.world_size) if i not in self.results]
-        known = outcome.known_failure(self.run_dir, self.job_id)
-        if known and not cancelled:
-            raise JobFailedError(f"job {self.job_id} ({state}): {known} (logs: {Path(job.paths.stderr).parent}/)")
+        stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)  # e.g. its requeues used up: no srun lines
+        if (known := stopped or outcome.known_failure(self.run_dir, self.job_id)) and not cancelled:
+            raise JobFailedError(f"job {self.job_id}{'' if stopped else f' ({state})'}: {known} (logs: {logs}/)")
         outcome.record_end(self.run_dir, self.job_id, "crashed" if self.local else outcome.slurm_cause(state),
                            f"job ended ({state}) without results from rank(s) {missing}")
         if cancelled:
             raise JobFailedError(
                 f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
                 f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
-                f"logs: {Path(job.paths.stderr).parent}/")
+                f"logs: {logs}/")
         srun = "" if self.local else _srun_errors(job)
         raise JobFailedError(f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
                              + (f"{srun}\n" if srun else "")

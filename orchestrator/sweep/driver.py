@@ -180,6 +180,8 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     }
     try:
         cfg = to_job_config(dcfg)
+        if cfg.sweep.trace_iteration:  # the table's measured bubble (runtime.training.trace)
+            cfg.training.trace_iteration = cfg.sweep.trace_iteration
         layout = validate(cfg)
         record["training"] = {"train_iters": cfg.training.train_iters,
                               "timing_warmup_iters": cfg.training.timing_warmup_iters}

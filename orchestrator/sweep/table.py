@@ -19,7 +19,8 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
 * tokens/s = tokens per step (GBS x seq_length) / step time; samples/s = GBS / step time;
 * TFLOP/s per device = model FLOPs per step / step time / world size / 1e12, with model FLOPs
   per step from :func:`orchestrator.planner.flops_per_step`: 3 x the forward FLOPs (backward =
-  2 x forward), no recomputation counted -- for a standard GPT 72 B s l h^2 (1 + s/(6h) +
+  2 x forward), causal attention core (as Megatron-LM counts it), no recomputation counted -- for a
+  standard GPT 72 B s l h^2 (1 + s/(12h) +
   V/(12 l h)). Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
   GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), section 5.1, which reports per-GPU
   throughput this way (their 96 B s l h^2 variant adds the extra forward of full recomputation);
@@ -30,7 +31,8 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
   memory error % = 100 x (predicted - measured) / measured, measured = torch's peak allocated on
   GPU runs, else the peak RSS;
 * predicted step time: the same plan's (seconds); step-time error % = 100 x (predicted - measured) / measured;
-* bubble fraction: the planner's (p-1)/(v m + p-1) (Narayanan et al. 2021, section 2.2).
+* bubble fraction: the planner's (p-1)/(v m + p-1) (Narayanan et al. 2021, section 2.2); measured bubble: the
+  traced iteration's idle share, mean over stages (``sweep.trace_iteration``, runtime.training.trace).
 
 Completed (and still running) points are ranked by measured tokens/s, fastest first; the rest follow
 in point order (a failed, interrupted or stopped point shows what it measured, unranked).
@@ -62,7 +64,7 @@ UNFINISHED = ("pending", "running", "submitted", "requeued")
 
 COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s", "tokens_per_s",
            "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "memory_error_pct",
-           "predicted_step_time_s", "step_time_error_pct", "bubble_fraction", "reason"]
+           "predicted_step_time_s", "step_time_error_pct", "bubble_fraction", "measured_bubble_fraction", "reason"]
 """The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
 EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
                  "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
@@ -151,7 +153,8 @@ def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
                 "lm_loss": s.get("lm_loss"), "step_time_median_s": s.get("step_time_median_s"),
                 "timed_iterations": s.get("timed_iterations"), "tokens_per_step": s.get("tokens_per_step"),
                 "peak_rss_mib": max(per_rank) if per_rank else None,
-                "peak_gpu_mib": max(gpu_rank) if gpu_rank else None}
+                "peak_gpu_mib": max(gpu_rank) if gpu_rank else None,
+                "measured_bubble": statistics.mean(x) if (x := (s.get("schedule_trace") or {}).get("measured_idle_share")) else None}
     start = int(records[last_event].get("iteration") or 0) if last_event >= 0 else 0
     iters = [r for r in records[last_event + 1:] if "step_time_s" in r and "iteration" in r]
     if not iters:
@@ -299,7 +302,7 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
         "peak_gpu_mib": _number(meas.get("peak_gpu_mib")),  # GPU runs: torch.cuda.max_memory_allocated
         "predicted_mib": predicted_mib, "memory_error_pct": _error_pct(predicted_mib, measured_mib),
         "predicted_step_time_s": predicted_step, "step_time_error_pct": _error_pct(predicted_step, step),
-        "bubble_fraction": _number(pl.get("bubble_fraction")),
+        "bubble_fraction": _number(pl.get("bubble_fraction")), "measured_bubble_fraction": _number(meas.get("measured_bubble")),
         "reason": reason or "",
         "timed_iterations": meas.get("timed_iterations"), "iteration": meas.get("iteration"),
         "lm_loss": _number(meas.get("lm_loss")), "world_size": lay.get("world_size"),
@@ -348,7 +351,7 @@ def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> st
     head = ["rank", "point", "overrides", "job id", "status", "step time median (ms)", "tokens/s", "samples/s",
             "TFLOP/s per device", "peak memory per rank (MiB, measured)",
             f"predicted memory (MiB, {gpu or 'planner'})", "memory error", "predicted step (ms)", "step error",
-            "bubble", "reason"]
+            "bubble", "measured bubble", "reason"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         cells = [_cell(r["rank"]) or "-", str(r["point"]), f"`{r['overrides']}`" if r["overrides"] else "",
@@ -358,7 +361,8 @@ def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> st
                  _fmt(r["tflops_per_device"], ".3g"), _fmt(r["peak_rss_mib"], ",.0f"),
                  _fmt(r["predicted_mib"], ",.0f"), _fmt(r["memory_error_pct"], "+.1f"),
                  _fmt(r["predicted_step_time_s"] * 1000 if r["predicted_step_time_s"] is not None else None, ".1f"),
-                 _fmt(r["step_time_error_pct"], "+.0f"), _fmt(r["bubble_fraction"], ".1%"), short_reason(r["reason"])]
+                 _fmt(r["step_time_error_pct"], "+.0f"), _fmt(r["bubble_fraction"], ".1%"),
+                 _fmt(r["measured_bubble_fraction"], ".1%"), short_reason(r["reason"])]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

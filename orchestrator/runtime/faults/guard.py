@@ -191,8 +191,12 @@ class Guard:
             tail = (f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
                     if state == "skipped" else
                     " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)")
+        o = self.cfg.optimizer  # clipping is tightened by a *smaller* clip_grad (0 turns it off)
+        clip = ("turn gradient clipping on with optimizer.clip_grad=1.0" if not o.clip_grad else
+                f"clip harder with optimizer.clip_grad below {o.clip_grad:g}")
         message = (f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
-                   f"fix: lower optimizer.lr (or raise optimizer.clip_grad / lr_warmup_iters) and rerun to resume")
+                   f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
+                   f"{clip}) and rerun to resume")
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             _quietly(lambda: history.record_event(self.run_dir, "nan", job_id=self.job_id, attempt=self.attempt,
                                                   iteration=iteration, value=str(value), what=what,

@@ -68,6 +68,20 @@ from orchestrator.runtime.faults.requeue import (  # noqa: F401 - re-exported: t
     _rank, _scontrol_requeue, _slurm_job_state, job_identity, leave_requeued, requeue_for_failure)
 from orchestrator.slurm import on_slurm, restart_count, slurm_job_id
 
+_REQUESTED: dict = {}
+"""A stop asked for from code (:func:`request_stop`): ``{"name": ...}``, and the installed StopRequest."""
+
+
+def request_stop(name: str) -> None:
+    """Ask this process's graceful stop from any thread (the launcher watch of
+    :mod:`orchestrator.runtime.faults.launcher`): the installed :class:`StopRequest` is triggered now,
+    one installed later (during start-up) at its :meth:`~StopRequest.install`."""
+    _REQUESTED.setdefault("name", name)
+    current = _REQUESTED.get("current")
+    if current is not None:
+        current.trigger(name)
+
+
 def with_stop_signals_shielded(start: Any) -> Any:
     """``start()`` such that a process it spawns ignores USR2, SIGTERM and SIGINT for good, while this
     rank loses none of them. SLURM delivers the time-limit USR2 and scancel's SIGTERM to every
@@ -121,6 +135,9 @@ class StopRequest:
             raise RuntimeError("StopRequest.install() must be called from the main thread (signal handlers)")
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _REQUESTED["current"] = self
+        if "name" in _REQUESTED:  # asked for before this request existed (request_stop)
+            self.trigger(_REQUESTED["name"])
         if on_slurm() and _rank() == 0:
             count = restart_count()
             if count:
@@ -133,6 +150,8 @@ class StopRequest:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
+        if _REQUESTED.get("current") is self:
+            del _REQUESTED["current"]
 
     def training_done(self) -> None:
         """Training has ended normally: ignore ``USR2`` from now on, until the process exits.

@@ -204,8 +204,9 @@ def choose_binding(environ: Mapping[str, str], *, want: str, backend: str, devic
                            "fix: request GPUs (cluster.gpus_per_node) or set training.device=cpu")
     if device_count == 0 and want == "auto" and (gpus_per_node or int(environ.get("SLURM_GPUS_ON_NODE") or 0)):
         raise BackendError(f"the job asked for GPUs but {who} sees none ({_gpu_env(environ)}); it would run on "
-                           "CPU + gloo while other ranks use GPUs; fix: check the GPU binding (--gpus-per-task, "
-                           "--gpu-bind), or set cluster.gpus_per_node=0 and training.device=cpu")
+                           "CPU + gloo while other ranks use GPUs; fix: check the GPU binding "
+                           "(cluster.additional_parameters.gpu_bind), or set cluster.gpus_per_node=0 and "
+                           "training.device=cpu")
     if want == "cpu" or device_count == 0:
         if backend == "nccl":
             raise ConfigError("parallelism.distributed_backend=nccl needs GPUs but this job runs on CPU; "
@@ -220,8 +221,9 @@ def choose_binding(environ: Mapping[str, str], *, want: str, backend: str, devic
                            f"tasks; fix: cluster.tasks_per_node <= cluster.gpus_per_node ({_gpu_env(environ)})")
     else:
         raise BackendError(f"{who} sees {device_count} of the node's {node_gpus} GPUs ({_gpu_env(environ)}) and "
-                           "cannot tell which is its own; fix: bind one GPU per task (--gpus-per-task=1 or "
-                           "--gpu-bind=single:1) or let every task see all of the node's GPUs (no --gpu-bind)")
+                           "cannot tell which is its own; fix: bind one GPU per task "
+                           "(cluster.additional_parameters.gpu_bind=single:1) or let every task see all of the "
+                           "node's GPUs (no gpu_bind)")
     entries = [e.strip() for e in visible.split(",")] if visible else []
     gpu = entries[index] if index < len(entries) else str(index)
     return DeviceBinding("cuda", index, "nccl" if backend == "auto" else backend, gpu, visible)
@@ -260,7 +262,7 @@ def check_agreement(records: Sequence[Mapping[str, object]]) -> None:
             parts.append(f"{device}/{backend} on rank(s) {_ranks(ranks)} (host {','.join(hosts)}; "
                          f"CUDA_VISIBLE_DEVICES {'|'.join(visible)})")
         raise BackendError("ranks disagree on device/backend: " + "; ".join(parts) +
-                           "; fix: give every task a GPU (check --gpus-per-task / --gpu-bind) or run all on CPU")
+                           "; fix: give every task a GPU (check cluster.gpus_per_node / cluster.additional_parameters.gpu_bind) or run all on CPU")
     shared: Dict[Tuple[object, object], List[int]] = {}
     for rank, rec in enumerate(records):
         if rec["device"] == "cuda":

@@ -34,20 +34,31 @@ class TrainJob:
     1..N-1 (:mod:`orchestrator.runtime.start.forked`) and trains as rank 0; each forked rank writes its
     own submitit result file. ``build_indices`` (a job of one task): build GPTDataset's sample indices
     first, when the cache lacks them (:func:`orchestrator.runtime.rank.dataset.cache_indices`).
+    ``launcher``: the waiting launcher's identity (a local job with ``cluster.wait``): the task stops
+    gracefully when it dies (:mod:`orchestrator.runtime.faults.launcher`; forked ranks die with the task).
     """
 
     def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None,
-                 fork_ranks: int = 0, build_indices: bool = False):
+                 fork_ranks: int = 0, build_indices: bool = False, launcher: Optional[Dict[str, Any]] = None):
         self.config = config
         self.prepared = prepared
         self.env = dict(env or {})
         self.fork_ranks = fork_ranks
         self.build_indices = build_indices
+        self.launcher = launcher
+
+    def _watch_launcher(self) -> None:
+        from orchestrator.runtime.faults.launcher import watch_launcher
+        from orchestrator.runtime.faults.preempt import request_stop
+
+        watch_launcher(self.launcher, request_stop)
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
         done = exit_fast_after_success()
         self._report_up()
+        if self.fork_ranks <= 1:
+            self._watch_launcher()  # a forking task starts it after forking its ranks (from a thread-free process)
         if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
             from orchestrator.data.prepare import PreparedData, indices_cached
             from orchestrator.meter import say
@@ -83,6 +94,7 @@ class TrainJob:
         from orchestrator.runtime.start import forked
 
         pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
+        self._watch_launcher()
         from orchestrator.meter import say
 
         say(f"ranks 1..{self.fork_ranks - 1} forked; joining the process group")

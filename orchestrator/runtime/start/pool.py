@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from orchestrator.runtime.faults.launcher import launcher_alive, watch_launcher
+from orchestrator.runtime.faults.preempt import request_stop
 
 IDLE_TIMEOUT_S = 900.0
 """A warm rank with no trial for this long exits (its launcher died without a stop file)."""
@@ -52,18 +54,6 @@ def error_path(pool_dir: "str | os.PathLike", num: int, rank: int) -> Path:
     return Path(pool_dir) / f"trial_{num}.rank{rank}.error"
 
 
-def _launcher_alive(owner: Dict[str, Any]) -> bool:
-    """False only when the launcher ran on this host and its process is gone."""
-    if owner.get("host") != socket.gethostname():
-        return True
-    import psutil
-
-    try:
-        return psutil.Process(int(owner["pid"])).create_time() <= float(owner["pid_created"]) + 1.0
-    except (psutil.NoSuchProcess, KeyError, ValueError):
-        return False
-
-
 def _next_trial(pool_dir: Path, num: int, owner: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The ``num``-th trial file (None: stop, launcher gone, or idle too long)."""
     path, deadline, checked = trial_path(pool_dir, num), time.monotonic() + IDLE_TIMEOUT_S, time.monotonic()
@@ -75,7 +65,7 @@ def _next_trial(pool_dir: Path, num: int, owner: Dict[str, Any]) -> Optional[Dic
         if spec is not None:
             return None if spec.get("stop") else spec
         if time.monotonic() - checked > 2.0:
-            if not _launcher_alive(owner):
+            if not launcher_alive(owner):
                 return None
             checked = time.monotonic()
         time.sleep(POLL_S)
@@ -168,6 +158,7 @@ class PoolJob:
 
         write_atomic(pid_path(self.pool_dir, num, rank), str(os.getpid()))
         print(f"warm trial {num}: rank {rank} of {self.fork_ranks} forked (pid {os.getpid()})", flush=True)
+        watch_launcher(self.owner, request_stop)  # a dead launcher stops the trial (saving), then the pool
         try:
             summaries = self._trial(spec, rank)
         except BaseException:

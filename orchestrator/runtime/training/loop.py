@@ -33,6 +33,7 @@ from orchestrator.runtime.training.metrics import Trackers, perplexity
 from orchestrator.runtime.rank.model import unwrap
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
+from orchestrator.runtime.training import trace
 
 
 def _forward_step(data_iterator, model):
@@ -136,6 +137,8 @@ class Outcome:
     train_wall_s: float = 0.0
     """Wall time of the whole loop (s): every iteration, its records, evaluations and saves; a job's or a
     trial's start-up is its wall time minus this."""
+    schedule_trace: Optional[Dict[str, object]] = None
+    """``training.trace_iteration``'s measured bubble per stage next to the formula (runtime.training.trace)."""
 
 
 class _Log:
@@ -213,15 +216,17 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
     log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
     status, loop_start = "completed", time.perf_counter()
+    tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
         for chunk in b.model:
             chunk.zero_grad_buffer()
         b.optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=_forward_step, data_iterator=data.train, model=b.model,
-            num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size, forward_only=False)
+        with trace.around(tracer, it + 1, _forward_step) as forward_step:
+            losses = forward_backward(
+                forward_step_func=forward_step, data_iterator=data.train, model=b.model,
+                num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
+                micro_batch_size=t.micro_batch_size, forward_only=False)
         lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
         # guard.step: megatron's optimizer step that never applies a non-finite update
         update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
@@ -259,4 +264,5 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             status = "exited"
             break
     poll.close()
-    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start)
+    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start,
+                   tracer.result if tracer is not None else None)

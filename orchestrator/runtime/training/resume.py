@@ -15,6 +15,7 @@ values back before the schedule is re-evaluated at the checkpoint's step count.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -39,6 +40,12 @@ class Start:
     """The checkpoint directory loaded with its optimizer state; None for a fresh start or init_from."""
 
 
+def _warn_in_job(message: str) -> None:
+    """The in-job preflight's warnings (a resume's change table, a torn save skipped) go to rank 0's
+    stderr log: the launcher printed the same before submission, and echoes only rank 0's stdout."""
+    print(f"[orchestrator] warning: {message}", file=sys.stderr, flush=True)
+
+
 def _verdict(rank: Rank, prepared):
     """Rank 0's preflight, broadcast: the CheckpointInfo to load (or None); raises its error everywhere."""
     from orchestrator.ckpt import resume as preflight
@@ -50,7 +57,7 @@ def _verdict(rank: Rank, prepared):
             verdict[0] = ("ok", preflight.preflight(
                 rank.cfg, rank.layout, data_fingerprint=prepared.fingerprint,
                 tokenizer=tokenizer_identity(rank.cfg.data),
-                warn=lambda msg: print(f"[orchestrator] warning: {msg}", flush=True)))
+                warn=_warn_in_job))
         except OrchestratorError as exc:
             verdict[0] = ("error", exc)
     torch.distributed.broadcast_object_list(verdict, src=0)

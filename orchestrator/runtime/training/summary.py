@@ -101,5 +101,6 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
         "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,
         "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
+        "schedule_trace": outcome.schedule_trace,
         "time": time.time(),
     }
