@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, Iterator, Optional, TypeVar
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, TypeVar
 
 HEARTBEAT_S = 2.5
 """Longest silence between two lines of a phase that is still running."""
@@ -25,6 +25,8 @@ QUIET_S = 1.0
 """Work that ends within this says nothing beyond its own summary line."""
 
 T = TypeVar("T")
+_ACTIVE: List[object] = []
+"""The phases in progress, innermost last (only the innermost one beats)."""
 Log = Callable[[str], None]
 
 
@@ -53,10 +55,13 @@ def phase(label: str, log: Log = say, every: float = HEARTBEAT_S) -> Iterator[No
         return
     done = threading.Event()
     start = time.monotonic()
+    me = object()
+    _ACTIVE.append(me)
 
     def beat() -> None:
         while not done.wait(every):
-            log(f"  ... {label}: {time.monotonic() - start:.0f} s")
+            if _ACTIVE and _ACTIVE[-1] is me:  # a phase inside this one speaks for both
+                log(f"  ... {label}: {time.monotonic() - start:.0f} s")
 
     thread = threading.Thread(target=beat, name="orchestrator-phase", daemon=True)
     thread.start()
@@ -65,6 +70,7 @@ def phase(label: str, log: Log = say, every: float = HEARTBEAT_S) -> Iterator[No
     finally:
         done.set()
         thread.join()
+        _ACTIVE.remove(me)
 
 
 class Meter:

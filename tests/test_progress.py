@@ -30,6 +30,12 @@ def test_a_phase_names_itself_then_its_elapsed_time():
     assert said[0] == "building sample indices"
     beats = said[1:]
     assert 2 <= len(beats) <= 4 and all(b.startswith("  ... building sample indices: ") for b in beats), said
+    said.clear()
+    with phase("preparing data", log=said.append, every=0.05):
+        with phase("loading the tokenizer", log=said.append, every=0.05):
+            time.sleep(0.18)
+    assert said[:2] == ["preparing data", "loading the tokenizer"]
+    assert all(b.startswith("  ... loading the tokenizer: ") for b in said[2:]) and len(said) >= 4, said
 
 
 def test_a_meter_reports_bytes_counts_rate_and_eta(monkeypatch):
