@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, TypeVar
 
-HEARTBEAT_S = 2.5
+HEARTBEAT_S = 2.0
 """Longest silence between two lines of a phase that is still running."""
 QUIET_S = 1.0
 """Work that ends within this says nothing beyond its own summary line."""
