@@ -72,7 +72,9 @@ def test_convert_plan_train_from_an_installed_wheel(installed, tmp_path, cache_d
 
     plan = _orchestrator(installed, ["+experiment=train_gpt", "plan=true"], tmp_path, cache_dir)
     assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr
-    assert plan.stdout.splitlines()[0] == f"[orchestrator] configs: {tmp_path / 'conf'}, ahead of the shipped conf/"
+    first = plan.stdout.splitlines()[:2]  # composing ..., then the user's config directories
+    assert first[0].startswith("[orchestrator] composing +experiment=train_gpt plan=true"), first
+    assert first[1] == f"[orchestrator] configs: {tmp_path / 'conf'}, ahead of the shipped conf/"
     assert "world size 2 = TP 1 x PP 2 x CP 1 x DP 1" in plan.stdout
 
     from orchestrator.config.machine import local_gpu_count
