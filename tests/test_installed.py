@@ -38,7 +38,7 @@ def installed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("installed")
     source = root / "source"
     shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", "build", "*.egg-info", "runs", "tests", "__pycache__", ".pytest_cache"))
+        ".git", "build", "*.egg-info", "runs", "tests", "__pycache__", ".pytest_cache", "wheels", ".venv", "*.whl"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "wheel"), str(source)],
                    check=True, capture_output=True, timeout=300)
