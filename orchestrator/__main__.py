@@ -61,8 +61,9 @@ WITH_CFG = {"--resolve", "--package", "-p"}
 def _user_error_types() -> tuple:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
-    return OrchestratorError, HydraException, OmegaConfBaseException
+    return OrchestratorError, HydraException, OmegaConfBaseException, YAMLError
 
 
 def report(exc: BaseException) -> int:
@@ -107,10 +108,27 @@ def guarded(body: Callable[[], int]) -> int:
 
 
 # ---------------------------------------------------------------- single runs, sweeps, help
-def _single(overrides: List[str]) -> int:
-    from orchestrator.config.compose import compose_config
+def announce_conf_dirs(overrides: List[str]) -> None:
+    """Say which of the user's config directories are searched ahead of the shipped conf/."""
+    from orchestrator.config.confdirs import user_conf_dirs
+    from orchestrator.pipeline import say
 
-    run(compose_config(overrides))
+    dirs = user_conf_dirs(overrides)
+    if dirs:
+        say(f"configs: {', '.join(str(d) for d in dirs)}, ahead of the shipped conf/")
+
+
+def _single(overrides: List[str]) -> int:
+    import shlex
+
+    from orchestrator.config.compose import compose_config
+    from orchestrator.meter import phase
+    from orchestrator.pipeline import say
+
+    with phase(f"composing {shlex.join(overrides) if overrides else 'the defaults'}", log=say):
+        cfg = compose_config(overrides)
+    announce_conf_dirs(overrides)
+    run(cfg)
     return 0
 
 
@@ -130,7 +148,7 @@ def _hydra(argv: List[str]) -> int:
     """Hand ``argv`` to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
     import hydra
 
-    from orchestrator.config.compose import conf_dir
+    from orchestrator.config.confdirs import conf_view, user_conf_dirs
     from orchestrator.config.schema import register_configs
     from orchestrator.sweep import driver as sweep
 
@@ -141,7 +159,8 @@ def _hydra(argv: List[str]) -> int:
     try:
         # An absolute path: Hydra resolves a relative one against the calling module, which differs
         # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_entry)()
+        view = conf_view(user_conf_dirs([a for a in argv if not a.startswith("-")]))
+        hydra.main(config_path=str(view), config_name="config", version_base="1.3")(_entry)()
     finally:
         sys.argv = saved_argv
         if saved_env is None:
@@ -154,8 +173,13 @@ def _hydra(argv: List[str]) -> int:
 def _multirun(argv: List[str]) -> int:
     from orchestrator.config.compose import check_overrides, compose_config, group_options, parse_overrides, sweep_checks
 
+    from orchestrator.config.confdirs import conf_view, user_conf_dirs
+
     overrides = [a for a in argv if not a.startswith("-")]
-    check_overrides(parse_overrides(overrides), group_options(), multirun=True)
+    searched = user_conf_dirs(overrides)
+    check_overrides(parse_overrides(overrides), group_options(str(conf_view(searched))), multirun=True,
+                    searched=searched)
+    announce_conf_dirs(overrides)
     for point in sweep_checks(overrides):
         compose_config(point)  # composition errors only: a point's invalid layout is recorded, not fatal
     return _hydra(argv)
@@ -176,6 +200,8 @@ def help_text() -> str:
         "       python -m orchestrator -m KEY=a,b,c ...      a sweep: one complete job per point",
         "       python -m orchestrator TOOL ARGS ...         TOOL: " + " | ".join(TOOLS),
         "       python -m orchestrator --help | --version",
+        "your own configs (experiment/NAME.yaml, model/NAME.yaml ...): ./conf in the current directory and",
+        "--config-dir DIR (or hydra.searchpath=[file://DIR]), searched ahead of the shipped conf/",
         "",
         "Compose a Megatron-core GPT run from conf/, validate it (no torch), print the layout, then train",
         "locally (cluster=local) or on SLURM. Rerunning a command resumes its run directory",
@@ -253,15 +279,27 @@ def _tool(name: str, argv: List[str]) -> int:
     return tool.main(argv) or 0
 
 
+def _config_dir_flags(argv: List[str]) -> List[str]:
+    """``--config-dir DIR`` as a ``hydra.searchpath`` override (one error line, exit 2, if malformed)."""
+    from orchestrator.config.confdirs import with_config_dir_flags
+
+    try:
+        return with_config_dir_flags(argv)
+    except OrchestratorError as exc:
+        sys.exit(report(exc))
+
+
 def _interrupt(signum, frame):  # a closed terminal or `kill` stops the local ranks too, like Ctrl-C
     raise KeyboardInterrupt
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     """The console script and ``python -m orchestrator``: dispatch, then exit with the run's code."""
+    from_cli = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
         sys.exit(_tool(argv[0], argv[1:]))
+    argv = _config_dir_flags(argv)
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return
@@ -288,8 +326,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = guarded(lambda: _multirun(argv))
     else:
         code = guarded(lambda: _single([a for a in argv if a not in ("-r", "--run")]))
+    if from_cli and "torch" in sys.modules:
+        _exit_fast(code)
     if code:
         sys.exit(code)
+
+
+def _exit_fast(code: int) -> None:
+    """Exit without the interpreter's teardown, once torch is imported (the launcher tokenized or built
+    sample indices): collecting torch's and megatron-core's modules took 8-10 s of silence after the
+    last line on 2 loaded cores. The atexit handlers still run; the output is flushed first."""
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 if __name__ == "__main__":

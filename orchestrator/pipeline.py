@@ -63,12 +63,15 @@ def prepare_data(cfg: JobConfig, indices: bool = True):
     starts. Warm ranks and a local job's one task build missing indices themselves (their megatron-core is
     imported already: :mod:`orchestrator.runtime.start.pool`, :func:`orchestrator.submit.executor.one_task`);
     the launcher would pay the import, seconds, for it."""
-    from orchestrator.data.prepare import prepare
+    from orchestrator.data.prepare import indices_cached, prepare
+    from orchestrator.meter import phase
     from orchestrator.runtime.rank.dataset import cache_indices
 
-    prepared = prepare(cfg.data)
-    if indices:
-        cache_indices(cfg, prepared)  # a warm cache: no torch/megatron import in the launcher
+    with phase(f"preparing data (data={cfg.data.name})"):
+        prepared = prepare(cfg.data)
+    if indices and not indices_cached(cfg, prepared):  # a warm cache: no torch/megatron import in the launcher
+        with phase("building sample indices (megatron-core GPTDataset; imports torch and megatron-core)"):
+            cache_indices(cfg, prepared)
     return prepared
 
 

@@ -220,6 +220,39 @@ def test_random_configs_through_the_cli_are_planned_or_refused_in_one_line(works
     assert snapshot(cwd) == before
 
 
+def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_ones(tmp_path):
+    """./conf (no flag), --config-dir and hydra.searchpath: found by +experiment= and the name check,
+    a user's file wins over a shipped one of the same name, a missing directory is one error line."""
+    here, other = tmp_path / "here", tmp_path / "other"
+    shipped = (REPO / "conf" / "experiment" / "gpt_pp2_dp2.yaml").read_text()
+    for folder, name in ((here / "conf", "mine"), (other, "theirs")):
+        (folder / "experiment").mkdir(parents=True)
+        (folder / "experiment" / f"{name}.yaml").write_text(shipped.replace("name: gpt_pp2_dp2", f"name: {name}"))
+    (here / "conf" / "model").mkdir()
+    tiny = (REPO / "conf" / "model" / "gpt_tiny.yaml").read_text()
+    (here / "conf" / "model" / "gpt_tiny.yaml").write_text(tiny.replace("num_layers: 4", "num_layers: 2"))
+    (here / "conf" / "model" / "broken.yaml").write_text("num_layers: [2\n")
+    cases = [["+experiment=mine"], ["--config-dir", str(other), "+experiment=theirs"],
+             [f"--config-dir={other}", "+experiment=theirs"], [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
+             ["+experiment=theirs"], ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"], ["--config-dir"],
+             ["model=broken", "plan=true"]]
+    results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0]
+                         else c for c in cases], here)
+    for result in results[:4]:
+        assert result["code"] == 0, result
+        assert result["stdout"].splitlines()[1].startswith("[orchestrator] configs: "), result["stdout"][:300]
+    assert f"configs: {here / 'conf'}, ahead of the shipped conf/" in results[0]["stdout"]
+    assert f"configs: {other}, {here / 'conf'}, ahead" in results[1]["stdout"]
+    assert "run mine-parallelism=none: gpt_tiny x none" in results[0]["stdout"]
+    assert "layers per stage = 2 / 1 = 2" in results[0]["stdout"]  # ./conf/model/gpt_tiny.yaml, not the shipped 4
+    assert_one_error_line(results[4], "experiment=theirs: no such experiment in "
+                          f"{here / 'conf' / 'experiment'}/ or the shipped conf/experiment/", "one of gpt_pp2_dp2, mine")
+    assert_one_error_line(results[5], f"hydra.searchpath=file://{tmp_path / 'nope'}: no such directory")
+    assert_one_error_line(results[6], "--config-dir: needs a directory")
+    assert_one_error_line(results[7], f"{here / 'conf' / 'model' / 'broken.yaml'}, line 2: not valid YAML")
+    assert not (tmp_path / "runs").exists()
+
+
 # ---------------------------------------------------------------- the real entry point
 def _cli(args: List[str], cwd: Path, timeout: int = 120, env: Dict[str, str] | None = None
          ) -> subprocess.CompletedProcess:

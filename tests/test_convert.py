@@ -184,9 +184,10 @@ def test_vpp_that_does_not_divide_is_refused_in_one_line(capsys, tmp_path):
 def test_user_errors(capsys, tmp_path, monkeypatch):
     from orchestrator.convert.cli import main
 
-    monkeypatch.chdir(tmp_path)  # no ./conf/experiment here
-    assert main(["from-megatron", str(FIX / "seed_checkpoint.sh")]) == 2
-    assert capsys.readouterr().err.startswith("error: --out: ")
+    monkeypatch.chdir(tmp_path)  # no ./conf here: the experiment goes to ./conf/experiment, found from here
+    assert main(["from-megatron", str(FIX / "seed_checkpoint.sh")]) == 0
+    assert (tmp_path / "conf" / "experiment" / "seed_checkpoint.yaml").is_file()
+    assert "next: python -m orchestrator +experiment=seed_checkpoint plan=true" in capsys.readouterr().out
     assert main(["from-megatron", str(FIX / "seed_checkpoint.sh"), "--out", "o"]) == 0
     assert main(["from-megatron", str(FIX / "seed_checkpoint.sh"), "--out", "o"]) == 2
     assert "exists; fix: --force" in capsys.readouterr().err

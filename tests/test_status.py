@@ -163,10 +163,10 @@ def test_cli_lists_runs(local_runs):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["RUN", "STATE"])
-    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS"]
+    assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA"]
     row = next(line for line in lines if line.split()[:1] == ["local_ok"])
     loss = losses_by_iteration(runs["ok"][0])[2]
-    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", f"{loss:.4f}"]
+    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", f"{loss:.4f}", "-", "-"]
     assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
     js = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
                         capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -287,3 +287,63 @@ def test_experiment_runs_are_named_by_the_groups_chosen():
     assert other.run.name == "gpt_pp2_dp2-parallelism=tp2_pp2"
     assert Path(other.run.dir) == Path("runs/gpt_pp2_dp2-parallelism=tp2_pp2").absolute()
     assert named.run.name == "mine" and compose_config([]).run.name == "gpt_tiny_none"
+
+
+KEY_WORDS = ["x", "foo", "name", "env", "paths", "micro_batch", "trainng", "seq_len", "hydra", "experiment", "0", "_"]
+"""Junk and near-miss names for the key fuzz (beside every real section, field and group name)."""
+
+
+def _fuzzed_key(rng: random.Random, sections: dict, top: list, groups: list) -> str:
+    """A random override key: real names, near misses and junk, 1-4 parts deep, under sections or values."""
+    parts = [rng.choice(top + groups + KEY_WORDS)]
+    for _ in range(rng.choice([0, 1, 1, 1, 2, 3])):
+        fields = sections.get(parts[-1])
+        pool = (fields if fields and rng.random() < 0.7 else []) or KEY_WORDS + top
+        name = rng.choice(pool)
+        if rng.random() < 0.15 and len(name) > 3:  # a misspelling: one character dropped
+            cut = rng.randrange(len(name))
+            name = name[:cut] + name[cut + 1:]
+        parts.append(name)
+    return ".".join(parts)
+
+
+def test_random_override_keys_are_refused_in_one_line_or_planned(tmp_path):
+    """Override *keys*, fuzzed: unknown, nested, under values (``plan.x``), near misses, with ``+``,
+    ``++`` and ``~``. Through the real entry point, in one interpreter: each is planned (exit 0) or
+    refused with one ``error:`` line, exit 2 — never a traceback."""
+    import dataclasses
+
+    from test_cli import assert_one_error_line, run_batch
+
+    from orchestrator.config.compose import group_options
+    from orchestrator.config.schema import JobConfig
+
+    top = [f.name for f in dataclasses.fields(JobConfig)]
+    sections = {}
+    for f in dataclasses.fields(JobConfig):
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            sections[f.name] = [g.name for g in dataclasses.fields(sub)]
+    groups = list(group_options())
+    rng = random.Random(SEED)
+    cases = [["plan.x=1"], ["dry_run.y=1"], ["gpu.z=1"], ["run.name.x=1"], ["training.x.y=1"], ["+plan.x=1"],
+             ["~plan.x"], ["++training.x.y=1"], ["experiment.x=1"], ["model=null"], ["++model=gpt_tiny"],
+             ["hydra=true"]]
+    for _ in range(300):
+        key, prefix = _fuzzed_key(rng, sections, top, groups), rng.choice(["", "", "+", "++", "~"])
+        value = "" if prefix == "~" else "=" + rng.choice(["1", "true", "x", "[1,2]", "null", "gpt_tiny"])
+        cases.append(rng.choice(BASES) + [prefix + key + value])
+    results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs"] for c in cases], tmp_path)
+    planned = 0
+    for result in results:
+        if result["code"] == 0:
+            assert "layers per stage" in result["stdout"] and result["stderr"] == "", result
+            planned += 1
+        else:
+            assert_one_error_line(result)
+    for result in results[:12]:
+        assert result["code"] == 2, result
+    assert "the keys of training are" in results[4]["stderr"] and "plan is a value" in results[0]["stderr"]
+    assert 0 < planned < len(cases) // 2, planned
+    assert list(tmp_path.iterdir()) == [], "a refusal or a plan wrote something"
+    print(f"{len(cases)} fuzzed override keys: {planned} planned, {len(cases) - planned} refused in one line")

@@ -57,6 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from orchestrator.config.layout import layout_from_config
     from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
     from orchestrator.config.compose import compose_config
+    from orchestrator.config.confdirs import with_config_dir_flags
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -68,7 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_check = sub.add_parser("check", help="compare a config (Hydra overrides) with a checkpoint; exit 1 if refused")
     p_check.add_argument("ckpt_dir")
     p_check.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
-    p_check.add_argument("--config-dir", default=None, help="Hydra config dir (default: the repo's conf/)")
+    p_check.add_argument("--config-dir", action="append", default=[],
+                         help="a config directory searched ahead of the shipped conf/ (./conf is searched without it)")
     p_check.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
     p_list = sub.add_parser("list", help="list a run's checkpoints with iteration, layout and status")
     p_list.add_argument("run_dir")
@@ -97,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             overrides = list(args.overrides)
             if not any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides):
                 overrides.append(f"run.dir={directory.resolve().parent.parent}")
-            cfg = compose_config(overrides, args.config_dir)
+            cfg = compose_config(with_config_dir_flags(overrides + [w for d in args.config_dir
+                                                                     for w in ("--config-dir", d)]))
             layout = layout_from_config(cfg)
             mismatches = compare(manifest, cfg, layout, data_fingerprint=None, tokenizer=None)
             print(format_mismatch_table(mismatches) if mismatches else

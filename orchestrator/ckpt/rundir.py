@@ -11,6 +11,7 @@
       submitit/            submitit's job scripts, logs and result pickles
       tensorboard/         TensorBoard event files (runtime.metrics, logging rank)
       heartbeat/rank_<r>   each rank's progress and liveness, attempt-end markers (runtime.watchdog)
+      heartbeat/started_<r>  the job id, written as rank r's process starts (the launcher counts ranks up)
       stacks/rank_<r>.txt  every live rank's Python stacks when the hang watchdog fires
 """
 
@@ -31,3 +32,8 @@ TENSORBOARD_DIR = "tensorboard"
 def metrics_path(run_dir: Union[str, Path]) -> Path:
     """``<run_dir>/metrics.jsonl``."""
     return Path(run_dir) / METRICS_FILE
+
+
+def started_path(run_dir: Union[str, Path], rank: int) -> Path:
+    """``<run_dir>/heartbeat/started_<rank>``: holds the id of the job whose rank ``rank`` has started."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"started_{rank}"

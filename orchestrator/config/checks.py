@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Tuple
 from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.keys import is_section, schema_keys, type_words
+from orchestrator.config.machine import check_device, check_local_gpus, runs_on_cpu  # noqa: F401 (re-exported)
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.tokenizer import tokenizer_facts
 
@@ -103,6 +104,7 @@ def validate(cfg: JobConfig) -> ParallelLayout:
     if problems:
         raise LayoutError(" | ".join(problems))
     check_device(cfg)
+    check_local_gpus(cfg)  # a local job's GPUs are this machine's
     check_data(cfg)
     return layout
 
@@ -288,56 +290,6 @@ def model_problems(cfg: JobConfig, layout: ParallelLayout) -> List[str]:
                    f"tensor_model_parallel_size=1 (megatron-core: bias in MoE only with expert TP = 1, "
                    f"got {tp}); fix: model.add_bias_linear=false")
     return out
-
-
-# ---------------------------------------------------------------- device and installed packages
-def runs_on_cpu(cfg: JobConfig) -> bool:
-    """True when the job's ranks see no GPU: ``training.device=cpu`` or ``cluster.gpus_per_node=0``
-    (submitit hides the GPUs of a local job that asks for none)."""
-    return cfg.training.device == "cpu" or not cfg.cluster.gpus_per_node
-
-
-def check_device(cfg: JobConfig) -> None:
-    """Refuse, before submission, what the job's device and installed packages cannot run (ConfigError).
-
-    On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
-    optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
-    backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
-    cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
-    package installed, checked for local jobs only (SLURM nodes have their own Python).
-    """
-    t, m = cfg.training, cfg.model
-    if runs_on_cpu(cfg):
-        where = ("training.device=cpu" if t.device == "cpu"
-                 else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU")
-        gpus = "cluster.gpus_per_node=<n>"
-        if t.device == "cuda":
-            raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
-        if t.precision != "fp32":
-            raise ConfigError(f"training.precision={t.precision}: needs a GPU ({where}); "
-                              f"fix: training.precision=fp32, or {gpus}")
-        if cfg.optimizer.use_distributed_optimizer:
-            raise ConfigError(f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
-                              "fix: optimizer.use_distributed_optimizer=false")
-        if cfg.parallelism.context_parallel_size > 1:
-            raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
-                              f"Transformer Engine attention on GPUs ({where}); "
-                              "fix: parallelism.context_parallel_size=1")
-        if cfg.parallelism.distributed_backend == "nccl":
-            raise ConfigError(f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
-                              "fix: parallelism.distributed_backend=auto (gloo on CPU)")
-        if m.transformer_impl == "transformer_engine":
-            raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
-                              f"({where}); fix: model.transformer_impl=local (or auto)")
-        if cfg.parallelism.sequence_parallel:
-            raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
-                              f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
-                              "fix: parallelism.sequence_parallel=false")
-    # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
-    if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
-            and importlib.util.find_spec("transformer_engine") is None):
-        raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
-                          "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
 
 
 # ---------------------------------------------------------------- data options

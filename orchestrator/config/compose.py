@@ -1,8 +1,10 @@
-"""Where ``conf/`` is, and the one composition of it: overrides in, a :class:`JobConfig` out.
+"""The one composition of ``conf/``: overrides in, a :class:`JobConfig` out.
 
 ``conf/`` lives at the repository top level (the project's design) and is shipped inside the
-wheel as ``orchestrator/conf`` (``[tool.setuptools.package-dir]`` in pyproject.toml), so the
-same Hydra tree is found from a source checkout, an editable install and ``pip install .``.
+wheel as ``orchestrator/conf`` (``[tool.setuptools.package-data]`` in pyproject.toml), so the
+same Hydra tree is found from a source checkout, an editable install and ``pip install .``. A
+user's own configs (``./conf``, ``--config-dir``, ``hydra.searchpath``) are searched ahead of it:
+:mod:`orchestrator.config.confdirs`.
 
 :func:`compose_config` is what the entry point (single runs), the sub-tools and the tests use:
 Hydra's compose API, never ``hydra.main`` — so composing writes nothing (no ``.hydra/``, no
@@ -35,26 +37,21 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
+import yaml
+
 from orchestrator.errors import ConfigError
+from orchestrator.config.confdirs import conf_dir, conf_view, user_conf_dirs, where  # noqa: F401 (conf_dir: re-exported)
 from orchestrator.config.keys import did_you_mean, is_open, schema_keys, unknown_key_error
 from orchestrator.config.schema import JobConfig
 
-_PACKAGE = Path(__file__).resolve().parent.parent
 NOT_IN_RUN_NAME = ("experiment", "cluster")
 """Groups whose choice does not enter an experiment's run name (see the module docstring)."""
 
 
-def conf_dir() -> Path:
-    """The Hydra config tree: ``<site-packages>/orchestrator/conf`` (wheel) or ``<repo>/conf``."""
-    for candidate in (_PACKAGE / "conf", _PACKAGE.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(f"orchestrator's conf/ not found next to {_PACKAGE} (a broken install?)")
-
-
 def group_options(config_dir: Optional[str] = None) -> Dict[str, List[str]]:
-    """``{group: [option, ...]}`` read from ``conf/`` (``experiment`` included)."""
-    root = Path(config_dir) if config_dir else conf_dir()
+    """``{group: [option, ...]}`` read from ``config_dir`` (default: the shipped ``conf/`` and the
+    user's ``./conf`` ahead of it, :mod:`orchestrator.config.confdirs`), ``experiment`` included."""
+    root = Path(config_dir) if config_dir else conf_view(user_conf_dirs())
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(root.iterdir()) if d.is_dir()}
 
 
@@ -77,8 +74,10 @@ def _values(o: Any) -> List[str]:
     return [o.get_value_element_as_str()]
 
 
-def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: bool = False) -> None:
-    """Refuse, one line each, what the closed schema and ``conf/`` do not have (ConfigError)."""
+def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: bool = False,
+                    searched: List[Path] = ()) -> None:  # type: ignore[assignment]
+    """Refuse, one line each, what the closed schema and ``conf/`` (and the user's config
+    directories ``searched`` ahead of it) do not have (ConfigError)."""
     from hydra.core.override_parser.types import OverrideType
 
     keys = schema_keys(JobConfig)
@@ -93,12 +92,20 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
             if o.type == OverrideType.DEL:
                 raise ConfigError(f"{line}: the {key} group cannot be removed; fix: choose another option, "
                                   f"{key}=<one of {', '.join(options[key])}>")
+            if o.value() is None and o.type != OverrideType.DEL:
+                raise ConfigError(f"{line}: a config group needs an option, not null; fix: "
+                                  f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>")
+            if o.type == OverrideType.FORCE_ADD:
+                raise ConfigError(f"{line}: ++ does not apply to a config group; fix: "
+                                  f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}")
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
                     best = did_you_mean(value, options[key])
-                    raise ConfigError(f"{key}={value}: no such {key} in conf/{key}/; fix: "
+                    raise ConfigError(f"{key}={value}: no such {key} in {where(key, searched)}; fix: "
                                       + (f"did you mean {key}={best}? " if best else "")
-                                      + f"one of {', '.join(options[key])}")
+                                      + f"one of {', '.join(options[key])}"
+                                      + (" (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)"
+                                         if key == "experiment" else ""))
             if key == "experiment" and o.type == OverrideType.CHANGE:
                 raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: +{line}")
             if key != "experiment" and o.type == OverrideType.ADD:
@@ -144,6 +151,12 @@ def hydra_error(exc: BaseException) -> ConfigError:
 
     if isinstance(exc, ConfigError):
         return exc
+    if isinstance(exc, yaml.YAMLError):  # a config file that is not YAML (a user's own, usually)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+        what = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or ["not YAML"])[0]
+        return ConfigError(f"{where}: not valid YAML ({what}); fix: correct that file (each key once per "
+                           "mapping, brackets and quotes closed)")
     if isinstance(exc, OverrideParseException):
         what = str(exc.message).strip().splitlines()[0]
         return ConfigError(f"{exc.override}: not a valid override ({what}); fix: key=value, key=[a,b] for a list, "
@@ -185,13 +198,17 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
 
     from orchestrator.config.schema import register_configs
 
-    options = group_options(config_dir)
     parsed = parse_overrides(overrides)
-    check_overrides(parsed, options)
+    searched = user_conf_dirs(overrides)
+    root = str(config_dir or conf_view(searched))
+    check_overrides(parsed, group_options(root), searched=searched)
     register_configs()
     try:
-        with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base=None):
-            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        with initialize_config_dir(config_dir=root, version_base=None):
+            try:
+                cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+            except ValueError as exc:  # Hydra's defaults list on a value it cannot take (hydra=true)
+                raise HydraException(str(exc)) from exc
         with open_dict(cfg):
             for key in ("run.name", "run.root"):  # an error names the key the user typed, not hydra.run.dir
                 OmegaConf.select(cfg, key, throw_on_missing=True)
@@ -200,7 +217,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
             del cfg["hydra"]
             if OmegaConf.is_interpolation(cfg.run, "dir") and "hydra:" in str(cfg.run._get_node("dir")._value()):
                 cfg.run.dir = run_dir
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise hydra_error(exc) from None
     return cfg
 

@@ -43,40 +43,71 @@ def is_open(key: str, cls: type) -> bool:
     return f is not None and f.default_factory is dict  # type: ignore[comparison-overlap]
 
 
-def did_you_mean(key: str, candidates: List[str]) -> Optional[str]:
-    """The candidate closest to a misspelt ``key`` (difflib), or None.
-
-    Within a known section the field names are compared (``training.micro_batch`` ->
-    ``training.micro_batch_size``); otherwise whole keys of the same depth (``paralelism`` ->
-    ``parallelism``, ``trainng.seed`` -> ``training.seed``).
-    """
+def did_you_mean(name: str, candidates: List[str]) -> Optional[str]:
+    """The candidate closest to a misspelt ``name`` (difflib), or None."""
     import difflib
 
-    section, _, tail = key.rpartition(".")
-    same = [c for c in candidates if c.count(".") == key.count(".")]
-    siblings = {c.rpartition(".")[2]: c for c in same if c.rpartition(".")[0] == section}
-    if section and siblings:
-        best = difflib.get_close_matches(tail, list(siblings), n=1, cutoff=0.6)
-        return siblings[best[0]] if best else None
-    if section:  # a misspelt section: correct it, then the field
-        fixed = did_you_mean(section, candidates + [c.rpartition(".")[0] for c in candidates])
-        return (did_you_mean(f"{fixed}.{tail}", candidates) or fixed) if fixed else None
-    best = difflib.get_close_matches(key, same, n=1, cutoff=0.6)
+    best = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return best[0] if best else None
 
 
+def _fields(cls: type) -> Dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _known_prefix(parts: List[str], cls: type) -> tuple:
+    """``(i, field)``: the longest prefix ``parts[:i]`` naming a schema field, and that field (0, None)."""
+    section, found = cls, (0, None)
+    for i, part in enumerate(parts):
+        f = _fields(section).get(part) if section is not None else None
+        if f is None:
+            break
+        found = (i + 1, f)
+        section = _section_class(f) if is_section(f) else None
+    return found
+
+
+def _corrected(parts: List[str], cls: type, extra: List[str]) -> Optional[str]:
+    """``parts`` with each misspelt name replaced by its section's closest field (None when one has none)."""
+    section: Optional[type] = cls
+    out: List[str] = []
+    for part in parts:
+        if section is None:  # more parts under a value: the corrected key ends at the value
+            break
+        names = list(_fields(section)) + (extra if section is cls else [])
+        name = part if part in names else did_you_mean(part, names)
+        if name is None:
+            return None
+        out.append(name)
+        f = _fields(section).get(name)
+        section = _section_class(f) if f is not None and is_section(f) else None
+    return ".".join(out)
+
+
 def unknown_key_error(key: str, cls: type, extra: Optional[List[str]] = None) -> ConfigError:
-    """``<key>: unknown key; fix: did you mean ...`` from the keys of ``cls`` (and ``extra`` names,
-    e.g. the config groups)."""
-    keys = schema_keys(cls)
-    best = did_you_mean(key, list(keys) + list(extra or []))
-    section = key.rpartition(".")[0]
-    if best:
+    """``<key>: unknown key; fix: ...`` from the keys of ``cls`` (and ``extra`` names, e.g. the config
+    groups): a key under a value (``plan.x``) names the value; a misspelt one gets "did you mean" (each
+    part corrected within its own section: ``trainng.seed`` -> ``training.seed``); otherwise the keys
+    of the deepest section the key does reach."""
+    parts = key.split(".")
+    depth, field = _known_prefix(parts, cls)
+    known = ".".join(parts[:depth])
+    if field is not None and not is_section(field):
+        return ConfigError(f"{key}: unknown key ({known} is a value, {type_words(field.type)}, not a section "
+                           f"with keys); fix: {known}=<value>")
+    extra = list(extra or [])
+    if depth == 0 and parts[0] in extra:
+        plus = "+" if parts[0] == "experiment" else ""
+        return ConfigError(f"{key}: unknown key ({parts[0]} is a config group); fix: {plus}{parts[0]}=<option> "
+                           f"chooses a file of conf/{parts[0]}/")
+    best = _corrected(parts, cls, extra)
+    section = field and _section_class(field)
+    if best and best != key:
         fix = f"did you mean {best}?"
-    elif section in keys and is_section(keys[section]):
-        fix = f"the keys of {section} are: " + ", ".join(f.name for f in dataclasses.fields(_section_class(keys[section])))
+    elif section is not None:
+        fix = f"the keys of {known} are: " + ", ".join(_fields(section))
     else:
-        fix = "the top-level keys are: " + ", ".join(f.name for f in dataclasses.fields(cls))
+        fix = "the top-level keys are: " + ", ".join(_fields(cls))
     return ConfigError(f"{key}: unknown key (the config schema is closed); fix: {fix}")
 
 

@@ -2,8 +2,8 @@
 
 ``from-megatron FILE [--name NAME] [--out DIR] [--nodes N --gpus-per-node G] [--gpu PRESET] [--var K=V]``
     reads a Megatron-LM launch (shell script, args YAML or JSON), writes ``DIR/experiment/NAME.yaml``
-    (``DIR`` defaults to ``./conf`` when ``./conf/experiment`` exists, i.e. in a source checkout;
-    an installed package needs ``--out``), prints every finding, then composes the experiment,
+    (``DIR`` defaults to ``./conf``, the user's config directory that ``python -m orchestrator``
+    searches ahead of the shipped conf/ from this directory), prints every finding, then composes the experiment,
     validates it and prints the plan (layout, memory verdict, pipeline bubble). Exit 0, or 2 with
     one ``error:`` line when the source or the composed config is refused (the file stays written).
 ``to-megatron [--out FILE] OVERRIDES...``
@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("from-megatron", help="a Megatron-LM script / args YAML / JSON -> conf/experiment/NAME.yaml")
     imp.add_argument("file", help="shell script (torchrun/srun/#SBATCH), args YAML or JSON")
     imp.add_argument("--name", help="experiment name (default: the file's name)")
-    imp.add_argument("--out", help="config directory: the file goes to OUT/experiment/NAME.yaml (default ./conf)")
+    imp.add_argument("--out", "--config-dir", dest="out",
+                     help="config directory: the file goes to OUT/experiment/NAME.yaml (default ./conf, which "
+                          "python -m orchestrator searches ahead of the shipped conf/)")
     imp.add_argument("--nodes", type=int, help="nodes, when the source has no launcher line saying it")
     imp.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node, likewise")
     imp.add_argument("--gpu", help="planner GPU preset written into the experiment (A100-40GB, A100-80GB, H100, H200)")
@@ -43,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
     exp = sub.add_parser("to-megatron", help="a composed config -> Megatron-LM pretrain_gpt.py launch script")
     exp.add_argument("--out", help="write the script to this file instead of printing it")
+    exp.add_argument("--config-dir", action="append", default=[], help="a config directory searched ahead of "
+                     "the shipped conf/ (./conf is searched without it)")
     exp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=gpt_pp2_dp2")
     return parser
 
@@ -65,13 +69,11 @@ def _name(args) -> str:
 
 
 def _out_root(out: Optional[str]) -> Path:
-    if out:
-        return Path(out)
-    if not Path("conf/experiment").is_dir():
-        raise ConfigError("--out: there is no ./conf/experiment here (an installed orchestrator keeps conf/ inside "
-                          "the package); fix: --out DIR (the file goes to DIR/experiment/NAME.yaml and is used with "
-                          "hydra.searchpath=[file://DIR])")
-    return Path("conf")
+    """Where the experiment goes: ``--out DIR``, else ``./conf`` (the user's config directory,
+    :mod:`orchestrator.config.confdirs`; in a source checkout that is the shipped tree)."""
+    from orchestrator.config.confdirs import USER_CONF
+
+    return Path(out) if out else Path(USER_CONF)
 
 
 def bubble_line(layout) -> str:
@@ -97,14 +99,22 @@ def check(cfg):
 
     from orchestrator.config.checks import validate
 
+    from orchestrator.config.machine import check_local_gpus
+
+    planned = dataclasses.replace(cfg, plan=True)  # the job as described, wherever it will run
     stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte",
                                    vocab_size=None, eod_id=None)
-    layout = validate(dataclasses.replace(cfg, data=stand_in))
+    layout = validate(dataclasses.replace(planned, data=stand_in))
+    warnings = []
     try:
-        validate(cfg)
+        validate(planned)
     except OrchestratorError as exc:
-        return layout, [f"{exc} (data are checked again where the job runs)"]
-    return layout, []
+        warnings.append(f"{exc} (data are checked again where the job runs)")
+    try:
+        check_local_gpus(dataclasses.replace(cfg, plan=False, dry_run=False))
+    except OrchestratorError as exc:
+        warnings.append(f"to run it here: {exc}")
+    return layout, warnings
 
 
 def _show_plan(cfg, layout, vocab_size: Optional[int]) -> None:
@@ -139,8 +149,15 @@ def from_megatron(args) -> int:
         print(f"warning: {warning}")
     _show_plan(cfg, layout, conv.vocab_size)
     words = [*search, f"+experiment={name}", "plan=true"]
-    print("next: python -m orchestrator " + " ".join(shlex.quote(w) for w in words))
+    print("next: python -m orchestrator " + " ".join(shlex.quote(w) for w in words)
+          + ("" if search else "   (from this directory: ./conf is searched ahead of the shipped conf/)"))
     return 0
+
+
+def _config_dirs(dirs: List[str]) -> List[str]:
+    from orchestrator.config.confdirs import with_config_dir_flags
+
+    return with_config_dir_flags([w for d in dirs for w in ("--config-dir", d)])
 
 
 def to_megatron(args) -> int:
@@ -148,7 +165,7 @@ def to_megatron(args) -> int:
     from orchestrator.convert.experiment_file import compose
     from orchestrator.convert.from_config import export
 
-    cfg = compose(list(args.overrides))
+    cfg = compose([*args.overrides, *_config_dirs(args.config_dir)])
     layout, warnings = check(cfg)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)

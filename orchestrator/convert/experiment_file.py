@@ -10,13 +10,10 @@ lists for the screen.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import re
-import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
 
@@ -131,54 +128,26 @@ def write(conv, root: Path, force: bool = False) -> Path:
 
 
 def search_overrides(root: Path) -> List[str]:
-    """What ``python -m orchestrator`` needs to find experiments under ``root`` (none for the shipped conf/)."""
-    from orchestrator.config.compose import conf_dir
+    """What ``python -m orchestrator`` needs, from this directory, to find experiments under ``root``:
+    nothing for ``./conf`` or the shipped tree (both searched by default), else ``--config-dir ROOT``."""
+    from orchestrator.config.confdirs import conf_dir, user_conf
 
     root = Path(root).resolve()
-    if root == conf_dir().resolve():
+    if root in (conf_dir().resolve(), user_conf()):
         return []
-    text = str(root)
-    if not re.fullmatch(r"[A-Za-z0-9_./+-]+", text):
-        text = "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        return [f"hydra.searchpath=['file://{text[1:-1]}']"]
-    return [f"hydra.searchpath=[file://{text}]"]
-
-
-@contextlib.contextmanager
-def config_dir_with(root: Optional[Path]) -> Iterator[Optional[str]]:
-    """A config directory holding the shipped ``conf/`` plus ``root/experiment/*.yaml`` (symlinks in a
-    temporary directory), so experiments written outside ``conf/`` compose like shipped ones;
-    None (the shipped ``conf/``) when ``root`` is ``conf/`` itself."""
-    from orchestrator.config.compose import conf_dir
-
-    conf = conf_dir().resolve()
-    if root is None or Path(root).resolve() == conf:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="orchestrator-conf-") as tmp:
-        for entry in conf.iterdir():
-            if entry.name != "experiment":
-                (Path(tmp) / entry.name).symlink_to(entry)
-        experiments = Path(tmp) / "experiment"
-        experiments.mkdir()
-        for folder in (conf / "experiment", Path(root).resolve() / "experiment"):
-            for path in folder.glob("*.yaml"):
-                link = experiments / path.name
-                if link.is_symlink():
-                    link.unlink()
-                link.symlink_to(path)
-        yield tmp
+    return ["--config-dir", str(root)]
 
 
 def compose(overrides: List[str], root: Optional[Path] = None):
-    """Compose ``conf/`` (plus the experiments under ``root``) with ``overrides`` into a JobConfig;
-    any Hydra/OmegaConf error becomes one ConfigError line."""
+    """Compose ``conf/`` (with the experiments under ``root`` ahead of it) with ``overrides`` into a
+    JobConfig; any Hydra/OmegaConf error becomes one ConfigError line."""
     from orchestrator.errors import OrchestratorError
     from orchestrator.config.compose import compose_config
+    from orchestrator.config.confdirs import with_config_dir_flags
 
+    words = list(overrides) + (["--config-dir", str(root)] if root is not None else [])
     try:
-        with config_dir_with(root) as config_dir:
-            return compose_config(list(overrides), config_dir)
+        return compose_config(with_config_dir_flags(words))
     except OrchestratorError:
         raise
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf: unknown option, bad override, type error

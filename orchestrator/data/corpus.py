@@ -26,6 +26,7 @@ import numpy as np
 
 from orchestrator.errors import DataError
 from orchestrator.io import file_lock, write_atomic
+from orchestrator.meter import Meter
 from orchestrator.config.schema import DataConfig
 
 
@@ -109,13 +110,17 @@ def _document(raw: bytes, key: str) -> Tuple[Optional[str], Optional[str]]:
     return rec[key], None
 
 
-def fingerprint_files(paths: List[Path], extra: str) -> str:
+def fingerprint_files(paths: List[Path], extra: str, on_bytes: Optional[Callable[[int], None]] = None) -> str:
+    """The content hash of ``paths`` (names and bytes) and ``extra``; ``on_bytes``: called with each
+    chunk's size (a progress meter)."""
     h = hashlib.sha256(extra.encode())
     for p in paths:
         h.update(str(p.name).encode())
         with p.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
     return h.hexdigest()[:20]
 
 
@@ -262,7 +267,12 @@ def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path],
             stats = CorpusStats()
             chunks = (_jsonl_lines(files[0], 256) if data.kind == "jsonl"
                       else ([(i, str(f))] for i, f in enumerate(files, 1)))
-            _write_indexed(prefix, chunks, encoder, workers, stats, source)  # type: ignore[arg-type]
+            meter = Meter("tokenizing", sum(f.stat().st_size for f in files), log=log,
+                          counts=lambda: {"documents": stats.documents, "tokens": stats.tokens})
+            sized = meter.wrap(chunks, lambda chunk: sum(len(x) if isinstance(x, bytes) else os.path.getsize(x)
+                                                         for _, x in chunk))
+            _write_indexed(prefix, sized, encoder, workers, stats, source)  # type: ignore[arg-type]
+            meter.close()
             state = f"prepared in {prefix}"
     log(f"data {name}: {stats.describe()} ({state})")
     warning = stats.warning(source)

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from orchestrator.errors import DataError
 from orchestrator.config.tokenizer import TokenizerFacts, tokenizer_facts
 from orchestrator.data.corpus import Encoder, fingerprint_files, prepare_source, stdlib_documents, token_dtype
+from orchestrator.meter import Meter, phase
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
 from orchestrator.config.schema import DataConfig, JobConfig
 
@@ -95,12 +96,16 @@ def data_fingerprint(data: DataConfig) -> str:
     return _fingerprint(data, _sources(data))[0]
 
 
-def _fingerprint(data: DataConfig, sources: List[Tuple[str, List[Path]]]) -> Tuple[str, List[str]]:
+def _fingerprint(data: DataConfig, sources: List[Tuple[str, List[Path]]], log: Log = _say) -> Tuple[str, List[str]]:
     """(the data's fingerprint, one per source). Indexed prefixes hash their .idx files together."""
     tok_id = json.dumps(tokenizer_identity(data), sort_keys=True)
+    meter = Meter("fingerprinting", sum(f.stat().st_size for _, files in sources for f in files), log=log)
     if data.kind == "indexed":
-        return fingerprint_files([f for _, files in sources for f in files], tok_id), []
-    prints = [fingerprint_files(files, tok_id + data.json_key) for _, files in sources]
+        whole = fingerprint_files([f for _, files in sources for f in files], tok_id, meter.advance)
+        meter.close()
+        return whole, []
+    prints = [fingerprint_files(files, tok_id + data.json_key, meter.advance) for _, files in sources]
+    meter.close()
     return hashlib.sha256("".join(prints).encode()).hexdigest()[:20], prints
 
 
@@ -117,7 +122,7 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
         root.mkdir(parents=True, exist_ok=True)
         return PreparedData(prefixes=[], weights=None, fingerprint="mock", cache_dir=str(root))
     sources = _sources(data)
-    fingerprint, prints = _fingerprint(data, sources)
+    fingerprint, prints = _fingerprint(data, sources, log)
     facts = tokenizer_facts(data)
     if data.kind == "indexed":
         prefixes = [os.path.expanduser(p) for p in data.paths]
@@ -129,7 +134,8 @@ def prepare(data: DataConfig, log: Log = _say) -> PreparedData:
         cached = all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists() for p in paths)
         encoder = None
         if not cached:  # megatron's import costs seconds: only to tokenize
-            encoder = Encoder(build_tokenizer(data), facts.eod, token_dtype(facts.vocab_size), data.json_key)
+            with phase(f"preparing data: loading the tokenizer ({data.tokenizer}; imports megatron-core)", log=log):
+                encoder = Encoder(build_tokenizer(data), facts.eod, token_dtype(facts.vocab_size), data.json_key)
         prefixes = []
         for (name, files), prefix in zip(sources, paths):
             prepare_source(data, prefix, name, files, encoder, log)

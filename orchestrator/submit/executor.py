@@ -17,7 +17,8 @@ from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import SubmissionError
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.ckpt.rundir import METRICS_FILE, SUBMITIT_DIR
-from orchestrator.submit.progress import Progress, final_lines
+from orchestrator.meter import HEARTBEAT_S
+from orchestrator.submit.progress import Progress, final_lines, ranks_up
 from orchestrator.submit.wait import wait
 
 
@@ -140,7 +141,9 @@ def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: b
     if not cfg.cluster.wait:
         return {"job_id": str(job.job_id), "status": "submitted"}
     progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress,
-                         log=Path(job.task(0).paths.stdout))
+                         log=Path(job.task(0).paths.stdout), world_size=layout.world_size,
+                         ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
+                         every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2))
     summaries = wait(job, cfg, layout.world_size, progress)
     best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), None)
     summary = dict(best or (summaries[-1] if summaries and isinstance(summaries[-1], dict) else {}))

@@ -13,10 +13,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.config.schema import JobConfig
+from orchestrator.meter import HEARTBEAT_S
 
 
 def _eta(seconds: float) -> str:
@@ -45,6 +46,34 @@ class _Tail:
         return complete.decode(errors="replace").splitlines()
 
 
+PHASES = (("rank 0 up", "importing torch and megatron-core"),
+          ("ranks up", "building the model and optimizer"),
+          ("building sample indices", "building sample indices"),
+          ("sample indices built", "forking the ranks"),
+          ("forked; joining", "joining the process group"),
+          ("loading checkpoint", "loading the checkpoint"),
+          ("training iterations", "first training step"),
+          ("saving checkpoint", "saving the checkpoint"),
+          ("waiting for ranks to exit", "waiting for the ranks to exit"))
+"""(words in a rank-0 line, the phase it starts): what the heartbeat says is going on."""
+
+
+def ranks_up(run_dir: Path, job_id: str) -> Callable[[], int]:
+    """How many ranks of job ``job_id`` have started (their ``heartbeat/started_<r>`` files)."""
+    from orchestrator.ckpt.rundir import HEARTBEAT_DIR
+
+    def count() -> int:
+        n = 0
+        for path in (Path(run_dir) / HEARTBEAT_DIR).glob("started_*"):
+            try:
+                n += path.read_text().strip() == str(job_id)
+            except OSError:
+                continue
+        return n
+
+    return count
+
+
 class Progress:
     """What a person watching the launcher sees while the job runs.
 
@@ -60,13 +89,18 @@ class Progress:
     SMOOTHING = 0.3
     """Weight of the newest step time in the smoothed step time behind the ETA."""
 
-    def __init__(self, path: Path, total: int, enabled: bool = True, log: Optional[Path] = None):
+    def __init__(self, path: Path, total: int, enabled: bool = True, log: Optional[Path] = None,
+                 world_size: int = 0, ranks_up: Optional[Callable[[], int]] = None, every: float = HEARTBEAT_S):
         self.total = total
         self.metrics, self.log = _Tail(path), _Tail(log, from_start=True)
         self.last: Optional[Dict[str, Any]] = None
         self.step_s: Optional[float] = None
         self.bar = None
         self.enabled = enabled
+        self.world_size, self.ranks_up, self.every = world_size, ranks_up, every
+        self.said = self.since = time.monotonic()
+        self.phase = f"starting {world_size} ranks" if world_size else "starting the job"
+        self.all_up = False
         if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -75,7 +109,35 @@ class Progress:
             self.task = self.bar.add_task("", total=total)
             self.bar.start()
 
+    def _enter(self, phase: str) -> None:
+        self.phase, self.since = phase, time.monotonic()
+
+    def _track(self, line: str) -> None:
+        """The phase a rank-0 line starts (what the heartbeat names while nothing else is said)."""
+        self.all_up = self.all_up or "ranks up" in line
+        for words, phase in PHASES:
+            if words in line:
+                self._enter(phase)
+                return
+
+    def heartbeat(self) -> None:
+        """Name the phase in progress when nothing was said for ``every`` seconds (polled: the
+        launcher passes :data:`~orchestrator.meter.HEARTBEAT_S` less half its poll interval)."""
+        now = time.monotonic()
+        if not self.enabled or now - self.said < self.every:
+            return
+        text = f"{self.phase} ({now - self.since:.0f} s)"
+        if self.ranks_up is not None and not self.all_up:
+            text += f"; {self.ranks_up()}/{self.world_size} ranks started"
+        self.said = now
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        else:
+            print(f"  ... {text}", flush=True)
+
     def _say(self, line: str) -> None:
+        self._track(line)
+        self.said = time.monotonic()
         if not self.enabled:
             return
         if self.bar is not None:
@@ -95,6 +157,7 @@ class Progress:
         for line in self.log.lines():
             if line.startswith("[orchestrator]"):
                 self._say(line)
+        self.heartbeat()
 
     def _record(self, rec: Dict[str, Any]) -> None:
         event = rec.get("event")
@@ -121,6 +184,9 @@ class Progress:
                       "waiting for ranks to exit")
 
     def _show(self, rec: Dict[str, Any]) -> None:
+        self._enter(f"iteration {rec['iteration'] + 1}/{self.total}" if rec["iteration"] < self.total
+                    else "finishing: validation, the last checkpoint")
+        self.said = time.monotonic()
         if not self.enabled:
             return
         eta = f" | ETA {_eta(self.step_s * (self.total - rec['iteration']))}" if self.step_s is not None else ""

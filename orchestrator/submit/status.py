@@ -2,7 +2,8 @@
 
 ``python -m orchestrator status [runs_root] [--history]`` lists the runs under a directory with
 state (and why the latest attempt ended: ``failed (nan)``, ``failed (hang)`` …), job id, requeues,
-last iteration and last loss, then a failed run's own one-line account or its failing rank's error
+iteration reached / trained to, last loss, tokens/s (mean of the last records) and, for a running
+job, the ETA (``--json``: ``train_iters``, ``tokens_per_s``, ``eta_s``), then a failed run's own one-line account or its failing rank's error
 lines; ``--history`` adds every attempt of each run (job id, start, end, cause, iteration reached).
 No torch import.
 """
@@ -44,6 +45,33 @@ def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Opt
     return iteration, loss, summary
 
 
+def live_rates(run_dir: PathLike, last: int = 5) -> Dict[str, Optional[float]]:
+    """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` (the
+    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``."""
+    path = Path(run_dir) / METRICS_FILE
+    out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
+    if not path.exists():
+        return out
+    recent: List[Dict[str, Any]] = []
+    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("event") == "start":
+            out["train_iters"] = rec.get("train_iters")
+            break
+        if "event" not in rec and len(recent) < last and isinstance(rec.get("tokens_per_s"), (int, float)):
+            recent.append(rec)
+    if recent:
+        out["tokens_per_s"] = sum(r["tokens_per_s"] for r in recent) / len(recent)
+        steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
+        out["step_time_s"] = sum(steps) / len(steps) if steps else None
+    return out
+
+
 @dataclass
 class RunStatus:
     """One run directory: its latest job, state and progress."""
@@ -56,6 +84,12 @@ class RunStatus:
     failure: Optional[Tuple[int, List[str]]] = None
     attempts: List[Dict[str, Any]] = field(default_factory=list)
     """Every attempt of the run (:class:`orchestrator.ckpt.history.Attempt` as dicts), oldest first."""
+    train_iters: Optional[int] = None
+    """The iteration the latest job trains to (``training.train_iters``)."""
+    tokens_per_s: Optional[float] = None
+    """Mean tokens/s of the last few training records."""
+    eta_s: Optional[float] = None
+    """A running job's remaining time: iterations left x the mean recent step time."""
 
     @property
     def state(self) -> str:
@@ -80,7 +114,11 @@ def run_status(run_dir: PathLike) -> RunStatus:
     if last.get("warm_pool"):  # a sweep point or tune trial on warm ranks: its trial's files say how it ended
         rs.job, rs.failure = warm_trial_status(last, records)
         return rs
+    rates = live_rates(run_dir)
+    rs.train_iters, rs.tokens_per_s = rates["train_iters"], rates["tokens_per_s"]
     st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
+    if st.state == "running" and rates["step_time_s"] and rs.train_iters and iteration is not None:
+        rs.eta_s = max(0, rs.train_iters - iteration) * rates["step_time_s"]
     if st.state == "unknown" and summary is not None and summary.get("status") == "completed":
         st.state = "completed"
     requeues = sum(1 for r in records if r.get("event") == "requeued" and str(r.get("job_id")) == job_id)
@@ -140,14 +178,22 @@ def _fmt_loss(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
+def _fmt_eta(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    m, sec = divmod(int(round(seconds)), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{sec:02d}s"
+
+
 def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False) -> str:
-    rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS")]
+    rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA")]
     for s in statuses:
         name = str(Path(s.run_dir).relative_to(root)) if root and Path(s.run_dir) != root else str(s.run_dir)
         j = s.job
+        it = "-" if s.iteration is None else str(s.iteration) + (f"/{s.train_iters}" if s.train_iters else "")
         rows.append((name or ".", j.describe() if j else "unknown", j.job_id if j else "-", j.cluster if j else "-",
-                     str(j.restarts) if j else "-", "-" if s.iteration is None else str(s.iteration),
-                     _fmt_loss(s.lm_loss)))
+                     str(j.restarts) if j else "-", it, _fmt_loss(s.lm_loss),
+                     "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}", _fmt_eta(s.eta_s)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in statuses:

@@ -63,7 +63,7 @@ class TuneConfig:
     distributed_optimizer: Optional[List[bool]] = None
     sequence_parallel: Optional[List[bool]] = None
     out: Optional[str] = None
-    """Where to write the winner (default ``conf/experiment/<name>.yaml``)."""
+    """Where to write the winner (default ``./conf/experiment/<name>.yaml``)."""
     calibrate: bool = True
     """Fit the device profile to the trials and store it."""
     dry_run: bool = False

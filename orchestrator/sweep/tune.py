@@ -18,7 +18,8 @@ Reads top to bottom (:meth:`Tuner.run`):
    rest, and repeat until :func:`~orchestrator.sweep.search.stop_reason` says stop.
 4. Write the sweep table (``summary.csv/.md/.png`` with predicted vs measured step time and memory),
    ``candidates.csv`` (every valid candidate, predicted, and what became of it) and the winner as
-   ``conf/experiment/<name>.yaml`` (``tune.out``) with the evidence in its header.
+   ``./conf/experiment/<name>.yaml`` (``tune.out``; ./conf is searched ahead of the shipped conf/, see
+   :mod:`orchestrator.config.confdirs`) with the evidence in its header.
 
 A crashed trial is recorded; an out-of-memory crash lowers the memory margin below its prediction,
 another crash rules out the remaining candidates that share its untested options. SLURM: with
@@ -207,9 +208,9 @@ class Tuner:
 
     # ---- the session ------------------------------------------------------------------------
     def winner_path(self) -> Path:
-        from orchestrator.config.compose import conf_dir
+        from orchestrator.config.confdirs import USER_CONF
 
-        return Path(self.opts.out) if self.opts.out else conf_dir() / "experiment" / f"{self.name}.yaml"
+        return Path(self.opts.out) if self.opts.out else Path(USER_CONF) / "experiment" / f"{self.name}.yaml"
 
     def preflight(self) -> None:
         """Refuse, before anything is created, what would overwrite or cannot run (ConfigError)."""
@@ -281,9 +282,7 @@ class Tuner:
         path = self.write_winner(best, reason)
         say(f"winner: trial {best.num}: {best.cand.label}: {best.cand.layout.tokens_per_step / best.step_s:,.0f} "
             f"tokens/s, {best.step_s * 1e3:.1f} ms/step")
-        say(f"written: {path}\nrun it: python -m orchestrator +experiment={self.name}"
-            + (f" (with hydra.searchpath or a copy in conf/experiment/: {path} is outside conf/)"
-               if self.opts.out else ""))
+        say(f"written: {path}\nrun it: python -m orchestrator {run_flags(path)}+experiment={self.name}")
         say(f"table: {self.root / 'summary.md'}, {self.root / 'summary.csv'}, {self.root / 'summary.png'}; "
             f"candidates: {self.root / CANDIDATES_CSV}")
         return 0
@@ -328,6 +327,16 @@ class Tuner:
         return lines
 
 
+def run_flags(path: Path) -> str:
+    """What ``python -m orchestrator`` needs, from this directory, to find the experiment file ``path``."""
+    from orchestrator.config.confdirs import conf_dir, user_conf_dirs
+
+    root = path.resolve().parent.parent
+    if path.parent.name != "experiment":
+        return f"--config-dir <a directory whose experiment/ holds {path.name}> "
+    return "" if root in [conf_dir().resolve(), *user_conf_dirs()] else f"--config-dir {root} "
+
+
 def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(``tune.*`` arguments, Hydra overrides)."""
     tune = [a for a in argv if a.startswith("tune.")]
@@ -366,8 +375,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for f in search.TuneConfig.__dataclass_fields__.values():
             print(f"  tune.{f.name} (default {f.default if f.default is not None else 'auto'})")
         return 0
-    tune_args, overrides = split_args(argv)
     try:
+        from orchestrator.config.confdirs import with_config_dir_flags
+
+        tune_args, overrides = split_args(with_config_dir_flags(argv))
         opts = search.parse_tune_args(tune_args)
         tuner = Tuner(compose_base(overrides), overrides, opts, tune_args)
         return tuner.run()

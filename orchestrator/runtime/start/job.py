@@ -56,17 +56,38 @@ class TrainJob:
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
         done = exit_fast_after_success()
+        self._report_up()
         if self.fork_ranks <= 1:
             self._watch_launcher()  # a forking task starts it after forking its ranks (from a thread-free process)
         if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
-            from orchestrator.data.prepare import PreparedData
+            from orchestrator.data.prepare import PreparedData, indices_cached
+            from orchestrator.meter import say
             from orchestrator.runtime.rank.dataset import cache_indices
             from orchestrator.config.schema import from_dict
 
-            cache_indices(from_dict(self.config), PreparedData(**self.prepared))
+            cfg, prepared = from_dict(self.config), PreparedData(**self.prepared)
+            if not indices_cached(cfg, prepared):
+                say("building sample indices (megatron-core GPTDataset)")
+                cache_indices(cfg, prepared)
+                say("sample indices built")
         summary = self._train_forked() if self.fork_ranks > 1 else self._train()
         done()
         return summary
+
+    def _report_up(self) -> None:
+        """This rank's process has started (before torch is imported): the launcher counts these."""
+        from orchestrator.ckpt.rundir import started_path
+        from orchestrator.io import write_atomic
+
+        rank, job_id, _ = _whoami()
+        try:
+            write_atomic(started_path(self.config["run"]["dir"], rank), f"{job_id}\n", fsync=False)
+        except OSError:  # a progress display must never stop a rank
+            return
+        if rank == 0 and self.fork_ranks > 1:
+            from orchestrator.meter import say
+
+            say(f"rank 0 up: importing torch and megatron-core, then forking ranks 1..{self.fork_ranks - 1}")
 
     def _train_forked(self) -> Dict[str, Any]:
         """Fork ranks 1..N-1, train as rank 0, wait for the forks; a fork killed by a signal is named."""
@@ -74,6 +95,9 @@ class TrainJob:
 
         pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
         self._watch_launcher()
+        from orchestrator.meter import say
+
+        say(f"ranks 1..{self.fork_ranks - 1} forked; joining the process group")
         try:  # an exception ends this process, and the forked ranks die with it
             summary = self._train()
         except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
@@ -110,6 +134,7 @@ class TrainJob:
         from submitit.core import utils
 
         result = submitit.JobEnvironment().paths.result_pickle
+        self._report_up()
         try:
             outcome: Tuple[str, Any] = ("success", self._train())
         except Exception:

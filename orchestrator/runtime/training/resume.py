@@ -14,7 +14,6 @@ values back before the schedule is re-evaluated at the checkpoint's step count.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass

@@ -1,0 +1,93 @@
+"""From an installed wheel, in an empty directory, as a Megatron-LM user meets it on day one.
+
+The wheel is built from this checkout and installed into a venv that reuses this interpreter's
+packages (torch, megatron-core); nothing on ``PYTHONPATH``, so the installed package is what runs.
+Then: convert a Megatron-LM launch script (it goes to ``./conf/experiment/``), plan it with
+``+experiment=<name>`` and nothing else, see its GPU job refused by validate in one line (this
+machine has no GPU) with the fix, and train it with that fix — the one thing the script could not
+say.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SCRIPT = """#!/bin/bash
+# A small Megatron-LM GPT run: PP=2 on 2 GPUs of one node, synthetic data.
+torchrun --nproc_per_node 2 --nnodes 1 pretrain_gpt.py \\
+    --pipeline-model-parallel-size 2 \\
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
+    --seq-length 64 --max-position-embeddings 64 \\
+    --micro-batch-size 2 --global-batch-size 4 \\
+    --train-iters 3 --lr 1e-3 --log-interval 1 --eval-iters 0 \\
+    --tokenizer-type NullTokenizer --vocab-size 256 --mock-data
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """``bin/`` of a venv holding the wheel built from a copy of this checkout (never its build/)."""
+    root = tmp_path_factory.mktemp("installed")
+    source = root / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "runs", "tests", "__pycache__", ".pytest_cache", "wheels", ".venv", "*.whl"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "wheel"), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    wheel = next((root / "wheel").glob("orchestrator-*.whl"))
+    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-compile",
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    return venv / "bin"
+
+
+def _orchestrator(bin_dir: Path, args, cwd: Path, cache: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    return subprocess.run([str(bin_dir / "orchestrator"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_convert_plan_train_from_an_installed_wheel(installed, tmp_path, cache_dir):
+    where = subprocess.run([str(installed / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert str(installed.parent) in where.stdout, where  # the wheel runs, not this checkout
+    (tmp_path / "train_gpt.sh").write_text(SCRIPT)
+
+    convert = _orchestrator(installed, ["convert", "from-megatron", "train_gpt.sh"], tmp_path, cache_dir)
+    assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr
+    assert convert.stdout.startswith("wrote conf/experiment/train_gpt.yaml")
+    assert "warning: to run it here: cluster.gpus_per_node=2: " in convert.stdout
+    assert "next: python -m orchestrator +experiment=train_gpt plan=true" in convert.stdout
+
+    plan = _orchestrator(installed, ["+experiment=train_gpt", "plan=true"], tmp_path, cache_dir)
+    assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr
+    first = plan.stdout.splitlines()[:2]  # composing ..., then the user's config directories
+    assert first[0].startswith("[orchestrator] composing +experiment=train_gpt plan=true"), first
+    assert first[1] == f"[orchestrator] configs: {tmp_path / 'conf'}, ahead of the shipped conf/"
+    assert "world size 2 = TP 1 x PP 2 x CP 1 x DP 1" in plan.stdout
+
+    from orchestrator.config.machine import local_gpu_count
+
+    refused = _orchestrator(installed, ["+experiment=train_gpt"], tmp_path, cache_dir)
+    if local_gpu_count() == 0:
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith("error: cluster.gpus_per_node=2: cluster=local runs the job on this "
+                                         "machine, which has no GPU") and "fix: training.device=cpu " in refused.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
+
+    trained = _orchestrator(installed, ["+experiment=train_gpt", "training.device=cpu"], tmp_path, cache_dir, 400)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "completed: iteration 3 | lm loss" in trained.stdout
+    assert (tmp_path / "runs" / "train_gpt" / "config.yaml").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "runs", "train_gpt.sh"]

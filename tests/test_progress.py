@@ -1,0 +1,104 @@
+"""Never silent: every phase of a run says what it does, in order, and ``status`` shows a live run's pace.
+
+* :mod:`orchestrator.meter` on its own: a phase names itself at once and then its elapsed time
+  while it lasts; a byte meter reports MB, counts, tokens/s and an ETA (plain lines off a terminal).
+* One real run (gpt_tiny, PP=2 on 2 CPU ranks, forked): the launcher's lines come in the order of
+  the phases, and while it trains ``status --json`` gives iteration/total, tokens/s and an ETA;
+  then it is interrupted (exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from orchestrator.meter import Meter, phase
+
+
+def test_a_phase_names_itself_then_its_elapsed_time():
+    said = []
+    with phase("building sample indices", log=said.append, every=0.05):
+        time.sleep(0.18)
+    assert said[0] == "building sample indices"
+    beats = said[1:]
+    assert 2 <= len(beats) <= 4 and all(b.startswith("  ... building sample indices: ") for b in beats), said
+    said.clear()
+    with phase("preparing data", log=said.append, every=0.05):
+        with phase("loading the tokenizer", log=said.append, every=0.05):
+            time.sleep(0.18)
+    assert said[:2] == ["preparing data", "loading the tokenizer"]
+    assert all(b.startswith("  ... loading the tokenizer: ") for b in said[2:]) and len(said) >= 4, said
+
+
+def test_a_meter_reports_bytes_counts_rate_and_eta(monkeypatch):
+    import orchestrator.meter as meter
+
+    monkeypatch.setattr(meter, "QUIET_S", 0.0)
+    said, counts = [], {"documents": 0, "tokens": 0}
+    m = Meter("tokenizing", 4_000_000, counts=lambda: dict(counts), log=said.append, every=0.0)
+    for _ in range(2):
+        counts["documents"] += 10
+        counts["tokens"] += 5000
+        time.sleep(0.01)
+        m.advance(1_000_000)
+    m.close()
+    assert said[0].startswith("  tokenizing: 1.0/4.0 MB (") and "10 documents, 5,000 tokens, " in said[0]
+    assert "tokens/s, ETA 0m00s" in said[1] and "2.0/4.0 MB" in said[1]
+    assert said[-1].startswith("  tokenizing: done, 4.0/4.0 MB") and "ETA" not in said[-1]
+
+
+ORDER = [
+    "[orchestrator] composing ",
+    "[orchestrator] run progress: ",
+    "[orchestrator] world size 2 = TP 1 x PP 2",
+    "[orchestrator] preparing data (data=mock)",
+    "[orchestrator] submitted job ",
+    "[orchestrator] rank 0 up: importing torch and megatron-core, then forking ranks 1..1",
+    "[orchestrator] building sample indices (megatron-core GPTDataset)",
+    "[orchestrator] sample indices built",
+    "[orchestrator] ranks 1..1 forked; joining the process group",
+    "[orchestrator] 2 ranks up (gloo on cpu); building model gpt_tiny",
+    "  iteration 1/400 | loss ",
+    "  iteration 3/400 | loss ",
+]
+
+
+@pytest.mark.slow
+def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_path, cache_dir):
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", ORCHESTRATOR_CACHE=str(tmp_path / "cache"))
+    run_dir = tmp_path / "runs" / "progress"
+    cmd = [sys.executable, "-m", "orchestrator", "model=gpt_tiny", "parallelism=pp2_dp2", "parallelism.data_parallel_size=1",
+           "data=mock", "training.micro_batch_size=2", "training.global_batch_size=4", "training.train_iters=400",
+           "training.log_interval=1", "training.eval_iters=0", "checkpoint.save_interval=null",
+           "checkpoint.save_at_end=false", "logging.tensorboard=false", f"run.root={tmp_path}/runs", "run.name=progress"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("  iteration 3/400"):
+                break
+        live = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--json", str(tmp_path / "runs")],
+                              capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, "\n".join(lines) + rest
+    # (rank 0's "params on rank 0" line may follow the first iterations: the launcher shows the records first)
+    phases = [next((i for i, line in enumerate(lines) if line.startswith(start)), None) for start in ORDER]
+    assert None not in phases and phases == sorted(phases), "\n".join(lines)  # each phase, in this order
+    record = json.loads(live.stdout.splitlines()[0])
+    assert record["run_dir"] == str(run_dir) and record["state"] == "running", record
+    assert record["train_iters"] == 400 and record["iteration"] >= 3
+    assert record["tokens_per_s"] > 0 and record["eta_s"] > 0
+    seconds_per_step = record["eta_s"] / (400 - record["iteration"])
+    assert record["tokens_per_s"] == pytest.approx(4 * 128 / seconds_per_step, rel=0.5)  # GBS x seq / step time
