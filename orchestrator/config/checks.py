@@ -237,6 +237,10 @@ def check_run(cfg: JobConfig) -> None:
                           "another place")
     if not isinstance(cfg.run.root, str) or not cfg.run.root:
         raise ConfigError(f"run.root={show(cfg.run.root)}: must be a directory path; fix: run.root=runs")
+    picture = cfg.plan_picture
+    if picture is not None and (not isinstance(picture, str) or Path(picture).suffix.lower() not in (".png", ".svg", ".pdf")):
+        raise ConfigError(f"plan_picture={show(picture)}: must be a file name ending in .png, .svg or .pdf (the "
+                          "picture's format); fix: plan_picture=plan.png")
     init = cfg.checkpoint.init_from
     if init is not None and not Path(os.path.expanduser(init)).is_dir():
         raise ConfigError(f"checkpoint.init_from={show(init)}: no such directory; fix: the path of a checkpoint "
