@@ -74,7 +74,7 @@ def test_a_task_that_sees_some_of_the_nodes_gpus_is_refused():
         bind(BIND_CLOSEST, 4)
     msg = str(err.value)
     assert "rank 13 (local rank 5)" in msg and "sees 4 of the node's 8 GPUs" in msg and "'4,5,6,7'" in msg
-    assert "--gpus-per-task=1" in msg
+    assert "cluster.additional_parameters.gpu_bind=single:1" in msg
 
 
 def test_more_tasks_than_gpus_on_a_node_is_refused():
