@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -94,3 +95,20 @@ def submit_like_launcher(cfg, fn, *args, world_size: int):
                               {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
                               num_tasks=world_size)
     return job
+
+
+def mounted_tmpfs(mnt: Path, mib: int):
+    """Yield ``mnt``, a fresh tmpfs of ``mib`` MiB (skips without root); unmounted afterwards."""
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()[:200]}")
+    try:
+        yield mnt
+    finally:
+        for _ in range(20):  # a rank may still be exiting
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

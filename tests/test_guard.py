@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, losses_by_iteration, read_metrics, run_cli
+from conftest import REPO, losses_by_iteration, mounted_tmpfs, read_metrics, run_cli
 from orchestrator.ckpt import history
 from orchestrator.errors import DiskFullError, NonFiniteLossError
 from orchestrator.runtime.faults import guard as guard_mod
@@ -467,20 +467,7 @@ def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 16 MiB tmpfs (one gpt_tiny checkpoint with Adam state is ~11 MiB); unmounted afterwards."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()[:200]}")
-    try:
-        yield mnt
-    finally:
-        for _ in range(20):  # a rank may still be exiting
-            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.5)
-        else:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", 16)
 
 
 @pytest.mark.slow

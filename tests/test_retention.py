@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, losses_by_iteration, run_cli
+from conftest import REPO, losses_by_iteration, mounted_tmpfs, run_cli
 
 from orchestrator.ckpt.manifest import CheckpointInfo, list_checkpoints, read_manifest
 from orchestrator.ckpt.retention import TRASH_PREFIX, clear_trash, remove_safely, verdicts
@@ -94,23 +94,7 @@ def test_validate_refuses_a_run_root_that_cannot_hold_keep_last_plus_one(small_t
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 16 MiB tmpfs (one gpt_tiny checkpoint with Adam state is 10.1 MiB); unmounted afterwards."""
-    yield from _tmpfs(tmp_path / "tmpfs", 16)
-
-
-def _tmpfs(mnt: Path, mib: int):
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()[:200]}")
-    try:
-        yield mnt
-    finally:
-        for _ in range(20):  # a rank may still be exiting
-            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.5)
-        else:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", 16)
 
 
 def _launch(args, cache: Path, **env) -> subprocess.Popen:
@@ -163,7 +147,7 @@ def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prun
 @pytest.fixture
 def roomy_tmpfs(tmp_path):
     """A 40 MiB tmpfs: room for the two checkpoints validate predicts, until the test fills it."""
-    yield from _tmpfs(tmp_path / "tmpfs", 40)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", 40)
 
 
 @pytest.mark.slow

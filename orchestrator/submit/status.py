@@ -22,19 +22,24 @@ from orchestrator.ckpt.history import PathLike, attempts, format_attempts, read_
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
 
+def _records_from_end(path: Path):
+    """The JSON object records of the last MiB of a JSONL file, newest first (torn lines skipped)."""
+    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
 def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Optional[Dict[str, Any]]]:
     """(last iteration, last lm_loss, last summary record) from ``<run_dir>/metrics.jsonl``."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None, None, None
     iteration = loss = summary = None
-    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
-            continue
+    for rec in _records_from_end(path):
         if summary is None and rec.get("event") == "summary":
             summary = rec
         # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
@@ -53,13 +58,7 @@ def live_rates(run_dir: PathLike, last: int = 5) -> Dict[str, Optional[float]]:
     if not path.exists():
         return out
     recent: List[Dict[str, Any]] = []
-    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
-            continue
+    for rec in _records_from_end(path):
         if rec.get("event") == "start":
             out["train_iters"] = rec.get("train_iters")
             break
