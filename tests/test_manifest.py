@@ -78,6 +78,7 @@ def cfg(tmp_path: Path) -> JobConfig:
 
 
 # ---- manifest content, atomic write ------------------------------------------------------
+@pytest.mark.mcore_lines
 def test_manifest_records_layout_config_versions_and_env(cfg, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("NCCL_IB_SECRET_TOKEN", "hunter2")
