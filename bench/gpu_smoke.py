@@ -5,9 +5,11 @@ On the GPU machine (Python 3.12, torch 2.11 preinstalled, no network) one comman
    antlr4-python3-runtime, submitit; ``--no-index --no-deps``, so pip never tries to fetch torch)
    into /tmp/gpu_smoke_site; the package itself comes from this checkout through PYTHONPATH
    (pyproject.toml says requires-python <3.12, so ``pip install -e .`` is refused on 3.12);
+   then checks with ``importlib.util.find_spec`` every module the run imports (``RUN_IMPORTS``) and
+   stops in seconds naming what is missing;
 2. composes the config and asks the planner (orchestrator/plan/memory.py, formerly
    orchestrator/planner.py) for model FLOPs per step and the predicted peak memory on the H200;
-3. runs ``python -m orchestrator`` (world size 1, nccl, 30 iterations, mock data) and reads the
+3. runs ``python -m orchestrator`` (world size 1, nccl, 55 iterations of which 50 timed, mock data, no TensorBoard) and reads the
    summary it writes to ``<run.dir>/metrics.jsonl``;
 4. runs a bare megatron-core loop of the same model (this file, ``--bare``), same batch;
 5. prints tokens/s, MFU, the ratio orchestrator/bare and peak memory vs the planner's prediction,
@@ -175,6 +177,22 @@ def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log
     return rc, lines
 
 
+RUN_IMPORTS = ON_THE_BOX + ["megatron.core", "hydra", "omegaconf", "antlr4", "submitit", "packaging", "orchestrator"]
+"""Every top-level module the device run imports (the box's own, then the carried wheels, then this checkout)."""
+
+
+def missing_imports(paths: List[str]) -> List[str]:
+    """The modules of RUN_IMPORTS ``importlib.util.find_spec`` cannot find with ``paths`` in front (seconds:
+    nothing is imported)."""
+    saved = list(sys.path)
+    sys.path[:0] = paths
+    importlib.invalidate_caches()
+    try:
+        return [n for n in RUN_IMPORTS if importlib.util.find_spec(n) is None]
+    finally:
+        sys.path[:] = saved
+
+
 def _import_first(*names: str):
     """The first importable module of ``names`` (the package is being restructured)."""
     errors = []
@@ -192,6 +210,7 @@ def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
             f"training.train_iters={a.iters}", f"training.timing_warmup_iters={a.warmup}",
             f"training.micro_batch_size={a.mbs}", f"training.global_batch_size={a.gbs}", "training.log_interval=1",
             "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0",
+            "logging.tensorboard=false",  # needs the tensorboard package, which the box may lack
             f"run.root={root}", "run.name=gpu_smoke", "gpu=H200"]
 
 
@@ -389,6 +408,10 @@ def device_run(a: argparse.Namespace) -> int:
     rc, _ = run_step("install", install_command(), left(BUDGET_S["install"]), env, out / "install.log")
     if rc != 0:
         return finish(1)
+    result["missing_imports"] = missing = missing_imports([str(REPO), str(SITE)])
+    if missing:
+        say(f"FAILED: the run would not import {', '.join(missing)} (carry a wheel of each in bench/wheels)")
+        return finish(1)
     sys.path[:0] = [str(REPO), str(SITE)]
     try:
         result["plan"], spec = plan_and_spec(a, str(work))
@@ -419,7 +442,8 @@ def dry_run(a: argparse.Namespace) -> int:
     wheels_missing = report_wheels()
     say("        $ " + shlex.join(install_command()))
     say(f"        then PYTHONPATH={REPO}:{SITE}; expected in the GPU image already: {', '.join(ON_THE_BOX)}")
-    here = [n for n in ON_THE_BOX if importlib.util.find_spec(n) is None]
+    say(f"        import check (find_spec, before anything runs; stops naming what is missing): {', '.join(RUN_IMPORTS)}")
+    here = missing_imports([str(REPO)])
     say("        of those, missing on this machine: " + (", ".join(here) if here else "none"))
     say("step 2: compose + plan (torch-free), checked here with plan=true:")
     with tempfile.TemporaryDirectory() as d:  # Hydra creates the run directory even with plan=true
@@ -456,7 +480,7 @@ def main() -> int:
     ap.add_argument("--bare-out", help=argparse.SUPPRESS)
     ap.add_argument("--bare-device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt_125m")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=55, help="iterations per run (warm-up included: >= 50 timed)")
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--gbs", type=int, default=32)
