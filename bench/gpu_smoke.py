@@ -177,8 +177,9 @@ def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log
     return rc, lines
 
 
-RUN_IMPORTS = ON_THE_BOX + ["megatron.core", "hydra", "omegaconf", "antlr4", "submitit", "packaging", "orchestrator"]
-"""Every top-level module the device run imports (the box's own, then the carried wheels, then this checkout)."""
+RUN_IMPORTS = [n for n in ON_THE_BOX if n != "einops"] + ["megatron.core", "hydra", "omegaconf", "antlr4", "submitit", "packaging", "orchestrator"]
+"""Every top-level module the device run imports (the box's own, then the carried wheels, then this checkout);
+not einops: megatron-core imports it optionally (this machine trains without it)."""
 
 
 def missing_imports(paths: List[str]) -> List[str]:
