@@ -54,7 +54,8 @@ WHEELS = REPO / "bench" / "wheels"
 SITE = Path("/tmp/gpu_smoke_site")
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (NVIDIA datasheet); the planner's "H200" preset says the same
 TOTAL_S = 480  # the whole device run: 8 minutes
-BUDGET_S = {"install": 60, "orchestrator": 240, "bare": 150}
+BUDGET_S = {"install": 45, "orchestrator": 150, "bare": 120, "cycle": 150}
+CYCLE_TOL = 1e-5  # relative: the resumed losses vs the uninterrupted run's
 PINS = {"megatron-core": "0.19.2", "hydra-core": "1.3.8", "omegaconf": "2.3.1",
         "antlr4-python3-runtime": "4.9.3", "submitit": "1.5.4", "packaging": "26.2"}
 SDIST_ONLY = {"antlr4-python3-runtime"}  # PyPI has no wheel of 4.9.3: built here by `pip wheel` (pure Python)
@@ -213,6 +214,36 @@ def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
             "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0",
             "logging.tensorboard=false",  # needs the tensorboard package, which the box may lack
             f"run.root={root}", "run.name=gpu_smoke", "gpu=H200"]
+
+
+def cycle_steps(a: argparse.Namespace, root: str) -> List[Tuple[str, List[str]]]:
+    """Save -> resume -> continue: the orchestrator run's config in ``<root>/gpu_cycle``, stopped after half
+    its iterations (a checkpoint there), then the same command again (it resumes and finishes)."""
+    half = a.iters // 2
+    new = ["run.name=gpu_cycle", f"checkpoint.save_interval={half}"]
+    keys = {n.split("=", 1)[0] for n in new}  # each key once on the command line
+    overrides = [o for o in orchestrator_overrides(a, root) if o.split("=", 1)[0] not in keys] + new
+    base = [sys.executable, "-m", "orchestrator", *overrides]
+    return [("cycle-save", base + [f"training.exit_after_iters={half}"]), ("cycle-resume", base)]
+
+
+def read_losses(run_dir: Path) -> Dict[int, float]:
+    """lm loss per iteration from metrics.jsonl (a resumed run's later record wins)."""
+    path, out = run_dir / "metrics.jsonl", {}
+    for rec in (json.loads(x) for x in path.read_text().splitlines()) if path.is_file() else ():
+        if "event" not in rec:
+            out[rec["iteration"]] = rec["lm_loss"]
+    return out
+
+
+def compare_cycle(reference: Path, cycled: Path, after: int) -> dict:
+    """The resumed run's losses after ``after`` vs the uninterrupted run's (max relative difference)."""
+    ref, got = read_losses(reference), read_losses(cycled)
+    its = [i for i in sorted(ref) if i > after]
+    if not its or any(i not in got for i in its):
+        return {"ok": False, "why": f"missing iterations (reference {len(ref)}, resumed {len(got)})"}
+    rel = max(abs(got[i] - ref[i]) / max(abs(ref[i]), 1e-12) for i in its)
+    return {"ok": rel <= CYCLE_TOL, "max_rel_diff": rel, "iterations": [its[0], its[-1]], "tolerance": CYCLE_TOL}
 
 
 def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
@@ -430,7 +461,14 @@ def device_run(a: argparse.Namespace) -> int:
     rc, _ = run_step("bare", cmd, left(BUDGET_S["bare"]), env, out / "bare.log")
     result["bare"] = json.loads(bare_file.read_text()) if bare_file.is_file() else None
     result.update(table(result["plan"], result["orchestrator"], result["bare"]))
-    result["ok"] = bool(result["orchestrator"] and result["bare"])
+    cycle_deadline = time.monotonic() + left(BUDGET_S["cycle"])
+    for name, cmd in cycle_steps(a, str(work)):
+        rc, _ = run_step(name, cmd, max(1.0, cycle_deadline - time.monotonic()), env, out / f"{name}.log")
+        if rc != 0:
+            break
+    result["cycle"] = compare_cycle(work / "gpu_smoke", work / "gpu_cycle", after=a.iters // 2)
+    say(f"save -> resume -> continue: {result['cycle']}")
+    result["ok"] = bool(result["orchestrator"] and result["bare"] and result["cycle"]["ok"])
     return finish(0 if result["ok"] else 1)
 
 
@@ -466,7 +504,12 @@ def dry_run(a: argparse.Namespace) -> int:
     say(f"step 4 (<= {BUDGET_S['bare']} s): $ {sys.executable} {Path(__file__).resolve()} --bare "
         f"{root}/bare_spec.json --bare-out {root}/bare.json   (spec: the composed model/optimizer, MBS {a.mbs}, "
         f"GBS {a.gbs}, {a.iters} iterations, {a.warmup} warm-up)")
-    say("step 5: table + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare}.log")
+    say(f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
+        f"step 3's (relative {CYCLE_TOL}):")
+    for name, cmd in cycle_steps(a, root):
+        say(f"        {name}: $ " + shlex.join(cmd))
+    say("step 6: table (tokens/s and MFU orchestrator vs bare and their ratio; peak torch.cuda.max_memory_allocated "
+        "vs the planner) + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare,cycle-save,cycle-resume}.log")
     say("dry run: " + ("config and plan OK" if rc == 0 else "config/plan check FAILED")
         + ("; wheels missing (python bench/gpu_smoke.py --fetch)" if wheels_missing else "; wheels present"))
     return 0 if rc == 0 else 1

@@ -13,6 +13,11 @@ needs (the renamed attribute, the new parameter), so a 0.17/0.18 on a GPU machin
 * The checkpoint writer's results queue (a multiprocessing Manager, started at the first save):
   0.16.x ``filesystem_async._get_write_results_queue()``, 0.19.x
   ``filesystem_async.get_write_results_queue(mp_mode="spawn")``.
+* Loading optimizer state: 0.16.x matches the saved param groups to the current ones by position;
+  0.19.x by a key that includes ``max_lr`` / ``min_lr`` (``optimizer.param_group_identifier_keys``), so a
+  resume with a new ``optimizer.lr`` (the config's schedule applies on resume, README) found no group
+  and raised ValueError. :func:`load_optimizer_state` gives the saved groups the current lr bounds
+  first (the runtime sets them from the config right after the load anyway).
 
 Same in both (relied on, tested on both): ``initialize_model_parallel(distributed_timeout_minutes=)``,
 ``filesystem_async._results_queue`` (the module's cached queue), ``GPTModel`` (0.19 logs it as
@@ -79,3 +84,19 @@ def set_write_results_queue(queue: Any) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
 
     fsa._results_queue = queue
+
+
+def load_optimizer_state(optimizer, state_dict: Any) -> None:
+    """``optimizer.load_state_dict(state_dict)`` with the saved param groups' ``max_lr``/``min_lr`` set to
+    the current groups' (position by position, as 0.16 loads them): 0.19.x matches groups by those."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    if hasattr(mopt, "param_group_identifier_keys"):  # 0.19.x
+        subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        many = state_dict.values() if isinstance(state_dict, dict) else state_dict
+        parts = [state_dict] if len(subs) == 1 else list(many)
+        for sub, part in zip(subs, parts):
+            groups = part.get("param_groups") or (part.get("optimizer") or {}).get("param_groups") or []
+            for saved, current in zip(groups, sub.optimizer.param_groups):
+                saved["max_lr"], saved["min_lr"] = current.get("max_lr"), current.get("min_lr")
+    optimizer.load_state_dict(state_dict)

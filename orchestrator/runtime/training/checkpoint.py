@@ -201,7 +201,9 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        from orchestrator.runtime.rank.mcore import load_optimizer_state
+
+        load_optimizer_state(optimizer, loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])
     progress = loaded.get("progress", {"iteration": 0, "consumed_samples": 0})
