@@ -18,6 +18,8 @@ needs (the renamed attribute, the new parameter), so a 0.17/0.18 on a GPU machin
   resume with a new ``optimizer.lr`` (the config's schedule applies on resume, README) found no group
   and raised ValueError. :func:`load_optimizer_state` gives the saved groups the current lr bounds
   first (the runtime sets them from the config right after the load anyway).
+* The asynchronous-save queue: ``dist_checkpointing.strategies.async_utils.AsyncCallsQueue`` in both;
+  0.19.x deprecates it for nvidia-resiliency-ext's (same interface), taken when installed.
 
 Same in both (relied on, tested on both): ``initialize_model_parallel(distributed_timeout_minutes=)``,
 ``filesystem_async._results_queue`` (the module's cached queue), ``GPTModel`` (0.19 logs it as
@@ -100,3 +102,13 @@ def load_optimizer_state(optimizer, state_dict: Any) -> None:
             for saved, current in zip(groups, sub.optimizer.param_groups):
                 saved["max_lr"], saved["min_lr"] = current.get("max_lr"), current.get("min_lr")
     optimizer.load_state_dict(state_dict)
+
+
+def async_calls_queue_class() -> Any:
+    """The ``AsyncCallsQueue`` class that drives asynchronous checkpoint writes: nvidia-resiliency-ext's
+    when installed (what 0.19.x recommends; not run in this project), else megatron-core's own."""
+    try:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue  # type: ignore
+    except ImportError:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    return AsyncCallsQueue
