@@ -110,9 +110,8 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
 
         read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
     fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
-    # A version change is said by the job's rank 0 only: its Python loads the checkpoint (on SLURM, not this one).
     latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
-                              warn=lambda m: m.startswith(resume.VERSIONS_CHANGED) or say(f"warning: {m}"))
+                              warn=lambda m: say(f"warning: {m}"))
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
     return latest
 

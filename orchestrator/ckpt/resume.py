@@ -270,8 +270,6 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
 
 VERSIONS = "versions."
 """The key prefix of software-version differences (warned in one line, recorded in ``origin``)."""
-VERSIONS_CHANGED = "versions changed since"
-"""How that line starts (the launcher leaves it to the job, whose Python is the one that loads)."""
 
 
 def blocking(mismatches: List[Mismatch], allow_reshard: bool) -> List[Mismatch]:
@@ -334,7 +332,7 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
                                   f"run {why}\n{format_mismatch_table(mismatches)}")
     versions = [m for m in mismatches if m.key.startswith(VERSIONS)]
     if versions:  # one line: an upgrade mid-run is expected; the next manifest's origin keeps the old ones
-        warn(f"{VERSIONS_CHANGED} {info.path.name}: " + ", ".join(
+        warn(f"versions changed since {info.path.name}: " + ", ".join(
             f"{m.key[len(VERSIONS):]} {m.checkpoint} -> {m.requested}" for m in versions))
     others = [m for m in mismatches if m not in versions]
     if others:
