@@ -5,9 +5,11 @@ On the GPU machine (Python 3.12, torch 2.11 preinstalled, no network) one comman
    antlr4-python3-runtime, submitit; ``--no-index --no-deps``, so pip never tries to fetch torch)
    into /tmp/gpu_smoke_site; the package itself comes from this checkout through PYTHONPATH
    (pyproject.toml says requires-python <3.12, so ``pip install -e .`` is refused on 3.12);
+   then checks with ``importlib.util.find_spec`` every module the run imports (``RUN_IMPORTS``) and
+   stops in seconds naming what is missing;
 2. composes the config and asks the planner (orchestrator/plan/memory.py, formerly
    orchestrator/planner.py) for model FLOPs per step and the predicted peak memory on the H200;
-3. runs ``python -m orchestrator`` (world size 1, nccl, 30 iterations, mock data) and reads the
+3. runs ``python -m orchestrator`` (world size 1, nccl, 55 iterations of which 50 timed, mock data, no TensorBoard) and reads the
    summary it writes to ``<run.dir>/metrics.jsonl``;
 4. runs a bare megatron-core loop of the same model (this file, ``--bare``), same batch;
 5. prints tokens/s, MFU, the ratio orchestrator/bare and peak memory vs the planner's prediction,
@@ -52,7 +54,8 @@ WHEELS = REPO / "bench" / "wheels"
 SITE = Path("/tmp/gpu_smoke_site")
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (NVIDIA datasheet); the planner's "H200" preset says the same
 TOTAL_S = 480  # the whole device run: 8 minutes
-BUDGET_S = {"install": 60, "orchestrator": 240, "bare": 150}
+BUDGET_S = {"install": 45, "orchestrator": 150, "bare": 120, "cycle": 150}
+CYCLE_TOL = 1e-5  # relative: the resumed losses vs the uninterrupted run's
 PINS = {"megatron-core": "0.19.2", "hydra-core": "1.3.8", "omegaconf": "2.3.1",
         "antlr4-python3-runtime": "4.9.3", "submitit": "1.5.4", "packaging": "26.2"}
 SDIST_ONLY = {"antlr4-python3-runtime"}  # PyPI has no wheel of 4.9.3: built here by `pip wheel` (pure Python)
@@ -175,6 +178,23 @@ def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log
     return rc, lines
 
 
+RUN_IMPORTS = [n for n in ON_THE_BOX if n != "einops"] + ["megatron.core", "hydra", "omegaconf", "antlr4", "submitit", "packaging", "orchestrator"]
+"""Every top-level module the device run imports (the box's own, then the carried wheels, then this checkout);
+not einops: megatron-core imports it optionally (this machine trains without it)."""
+
+
+def missing_imports(paths: List[str]) -> List[str]:
+    """The modules of RUN_IMPORTS ``importlib.util.find_spec`` cannot find with ``paths`` in front (seconds:
+    nothing is imported)."""
+    saved = list(sys.path)
+    sys.path[:0] = paths
+    importlib.invalidate_caches()
+    try:
+        return [n for n in RUN_IMPORTS if importlib.util.find_spec(n) is None]
+    finally:
+        sys.path[:] = saved
+
+
 def _import_first(*names: str):
     """The first importable module of ``names`` (the package is being restructured)."""
     errors = []
@@ -192,7 +212,38 @@ def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
             f"training.train_iters={a.iters}", f"training.timing_warmup_iters={a.warmup}",
             f"training.micro_batch_size={a.mbs}", f"training.global_batch_size={a.gbs}", "training.log_interval=1",
             "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0",
+            "logging.tensorboard=false",  # needs the tensorboard package, which the box may lack
             f"run.root={root}", "run.name=gpu_smoke", "gpu=H200"]
+
+
+def cycle_steps(a: argparse.Namespace, root: str) -> List[Tuple[str, List[str]]]:
+    """Save -> resume -> continue: the orchestrator run's config in ``<root>/gpu_cycle``, stopped after half
+    its iterations (a checkpoint there), then the same command again (it resumes and finishes)."""
+    half = a.iters // 2
+    new = ["run.name=gpu_cycle", f"checkpoint.save_interval={half}"]
+    keys = {n.split("=", 1)[0] for n in new}  # each key once on the command line
+    overrides = [o for o in orchestrator_overrides(a, root) if o.split("=", 1)[0] not in keys] + new
+    base = [sys.executable, "-m", "orchestrator", *overrides]
+    return [("cycle-save", base + [f"training.exit_after_iters={half}"]), ("cycle-resume", base)]
+
+
+def read_losses(run_dir: Path) -> Dict[int, float]:
+    """lm loss per iteration from metrics.jsonl (a resumed run's later record wins)."""
+    path, out = run_dir / "metrics.jsonl", {}
+    for rec in (json.loads(x) for x in path.read_text().splitlines()) if path.is_file() else ():
+        if "event" not in rec:
+            out[rec["iteration"]] = rec["lm_loss"]
+    return out
+
+
+def compare_cycle(reference: Path, cycled: Path, after: int) -> dict:
+    """The resumed run's losses after ``after`` vs the uninterrupted run's (max relative difference)."""
+    ref, got = read_losses(reference), read_losses(cycled)
+    its = [i for i in sorted(ref) if i > after]
+    if not its or any(i not in got for i in its):
+        return {"ok": False, "why": f"missing iterations (reference {len(ref)}, resumed {len(got)})"}
+    rel = max(abs(got[i] - ref[i]) / max(abs(ref[i]), 1e-12) for i in its)
+    return {"ok": rel <= CYCLE_TOL, "max_rel_diff": rel, "iterations": [its[0], its[-1]], "tolerance": CYCLE_TOL}
 
 
 def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
@@ -389,6 +440,10 @@ def device_run(a: argparse.Namespace) -> int:
     rc, _ = run_step("install", install_command(), left(BUDGET_S["install"]), env, out / "install.log")
     if rc != 0:
         return finish(1)
+    result["missing_imports"] = missing = missing_imports([str(REPO), str(SITE)])
+    if missing:
+        say(f"FAILED: the run would not import {', '.join(missing)} (carry a wheel of each in bench/wheels)")
+        return finish(1)
     sys.path[:0] = [str(REPO), str(SITE)]
     try:
         result["plan"], spec = plan_and_spec(a, str(work))
@@ -406,7 +461,14 @@ def device_run(a: argparse.Namespace) -> int:
     rc, _ = run_step("bare", cmd, left(BUDGET_S["bare"]), env, out / "bare.log")
     result["bare"] = json.loads(bare_file.read_text()) if bare_file.is_file() else None
     result.update(table(result["plan"], result["orchestrator"], result["bare"]))
-    result["ok"] = bool(result["orchestrator"] and result["bare"])
+    cycle_deadline = time.monotonic() + left(BUDGET_S["cycle"])
+    for name, cmd in cycle_steps(a, str(work)):
+        rc, _ = run_step(name, cmd, max(1.0, cycle_deadline - time.monotonic()), env, out / f"{name}.log")
+        if rc != 0:
+            break
+    result["cycle"] = compare_cycle(work / "gpu_smoke", work / "gpu_cycle", after=a.iters // 2)
+    say(f"save -> resume -> continue: {result['cycle']}")
+    result["ok"] = bool(result["orchestrator"] and result["bare"] and result["cycle"]["ok"])
     return finish(0 if result["ok"] else 1)
 
 
@@ -419,7 +481,8 @@ def dry_run(a: argparse.Namespace) -> int:
     wheels_missing = report_wheels()
     say("        $ " + shlex.join(install_command()))
     say(f"        then PYTHONPATH={REPO}:{SITE}; expected in the GPU image already: {', '.join(ON_THE_BOX)}")
-    here = [n for n in ON_THE_BOX if importlib.util.find_spec(n) is None]
+    say(f"        import check (find_spec, before anything runs; stops naming what is missing): {', '.join(RUN_IMPORTS)}")
+    here = missing_imports([str(REPO)])
     say("        of those, missing on this machine: " + (", ".join(here) if here else "none"))
     say("step 2: compose + plan (torch-free), checked here with plan=true:")
     with tempfile.TemporaryDirectory() as d:  # Hydra creates the run directory even with plan=true
@@ -441,7 +504,12 @@ def dry_run(a: argparse.Namespace) -> int:
     say(f"step 4 (<= {BUDGET_S['bare']} s): $ {sys.executable} {Path(__file__).resolve()} --bare "
         f"{root}/bare_spec.json --bare-out {root}/bare.json   (spec: the composed model/optimizer, MBS {a.mbs}, "
         f"GBS {a.gbs}, {a.iters} iterations, {a.warmup} warm-up)")
-    say("step 5: table + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare}.log")
+    say(f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
+        f"step 3's (relative {CYCLE_TOL}):")
+    for name, cmd in cycle_steps(a, root):
+        say(f"        {name}: $ " + shlex.join(cmd))
+    say("step 6: table (tokens/s and MFU orchestrator vs bare and their ratio; peak torch.cuda.max_memory_allocated "
+        "vs the planner) + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare,cycle-save,cycle-resume}.log")
     say("dry run: " + ("config and plan OK" if rc == 0 else "config/plan check FAILED")
         + ("; wheels missing (python bench/gpu_smoke.py --fetch)" if wheels_missing else "; wheels present"))
     return 0 if rc == 0 else 1
@@ -456,7 +524,7 @@ def main() -> int:
     ap.add_argument("--bare-out", help=argparse.SUPPRESS)
     ap.add_argument("--bare-device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt_125m")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=55, help="iterations per run (warm-up included: >= 50 timed)")
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--gbs", type=int, default=32)

@@ -58,11 +58,11 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run_cli(args: List[str], *, cache: Path, timeout: int = 600, check: bool = True,
-            env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m orchestrator ARGS`` in the repo, with the shared data cache."""
+            env: Dict[str, str] | None = None, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """``python -m orchestrator ARGS`` in the repo, with the shared data cache (``python``: this one)."""
     full_env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=full_env,
+    proc = subprocess.run([python, "-m", "orchestrator", *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"orchestrator {' '.join(args)} exited {proc.returncode}\n"

@@ -30,10 +30,42 @@ def single_rank_group():
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.mcore_lines
 def test_unknown_megatron_version_is_refused():
-    with pytest.raises(BackendError, match="0.17.0"):
-        cpu.check_supported("0.17.0")
+    for other in ("0.17.0", "0.18.1", "0.20.0", "0.15.3"):
+        with pytest.raises(BackendError, match=other) as info:
+            cpu.check_supported(other)
+        assert "0.16.x, 0.19.x" in str(info.value) and "\n" not in str(info.value)
     cpu.check_supported("0.16.1")  # the version it was written for
+    cpu.check_supported("0.19.2")  # the version GPU users get on Python 3.12 (CI's second leg)
+    cpu.check_supported()  # the installed one: 0.16.1, or 0.19.2 in that leg
+
+
+@pytest.mark.mcore_lines
+def test_distributed_timeout_reaches_every_megatron_group():
+    """training.distributed_timeout_minutes is megatron's timeout for every group it creates (TP, PP, DP,
+    CP, ...), not only for the default group (megatron's own default: 30 minutes)."""
+    import datetime
+
+    from megatron.core import parallel_state as ps
+
+    from orchestrator.config.schema import JobConfig
+    from orchestrator.runtime.rank.model import initialize_parallel_state
+
+    cfg = JobConfig()
+    cfg.training.distributed_timeout_minutes = 3
+    cpu.activate()
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        initialize_parallel_state(cfg, seed=1234, device="cpu")
+        groups = {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+                  "dp": ps.get_data_parallel_group(), "cp": ps.get_context_parallel_group(),
+                  "dp_cp": ps.get_data_parallel_group(with_context_parallel=True), "mp": ps.get_model_parallel_group()}
+        timeouts = {name: g._get_backend(torch.device("cpu")).options._timeout for name, g in groups.items()}
+        assert timeouts == {name: datetime.timedelta(minutes=3) for name in groups}, timeouts
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def test_cuda_allocations_in_patched_modules_land_on_cpu():

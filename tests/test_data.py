@@ -45,6 +45,7 @@ def byte_tokenizer():
     return build_tokenizer(DataConfig())
 
 
+@pytest.mark.mcore_lines
 def test_identity_is_megatrons_byte_tokenizer(byte_tokenizer):
     ident = tokenizer_identity(DataConfig())
     assert ident["vocab_size"] == byte_tokenizer.vocab_size == 258 and ident["eod"] == byte_tokenizer.eod == 256

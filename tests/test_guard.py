@@ -121,6 +121,31 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     assert (a.cause, a.iteration, a.message) == ("nan", 7, msg)
 
 
+@pytest.mark.mcore_lines
+def test_a_nan_stays_a_nan_when_its_attribution_raises_and_is_never_requeued(tmp_path, monkeypatch):
+    """megatron-core 0.19 renamed the optimizer call the attribution uses: the AttributeError ended the
+    attempt as ``crashed`` and, on SLURM with cluster.max_failures left, requeued it. Whatever raises on
+    the NaN path, the attempt ends as ``nan``, in one line, and no requeue is decided."""
+    for key, value in (("SLURM_JOB_ID", "4242"), ("SLURM_PROCID", "0"), ("SLURM_RESTART_COUNT", "0")):
+        monkeypatch.setenv(key, value)
+    cfg = _cfg(tmp_path, train_iters=10)
+    cfg.cluster.max_failures = 2
+    g = guard_mod.Guard(cfg, tmp_path, 0, "hostA", start_iteration=0)
+    g._optimizer = object()  # no get_(main_)grads_for_grad_norm: what 0.16's spelling met under 0.19
+    with pytest.raises(NonFiniteLossError) as info:
+        try:
+            g.check(3, float("nan"), float("nan"))
+        finally:
+            g.close()
+    msg = str(info.value)
+    assert msg.startswith("non-finite gradient norm nan at iteration 3; ranks not attributed (AttributeError: ")
+    assert "fix: lower optimizer.lr" in msg and "\n" not in msg
+    records = history.read_records(tmp_path)
+    assert [r["event"] for r in records] == ["attempt_started", "nan", "attempt_ended"]
+    (a,) = history.attempts(records)
+    assert (a.cause, a.iteration, a.message, a.requeued) == ("nan", 3, msg, False)
+
+
 def test_completed_and_exited_attempts(tmp_path, clean_env):
     for iters, cause in ((8, "completed"), (20, "exited")):
         run = tmp_path / cause
@@ -301,6 +326,7 @@ def _status(root: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.mcore_lines
 def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     """optimizer.lr=1000 on gpt_tiny: the first non-finite gradient norm stops the job with one line;
     the checkpoints it would have written at and after that iteration do not exist; status says nan;

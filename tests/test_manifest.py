@@ -78,6 +78,7 @@ def cfg(tmp_path: Path) -> JobConfig:
 
 
 # ---- manifest content, atomic write ------------------------------------------------------
+@pytest.mark.mcore_lines
 def test_manifest_records_layout_config_versions_and_env(cfg, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("NCCL_IB_SECRET_TOKEN", "hunter2")
@@ -273,6 +274,26 @@ def test_warn_only_changes_resume_with_a_warning(cfg):
     info = preflight(new, layout_from_config(new), warn=warnings.append)
     assert info.iteration == 50 and {m.kind for m in info.mismatches} == {"warn"}
     assert "training.micro_batch_size" in warnings[0] and "optimizer.lr" in warnings[0]
+
+
+@pytest.mark.mcore_lines
+def test_a_software_upgrade_resumes_with_one_line_and_the_origin_keeps_the_old_versions(cfg):
+    """megatron-core upgraded mid-run (0.16.1 -> 0.19.2 for users moving to Python 3.12): one line, not the
+    table, and the next manifest's origin records what the checkpoint was saved with."""
+    from importlib.metadata import version
+
+    path = save_checkpoint(cfg, 50)
+    m = read_manifest(path)
+    m["versions"]["megatron-core"] = "0.15.0"
+    del m["manifest_sha256"]  # as the 0.15.0 job wrote it: write_manifest checksums it
+    write_manifest(path, m)
+    warnings: list[str] = []
+    info = preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append)
+    assert warnings == [f"versions changed since iter_0000050: megatron-core 0.15.0 -> {version('megatron-core')}"]
+    origin = origin_of(info)
+    assert origin["from_versions"]["megatron-core"] == "0.15.0" and origin["from_layout"] is None
+    assert origin_of(preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append)) \
+        ["from_versions"]["megatron-core"] == "0.15.0"  # still the checkpoint's (a preflight writes nothing)
 
 
 # ---- preflight ------------------------------------------------------------------------------------

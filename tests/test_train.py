@@ -30,6 +30,7 @@ def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
     assert not (tmp_path / "gpt_pp2_dp2" / "submitit").exists()  # nothing was started
 
 
+@pytest.mark.mcore_lines
 def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir, reference, resume_args):
     """parallelism=none and pp2_dp2 (the module's reference run), same iteration-0 weights and data
     order: same losses (1e-3 rel)."""
@@ -108,6 +109,7 @@ def _assert_matches(reference, run_dir: Path, after: int, rel: float) -> None:
         assert abs(reference[it] - got[it]) <= rel * abs(reference[it]), (it, reference[it], got[it])
 
 
+@pytest.mark.mcore_lines
 def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, reference, resume_args, cut):
     """Stopped after 2 iterations (checkpoint), the same command rerun: the next 18 iterations match (1e-5 rel)."""
     run_dir = _copy_run(cut, tmp_path)
@@ -120,6 +122,7 @@ def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, 
     assert manifest["iteration"] == REFERENCE_ITERS and manifest["consumed_samples"] == REFERENCE_ITERS * 16
 
 
+@pytest.mark.mcore_lines
 def test_layout_change_is_refused_then_reshard_opt_in_continues(tmp_path, cache_dir, reference, resume_args, cut):
     """A PP=2 checkpoint relaunched with PP=1: refused before anything is submitted, with the diff and
     the matching override; with checkpoint.allow_reshard=true torch_dist reshards model and optimizer
@@ -196,6 +199,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
     _assert_matches(reference, run_dir, after=resumed_at, rel=1e-5)
 
 
+@pytest.mark.mcore_lines
 def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
     """A local CPU job's task forks its other ranks (runtime/start/forked.py). kill -9 of a forked rank (what
     the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of

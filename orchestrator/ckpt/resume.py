@@ -264,8 +264,12 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     now = collect_versions()
     for k, v in (manifest.get("versions") or {}).items():
         if k in now and now[k] != v:
-            out.append(Mismatch(f"versions.{k}", v, now[k], None, WARN))
+            out.append(Mismatch(f"{VERSIONS}{k}", v, now[k], None, WARN))
     return out
+
+
+VERSIONS = "versions."
+"""The key prefix of software-version differences (warned in one line, recorded in ``origin``)."""
 
 
 def blocking(mismatches: List[Mismatch], allow_reshard: bool) -> List[Mismatch]:
@@ -326,8 +330,13 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
                if only_reshard else "differs in ways a resume cannot carry")
         raise ResumeMismatchError(f"cannot resume from {info.path} (iteration {info.iteration}): the requested "
                                   f"run {why}\n{format_mismatch_table(mismatches)}")
-    if mismatches:
-        warn(f"resuming from {info.path} with changes:\n{format_mismatch_table(mismatches)}")
+    versions = [m for m in mismatches if m.key.startswith(VERSIONS)]
+    if versions:  # one line: an upgrade mid-run is expected; the next manifest's origin keeps the old ones
+        warn(f"versions changed since {info.path.name}: " + ", ".join(
+            f"{m.key[len(VERSIONS):]} {m.checkpoint} -> {m.requested}" for m in versions))
+    others = [m for m in mismatches if m not in versions]
+    if others:
+        warn(f"resuming from {info.path} with changes:\n{format_mismatch_table(others)}")
     info.mismatches = mismatches
     return info
 
@@ -335,8 +344,10 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
 def origin_of(info: CheckpointInfo) -> dict:
     """The ``origin`` entry for manifests written by a run resumed from ``info``."""
     resharded = {m.key: [m.checkpoint, m.requested] for m in info.mismatches if m.kind == RESHARD}
+    changed = any(m.key.startswith(VERSIONS) for m in info.mismatches)
     return {"resumed_from": str(info.path), "iteration": info.iteration, "resharded": resharded,
-            "from_layout": (info.manifest or {}).get("layout") if resharded else None}
+            "from_layout": (info.manifest or {}).get("layout") if resharded else None,
+            "from_versions": (info.manifest or {}).get("versions") if changed else None}
 
 
 # ---- run lock -------------------------------------------------------------------------

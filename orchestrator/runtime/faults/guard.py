@@ -178,14 +178,16 @@ class Guard:
         return bool(flag.item())
 
     def _stop_nan(self, iteration: int, what: str, value: Any, lm_loss: Optional[float], state: Optional[str]) -> None:
-        loss_ranks, grad_ranks = self._bad_ranks(lm_loss)
-        parts = [f"non-finite {what} {value} at iteration {iteration}"]
-        if loss_ranks:
-            parts.append(f"lm loss non-finite on rank(s) {_ranks(loss_ranks)}")
-        if grad_ranks:
-            parts.append(f"gradients non-finite on rank(s) {_ranks(grad_ranks)}")
-        latest = latest_checkpoint(self.run_dir)
-        keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
+        """End the attempt as ``nan`` and raise NonFiniteLossError, whatever the attribution raises."""
+        head, loss_ranks, grad_ranks = f"non-finite {what} {value} at iteration {iteration}", [], []
+        try:
+            loss_ranks, grad_ranks = self._bad_ranks(lm_loss)
+            parts = [head] + [f"{n} non-finite on rank(s) {_ranks(r)}" for n, r in
+                              (("lm loss", loss_ranks), ("gradients", grad_ranks)) if r]
+            latest = latest_checkpoint(self.run_dir)
+            keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
+        except Exception as exc:  # noqa: BLE001 - a NaN stays a NaN, never a retried crash (0.19's rename was one)
+            parts, keep = [head, f"ranks not attributed ({type(exc).__name__}: {exc})"], "the latest checkpoint stays"
         tail = ""
         if self.policy == "skip":
             tail = (f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
@@ -391,10 +393,7 @@ def _local_grads_bad(optimizer) -> bool:
     """Whether this rank's own gradients hold a NaN/inf (False when unknown)."""
     import torch
 
-    if optimizer is None:
-        return False
-    for sub in _sub_optimizers(optimizer):
-        for g in sub.get_main_grads_for_grad_norm():
-            if not bool(torch.isfinite(g).all()):
-                return True
-    return False
+    from orchestrator.runtime.rank.mcore import grads_for_grad_norm
+
+    return optimizer is not None and any(not bool(torch.isfinite(g).all())
+                                         for sub in _sub_optimizers(optimizer) for g in grads_for_grad_norm(sub))

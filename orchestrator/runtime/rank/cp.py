@@ -2,7 +2,8 @@
 
 With ``parallelism.context_parallel_size = CP > 1`` the CP ranks of one group read the same
 micro-batch (they share a data-parallel rank) and each keeps 2 of the ``2·CP`` sequence chunks,
-chosen by megatron-core's :func:`megatron.core.utils.get_batch_on_this_cp_rank`: chunks ``i`` and
+chosen by megatron-core's :func:`megatron.core.utils.get_batch_on_this_cp_rank` over the CP group
+(:func:`orchestrator.runtime.rank.mcore.batch_on_cp_rank`): chunks ``i`` and
 ``2·CP−1−i`` on CP rank ``i``, so causal attention work is balanced. ``seq_length % (2·CP) == 0``
 is checked before launch (``config/layout.py``). Attention across the chunks is Transformer Engine's
 (megatron's local attention has no CP), so CP > 1 needs the TE layer spec
@@ -37,9 +38,11 @@ def batch_on_this_cp_rank(batch: Optional[Dict[str, Optional[torch.Tensor]]]) ->
     ``[b, s]`` → ``[b, s / CP]``); the batch itself when CP = 1 or there is none (middle stages)."""
     if batch is None or cp_size() == 1:
         return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import parallel_state as ps
 
-    return get_batch_on_this_cp_rank(dict(batch))
+    from orchestrator.runtime.rank.mcore import batch_on_cp_rank
+
+    return batch_on_cp_rank(dict(batch), ps.get_context_parallel_group())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

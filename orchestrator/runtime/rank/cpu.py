@@ -6,7 +6,7 @@ CUDA-only spots below are redirected. :func:`activate` does that; it is called
 only when the job's device is ``cpu`` and refuses megatron-core versions it was
 not checked against (:data:`SUPPORTED_MEGATRON`).
 
-What it changes (megatron-core 0.16.1), all scoped to the named modules:
+What it changes (megatron-core 0.16.1 and 0.19.2 alike), all scoped to the named modules:
 
 1. Device literals. ``pipeline_parallel.schedules``, ``pipeline_parallel.p2p_communication``,
    ``distributed.param_and_grad_buffer``, ``distributed.distributed_data_parallel``,
@@ -47,11 +47,12 @@ from typing import Any, Callable, Dict, List
 import torch
 
 from orchestrator.errors import BackendError
+from orchestrator.runtime.rank import mcore
 
-SUPPORTED_MEGATRON = ("0.16.",)
-"""megatron-core version prefixes this layer was written and tested against (0.16.x is also the newest
-line that installs on Python 3.11). GPU jobs never import-depend on this module's patches: they run
-megatron-core 0.16.1-0.19.x as it is."""
+SUPPORTED_MEGATRON = mcore.LINES
+"""megatron-core version prefixes this layer was written and tested against (0.16.x and 0.19.x, the lines
+of :mod:`orchestrator.runtime.rank.mcore`). GPU jobs never import-depend on this module's patches: they
+run megatron-core 0.16.1-0.19.x as it is."""
 
 PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
@@ -202,21 +203,15 @@ def _set_rng_state_cpu(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-def megatron_version() -> str:
-    from importlib.metadata import version
-
-    return version("megatron-core")
-
-
 def check_supported(version: "str | None" = None) -> None:
     """Raise :class:`BackendError` when megatron-core ``version`` (default: the installed one) is not
     one this layer was checked against, or psutil is missing."""
-    ver = version or megatron_version()
+    ver = version or mcore.version()
     if not ver.startswith(SUPPORTED_MEGATRON):
         raise BackendError(
             f"a CPU run needs megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)} (the CPU compatibility "
             f"layer, orchestrator/runtime/rank/cpu.py, is tested only there), found {ver}; fix: pip install "
-            "'megatron-core>=0.16.1,<0.17', or run on GPUs (cluster.gpus_per_node=<n>), which megatron-core "
+            "'megatron-core>=0.16.1,<0.17' (0.19.x needs Python 3.12), or run on GPUs (cluster.gpus_per_node=<n>), which megatron-core "
             "0.16.1-0.19.x serve without this layer"
         )
     try:

@@ -42,6 +42,7 @@ def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        distributed_timeout_minutes=cfg.training.distributed_timeout_minutes,  # every group, as Megatron-LM
     )
     seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
     random.seed(seed)

@@ -9,26 +9,14 @@ done (one integer all-reduce, and only while a write is pending, so every rank p
 then the request's finalize functions run on every rank: megatron's own (``.metadata``,
 ``metadata.json``) and ours (the manifest, retention, the record), in that order.
 
-Version-dependent, kept here: megatron-core 0.19 deprecates its own ``AsyncCallsQueue`` in favour of
-nvidia-resiliency-ext's (``nvidia_resiliency_ext.checkpointing.async_ckpt.core.AsyncCallsQueue``, the
-same interface); it is used when installed, else megatron's (tested here on 0.16.1 only; the nvrx path
-has not run in this project).
+Version-dependent, so in :func:`orchestrator.runtime.rank.mcore.async_calls_queue_class`: megatron-core
+0.19 deprecates its own ``AsyncCallsQueue`` in favour of nvidia-resiliency-ext's (same interface), used
+when installed (that path has not run in this project).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
-
-
-def _queue_class() -> Any:
-    try:  # megatron-core 0.19+: what it recommends, when installed
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue  # type: ignore
-
-        return AsyncCallsQueue
-    except ImportError:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        return AsyncCallsQueue
 
 
 class AsyncSaves:
@@ -44,7 +32,9 @@ class AsyncSaves:
     def schedule(self, request: Any) -> None:
         """Start writing ``request`` in the background (collective: every rank schedules its own)."""
         if self._queue is None:
-            self._queue = _queue_class()(persistent=False)
+            from orchestrator.runtime.rank.mcore import async_calls_queue_class
+
+            self._queue = async_calls_queue_class()(persistent=False)
         self._queue.schedule_async_request(request)
 
     def poll(self, blocking: bool = False) -> None:

@@ -138,22 +138,19 @@ def start_writer_queue() -> None:
 
     megatron-core spawns that process (a fresh interpreter), which then imports torch to unpickle the
     first write results it receives: 2.6 s of the first save of every rank process (cProfile of a
-    1-rank gpt_tiny save: 2.63 of 3.01 s in the queue's first ``put``). A CPU job (the CPU layer is on,
-    megatron-core 0.16.x) forks it instead, with torch already imported; GPU jobs keep megatron's
+    1-rank gpt_tiny save: 2.63 of 3.01 s in the queue's first ``put``). A CPU job (the CPU layer is on)
+    forks it instead, with torch already imported; GPU jobs keep megatron's
     spawned process, which holds no copy of a CUDA process."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
-    except ImportError:  # pragma: no cover - a megatron-core without it: nothing to shield
-        return
-    if getattr(fsa, "_results_queue", None) is not None or not hasattr(fsa, "_get_write_results_queue"):
-        return
-    from orchestrator.runtime.rank import cpu
+    from orchestrator.runtime.rank import cpu, mcore
     from orchestrator.runtime.faults.preempt import with_stop_signals_shielded
 
+    start = mcore.write_results_queue_starter()
+    if start is None or mcore.write_results_queue_started():
+        return
     if cpu.is_active():
-        fsa._results_queue = with_stop_signals_shielded(_forked_results_queue)
+        mcore.set_write_results_queue(with_stop_signals_shielded(_forked_results_queue))
     else:
-        with_stop_signals_shielded(fsa._get_write_results_queue)
+        with_stop_signals_shielded(start)
 
 
 def _forked_results_queue():
@@ -204,7 +201,9 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        from orchestrator.runtime.rank.mcore import load_optimizer_state
+
+        load_optimizer_state(optimizer, loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])
     progress = loaded.get("progress", {"iteration": 0, "consumed_samples": 0})

@@ -1,0 +1,114 @@
+"""The megatron-core calls whose names or signatures differ between the lines we run: 0.16.x and 0.19.x.
+
+Every version-dependent megatron-core call of the runtime is made here, each written for both lines;
+no other module tests a version or probes megatron with ``hasattr``. Each call detects the spelling it
+needs (the renamed attribute, the new parameter), so a 0.17/0.18 on a GPU machine (pyproject admits
+0.16.1-0.19.x) takes whichever it has.
+
+* CP split of a micro-batch: ``utils.get_batch_on_this_cp_rank``. 0.16.x: ``(batch, cp_group=None)``,
+  None meaning parallel_state's CP group. 0.19.x: ``(batch, is_hybrid_cp, cp_group=None, ...)``,
+  ``is_hybrid_cp`` required and None meaning the *world* group (a wrong split with DP > 1).
+* The gradients of the grad norm (NaN attribution): 0.16.x ``optimizer.get_main_grads_for_grad_norm()``,
+  0.19.x ``optimizer.get_grads_for_grad_norm(grad_norm_group=None)``.
+* The checkpoint writer's results queue (a multiprocessing Manager, started at the first save):
+  0.16.x ``filesystem_async._get_write_results_queue()``, 0.19.x
+  ``filesystem_async.get_write_results_queue(mp_mode="spawn")``.
+* Loading optimizer state: 0.16.x matches the saved param groups to the current ones by position;
+  0.19.x by a key that includes ``max_lr`` / ``min_lr`` (``optimizer.param_group_identifier_keys``), so a
+  resume with a new ``optimizer.lr`` (the config's schedule applies on resume, README) found no group
+  and raised ValueError. :func:`load_optimizer_state` gives the saved groups the current lr bounds
+  first (the runtime sets them from the config right after the load anyway).
+* The asynchronous-save queue: ``dist_checkpointing.strategies.async_utils.AsyncCallsQueue`` in both;
+  0.19.x deprecates it for nvidia-resiliency-ext's (same interface), taken when installed.
+
+Same in both (relied on, tested on both): ``initialize_model_parallel(distributed_timeout_minutes=)``,
+``filesystem_async._results_queue`` (the module's cached queue), ``GPTModel`` (0.19 logs it as
+deprecated in favour of ``HybridModel``, which has no local, non-TE layer spec and other state-dict
+keys: see the warning filters in ``orchestrator/runtime/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional
+
+LINES = ("0.16.", "0.19.")
+"""The megatron-core version prefixes the runtime is written and tested against (CPU: enforced by
+:func:`orchestrator.runtime.rank.cpu.check_supported`; CI runs both, see README "Tests")."""
+
+
+def version() -> str:
+    """The installed megatron-core's version (its distribution metadata, e.g. ``0.19.2``)."""
+    from importlib.metadata import version as dist_version
+
+    return dist_version("megatron-core")
+
+
+def batch_on_cp_rank(batch: Dict[str, Any], cp_group) -> Dict[str, Any]:
+    """megatron-core's zigzag CP split of ``batch`` over ``cp_group`` (always passed: 0.19 reads None as
+    the world group). ``is_hybrid_cp=False``: one CP group of fixed size, as ``pretrain_gpt.py`` without
+    ``--hybrid-context-parallel``."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:  # 0.19.x
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)  # 0.16.x
+
+
+def grads_for_grad_norm(optimizer) -> List[Any]:
+    """The gradients a megatron (sub-)optimizer feeds its grad norm: main grads, no shared duplicates."""
+    if hasattr(optimizer, "get_grads_for_grad_norm"):  # 0.19.x (None: the main norm's group)
+        return optimizer.get_grads_for_grad_norm()
+    return optimizer.get_main_grads_for_grad_norm()  # 0.16.x
+
+
+def write_results_queue_starter() -> Optional[Callable[[], Any]]:
+    """The function that starts (once) and returns megatron's checkpoint-writer results queue, or None
+    for a megatron-core without one (nothing to shield)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    except ImportError:  # pragma: no cover
+        return None
+    if hasattr(fsa, "get_write_results_queue"):  # 0.19.x
+        return lambda: fsa.get_write_results_queue(mp_mode="spawn")
+    return getattr(fsa, "_get_write_results_queue", None)  # 0.16.x
+
+
+def write_results_queue_started() -> bool:
+    """Whether megatron's writer results queue of this process exists already."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    return getattr(fsa, "_results_queue", None) is not None
+
+
+def set_write_results_queue(queue: Any) -> None:
+    """Make ``queue`` the one megatron's writers use (both lines cache it in ``_results_queue``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    fsa._results_queue = queue
+
+
+def load_optimizer_state(optimizer, state_dict: Any) -> None:
+    """``optimizer.load_state_dict(state_dict)`` with the saved param groups' ``max_lr``/``min_lr`` set to
+    the current groups' (position by position, as 0.16 loads them): 0.19.x matches groups by those."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    if hasattr(mopt, "param_group_identifier_keys"):  # 0.19.x
+        subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        many = state_dict.values() if isinstance(state_dict, dict) else state_dict
+        parts = [state_dict] if len(subs) == 1 else list(many)
+        for sub, part in zip(subs, parts):
+            groups = part.get("param_groups") or (part.get("optimizer") or {}).get("param_groups") or []
+            for saved, current in zip(groups, sub.optimizer.param_groups):
+                saved["max_lr"], saved["min_lr"] = current.get("max_lr"), current.get("min_lr")
+    optimizer.load_state_dict(state_dict)
+
+
+def async_calls_queue_class() -> Any:
+    """The ``AsyncCallsQueue`` class that drives asynchronous checkpoint writes: nvidia-resiliency-ext's
+    when installed (what 0.19.x recommends; not run in this project), else megatron-core's own."""
+    try:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue  # type: ignore
+    except ImportError:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    return AsyncCallsQueue
