@@ -101,7 +101,6 @@ def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
 
 
 @pytest.mark.slow
-@pytest.mark.mcore_lines
 def test_a_point_on_warm_ranks_trains_exactly_as_a_fresh_job(mbs_sweep, tmp_path, cache_dir):
     """The second point ran on ranks that had already trained the first; a fresh job of the same
     config (its own processes) gives the same loss at every iteration."""

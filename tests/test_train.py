@@ -109,7 +109,6 @@ def _assert_matches(reference, run_dir: Path, after: int, rel: float) -> None:
         assert abs(reference[it] - got[it]) <= rel * abs(reference[it]), (it, reference[it], got[it])
 
 
-@pytest.mark.mcore_lines
 def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, reference, resume_args, cut):
     """Stopped after 2 iterations (checkpoint), the same command rerun: the next 18 iterations match (1e-5 rel)."""
     run_dir = _copy_run(cut, tmp_path)
