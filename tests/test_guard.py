@@ -396,7 +396,8 @@ def test_skip_policy_leaves_updates_unapplied_continues_and_stops_after_too_many
 
     run_dir = tmp_path / "skip"
     proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=skip", "training.train_iters=10",
-                            "checkpoint.save_interval=1", "training.nan_policy=skip", "training.max_skipped_steps=2",
+                            "checkpoint.save_interval=1", "checkpoint.keep_last=null", "training.nan_policy=skip",
+                            "training.max_skipped_steps=2",
                             "optimizer.lr_warmup_iters=0"],
                    cache=cache_dir, check=False, timeout=900, env={NONFINITE_GRAD_ENV: "3,5,6,7"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -93,7 +93,7 @@ def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_pat
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=180)
     assert proc.returncode == 130, "\n".join(lines) + rest
-    # (rank 0's "params on rank 0" line may follow the first iterations: the launcher shows the records first)
+    # (rank 0's "params on rank 0" line may follow the first iterations: it is printed after the first step)
     phases = [next((i for i, line in enumerate(lines) if line.startswith(start)), None) for start in ORDER]
     assert None not in phases and phases == sorted(phases), "\n".join(lines)  # each phase, in this order
     record = json.loads(live.stdout.splitlines()[0])

@@ -405,7 +405,7 @@ def test_slurm_run_across_nodes_with_time_limit_requeues_resumes_and_matches_loc
     assert row["state"] == "completed" and row["job"]["restarts"] == len(stops), row
     assert row["iteration"] == n and abs(row["lm_loss"] - local[n]) <= REL * local[n], row
     line = table_line(rows, "slurm")
-    assert f"completed after {len(stops)} requeue" in line and line.split()[-2:] == [str(n), f"{local[n]:.4f}"], line
+    assert f"completed after {len(stops)} requeue" in line and line.split()[-4:-2] == [f"{n}/{n}", f"{local[n]:.4f}"], line
 
     # The attempt history (issue 11): one attempt per allocation with its cause and the iteration it
     # reached, in `status` (--json and --history) and in the final checkpoint's manifest.

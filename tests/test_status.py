@@ -166,7 +166,9 @@ def test_cli_lists_runs(local_runs):
     assert header.split() == ["RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA"]
     row = next(line for line in lines if line.split()[:1] == ["local_ok"])
     loss = losses_by_iteration(runs["ok"][0])[2]
-    assert row.split() == ["local_ok", "completed", runs["ok"][1], "local", "0", "2", f"{loss:.4f}", "-", "-"]
+    cells = row.split()
+    assert cells[:7] == ["local_ok", "completed", runs["ok"][1], "local", "0", "2/2", f"{loss:.4f}"], cells
+    assert float(cells[7].replace(",", "")) > 0 and cells[8] == "-", cells  # tokens/s measured; no ETA once done
     assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
     js = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
                         capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -9,6 +9,7 @@ never run, the winner's experiment file composes and validates. The rest is pure
 from __future__ import annotations
 
 import csv
+import re
 import dataclasses
 import json
 import shutil
@@ -72,37 +73,33 @@ def tuned(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-def test_crashed_trial_is_recorded_and_its_options_ruled_out(tuned):
+def test_trials_run_on_warm_ranks_until_a_stop_rule(tuned):
+    """(Sequence parallelism, which crashed the first trial here, is now refused on CPU by validate: the
+    crash path is held by the pure test of suspects/blocked below, not by a real trial.)"""
     proc, _, _, _, tune_dir, _, rows = tuned
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # Same predicted step time, less memory: sequence parallel runs first, and crashes in the ranks.
-    first = json.loads((tune_dir / "0" / "point.json").read_text())
-    assert "parallelism.sequence_parallel=true" in first["overrides"], first["overrides"]
-    assert rows["0"]["status"] == "failed" and "sequence parallel" in rows["0"]["reason"]
-    assert rows["0"]["step_time_median_s"] == "" and rows["0"]["tokens_per_s"] == ""  # nothing invented
-    assert rows["1"]["status"] == "completed"
-    assert "parallelism.sequence_parallel=false" in json.loads((tune_dir / "1" / "point.json").read_text())["overrides"]
-    assert sorted(p.name for p in tune_dir.iterdir() if p.is_dir()) == [".pool", "0", "1"]
-    # Trials run on warm ranks; the crash cancelled the first pool, the next trial got fresh ranks.
-    assert sorted(p.name for p in (tune_dir / ".pool").iterdir()) == ["pool_0", "pool_1"]
-    assert rows["0"]["job_id"] != rows["1"]["job_id"]
-    assert "trial 0: failed" in proc.stdout and "stopped: every candidate that fits" in proc.stdout
+    assert rows and all(r["status"] == "completed" and r["step_time_median_s"] != "" for r in rows.values()), rows
+    assert sorted(p.name for p in tune_dir.iterdir() if p.is_dir()) == [".pool", *sorted(rows)]
+    assert "stopped: " in proc.stdout
 
 
 @pytest.mark.slow
 def test_candidates_over_the_memory_limit_never_run(tuned):
     proc, _, _, _, _, cands, _ = tuned
     pruned = [c for c in cands if c["status"] == "pruned_memory"]
-    assert pruned and all("MBS32" in c["candidate"] and c["trial"] == "" for c in pruned)
-    assert all("MBS4" in c["candidate"] for c in cands if c["trial"] != "")
-    assert "2 predicted over 90% of the memory per rank" in proc.stdout
+    ran = [c for c in cands if c["trial"] != ""]
+    assert pruned and ran and all(c["trial"] == "" for c in pruned)
+    # (candidates.csv holds the prices of the profile refitted after the trials, not the pruning-time ones)
+    assert all("MBS32" not in c["candidate"] for c in ran)
+    assert re.search(r"\d+ predicted over 90% of the memory per rank", proc.stdout)
 
 
 @pytest.mark.slow
 def test_table_has_predicted_and_measured_step_time_and_memory(tuned):
     _, _, _, _, tune_dir, _, rows = tuned
-    done = rows["1"]
-    summary = [json.loads(l) for l in (tune_dir / "1" / "metrics.jsonl").read_text().splitlines()][-1]
+    first = min(rows, key=int)
+    done = rows[first]
+    summary = [json.loads(l) for l in (tune_dir / first / "metrics.jsonl").read_text().splitlines()][-1]
     assert float(done["step_time_median_s"]) == summary["step_time_median_s"]
     assert float(done["peak_rss_mib"]) == max(summary["peak_rss_mb_per_rank"])
     predicted_step = float(done["predicted_step_time_s"])
@@ -120,7 +117,7 @@ def test_winner_experiment_file_composes_and_validates(tuned):
     _, _, conf, out, _, _, _ = tuned
     text = out.read_text()
     assert text.startswith("# @package _global_\n# Tuned by `python -m orchestrator tune")
-    assert "Winner (trial 1): TP2 PP1 DP1 MBS4" in text and "failed: TP2 PP1 DP1 MBS4 SP" in text
+    assert "Winner (trial " in text and ": TP2 PP1 DP1 MBS4" in text
     cfg = compose_config(["+experiment=tiny_tuned", "run.dir=."], config_dir=str(conf))
     layout = validate(cfg)
     assert (layout.tensor_model_parallel_size, layout.data_parallel_size, layout.micro_batch_size) == (2, 1, 4)

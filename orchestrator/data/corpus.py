@@ -181,10 +181,18 @@ def _encoded(encoder: Encoder, chunks: Iterator[list], workers: int) -> Iterator
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HuggingFace's Rust pool, in a forked child
     _ENCODER = encoder
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        # Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the launcher alone answers it
+        # (exit 130, one line), not every worker with a KeyboardInterrupt traceback.
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_sigint) as pool:
             yield from pool.imap(_encode, chunks)
     finally:
         _ENCODER = None
+
+
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _write_indexed(prefix: Path, chunks: Iterator[list], encoder: Encoder, workers: int, stats: CorpusStats,

@@ -146,7 +146,11 @@ class Progress:
             print(line, flush=True)
 
     def poll(self) -> None:
-        # Metrics first: a phase line (e.g. a save) follows the records written before it.
+        # Rank 0's lines first: its start-up phases (ranks forked, ranks up) precede the iterations that a
+        # fast job logs within one poll (saves are metrics records, so they keep their place).
+        for line in self.log.lines():
+            if line.startswith("[orchestrator]"):
+                self._say(line)
         for line in self.metrics.lines():
             try:
                 rec = json.loads(line)
@@ -154,9 +158,6 @@ class Progress:
                 continue
             if isinstance(rec, dict):
                 self._record(rec)
-        for line in self.log.lines():
-            if line.startswith("[orchestrator]"):
-                self._say(line)
         self.heartbeat()
 
     def _record(self, rec: Dict[str, Any]) -> None:
