@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 
