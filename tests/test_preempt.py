@@ -100,7 +100,10 @@ _WORKER = textwrap.dedent("""
         t = torch.ones(1); dist.all_reduce(t)       # "training"
         if stop.requested():
             print(f"rank {rank} stops after iteration {it} local={stop.signal_name}", flush=True)
-            stop.requeue_or_exit("test")
+            try:
+                stop.requeue_or_exit("test")
+            finally:  # outside submitit nothing tears gloo down: a group alive at exit can abort (-6)
+                dist.barrier(); dist.destroy_process_group()
     print("never stopped", flush=True)
 """)
 
