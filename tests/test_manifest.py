@@ -296,6 +296,32 @@ def test_a_software_upgrade_resumes_with_one_line_and_the_origin_keeps_the_old_v
         ["from_versions"]["megatron-core"] == "0.15.0"  # still the checkpoint's (a preflight writes nothing)
 
 
+@pytest.mark.mcore_lines
+def test_a_checkpoint_of_a_newer_megatron_core_line_is_refused_naming_both_versions(cfg):
+    """megatron-core going back a release line (a 0.19.x checkpoint under 0.16.x): refused before anything
+    loads, the table naming both versions and the fix; a newer patch of the same line only warns."""
+    from importlib.metadata import version
+
+    running = version("megatron-core")
+    major, minor = (int(x) for x in running.split(".")[:2])
+    path = save_checkpoint(cfg, 50)
+    for saved, refused in ((f"{major}.{minor + 3}.0", True), (f"{major}.{minor}.99", False)):
+        m = read_manifest(path)
+        m["versions"]["megatron-core"] = saved
+        m.pop("manifest_sha256", None)
+        write_manifest(path, m)
+        warnings: list[str] = []
+        if refused:
+            with pytest.raises(ResumeMismatchError) as err:
+                preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append)
+            row = next(line for line in str(err.value).splitlines() if line.startswith("versions.megatron-core"))
+            assert [c.strip() for c in row.split("|")] == ["versions.megatron-core", saved, running, "refused"], row
+            assert f"fix: run with megatron-core>={major}.{minor + 3}" in str(err.value)
+        else:
+            preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append)
+            assert warnings == [f"versions changed since iter_0000050: megatron-core {saved} -> {running}"]
+
+
 # ---- preflight ------------------------------------------------------------------------------------
 def test_preflight_refuses_a_pp_change_and_says_the_opt_in(cfg):
     save_checkpoint(cfg, 50)

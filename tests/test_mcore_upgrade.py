@@ -5,7 +5,8 @@ run. gpt_tiny on one rank saves at iteration 4 under this Python's megatron-core
 that run continue to 8 under 0.16.1 and under 0.19.2 (the venv `launch/mcore-env.sh 0.19.2 DIR` builds;
 CI builds it at /opt/mcore-0.19.2). The 0.19.2 resume says in one line that the version changed, its
 manifest records 0.19.2 with 0.16.1 as where it came from, and its losses equal the 0.16.1
-continuation's to 1e-5.
+continuation's to 1e-5. Going back (that 0.19.2 checkpoint under 0.16.1, whose load crashed with an
+AttributeError) is refused in the launcher, naming both versions, with nothing written.
 """
 
 from __future__ import annotations
@@ -59,3 +60,10 @@ def test_a_0_16_checkpoint_resumes_under_0_19_with_the_same_losses(tmp_path, cac
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for it in range(5, 9):
         assert abs(a[it] - b[it]) <= 1e-5 * abs(a[it]), (it, a[it], b[it])
+    back = run_cli(ARGS + [f"run.root={new_dir.parent}", "training.train_iters=12"], cache=cache_dir, check=False)
+    assert back.returncode == 2, back.stdout[-2000:] + back.stderr[-2000:]
+    assert back.stderr.startswith(f"error: cannot resume from {new_dir}/checkpoints/iter_0000008"), back.stderr
+    row = [line for line in back.stderr.splitlines() if line.startswith("versions.megatron-core")]
+    assert [c.strip() for c in row[0].split("|")] == ["versions.megatron-core", "0.19.2", "0.16.1", "refused"], row
+    assert sorted(p.name for p in (new_dir / "checkpoints").iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000004", "iter_0000008"]

@@ -223,6 +223,7 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     (["parallelism=tp2_pp2", "parallelism.sequence_parallel=true"],
      "parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need GPUs"),
     (["run.name=../../x"], "run.name='../../x': must be one directory name"),
+    (["plan_picture=pp4.png"], "plan_picture='pp4.png': drawn only by the plan"),
 ])
 def test_the_issue_list_is_refused_by_validate(overrides, expected):
     cfg = compose_config(overrides + ["run.root=/tmp/orchestrator-test-validate"])

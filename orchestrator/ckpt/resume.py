@@ -31,7 +31,9 @@ Every difference is one of three kinds:
 ``warn``    legitimately changed on resume, reported but never refused: micro_batch_size
             (same GBS gives the same update), train_iters, learning-rate schedule and other
             optimizer hyper-parameters, seed (note: changes GPTDataset shuffling), dropout,
-            recomputation, device, software versions.
+            recomputation, device, software versions (but megatron-core going back to an
+            older release line, e.g. a 0.19.x checkpoint under 0.16.x, is refused: its
+            dist_checkpointing cannot read what newer lines write).
 
 Run-local settings (``run.*``, ``cluster.*`` except the world size, ``checkpoint.*``,
 logging, ``data.cache_dir``, group names) are not compared.
@@ -264,8 +266,30 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     now = collect_versions()
     for k, v in (manifest.get("versions") or {}).items():
         if k in now and now[k] != v:
-            out.append(Mismatch(f"{VERSIONS}{k}", v, now[k], None, WARN))
+            out.append(_version_mismatch(k, v, now[k]))
     return out
+
+
+def _release_line(version: Optional[str]) -> Optional[tuple]:
+    """``"0.19.2"`` -> ``(0, 19)``; None when the version does not start with two numbers."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _version_mismatch(dist: str, saved: Optional[str], running: Optional[str]) -> Mismatch:
+    """A software version that changed: allowed, except megatron-core going back to an older release line.
+
+    megatron-core's dist_checkpointing reads what its own and older lines wrote, not what newer ones
+    write: a 0.19.x checkpoint (it writes no ``common.pt``) loaded by 0.16.1 failed with an
+    AttributeError inside megatron's load. A patch-level difference stays a warning.
+    """
+    old, new = _release_line(saved), _release_line(running)
+    if dist == "megatron-core" and old and new and new < old:
+        return Mismatch(f"{VERSIONS}{dist}", saved, running, None, REFUSE,
+                        f"saved by megatron-core {saved}, which this megatron-core {running} cannot load (a "
+                        f"checkpoint loads under its own release line or a newer one); fix: run with "
+                        f"megatron-core>={old[0]}.{old[1]}, or start a new run")
+    return Mismatch(f"{VERSIONS}{dist}", saved, running, None, WARN)
 
 
 VERSIONS = "versions."
@@ -330,7 +354,7 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
                if only_reshard else "differs in ways a resume cannot carry")
         raise ResumeMismatchError(f"cannot resume from {info.path} (iteration {info.iteration}): the requested "
                                   f"run {why}\n{format_mismatch_table(mismatches)}")
-    versions = [m for m in mismatches if m.key.startswith(VERSIONS)]
+    versions = [m for m in mismatches if m.key.startswith(VERSIONS) and m.kind == WARN]
     if versions:  # one line: an upgrade mid-run is expected; the next manifest's origin keeps the old ones
         warn(f"versions changed since {info.path.name}: " + ", ".join(
             f"{m.key[len(VERSIONS):]} {m.checkpoint} -> {m.requested}" for m in versions))

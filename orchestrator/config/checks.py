@@ -241,6 +241,10 @@ def check_run(cfg: JobConfig) -> None:
     if picture is not None and (not isinstance(picture, str) or Path(picture).suffix.lower() not in (".png", ".svg", ".pdf")):
         raise ConfigError(f"plan_picture={show(picture)}: must be a file name ending in .png, .svg or .pdf (the "
                           "picture's format); fix: plan_picture=plan.png")
+    if picture is not None and not cfg.plan:
+        raise ConfigError(f"plan_picture={show(picture)}: drawn only by the plan, and plan=false runs the job "
+                          "instead; fix: add plan=true (a traced run draws its measured schedule with "
+                          "training.trace_iteration=N)")
     init = cfg.checkpoint.init_from
     if init is not None and not Path(os.path.expanduser(init)).is_dir():
         raise ConfigError(f"checkpoint.init_from={show(init)}: no such directory; fix: the path of a checkpoint "
