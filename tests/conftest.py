@@ -112,3 +112,46 @@ def mounted_tmpfs(mnt: Path, mib: int):
             time.sleep(0.5)
         else:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+# ---------------------------------------------------------------- a Megatron-LM user's data: GPT-2 BPE, .bin/.idx
+GPT2_VOCAB, GPT2_EOD = 50257, 50256
+
+
+def make_gpt2_assets(root: Path):
+    """GPT-2-sized BPE files and two ``.bin/.idx`` datasets in ``root``, made here (nothing downloaded):
+    vocab.json with 50257 ids (``<|endoftext|>`` = 50256) and 50000 merges over GPT-2's byte alphabet;
+    ``ok`` and ``bad`` (an id 50304 in document 7), 200 documents of 120 uint16 ids ending in the eod,
+    written by megatron-core's ``IndexedDatasetBuilder``. Returns (root, vocab.json, merges.txt, ok
+    prefix, bad prefix)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) < GPT2_EOD:
+                merges.append(f"{a} {b}")
+                vocab[a + b] = len(vocab)
+    vocab["<|endoftext|>"] = GPT2_EOD
+    (root / "gpt2-vocab.json").write_text(json.dumps(vocab))
+    (root / "gpt2-merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    rng = np.random.default_rng(0)
+    for name, bad_id in (("ok", None), ("bad", 50304)):
+        builder = IndexedDatasetBuilder(str(root / f"{name}.bin"), dtype=np.uint16)
+        for d in range(200):
+            ids = rng.integers(0, GPT2_EOD, 120)
+            ids[-1] = GPT2_EOD
+            if bad_id is not None and d == 7:
+                ids[3] = bad_id
+            builder.add_document(ids, [len(ids)])
+        builder.finalize(str(root / f"{name}.idx"))
+    return root, root / "gpt2-vocab.json", root / "gpt2-merges.txt", root / "ok", root / "bad"
+
+
+def gpt2_args(gpt2, prefix):
+    _, vocab, merges, _, _ = gpt2
+    return ["data=indexed", f"data.paths=[{prefix}]", "data.tokenizer=GPT2BPETokenizer",
+            f"data.vocab_file={vocab}", f"data.merge_file={merges}"]

@@ -5,12 +5,17 @@ packages (torch, megatron-core); nothing on ``PYTHONPATH``, so the installed pac
 Then: convert a Megatron-LM launch script (it goes to ``./conf/experiment/``), plan it with
 ``+experiment=<name>`` and nothing else, see its GPU job refused by validate in one line (this
 machine has no GPU) with the fix, and train it with that fix — the one thing the script could not
-say.
+say. And a Megatron-LM user's own data: GPT-2 BPE vocab/merges with ``.bin/.idx`` datasets written by
+megatron-core's ``IndexedDatasetBuilder`` train a gpt_pp2_dp2 run with the padded 50304 vocabulary
+(rank 0's parameters equal the plan's), and a dataset holding an id beyond the vocabulary is refused
+in one line before anything is queued or written.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import GPT2_EOD, REPO, gpt2_args, make_gpt2_assets
 
 SCRIPT = """#!/bin/bash
 # A small Megatron-LM GPT run: PP=2 on 2 GPUs of one node, synthetic data.
@@ -91,3 +96,31 @@ def test_convert_plan_train_from_an_installed_wheel(installed, tmp_path, cache_d
     assert "completed: iteration 3 | lm loss" in trained.stdout
     assert (tmp_path / "runs" / "train_gpt" / "config.yaml").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf", "runs", "train_gpt.sh"]
+
+
+@pytest.mark.slow
+def test_gpt2_bpe_and_indexed_data_train_from_the_installed_wheel(installed, tmp_path_factory, tmp_path):
+    from orchestrator.config.compose import compose_config
+    from orchestrator.plan.memory import plan
+
+    gpt2 = make_gpt2_assets(tmp_path_factory.mktemp("gpt2"))
+    cache = tmp_path_factory.mktemp("gpt2-cache") / "cache"
+    refused = _orchestrator(installed, gpt2_args(gpt2, gpt2[4]) + ["+experiment=gpt_pp2_dp2"], tmp_path, cache)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr
+    assert refused.stderr.strip() == (
+        f"error: data.paths[0]={gpt2[4]}: largest token id 50304 (uint16) does not fit the vocabulary of "
+        "data.tokenizer=GPT2BPETokenizer (50257 ids); fix: the tokenizer that made this data (e.g. "
+        "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
+        "data.tokenizer=NullTokenizer data.vocab_size=50305")
+    assert list(tmp_path.iterdir()) == [] and not cache.exists()  # nothing queued, nothing written
+
+    args = gpt2_args(gpt2, gpt2[3]) + ["+experiment=gpt_pp2_dp2", "training.train_iters=2", "training.eval_iters=0",
+                                       "checkpoint.save_interval=null"]
+    trained = _orchestrator(installed, args, tmp_path, cache, timeout=600)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    params = int(re.search(r"params on rank 0: ([\d,]+)", trained.stdout).group(1).replace(",", ""))
+    planned = plan(compose_config(args))
+    assert planned.padded_vocab_size == 50304 and params == planned.params_per_stage[0] == 6_851_840
+    manifest = json.loads(next((tmp_path / "runs" / "gpt_pp2_dp2-data=indexed").rglob("manifest.json")).read_text())
+    assert manifest["model"]["padded_vocab_size"] == 50304 and manifest["tokenizer"]["eod"] == GPT2_EOD
+    assert "completed: iteration 2 | lm loss" in trained.stdout

@@ -9,18 +9,15 @@ written by megatron-core's ``IndexedDatasetBuilder`` (uint16), a small BPE train
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import GPT2_EOD, GPT2_VOCAB, gpt2_args, make_gpt2_assets, run_cli
 from orchestrator.config.schema import DataConfig
 from orchestrator.config.tokenizer import tokenizer_facts
 from orchestrator.errors import ConfigError
 
-GPT2_VOCAB, GPT2_EOD = 50257, 50256
 TEXTS_DIR = Path(json.__file__).parent  # real text every machine has: the json package's sources
 
 
@@ -30,39 +27,8 @@ def texts():
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    """(dir, vocab.json, merges.txt, ok prefix, bad prefix): GPT-2-sized BPE files and two datasets."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from tokenizers import pre_tokenizers
-
-    root = tmp_path_factory.mktemp("gpt2")
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    merges = []
-    for a in alphabet:
-        for b in alphabet:
-            if len(vocab) < GPT2_EOD:
-                merges.append(f"{a} {b}")
-                vocab[a + b] = len(vocab)
-    vocab["<|endoftext|>"] = GPT2_EOD
-    (root / "gpt2-vocab.json").write_text(json.dumps(vocab))
-    (root / "gpt2-merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    rng = np.random.default_rng(0)
-    for name, bad_id in (("ok", None), ("bad", 50304)):
-        builder = IndexedDatasetBuilder(str(root / f"{name}.bin"), dtype=np.uint16)
-        for d in range(200):
-            ids = rng.integers(0, GPT2_EOD, 120)
-            ids[-1] = GPT2_EOD
-            if bad_id is not None and d == 7:
-                ids[3] = bad_id
-            builder.add_document(ids, [len(ids)])
-        builder.finalize(str(root / f"{name}.idx"))
-    return root, root / "gpt2-vocab.json", root / "gpt2-merges.txt", root / "ok", root / "bad"
-
-
-def gpt2_args(gpt2, prefix):
-    _, vocab, merges, _, _ = gpt2
-    return ["data=indexed", f"data.paths=[{prefix}]", "data.tokenizer=GPT2BPETokenizer",
-            f"data.vocab_file={vocab}", f"data.merge_file={merges}"]
+    """(dir, vocab.json, merges.txt, ok prefix, bad prefix): conftest.make_gpt2_assets."""
+    return make_gpt2_assets(tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture()
@@ -109,19 +75,6 @@ def test_gpt2_bpe_files_decide_the_vocabulary_of_plan_and_job(gpt2):
         assert needle in str(err.value) and "fix:" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_an_id_beyond_the_vocabulary_is_refused_in_one_line_before_queueing(tmp_path, gpt2):
-    cache = tmp_path / "cache"
-    proc = run_cli(gpt2_args(gpt2, gpt2[4]) + ["+experiment=gpt_pp2_dp2", f"run.root={tmp_path}/runs"],
-                   cache=cache, check=False, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == (
-        f"error: data.paths[0]={gpt2[4]}: largest token id 50304 (uint16) does not fit the vocabulary of "
-        "data.tokenizer=GPT2BPETokenizer (50257 ids); fix: the tokenizer that made this data (e.g. "
-        "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
-        "data.tokenizer=NullTokenizer data.vocab_size=50305")
-    assert not (tmp_path / "runs").exists() and not cache.exists()  # nothing queued, nothing written
-
-
 def test_a_tokenizer_without_eos_is_refused_in_one_line(tmp_path, hf_dir):
     proc = run_cli(["data=jsonl", f"data.paths=[{hf_dir / 'c.jsonl'}]", f"data.tokenizer={hf_dir}",
                     f"run.root={tmp_path}/runs"], cache=tmp_path / "cache", check=False, timeout=120)
@@ -164,21 +117,6 @@ def test_prepared_ids_are_the_tokenizers_own(tmp_path, hf_dir, gpt2):
         assert len(ds) == 4 * len(texts())
         for i, text in enumerate(texts()):
             assert ds[i].tolist() == list(encode(text)) + [eod], i
-
-
-@pytest.mark.slow
-def test_gpt2_sized_data_trains_pp2_dp2_with_the_planned_params(tmp_path, gpt2):
-    from orchestrator.config.compose import compose_config
-    from orchestrator.plan.memory import plan
-
-    args = gpt2_args(gpt2, gpt2[3]) + ["+experiment=gpt_pp2_dp2", "training.train_iters=2", "training.eval_iters=0",
-                                       "checkpoint.save_interval=null", f"run.root={tmp_path}"]
-    proc = run_cli(args, cache=tmp_path / "cache", timeout=600)
-    params = int(re.search(r"params on rank 0: ([\d,]+)", proc.stdout).group(1).replace(",", ""))
-    planned = plan(compose_config(args))
-    assert planned.padded_vocab_size == 50304 and params == planned.params_per_stage[0] == 6_851_840
-    manifest = json.loads(next((tmp_path / "gpt_pp2_dp2-data=indexed").rglob("manifest.json")).read_text())
-    assert manifest["model"]["padded_vocab_size"] == 50304 and manifest["tokenizer"]["eod"] == GPT2_EOD
 
 
 @pytest.mark.slow

@@ -157,6 +157,23 @@ def test_invalid_combinations_never_become_candidates():
     assert not any(c.cfg.optimizer.use_distributed_optimizer for c in cands)
 
 
+def test_a_traced_tune_traces_every_trial_and_refuses_an_iteration_no_trial_runs(tmp_path):
+    """tune.trace_iteration=N: each trial's job traces iteration N (the table's measured bubble column
+    reads it, as a sweep's); unset, no trial traces, whatever the experiment says; N beyond tune.iters:
+    one line with the fix."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.sweep.trial import trial_overrides
+
+    traced = search.parse_tune_args(["tune.iters=4", "tune.trace_iteration=3"])
+    assert compose(["parallelism=pp4", *trial_overrides(traced, tmp_path, 1)]).training.trace_iteration == 3
+    plain = trial_overrides(TuneConfig(), tmp_path, 2)
+    assert compose(["parallelism=pp4", "training.trace_iteration=1", *plain]).training.trace_iteration is None
+    with pytest.raises(ConfigError) as err:
+        search.parse_tune_args(["tune.trace_iteration=9"])
+    assert str(err.value) == ("tune.trace_iteration=9 must be one of the trial's iterations 1..tune.iters=8; "
+                              "fix: tune.trace_iteration=8")
+
+
 def test_stop_rules():
     opts = TuneConfig(max_trials=6, patience=2, min_trials=2, min_gain=0.02, model_error_floor=0.05)
     t = TrialOutcome

@@ -181,18 +181,22 @@ def _encoded(encoder: Encoder, chunks: Iterator[list], workers: int) -> Iterator
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HuggingFace's Rust pool, in a forked child
     _ENCODER = encoder
     try:
-        # Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the launcher alone answers it
-        # (exit 130, one line), not every worker with a KeyboardInterrupt traceback.
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_sigint) as pool:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
             yield from pool.imap(_encode, chunks)
     finally:
         _ENCODER = None
 
 
-def _ignore_sigint() -> None:
+def _worker_signals() -> None:
+    """In each tokenizing worker: SIGINT ignored (Ctrl-C reaches the whole process group, and the launcher
+    alone answers it: exit 130, one line) and SIGTERM / SIGHUP back to their default, so that the pool's
+    ``terminate()`` at the end of the ``with`` ends a worker quietly; a fork inherits the launcher's
+    SIGTERM/SIGHUP handler, which raised KeyboardInterrupt in every worker, each printing a traceback."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _write_indexed(prefix: Path, chunks: Iterator[list], encoder: Encoder, workers: int, stats: CorpusStats,

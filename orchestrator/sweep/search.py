@@ -69,6 +69,9 @@ class TuneConfig:
     dry_run: bool = False
     """Print the ranked candidates; run nothing."""
     trial_timeout_min: int = 10
+    trace_iteration: Optional[int] = None
+    """Trace this iteration of every trial (``training.trace_iteration``, 1..``tune.iters``): the
+    table's measured bubble column beside the predicted one."""
     warm_pool: bool = True
     """Run trials on warm rank processes (orchestrator.submit.pool; SLURM: one allocation for every
     trial); false: each trial a fresh ``python -m orchestrator`` job."""
@@ -112,7 +115,8 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
                                   "fix: tune.recompute=none,selective")
         else:
             default = getattr(defaults, key)
-            kind = type(default) if default is not None else (str if key in ("name", "out") else float)
+            kind = type(default) if default is not None else {"name": str, "out": str, "trace_iteration": int}.get(
+                key, float)
             values[key] = _scalar(text, kind, key)
     opts = TuneConfig(**values)
     for key in ("max_trials", "iters", "patience", "trial_timeout_min"):
@@ -121,6 +125,9 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
     if not 0 <= opts.warmup_iters < opts.iters:
         raise ConfigError(f"tune.warmup_iters={opts.warmup_iters} must be < tune.iters={opts.iters} (some "
                           "iterations must be timed); fix: tune.warmup_iters=1")
+    if opts.trace_iteration is not None and not 1 <= opts.trace_iteration <= opts.iters:
+        raise ConfigError(f"tune.trace_iteration={opts.trace_iteration} must be one of the trial's iterations "
+                          f"1..tune.iters={opts.iters}; fix: tune.trace_iteration={opts.iters}")
     if opts.max_minutes <= 0:
         raise ConfigError(f"tune.max_minutes={opts.max_minutes} must be > 0; fix: tune.max_minutes=30")
     if not 0 < opts.memory_margin <= 1:

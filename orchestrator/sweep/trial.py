@@ -38,7 +38,7 @@ def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
             "training.eval_iters=0",
             "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
             "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
-            "plan=false", "dry_run=false"]
+            "plan=false", "dry_run=false", f"training.trace_iteration={opts.trace_iteration or 'null'}"]
 
 
 def job_summary(run_dir: Path) -> Optional[Dict[str, Any]]:

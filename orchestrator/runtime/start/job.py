@@ -55,6 +55,10 @@ class TrainJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
+        if not self.config["logging"]["wandb"]["project"]:
+            from orchestrator.runtime.rank.mcore import keep_wandb_out
+
+            keep_wandb_out()  # before megatron-core's import, which would import it for nothing
         done = exit_fast_after_success()
         self._report_up()
         if self.fork_ranks <= 1:

@@ -118,7 +118,10 @@ class PoolJob:
         from orchestrator.runtime.start.job import _whoami, exit_fast_after_success
 
         done = exit_fast_after_success()
+        from orchestrator.runtime.rank.mcore import keep_wandb_out
         from orchestrator.runtime.start.forked import preload
+
+        keep_wandb_out()  # a trial logging to W&B lets it in (runtime.training.metrics)
 
         preload()
         trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])

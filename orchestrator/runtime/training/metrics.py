@@ -90,6 +90,9 @@ class _Wandb:
     run directory hash), so the history continues."""
 
     def __init__(self, cfg: JobConfig):
+        from orchestrator.runtime.rank.mcore import let_wandb_in
+
+        let_wandb_in()
         try:
             import wandb
         except ImportError:
