@@ -33,14 +33,51 @@ def slurm_unavailable_reason() -> str:
     return ""
 
 
+SLURM_CHAINS = {
+    "slurm-a": ("test_slurm_run_across_nodes", "test_scancel_", "test_killed_rank_", "test_a_nan_is_never",
+                "test_four_ranks_"),
+    "slurm-b": ("test_preemption_", "test_slurm_sweep_", "test_two_detached_", "test_node_loss_"),
+}
+"""The SLURM tests in two chains that run side by side on the dev cluster (two nodes of 4 CPUs: a 4-task
+job of each fits at once); each chain's tests one after the other, in this order. The two
+longest (the time-limit requeue, ~5 min, and the node loss) start in different chains and at
+different times. A SLURM test named in neither chain runs in ``slurm-b``."""
+
+LONGEST_FIRST = ("test_train", "test_slurm_train", "test_pipeline_schedule", "test_guard", "test_cli", "test_sweep",
+                 "test_retention", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",
+                 "test_slurm", "test_data", "test_cp", "test_eval_tb", "test_tune", "test_validate", "test_convert")
+"""Modules by their wall time in the suite (measured with --durations), longest first: xdist takes the
+groups in this order (``--no-loadscope-reorder``), so no long module starts last."""
+
+
+def _chain(item) -> str:
+    name = item.name
+    for chain, prefixes in SLURM_CHAINS.items():
+        if name.startswith(prefixes):
+            return chain
+    return "slurm-b"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject): the SLURM tests run one after the
-    other on one worker (they share the dev cluster, and wait mostly on its timers) while the other
-    worker runs the rest, a module at a time (its module-scoped reference runs are built once)."""
+    """Three pytest-xdist workers (``-n 3 --dist loadgroup --no-loadscope-reorder``, pyproject): the two
+    SLURM chains (mostly waiting on the dev cluster's timers) start first, one on each of two workers,
+    and the other modules, a module at a time (its module-scoped reference runs are built once), fill
+    the three workers longest first."""
+    def order(item) -> tuple:
+        if item.get_closest_marker("slurm"):
+            chain = _chain(item)
+            prefixes = SLURM_CHAINS.get(chain, ())
+            at = next((i for i, p in enumerate(prefixes) if item.name.startswith(p)), len(prefixes))
+            return (0, chain, at)
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (1, f"{rank:03d}", 0)
+
     for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.module.__name__
+        group = _chain(item) if item.get_closest_marker("slurm") else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=order)  # stable: a module's tests keep their file order
 
 
 @pytest.fixture(scope="session")

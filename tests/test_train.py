@@ -42,14 +42,20 @@ def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir, refere
     assert a[REFERENCE_ITERS] < a[1] - 0.5  # and it learns
 
 
-@pytest.mark.parametrize("parallelism", ["pp2_vpp2_dp2", "tp2_pp2"])
-def test_other_layouts_train_and_checkpoint(tmp_path, cache_dir, parallelism):
-    """Interleaved 1F1B (two model chunks per rank) and tensor parallel train, save and resume."""
-    common = SMALL + [f"parallelism={parallelism}", f"run.root={tmp_path}", "run.name=x", "training.train_iters=8"]
-    run_cli(common + ["training.exit_after_iters=6"], cache=cache_dir)
-    assert (tmp_path / "x" / "checkpoints" / "iter_0000006" / "manifest.json").exists()
-    resumed = run_cli(common, cache=cache_dir)
+def test_interleaved_and_tensor_parallel_train_save_and_reshard_into_each_other(tmp_path, cache_dir):
+    """Interleaved 1F1B (two model chunks per rank) trains and saves; tensor parallel (TP2 x PP2) resumes
+    that checkpoint with checkpoint.allow_reshard=true and trains on: both layouts, a save of one and a
+    load into the other, in two jobs (the DP reshard and refusals: test_layout_change_... below)."""
+    common = SMALL + [f"run.root={tmp_path}", "run.name=x", "training.train_iters=8"]
+    run_cli(common + ["parallelism=pp2_vpp2_dp2", "training.exit_after_iters=6"], cache=cache_dir)
+    manifest = json.loads((tmp_path / "x" / "checkpoints" / "iter_0000006" / "manifest.json").read_text())
+    assert manifest["layout"]["virtual_pipeline_model_parallel_size"] == 2
+    # the padded vocabulary (a multiple of 128 x TP) must stay 384: the refusal's own advice for TP 2
+    resumed = run_cli(common + ["parallelism=tp2_pp2", "checkpoint.allow_reshard=true",
+                                "model.make_vocab_size_divisible_by=192"], cache=cache_dir)
     assert "iter_0000006" in resumed.stdout
+    final = json.loads((tmp_path / "x" / "checkpoints" / "iter_0000008" / "manifest.json").read_text())
+    assert final["layout"]["tensor_model_parallel_size"] == 2 and final["origin"]["resumed_from"].endswith("iter_0000006")
     losses = losses_by_iteration(tmp_path / "x")
     assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
     assert losses[8] < losses[1] - 0.3
