@@ -36,10 +36,11 @@ sys.path.insert(0, str(REPO))
 from orchestrator.plan.pipeline_schedule import measured_schedule, predict_like  # noqa: E402
 
 
-def run_sweep(root: Path, name: str, m: str, v: str, trace: int) -> Dict[Tuple[int, int], dict]:
-    """One traced sweep; (v, m) -> that point's schedule.json."""
+def run_sweep(root: Path, name: str, m: str, v: str, trace: int, pp: int = 4) -> Dict[Tuple[int, int], dict]:
+    """One traced sweep of PP ``pp`` (DP 1: ``pp`` ranks); (v, m) -> that point's schedule.json."""
     vpp = ",".join("null" if x == "1" else x for x in v.split(","))
     cmd = [sys.executable, "-m", "orchestrator", "-m", "parallelism=pp4", "model.num_layers=8",
+           f"parallelism.pipeline_model_parallel_size={pp}",
            f"parallelism.virtual_pipeline_model_parallel_size={vpp}", f"training.global_batch_size={m}",
            "training.micro_batch_size=1", f"training.train_iters={trace}", f"sweep.trace_iteration={trace}",
            "training.eval_iters=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
@@ -59,15 +60,16 @@ def main() -> int:
     ap.add_argument("--trace", type=int, default=3, help="the iteration traced (and the last one trained)")
     ap.add_argument("--repeat", type=int, default=1, help="sweeps; per point the least disturbed (shortest) "
                                                           "traced iteration is reported")
+    ap.add_argument("--pp", type=int, default=4, help="pipeline stages (DP 1): 2 puts one rank on each of 2 cores")
     ap.add_argument("--root", default=None)
     args = ap.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="bench_bubble_"))
     start, best = time.time(), {}
     for r in range(args.repeat):
-        for key, doc in run_sweep(root, f"bubble{r}", args.m, args.v, args.trace).items():
+        for key, doc in run_sweep(root, f"bubble{r}", args.m, args.v, args.trace, args.pp).items():
             if key not in best or doc["bubble"]["iteration_s"] < best[key]["bubble"]["iteration_s"]:
                 best[key] = doc
-    print(f"PP4, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced, best of {args.repeat} sweep(s) "
+    print(f"PP{args.pp}, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced, best of {args.repeat} sweep(s) "
           f"({time.time() - start:.0f} s), {os.cpu_count()} CPUs; {root}")
     print(f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'predicted':>9} {'measured idle/busy':>26} {'ratio':>5} | "
           f"{'(p-1)/(vm+p-1)':>14} {'measured idle share':>19} | {'iteration ms':>12}")

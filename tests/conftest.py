@@ -33,15 +33,12 @@ def slurm_unavailable_reason() -> str:
     return ""
 
 
-SLURM_CHAINS = {
-    "slurm-a": ("test_slurm_run_across_nodes", "test_scancel_", "test_killed_rank_", "test_a_nan_is_never",
-                "test_four_ranks_"),
-    "slurm-b": ("test_preemption_", "test_slurm_sweep_", "test_two_detached_", "test_node_loss_"),
-}
-"""The SLURM tests in two chains that run side by side on the dev cluster (two nodes of 4 CPUs: a 4-task
-job of each fits at once); each chain's tests one after the other, in this order. The two
-longest (the time-limit requeue, ~5 min, and the node loss) start in different chains and at
-different times. A SLURM test named in neither chain runs in ``slurm-b``."""
+SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_killed_rank_",
+               "test_slurm_run_across_nodes", "test_preemption_", "test_slurm_sweep_", "test_two_detached_",
+               "test_node_loss_")
+"""The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
+first, so that the 2-minute time limit of the requeue test never falls in the suite's first minutes,
+when every worker starts at once (its 4 ranks, starting under that load, once missed the limit)."""
 
 LONGEST_FIRST = ("test_train", "test_slurm_train", "test_pipeline_schedule", "test_guard", "test_cli", "test_sweep",
                  "test_retention", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",
@@ -50,33 +47,22 @@ LONGEST_FIRST = ("test_train", "test_slurm_train", "test_pipeline_schedule", "te
 groups in this order (``--no-loadscope-reorder``), so no long module starts last."""
 
 
-def _chain(item) -> str:
-    name = item.name
-    for chain, prefixes in SLURM_CHAINS.items():
-        if name.startswith(prefixes):
-            return chain
-    return "slurm-b"
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Three pytest-xdist workers (``-n 3 --dist loadgroup --no-loadscope-reorder``, pyproject): the two
-    SLURM chains (mostly waiting on the dev cluster's timers) start first, one on each of two workers,
-    and the other modules, a module at a time (its module-scoped reference runs are built once), fill
-    the three workers longest first."""
+    """Two pytest-xdist workers (``-n 2 --dist loadgroup --no-loadscope-reorder``, pyproject): the SLURM
+    tests, first in the queue, on one of them, one after another (they mostly wait on the dev cluster's
+    timers), while the other modules, a module at a time (its module-scoped reference runs are built
+    once), fill both workers longest first."""
     def order(item) -> tuple:
         if item.get_closest_marker("slurm"):
-            chain = _chain(item)
-            prefixes = SLURM_CHAINS.get(chain, ())
-            at = next((i for i, p in enumerate(prefixes) if item.name.startswith(p)), len(prefixes))
-            return (0, chain, at)
+            at = next((i for i, p in enumerate(SLURM_ORDER) if item.name.startswith(p)), len(SLURM_ORDER))
+            return (0, "", at)
         module = item.module.__name__.rsplit(".", 1)[-1]
         rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
         return (1, f"{rank:03d}", 0)
 
     for item in items:
-        group = _chain(item) if item.get_closest_marker("slurm") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group("slurm" if item.get_closest_marker("slurm") else item.module.__name__))
     items.sort(key=order)  # stable: a module's tests keep their file order
 
 

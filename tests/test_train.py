@@ -160,9 +160,11 @@ def _rank_processes(run_dir: Path):
     return out
 
 
-def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, reference, resume_args):
-    """kill -9 one rank mid-run: the launcher reports it (exit 1) instead of hanging; the rerun resumes
-    from the last complete checkpoint and its losses match the uninterrupted run (1e-5 rel)."""
+def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache_dir, resume_args):
+    """kill -9 rank 0 of 4 mid-run (the task whose forks are the other ranks): the launcher reports it
+    (exit 1) instead of hanging, and the survivors are stopped, not left blocked in a collective. (A
+    resume after lost ranks matching the uninterrupted run: the SLURM node-loss test; after a stop:
+    test_interrupted_run_resumes_and_matches_uninterrupted.)"""
     import os
     import signal
     import subprocess
@@ -196,12 +198,6 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches(tmp_path, cache_dir, 
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
     assert "died without a result" in err
     assert not _rank_processes(run_dir)  # the survivors were stopped, not left blocked in a collective
-
-    second = run_cli(common, cache=cache_dir)
-    assert "will resume from" in second.stdout
-    resumed_at = int(second.stdout.split("(iteration ")[1].split(")")[0])
-    assert resumed_at in range(2, REFERENCE_ITERS, 2)
-    _assert_matches(reference, run_dir, after=resumed_at, rel=1e-5)
 
 
 @pytest.mark.mcore_lines
