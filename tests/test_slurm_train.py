@@ -26,14 +26,11 @@ nodes (`slurm-dev-up.sh --single`). Every wait is bounded.
 * `optimizer.lr=1000` with `cluster.max_failures=1`: ``nan``, never requeued.
 * `python -m orchestrator status` lists each run with its state, requeues, last iteration and loss.
 
-Time (2 cores): SLURM sends `--signal=USR2@30` of a 2-minute job 60-90 s after it starts
-(slurmctld checks time limits every 30 s and warns up to 30 s early); a requeued job restarts
-~15 s after the requeue here (`KillWait=10`, `cred_expire=10`). The uninterrupted reference run
-therefore runs *while* the SLURM job starts up instead of after it: its busy ranks stretch the
-SLURM job's start-up (~25 s alone, ~60 s next to them), so the first allocation trains for at
-most ~30 s before its signal (measured: stopped after 31-139 of 200 iterations) and 200
-iterations outlast it; the rest (20-45 s) fits into the second allocation before its signal.
-The preemption run (one rank): 200-215 s, most of it the requeued attempt waiting for its time-limit
+Time (2 cores): the time-limit run gets its limit once its ranks train (run time + 1 minute, USR2@110:
+the signal within ~40 s, SLURM checks limits every 30 s); a requeued job restarts ~15 s after the
+requeue here (`KillWait=10`, `cred_expire=10`). The uninterrupted reference run runs *while* the
+SLURM job starts up and trains (start-up: ~25 s alone, over 2 minutes next to a loaded suite); 240
+iterations outlast the first allocation's signal. The preemption run (one rank): 200-215 s, most of it the requeued attempt waiting for its time-limit
 signal; the NaN run: about a minute. The node-loss run: the launcher names the lost node 4-5 s after the
 kill (3 s of it the survivors' wait for each other, runtime/faults/lost.py); the requeued attempt
 starts ~15 s after the requeue and finishes 65-120 s after the kill (load 13-25; 133 s in all at
@@ -321,17 +318,25 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
 # Iterations of the time-limit run: more than the first allocation trains before its signal (see the
 # module docstring), few enough that the second allocation usually finishes before its own signal
 # (a second requeue is allowed: cluster.max_num_timeout=3).
-TIME_LIMIT_ITERS = 200
+TIME_LIMIT_ITERS = 240
 
 
 @needs_two_nodes
 def test_slurm_run_across_nodes_with_time_limit_requeues_resumes_and_matches_local(tmp_path, cache_dir):
     """The acceptance run on the dev cluster: PP=2 x DP=2 as 4 tasks on 2 nodes through sbatch/srun,
     stage 0 and stage 1 on different nodes (recorded hosts), checkpoints, success with the job id,
-    and, with --time=2 --signal=USR2@30: signal -> save -> requeue -> resume (manifest check in the
-    job) -> finish; the launcher waits through the requeue and reports success; every loss, before
-    and after each resume point, equals an uninterrupted local run of the same config. (One run
-    covers issue 4's two checks and issue 10's job across nodes: the suite must stay under 15 min.)"""
+    and, with --signal=USR2@30 and a time limit that runs out: signal -> save -> requeue -> resume
+    (manifest check in the job) -> finish; the launcher waits through the requeue and reports success;
+    every loss, before and after each resume point, equals an uninterrupted local run of the same
+    config. (One run covers issue 4's two checks and issue 10's job across nodes.)
+
+    The limit is set once the ranks train: the run time so far, rounded up, + 1 minute (60-120 s left),
+    with --signal=USR2@110: SLURM's time-limit check (every 30 s) sends the signal within ~40 s, at least
+    30 s before the limit, so the save has time; 240 iterations (~4 per second on 2 quiet cores)
+    outlast it. Submitted with --time=2 (USR2@30), the 4 ranks' start-up on 2 loaded
+    cores once outlasted the limit, which then passed during the first save (the job was COMPLETING:
+    nothing to requeue). After the requeue the limit goes back to 15 minutes, so the second allocation
+    finishes however long its start-up takes."""
     n = TIME_LIMIT_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", "checkpoint.save_interval=null"]
     run_dir = tmp_path / "slurm"
@@ -341,9 +346,13 @@ def test_slurm_run_across_nodes_with_time_limit_requeues_resumes_and_matches_loc
     cli = None
     try:
         wait_until(lambda: iterations_done(tmp_path / "local") >= 1, 240, "the reference run to train", ref)
-        cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.timeout_min=2",
-                            "cluster.signal_delay_s=30", "cluster.max_num_timeout=3"], cache_dir, tmp_path / "logs")
+        cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.signal_delay_s=110",
+                            "cluster.max_num_timeout=3"], cache_dir, tmp_path / "logs")
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
+        wait_until(lambda: iterations_done(run_dir) >= 1, 400, "training on SLURM", cli)
+        set_time_limit(job_id, run_time_min(job_id) + 1)
+        wait_until(lambda: f"job {job_id} requeued (1 of at most 3)" in cli.stdout, 400, "the time-limit requeue", cli)
+        set_time_limit(job_id, 15)
         assert ref.wait(400) == 0, ref.describe()
         assert cli.wait(420) == 0, cli.describe()
     finally:
@@ -421,6 +430,20 @@ def test_slurm_run_across_nodes_with_time_limit_requeues_resumes_and_matches_loc
                              capture_output=True, text=True, timeout=60).stdout
     assert f"job {job_id} attempt 0 " in listing and f"timeout (requeued)  iteration {stops[0]}" in listing, listing
     assert f"job {job_id} attempt {len(stops)} " in listing and f"completed  iteration {n}" in listing, listing
+
+
+def run_time_min(job_id: str) -> int:
+    """The job's run time so far, in whole minutes rounded up (``scontrol show job``'s RunTime)."""
+    from orchestrator.slurm import parse_scontrol_job
+
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30, check=True)
+    days, _, clock = parse_scontrol_job(out.stdout)["RunTime"].rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 1440 + h * 60 + m + (1 if sec else 0)
+
+
+def set_time_limit(job_id: str, minutes: int) -> None:
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], check=True, timeout=30)
 
 
 # The node-loss run: short (gpt_tiny, 20 iterations) with a checkpoint every 5; the node goes after

@@ -220,6 +220,37 @@ def test_a_job_that_stopped_at_its_time_limit_says_so_plainly(tmp_path):
     assert "\n" not in line and "without results" not in line
 
 
+@pytest.mark.parametrize("used, max_num_timeout, says", [
+    (0, 3, "not requeued (0 of cluster.max_num_timeout=3 used): job 89 is COMPLETING (cancelled, or its time "
+           "limit passed before this stop was done: start-up and save took longer than cluster.signal_delay_s), "
+           "not requeued;"),
+    (1, 1, "its requeues are used up (1 of cluster.max_num_timeout=1);"),
+])
+def test_a_slurm_time_limit_stop_names_why_it_was_not_requeued(tmp_path, used, max_num_timeout, says):
+    """The records a SLURM job writes when its time limit stopped it and it did not requeue: with requeues
+    left, the job's own reason (seen on the dev cluster: the ranks' start-up outlasted the 2-minute limit,
+    so the limit passed during the save and the job was COMPLETING); with none left, "used up". (The line
+    said "used up (0 of 3)" for both.)"""
+    from orchestrator.submit.outcome import stopped_itself
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000002" / "manifest.json").write_text("{}")
+    cfg = cfg_for(run, "cluster=slurm_dev", f"cluster.max_num_timeout={max_num_timeout}")
+    for attempt in range(used):
+        history.record_attempt_started(run, "89", attempt, iteration=0)
+        history.record_attempt_ended(run, "89", attempt, "timeout", iteration=1, requeued=True)
+    history.record_attempt_started(run, "89", used, iteration=0)
+    detail = ("job 89 is COMPLETING (cancelled, or its time limit passed before this stop was done: start-up and "
+              "save took longer than cluster.signal_delay_s), not requeued" if used < max_num_timeout else
+              f"requeues used up: {used} timeout/preemption requeue(s) >= cluster.max_num_timeout={max_num_timeout}")
+    history.record_event(run, "stopped", job_id="89", reason="signal (SIGUSR2)", detail=detail)
+    history.record_attempt_ended(run, "89", used, "timeout", iteration=2, requeued=False)
+    line = stopped_itself(str(run), "89", cfg.cluster)
+    assert line == (f"reached its time limit (cluster.timeout_min={cfg.cluster.timeout_min}) and stopped after "
+                    f"saving iteration 2; {says} rerun the same command to resume from {run}/checkpoints/iter_0000002")
+
+
 def test_local_stop_is_reported_as_stopped(tmp_path):
     run = tmp_path / "run"
     cfg = cfg_for(run, tasks=1)

@@ -85,15 +85,19 @@ def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
     latest = max(mine, key=lambda a: a.attempt) if mine else None
     if latest is None or latest.requeued or latest.cause not in (*history.TIMEOUT_CAUSES, "interrupted"):
         return None
-    if not any(r.get("event") == "stopped" and str(r.get("job_id")) == str(job_id) for r in records):
+    stops = [r for r in records if r.get("event") == "stopped" and str(r.get("job_id")) == str(job_id)]
+    if not stops:
         return None  # ended by the launcher (Ctrl-C, its time bound), not by the job's own stop
     used = sum(1 for a in mine if a.requeued and a.cause in history.TIMEOUT_CAUSES)
     what = {"timeout": f"reached its time limit (cluster.timeout_min={cluster.timeout_min})",
             "preempted": "was preempted"}.get(latest.cause, "was stopped by a signal")
     if cluster.kind != "slurm":
         requeues = "local runs are not requeued"
-    elif latest.cause in history.TIMEOUT_CAUSES:
+    elif latest.cause in history.TIMEOUT_CAUSES and used >= cluster.max_num_timeout:
         requeues = f"its requeues are used up ({used} of cluster.max_num_timeout={cluster.max_num_timeout})"
+    elif latest.cause in history.TIMEOUT_CAUSES:  # the job's own reason, e.g. the limit passed during the save
+        requeues = (f"not requeued ({used} of cluster.max_num_timeout={cluster.max_num_timeout} used): "
+                    f"{stops[-1].get('detail') or 'the job did not say why'}")
     else:
         requeues = f"not requeued ({used} requeue(s) used)"
     ckpt = latest_checkpoint(run_dir)

@@ -242,7 +242,8 @@ class StopRequest:
                            f"{self.max_requeues}")
         state = _slurm_job_state(job_id)
         if state is not None and state != "RUNNING":
-            return False, f"job {job_id} is {state} (cancelled or ending), not requeued"
+            return False, (f"job {job_id} is {state} (cancelled, or its time limit passed before this stop was "
+                           f"done: start-up and save took longer than cluster.signal_delay_s), not requeued")
         return True, f"requeue {count + 1} of at most {self.max_requeues}"
 
     def _requeued_by_slurm(self) -> bool:
