@@ -9,12 +9,18 @@ per stage (mean, min..max) and idle share of the iteration (mean over stages), w
 On CPU the ranks share the machine's cores, so a stage's idle time runs other ranks' work: expect the
 trend of the formula (falling with m and v), not its values.
 
-Measured here 2026-12-01 (2 cores shared with other jobs, load average 20-43; --repeat 2, 631 s): 1F1B
-m = 4 idle/busy 67.9% vs 75.0% (idle share 40.1% vs 42.9%); every other point 2.5-7.8x the formula, not
-monotone in m or v: the other jobs' load, not the schedule, set those numbers (the pictures show single
-stages stretched 5-10x). Rerun on quiet cores before reading a trend into it.
+Measured here 2026-12-02 on 2 quiet cores (idle/busy mean over stages vs (p-1)/(v m)):
+PP4 (4 ranks on 2 cores, 47 s): v = 1: 110.7%, 54.8%, 41.5% at m = 4, 8, 16 vs 75.0%, 37.5%, 18.8%
+(1.5-2.2x); v = 2: 86.3%, 63.0%, 59.5% vs 37.5%, 18.8%, 9.4% (2.3-6.3x). PP2 (one rank per core,
+--pp 2 --repeat 2, 80 s): v = 1: 33.1%, 20.0%, 14.5% vs 25.0%, 12.5%, 6.2% (1.3-2.3x); v = 2: 27.5%,
+23.4%, 19.5% vs 12.5%, 6.2%, 3.1%. The measured bubble falls as m grows in every series, as the formula
+says, and is closest where each rank has a core of its own (PP2, v = 1). Interleaving lowers it only at
+m = 4: on this model (8 layers of hidden 64, gloo) the twice as many point-to-point transfers and
+per-chunk steps cost more than the bubble they remove. Under load the numbers scatter (2026-12-01, load
+20-43: 2.5-7.8x, no trend).
 
-    python bench/bubble.py                            # ~3-6 minutes on 2 quiet cores
+    python bench/bubble.py                            # ~1 minute on 2 quiet cores
+    python bench/bubble.py --pp 2 --repeat 2          # one rank per core
     python bench/bubble.py --m 4,8,16 --v 1,2 --trace 3 --repeat 2 --root /tmp/bench_bubble
 """
 
