@@ -94,7 +94,9 @@ def _scalar(text: str, kind: type, key: str) -> Any:
         return float(value)
     if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
-    raise ConfigError(f"tune.{key}={text!r} is not a {kind.__name__}; fix: tune.{key}=<{kind.__name__}>")
+    noun, hint = {int: ("an integer", "<integer>"), float: ("a number", "<number>"),
+                  bool: ("true or false", "true")}.get(kind, (kind.__name__, f"<{kind.__name__}>"))
+    raise ConfigError(f"tune.{key}={text!r} is not {noun}; fix: tune.{key}={hint}")
 
 
 def parse_tune_args(args: Sequence[str]) -> TuneConfig:
