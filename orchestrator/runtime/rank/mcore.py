@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Optional
 
+
 def keep_wandb_out() -> None:
     """Make ``import wandb`` fail in this process until :func:`let_wandb_in`: megatron-core imports wandb
     when it is imported (``inference/contexts/dynamic_context.py``, ``timers.py``, both inside

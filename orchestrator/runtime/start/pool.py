@@ -122,7 +122,6 @@ class PoolJob:
         from orchestrator.runtime.start.forked import preload
 
         keep_wandb_out()  # a trial logging to W&B lets it in (runtime.training.metrics)
-
         preload()
         trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])
         done()
