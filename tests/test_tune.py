@@ -128,14 +128,18 @@ def test_winner_experiment_file_composes_and_validates(tuned):
 
 @pytest.mark.slow
 def test_trials_calibrate_the_device_profile(tuned):
-    _, root, _, _, _, _, _ = tuned
+    """One step-time sample per completed trial and one memory sample per rank of it (2 ranks); how many
+    trials run before the stop rule depends on their measured step times (1 or 2 here)."""
+    _, root, _, _, _, _, rows = tuned
+    done = sum(r["status"] == "completed" for r in rows.values())
     profile = load_profile(device_key("cpu"), str(root / "cache"))
-    assert profile is not None and profile.calibrated
-    assert profile.fit["time_samples"] == 1 and profile.fit["memory_samples"] == 2  # one completed trial, 2 ranks
+    assert done >= 1 and profile is not None and profile.calibrated
+    assert (profile.fit["time_samples"], profile.fit["memory_samples"]) == (done, 2 * done), (profile.fit, rows)
     # A plan for this machine's CPU now uses it and says so.
     cfg = compose([*BASE, f"data.cache_dir={root / 'cache'}", "gpu=cpu"])
     plan = planner.plan(cfg)
-    assert plan.profile == profile and any("calibrated from 2 memory / 1 step-time samples" in n for n in plan.notes)
+    assert plan.profile == profile
+    assert any(f"calibrated from {2 * done} memory / {done} step-time samples" in n for n in plan.notes), plan.notes
 
 
 # ---------------------------------------------------------------- pure: pruning, stopping, learning

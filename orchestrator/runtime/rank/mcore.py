@@ -33,28 +33,6 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 
-def keep_wandb_out() -> None:
-    """Make ``import wandb`` fail in this process until :func:`let_wandb_in`: megatron-core imports wandb
-    when it is imported (``inference/contexts/dynamic_context.py``, ``timers.py``, both inside
-    ``try/except ImportError``) though training never calls it, and that import cost 0.9-1.4 CPU-s of
-    the 7 CPU-s ``import megatron.core`` takes here (Python 3.11, 2 cores, 0.16.1 with wandb 0.2x
-    installed). ``sys.modules["wandb"] = None`` is Python's documented way to make an import raise
-    ImportError. Called by a job's task process before megatron-core is imported, for a run that does
-    not log to W&B; never when wandb is already imported."""
-    import sys
-
-    sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]
-
-
-def let_wandb_in() -> None:
-    """Undo :func:`keep_wandb_out` (a warm pool's later trial logging to W&B); megatron's own modules keep
-    the None they imported, and never call wandb in training."""
-    import sys
-
-    if "wandb" in sys.modules and sys.modules["wandb"] is None:
-        del sys.modules["wandb"]
-
-
 LINES = ("0.16.", "0.19.")
 """The megatron-core version prefixes the runtime is written and tested against (CPU: enforced by
 :func:`orchestrator.runtime.rank.cpu.check_supported`; CI runs both, see README "Tests")."""

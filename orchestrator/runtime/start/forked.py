@@ -32,16 +32,33 @@ from typing import Any, Callable, Dict, List, Optional, Set
 from orchestrator.runtime.rank.process import die_with_parent, flush_and_exit, resident_file_pages, touch_pages
 
 
-def preload() -> None:
-    """Import what every rank needs for training (before forking: the forks share it)."""
-    import megatron.core.datasets.gpt_dataset  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
+PRELOADED = (
+    "torch._dynamo",  # torch.optim's step imports it (the first step of every rank otherwise)
+    "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
+    "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel", "megatron.core.tokenizers.text", "megatron.core.tokenizers.text.models",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel", "megatron.core.dist_checkpointing.strategies.torch",
+    "psutil",
+    "orchestrator.runtime.rank.build", "orchestrator.runtime.training.loop", "orchestrator.runtime.training.run",
+    "orchestrator.runtime.training.checkpoint", "orchestrator.runtime.training.resume",
+    "orchestrator.runtime.faults.diskspace", "orchestrator.runtime.faults.guard",
+    "orchestrator.runtime.faults.requeue", "orchestrator.runtime.faults.watchdog",
+    "orchestrator.runtime.faults.preempt", "orchestrator.ckpt.lock", "orchestrator.ckpt.manifest",
+    "orchestrator.ckpt.resume", "orchestrator.plan.ckpt_size", "orchestrator.plan.memory",
+)
+"""What a rank imports to train, save and resume: imported once before forking, the forks share it. A
+module a rank imports after the fork costs every rank its import again (megatron's tokenizers, layer
+specs and checkpoint strategies did: 0.5 CPU-s per forked rank, on top of transformers' 0.9, which a
+rank no longer imports at all: :mod:`orchestrator.runtime.rank.startup`)."""
 
-    import orchestrator.runtime.rank.build  # noqa: F401
-    import orchestrator.runtime.training.loop  # noqa: F401
-    import orchestrator.runtime.training.run  # noqa: F401
+
+def preload() -> None:
+    """Import :data:`PRELOADED` (before forking: the forks share it)."""
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
 
 
 def ranks_path(folder: "str | os.PathLike", job_id: str) -> Path:

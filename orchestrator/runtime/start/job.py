@@ -24,6 +24,17 @@ DECISION_TIMEOUT_S = 300.0
 ``squeue`` call per stale check is bounded at 15 s)."""
 
 
+def lighten_imports(config: Dict[str, Any]) -> None:
+    """Before torch and megatron-core are imported: keep out of this process what a rank never uses
+    (transformers; wandb unless the run logs to W&B) and, on CPU, megatron's ``torch.compile`` jit fuser
+    (:mod:`orchestrator.runtime.rank.startup`)."""
+    from orchestrator.runtime.rank import startup
+
+    startup.keep_out(wandb=not config["logging"]["wandb"]["project"])
+    if startup.on_cpu(config["training"]["device"]):
+        startup.jit_fuser_off()
+
+
 class TrainJob:
     """``TrainJob(config_dict, prepared_dict, env, fork_ranks)()`` trains one rank and returns its summary.
 
@@ -55,10 +66,7 @@ class TrainJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
-        if not self.config["logging"]["wandb"]["project"]:
-            from orchestrator.runtime.rank.mcore import keep_wandb_out
-
-            keep_wandb_out()  # before megatron-core's import, which would import it for nothing
+        lighten_imports(self.config)
         done = exit_fast_after_success()
         self._report_up()
         if self.fork_ranks <= 1:

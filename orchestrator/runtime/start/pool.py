@@ -118,10 +118,12 @@ class PoolJob:
         from orchestrator.runtime.start.job import _whoami, exit_fast_after_success
 
         done = exit_fast_after_success()
-        from orchestrator.runtime.rank.mcore import keep_wandb_out
+        from orchestrator.runtime.rank import startup
         from orchestrator.runtime.start.forked import preload
 
-        keep_wandb_out()  # a trial logging to W&B lets it in (runtime.training.metrics)
+        startup.keep_out(wandb=True)  # a trial logging to W&B lets it in (runtime.training.metrics)
+        if startup.on_cpu("auto"):  # a pool on a machine without GPUs
+            startup.jit_fuser_off()
         preload()
         trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])
         done()

@@ -90,7 +90,7 @@ class _Wandb:
     run directory hash), so the history continues."""
 
     def __init__(self, cfg: JobConfig):
-        from orchestrator.runtime.rank.mcore import let_wandb_in
+        from orchestrator.runtime.rank.startup import let_wandb_in
 
         let_wandb_in()
         try:
