@@ -41,7 +41,7 @@ from orchestrator.plan.profile import prior_profile, save_profile  # noqa: E402
 from orchestrator.config.compose import compose_config  # noqa: E402
 
 MiB = 2 ** 20
-# Big enough that model states and activations stand out of a ~430 MiB baseline, small enough for 2 cores.
+# Big enough that model states and activations stand out of a ~365 MiB baseline, small enough for 2 cores.
 MODEL = ["model.num_layers=8", "model.hidden_size=512", "model.num_attention_heads=8"]
 
 CONFIGS: Dict[str, List[str]] = {

@@ -374,9 +374,9 @@ def interrupted(tmp_path_factory, cache_dir):
 def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(interrupted, tmp_path):
     """Ctrl-C (SIGINT to the process group) after a checkpoint: 130 and the resume hint; SIGHUP to the
     launcher alone (a closed terminal) as the ranks come up: 130, the launcher stopped the ranks itself
-    (none left), and the hint says what is on disk: the job saves at its next iteration boundary once
-    told to stop, so a rank already in its first iteration leaves iter_0000001 (the hint names it) and
-    one still starting leaves nothing ("no checkpoint")."""
+    (none left), and the hint says what is on disk: a rank that finished its first iteration's save
+    (checkpoint.save_interval=1) leaves iter_0000001 (the hint names it); one still starting, or still
+    saving (a directory without its manifest, never resumed), leaves no checkpoint ("no checkpoint")."""
     cwd, run_dir, env, proc = interrupted
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
     assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
@@ -385,7 +385,8 @@ def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_check
     fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
                       "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh")
     assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
-    saved = sorted((tmp_path / "fresh" / "checkpoints").glob("iter_*"))
+    # complete checkpoints only (the manifest is written last): a save the stop cut short is not resumed
+    saved = sorted(m.parent for m in (tmp_path / "fresh" / "checkpoints").glob("iter_*/manifest.json"))
     if saved:
         assert f"resume from {saved[-1]} (iteration {int(saved[-1].name[5:])})" in fresh.stderr, fresh.stderr
     else:

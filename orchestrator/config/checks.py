@@ -1,7 +1,7 @@
 """The one validate: every rule a config must pass before anything is prepared or queued.
 
 Plan, dry-run, run, every sweep point and the job itself call :func:`validate`. Pure Python, no
-torch import (installed packages are looked up with ``importlib.util.find_spec``, never imported).
+torch import (installed packages are looked up in their distribution metadata, never imported).
 Every refusal is one :class:`~orchestrator.errors.ConfigError` (or
 :class:`~orchestrator.errors.LayoutError`) whose message is a single line
 ``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.config.layout` read
@@ -16,7 +16,6 @@ the data options (files exist, one weight per path).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -344,12 +343,24 @@ def check_data(cfg: JobConfig) -> None:
     _check_tokenizer(d)
 
 
+def _installed(package: str) -> bool:
+    """Whether ``package`` is installed (its distribution metadata): a rank process keeps transformers out
+    of its imports (``sys.modules``, :mod:`orchestrator.runtime.rank.startup`), so ``find_spec`` would say no."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution(package)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def _check_tokenizer(d: Any) -> None:
     """The tokenizer's files, vocabulary and eod (:func:`tokenizer_facts`), and the package that
     tokenizes with it when this data is tokenized here (an indexed dataset is read, never tokenized)."""
     facts = tokenizer_facts(d)
     if d.kind in ("jsonl", "stdlib") and facts.kind in ("huggingface", "gpt2-bpe") \
-            and importlib.util.find_spec("transformers") is None:
+            and not _installed("transformers"):
         raise ConfigError(f"data.tokenizer={show(d.tokenizer)}: tokenizing with it needs the transformers package "
                           "(megatron-core's HuggingFaceTokenizer), which is not installed; fix: pip install "
                           "transformers, or data.tokenizer=byte")

@@ -231,14 +231,15 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
 
     GPU presets: the planner's assumptions (``DEFAULT_MFU`` of dense peak, ``BUS_EFFICIENCY`` of the
     links, ``FRAMEWORK_OVERHEAD_BYTES``) plus small per-call latencies. ``cpu``: round numbers of the
-    order seen with megatron-core 0.16.1 on gloo (torch 2.13 CPU, a 2-core VM): ~430 MiB RSS per
-    rank before the model, tens of GFLOP/s per core, milliseconds of Python per layer pass and
+    order seen with megatron-core 0.16.1 on gloo (torch 2.13 CPU, a 2-core VM): ~365 MiB RSS per
+    rank before the model (4-rank gpt_tiny ranks peak at 385-391 MiB; 430 before the ranks kept
+    transformers out, :mod:`orchestrator.runtime.rank.startup`), tens of GFLOP/s per core, milliseconds of Python per layer pass and
     per gloo call; calibration replaces them.
     """
     key = key or device_key(preset.name)
     if preset.name.lower() == "cpu":
         return DeviceProfile(device=key, description=f"{cpu_model_name()} ({os.cpu_count()} logical CPUs)",
-                             memory_overhead_bytes=430 * 2 ** 20, states_factor=1.0, activation_factor=1.0,
+                             memory_overhead_bytes=365 * 2 ** 20, states_factor=1.0, activation_factor=1.0,
                              flops_per_s=3e10, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
                              latency_s=5e-4, layer_pass_s=3e-3, chunk_pass_s=3e-3, step_s=3e-2,
                              cores=os.cpu_count() or 1)
