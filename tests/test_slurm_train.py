@@ -562,6 +562,12 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     assert hosts[2] == hosts[3] == node, (hosts, node)
 
 
+ONE_RANK = ["parallelism=none", "cluster=slurm_dev", "cluster.tasks_per_node=1"]
+"""The smallest SLURM job: one rank (what scancel and the requeue limits need; the layouts are tested above)."""
+TWO_RANKS = ["parallelism=none", "parallelism.data_parallel_size=2", "cluster=slurm_dev", "cluster.tasks_per_node=2"]
+"""Two ranks (DP=2) on one node: a rank killed while its peer waits on it in a collective."""
+
+
 @needs_slurm
 def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path, cache_dir):
     """scancel while the launcher waits: reported as cancelled (exit 1, the production wait's
@@ -569,8 +575,8 @@ def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path,
     even a cancelled job, so the requeue contract (cluster.max_num_timeout=3 of slurm_dev) must
     check the state first: still cancelled, never restarted, some seconds later; no result file."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster=slurm_dev",
-                       "cluster.max_num_timeout=3", "run.name=slurm"], cache_dir, tmp_path / "logs")
+    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_num_timeout=3",
+                                  "run.name=slurm"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -600,8 +606,8 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     (--kill-on-bad-exit=1), the launcher reports the failure, the job does not hang. Without
     failure retries (cluster.max_failures=0: the retry is the node-loss test's)."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster=slurm_dev",
-                       "cluster.max_failures=0", "run.name=slurm"], cache_dir, tmp_path / "logs")
+    cli = Cli(SMALL + TWO_RANKS + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_failures=0",
+                                   "run.name=slurm"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -618,7 +624,7 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     assert code == 1 and elapsed < 60, (code, elapsed, cli.describe())
     assert f"error: job {job_id}" in cli.stderr, cli.describe()
     assert "task 1: Killed" in (run_dir / "submitit" / f"{job_id}_0_log.err").read_text()  # srun saw it
-    assert rank_process(run_dir, 0) is None and rank_process(run_dir, 2) is None  # nobody left blocked
+    assert rank_process(run_dir, 0) is None  # nobody left blocked
     st = status.run_status(run_dir)
     assert st.state in ("failed", "cancelled") and st.job.results.get(1) is None, st  # no result from the killed rank
     # one rank of the node killed: a crash, not a node failure; cluster.max_failures=0: not requeued
@@ -626,13 +632,18 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     assert jobs.slurm_job_status(job_id).restarts == 0
 
 
-ONE_RANK = ["parallelism=none", "cluster=slurm_dev", "cluster.tasks_per_node=1"]
-"""The smallest SLURM job: one rank (what the requeue limits need; the layouts are tested above)."""
-
-
 def attempt_causes(run_dir: Path, job_id: str) -> List[tuple]:
     return [(a.attempt, a.cause, a.requeued) for a in history.attempts(history.read_records(run_dir))
             if a.job_id == job_id]
+
+
+def trains_after_first_stop(run_dir: Path) -> bool:
+    """Whether the run has trained an iteration after its first ``stopped`` event (the next attempt)."""
+    try:
+        stops = events(run_dir, "stopped")
+    except (OSError, json.JSONDecodeError):  # not written yet, or a line being written
+        return False
+    return bool(stops) and iterations_done(run_dir) > stops[0]["iteration"]
 
 
 @needs_slurm
@@ -640,21 +651,23 @@ def test_preemption_is_requeued_then_the_time_limit_finds_the_requeues_used_up(t
     """What SLURM does on preemption (PreemptMode=REQUEUE): it requeues the running job itself and
     sends SIGTERM; `scontrol requeue JOB` from outside does exactly that. With cluster.max_num_timeout=1
     the attempt saves, leaves requeued and is recorded ``preempted``; SLURM restarts the job, which
-    resumes from that checkpoint and runs into its time limit (2 min, --signal=USR2@30): the one
+    resumes from that checkpoint and runs into its time limit (--signal=USR2@110): the one
     requeue is used up, so it saves and stops (cause ``timeout``, not requeued), and the launcher
-    exits 1 saying so."""
+    exits 1 saying so. The requeued attempt gets its limit once it trains (as the time-limit test's job)."""
     run_dir = tmp_path / "slurm"
     cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=100000",
-                                  "checkpoint.save_interval=null", "cluster.signal_delay_s=30",
+                                  "checkpoint.save_interval=null", "cluster.signal_delay_s=110",
                                   "cluster.max_num_timeout=1"], cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 240, "training on SLURM", cli)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # the preemption
         wait_until(lambda: f"job {job_id} requeued (1 of at most 1)" in cli.stdout, 120, "the launcher to see it", cli)
-        # The requeued attempt gets a 2-minute limit (USR2@30 arrives 60-90 s after it starts); the first
-        # kept slurm_dev's 15, so that no time-limit signal can come before the preemption on a busy machine.
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], check=True, timeout=30)
+        # The requeued attempt's limit is set once it trains again (the time-limit test's way: run time + 1
+        # minute with USR2@110, so the signal comes at SLURM's next limit check, within ~30 s); the first
+        # attempt kept slurm_dev's 15 minutes, so no time-limit signal could come before the preemption.
+        wait_until(lambda: trains_after_first_stop(run_dir), 300, "the requeued attempt to train", cli)
+        set_time_limit(job_id, run_time_min(job_id) + 1)
         code = cli.wait(420)
     finally:
         cli.kill()

@@ -244,7 +244,8 @@ def test_exit_code_rules():
 @pytest.mark.slow
 @pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
 def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cache_dir):
-    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "training.micro_batch_size=2,4", *SHORT,
+    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
+                    "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.micro_batch_size=2,4", *SHORT,
                     "cluster.timeout_min=5", "cluster.max_num_timeout=0", f"run.root={tmp_path}", "run.name=slurm"],
                    cache=cache_dir, timeout=900)
     sd = sweep_dir_of(tmp_path, "slurm")
