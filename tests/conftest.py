@@ -34,11 +34,10 @@ def slurm_unavailable_reason() -> str:
 
 
 SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_killed_rank_",
-               "test_slurm_run_across_nodes", "test_preemption_", "test_slurm_sweep_", "test_two_detached_",
+               "test_slurm_run_across_nodes", "test_time_limit_", "test_slurm_sweep_", "test_two_detached_",
                "test_node_loss_")
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
-first, so that the 2-minute time limit of the requeue test never falls in the suite's first minutes,
-when every worker starts at once (its 4 ranks, starting under that load, once missed the limit)."""
+first (the suite's first minutes, when every worker starts at once, are the most loaded)."""
 
 LONGEST_FIRST = ("test_train", "test_slurm_train", "test_pipeline_schedule", "test_guard", "test_cli", "test_sweep",
                  "test_retention", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",

@@ -124,3 +124,43 @@ def test_deactivate_restores_megatron():
         assert clip_grads.clip_grad_by_total_norm_fp32 is not patched
     finally:
         cpu.activate()
+
+
+_LIGHT_RANK = r'''
+import sys
+from orchestrator.runtime.rank import startup
+startup.keep_out(wandb=True)
+startup.jit_fuser_off()
+import megatron.core.jit as jit
+from megatron.core.fusions import fused_bias_gelu
+from orchestrator.config.compose import compose_config
+from orchestrator.config.checks import validate
+from orchestrator.data.tokenizer import dataset_tokenizer
+print("fuser", jit.jit_fuser is jit.noop_decorator, type(fused_bias_gelu.bias_gelu).__name__)
+cfg = compose_config(["data.tokenizer=GPT2BPETokenizer", "data.vocab_file=" + sys.argv[1], "data.merge_file=" + sys.argv[2],
+                      "run.dir=" + sys.argv[3]])
+validate(cfg)  # the job's own validate still knows transformers is installed
+print("byte eod", dataset_tokenizer(compose_config(["run.dir=" + sys.argv[3]]).data).eod)
+print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is None)
+'''
+
+
+@pytest.mark.mcore_lines
+def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validates(tmp_path):
+    """What every rank process does before importing megatron-core (runtime/rank/startup.py): megatron's
+    jit fuser is its own no-op (a fused function stays a plain function, not torch.compile's wrapper),
+    transformers and wandb are never imported, the byte tokenizer still builds, and the job's validate
+    of an HF-tokenized run still sees transformers installed (distribution metadata, not sys.modules)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import GPT2_EOD, REPO
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": GPT2_EOD}))
+    merges.write_text("#version: 0.2\na b\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _LIGHT_RANK, str(vocab), str(merges), str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["fuser True function", "byte eod 256", "kept out True True"], out.stdout

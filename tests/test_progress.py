@@ -54,6 +54,8 @@ def test_a_meter_reports_bytes_counts_rate_and_eta(monkeypatch):
     assert said[-1].startswith("  tokenizing: done, 4.0/4.0 MB") and "ETA" not in said[-1]
 
 
+ITERS = 5000
+"""More iterations than the job trains while `status` runs (it is interrupted: 400 were once all done first)."""
 ORDER = [
     "[orchestrator] composing ",
     "[orchestrator] run progress: ",
@@ -65,8 +67,8 @@ ORDER = [
     "[orchestrator] sample indices built",
     "[orchestrator] ranks 1..1 forked; joining the process group",
     "[orchestrator] 2 ranks up (gloo on cpu); building model gpt_tiny",
-    "  iteration 1/400 | loss ",
-    "  iteration 3/400 | loss ",
+    f"  iteration 1/{ITERS} | loss ",
+    f"  iteration 3/{ITERS} | loss ",
 ]
 
 
@@ -75,7 +77,7 @@ def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_pat
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", ORCHESTRATOR_CACHE=str(tmp_path / "cache"))
     run_dir = tmp_path / "runs" / "progress"
     cmd = [sys.executable, "-m", "orchestrator", "model=gpt_tiny", "parallelism=pp2_dp2", "parallelism.data_parallel_size=1",
-           "data=mock", "training.micro_batch_size=2", "training.global_batch_size=4", "training.train_iters=400",
+           "data=mock", "training.micro_batch_size=2", "training.global_batch_size=4", f"training.train_iters={ITERS}",
            "training.log_interval=1", "training.eval_iters=0", "checkpoint.save_interval=null",
            "checkpoint.save_at_end=false", "logging.tensorboard=false", f"run.root={tmp_path}/runs", "run.name=progress"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -85,7 +87,7 @@ def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_pat
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith("  iteration 3/400"):
+            if line.startswith(f"  iteration 3/{ITERS}"):
                 break
         live = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--json", str(tmp_path / "runs")],
                               capture_output=True, text=True, env=env, timeout=120)
@@ -98,7 +100,7 @@ def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_pat
     assert None not in phases and phases == sorted(phases), "\n".join(lines)  # each phase, in this order
     record = json.loads(live.stdout.splitlines()[0])
     assert record["run_dir"] == str(run_dir) and record["state"] == "running", record
-    assert record["train_iters"] == 400 and record["iteration"] >= 3
+    assert record["train_iters"] == ITERS and record["iteration"] >= 3
     assert record["tokens_per_s"] > 0 and record["eta_s"] > 0
-    seconds_per_step = record["eta_s"] / (400 - record["iteration"])
+    seconds_per_step = record["eta_s"] / (ITERS - record["iteration"])
     assert record["tokens_per_s"] == pytest.approx(4 * 128 / seconds_per_step, rel=0.5)  # GBS x seq / step time

@@ -1,9 +1,9 @@
 """Forked ranks: one process imports torch and megatron-core once, then forks the other ranks.
 
-A fresh rank process spends ~7 s of CPU importing torch and megatron-core (measured on this
-project's CI machine: torch 1.7 s, megatron-core 5.7 s, much of it ``torch.compile`` set-up for
-megatron's fused kernels). A local job of N CPU ranks on a machine with fewer than N cores pays it
-N times, one core after another. A local CPU job therefore runs as **one** submitit task that
+A fresh rank process spends ~3 s of CPU importing torch and megatron-core on this project's CI
+machine (once :mod:`orchestrator.runtime.rank.startup` keeps out what a rank never uses; 7 s before).
+A local job of N CPU ranks on a machine with fewer than N cores would pay it N times, one core after
+another. A local CPU job therefore runs as **one** submitit task that
 imports once and forks ranks 1..N-1 from itself (:func:`fork_ranks`); the task itself is rank 0.
 Each forked rank is a process of its own -- its own process group, memory, peak and result file
 (``<job_id>_<rank>_result.pkl``, written as submitit writes it) and its own log

@@ -103,7 +103,7 @@ class PoolJob:
       once and then, for every trial, forks N fresh rank processes from itself (copy-on-write; it never
       starts a process group or a thread pool of its own, so every fork is clean). Each trial thus runs
       in new processes -- its own process group, memory and peak, exactly a fresh job's -- without the
-      8 CPU-s import per rank.
+      ~3 CPU-s import per rank (:mod:`orchestrator.runtime.start.forked`).
     * otherwise (SLURM: one allocation): each task is a rank that serves every trial itself, keeping the
       default process group between trials (``train.run(keep_process_group=True)``).
     """
