@@ -16,6 +16,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""Every rank of the suite's local jobs runs one OpenMP thread (the launcher keeps a set OMP_NUM_THREADS,
+submit/executor.py): on 2 cores shared by two workers and the 0.19.2 leg, a second thread per rank
+mostly spins; a 14-iteration one-rank job next to two busy cores took 22-24 CPU-s with 2 threads, 10.5
+with 1 (bench numbers use the product's default, cores // ranks)."""
+
 
 @functools.lru_cache(maxsize=1)
 def slurm_unavailable_reason() -> str:

@@ -183,3 +183,18 @@ def test_gpu_path_modules_do_not_import_the_cpu_layer():
             "orchestrator.runtime.training.checkpoint, orchestrator.runtime.rank.cp; "
             "assert 'orchestrator.runtime.rank.cpu' not in sys.modules, 'cpu layer imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_local_jobs_thread_count_is_the_users_when_set_else_cores_per_rank(monkeypatch):
+    """OMP_NUM_THREADS of a local job's ranks: cluster.env's, else the launcher's own environment's (as
+    torchrun keeps a user's), else cores // ranks."""
+    from orchestrator.config.compose import compose_config
+    from orchestrator.submit.executor import job_environment
+
+    cfg = compose_config(["+experiment=gpt_pp2_dp2", "run.dir=."])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert job_environment(cfg, 4)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in job_environment(cfg, 4)  # the ranks inherit the launcher's 3
+    cfg.cluster.env["OMP_NUM_THREADS"] = 5
+    assert job_environment(cfg, 4)["OMP_NUM_THREADS"] == "5"

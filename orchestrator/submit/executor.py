@@ -67,9 +67,11 @@ def one_task(cfg: JobConfig, world_size: int) -> bool:
 
 
 def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
-    """Environment every rank gets: ``cluster.env`` plus CPU thread defaults for local CPU runs."""
+    """Environment every rank gets: ``cluster.env`` plus CPU thread defaults for local CPU runs
+    (``OMP_NUM_THREADS`` = cores // ranks unless ``cluster.env`` or the launcher's own environment sets
+    it, as torchrun leaves a user's OMP_NUM_THREADS alone)."""
     env = {k: str(v) for k, v in cfg.cluster.env.items()}
-    if cfg.cluster.kind == "local" and "OMP_NUM_THREADS" not in env:
+    if cfg.cluster.kind == "local" and "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     if cfg.cluster.kind == "local":  # a free rendezvous port, reserved now (never the caller's MASTER_PORT)
         from orchestrator.runtime.rank.distributed import local_rendezvous_env
