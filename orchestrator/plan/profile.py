@@ -233,8 +233,8 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
     links, ``FRAMEWORK_OVERHEAD_BYTES``) plus small per-call latencies. ``cpu``: round numbers of the
     order seen with megatron-core 0.16.1 on gloo (torch 2.13 CPU, a 2-core VM): ~365 MiB RSS per
     rank before the model (4-rank gpt_tiny ranks peak at 385-391 MiB; 430 before the ranks kept
-    transformers out, :mod:`orchestrator.runtime.rank.startup`), tens of GFLOP/s per core, milliseconds of Python per layer pass and
-    per gloo call; calibration replaces them.
+    transformers out, :mod:`orchestrator.runtime.rank.startup`), tens of GFLOP/s per core,
+    milliseconds of Python per layer pass and per gloo call; calibration replaces them.
     """
     key = key or device_key(preset.name)
     if preset.name.lower() == "cpu":
