@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Callable, Optional
 
-from orchestrator.config.checks import validate
-from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.checks import validate, validate_planned
+from orchestrator.config.layout import ParallelLayout, vpp_no_op
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
 
@@ -109,8 +109,10 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
         from orchestrator.ckpt.manifest import read_manifest
 
         read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
-    fingerprint = data_fingerprint(cfg.data) if _has_checkpoints(cfg) else None  # hashes, never tokenizes
-    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint, tokenizer=tokenizer_identity(cfg.data),
+    held = _has_checkpoints(cfg)  # nothing to compare with otherwise (a plan's data may live elsewhere)
+    fingerprint = data_fingerprint(cfg.data) if held else None  # hashes, never tokenizes
+    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint,
+                              tokenizer=tokenizer_identity(cfg.data) if held else None,
                               warn=lambda m: say(f"warning: {m}"))
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
     return latest
@@ -147,10 +149,17 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     from orchestrator.plan.inputs import gpu_preset
 
     _Current.cfg = cfg
-    layout = validate(cfg)
+    if cfg.plan and not cfg.dry_run:  # a plan describes the job: data files not here are a warning
+        layout, warnings = validate_planned(cfg)
+        for warning in warnings:
+            say(f"warning: {warning}")
+    else:
+        layout = validate(cfg)
     gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
+    if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes
+        say(f"note: {vpp_no_op(cfg)}")
     if not cfg.plan:
         _check_space(cfg)
     if cfg.plan or cfg.dry_run:

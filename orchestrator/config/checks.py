@@ -83,7 +83,7 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("optimizer.adam_eps", 0.0, False, math.inf, False), ("optimizer.sgd_momentum", 0.0, True, 1.0, False),
     ("optimizer.clip_grad", 0.0, True, math.inf, False),
     ("data.stdlib_max_mb", 0.0, False, math.inf, False),
-    ("checkpoint.save_timeout_s", 0.0, False, math.inf, False),
+    ("checkpoint.save_timeout_s", 0.0, False, math.inf, False), ("plan_headroom", 0.0, False, 1.0, True),
     ("cluster.poll_interval_s", 0.0, False, math.inf, False),
     ("training.hang_timeout_s", 0.0, False, math.inf, False),
 ]
@@ -106,6 +106,23 @@ def validate(cfg: JobConfig) -> ParallelLayout:
     check_local_gpus(cfg)  # a local job's GPUs are this machine's
     check_data(cfg)
     return layout
+
+
+def validate_planned(cfg: JobConfig) -> Tuple[ParallelLayout, List[str]]:
+    """(layout, warnings) for a plan: the one :func:`validate` with the data swapped for a stand-in
+    (mock data, byte tokenizer), so that everything but the data refuses; then the data checks on the
+    real config, as warnings: a cluster's data and tokenizer files are rarely on the machine that plans
+    (the job checks them again where it runs)."""
+    import dataclasses
+
+    stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte",
+                                   vocab_size=None, eod_id=None)
+    layout = validate(dataclasses.replace(cfg, data=stand_in))
+    try:
+        check_data(cfg)
+    except ConfigError as exc:
+        return layout, [f"{exc} (data are checked again where the job runs)"]
+    return layout, []
 
 
 # ---------------------------------------------------------------- values

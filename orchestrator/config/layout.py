@@ -68,6 +68,23 @@ def virtual_stages(num_layers: int, pipeline_model_parallel_size: int,
     return vpp
 
 
+def vpp_no_op(cfg) -> Optional[str]:
+    """A line saying that the VPP keys of ``cfg`` (a composed JobConfig) leave VPP = 1: one model chunk per
+    pipeline rank, the plain 1F1B schedule, as if neither key were set; None when they do not."""
+    p, layers = cfg.parallelism, cfg.model.num_layers
+    if p.virtual_pipeline_model_parallel_size != 1:
+        return None
+    pp = p.pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        n = p.num_layers_per_virtual_pipeline_stage
+        said = (f"parallelism.num_layers_per_virtual_pipeline_stage={n} leaves VPP = num_layers / (PP x {n}) = "
+                f"{layers} / ({pp} x {n}) = 1")
+        fix = f"one of {[d for d in _divisors(layers // pp) if d < n]} for VPP > 1" if pp > 1 else "PP > 1 first"
+    else:
+        said, fix = "parallelism.virtual_pipeline_model_parallel_size=1", "2 or more chunks per rank"
+    return f"{said}: one model chunk per rank, no interleaving (a no-op; fix: {fix}, or null)"
+
+
 def _nearby_multiples(value: int, step: int, count: int = 2) -> List[int]:
     """The ``count`` multiples of ``step`` just below and above ``value`` (positive only)."""
     below = [(value // step - i) * step for i in range(count)]

@@ -335,6 +335,9 @@ class JobConfig:
     plan_picture: Optional[str] = None
     """With plan=true: also draw the predicted schedule (Gantt chart per pipeline rank) and the memory per
     stage into this PNG file; null draws nothing."""
+    plan_headroom: float = 0.85
+    """Share of device memory a plan's estimate may reach and still say "fits"; above it "tight", with
+    suggestions (the estimate leaves out the allocator's cache and fragmentation)."""
 
 
 def register_configs() -> None:

@@ -91,25 +91,14 @@ def bubble_line(layout) -> str:
 
 
 def check(cfg):
-    """(layout, data warnings): the one ``validate`` on ``cfg`` with its data swapped for a stand-in
-    (mock data, byte tokenizer), so that everything but the data refuses; then the data checks on
-    the real config, as warnings, since a cluster's data and tokenizer files are rarely on the
-    machine that converts (the job checks them again where it runs)."""
+    """(layout, warnings): :func:`~orchestrator.config.checks.validate_planned` on ``cfg`` as a plan
+    (data problems are warnings), plus whether this machine could run it."""
     import dataclasses
 
-    from orchestrator.config.checks import validate
-
+    from orchestrator.config.checks import validate_planned
     from orchestrator.config.machine import check_local_gpus
 
-    planned = dataclasses.replace(cfg, plan=True)  # the job as described, wherever it will run
-    stand_in = dataclasses.replace(cfg.data, kind="mock", name="mock", paths=[], weights=None, tokenizer="byte",
-                                   vocab_size=None, eod_id=None)
-    layout = validate(dataclasses.replace(planned, data=stand_in))
-    warnings = []
-    try:
-        validate(planned)
-    except OrchestratorError as exc:
-        warnings.append(f"{exc} (data are checked again where the job runs)")
+    layout, warnings = validate_planned(dataclasses.replace(cfg, plan=True))  # the job as described
     try:
         check_local_gpus(dataclasses.replace(cfg, plan=False, dry_run=False))
     except OrchestratorError as exc:
@@ -120,9 +109,29 @@ def check(cfg):
 def _show_plan(cfg, layout, vocab_size: Optional[int]) -> None:
     from orchestrator.plan.memory import plan as make_plan
     from orchestrator.plan.report import format_plan
+    from orchestrator.plan.suggest import format_suggestions, suggest
 
     print(format_plan(make_plan(cfg, vocab_size=vocab_size)))
+    suggestions = suggest(cfg, vocab_size=vocab_size)
+    if suggestions:
+        print(format_suggestions(suggestions))
     print(bubble_line(layout))
+
+
+def check_defined(source, argv: List[str]) -> None:
+    """ConfigError naming, in one line, every variable the script leaves undefined that a converted
+    flag reads, and the one command that defines them all (``--var NAME=<what the script calls it>``)."""
+    from orchestrator.convert.to_config import undefined_variables
+
+    missing = undefined_variables(source)
+    if not missing:
+        return
+    what = ", ".join(f"${n} ({source.holders[n] + ': ' if n in source.holders else ''}{', '.join(flags)})"
+                     for n, flags in missing.items())
+    words = [w for n in missing for w in ("--var", f"{n}=<{source.holders.get(n, 'value')}>")]
+    raise ConfigError(f"--var: {source.path} leaves {len(missing)} variable{'s' * (len(missing) > 1)} undefined "
+                      f"that converted flags read: {what} (set when the script runs); fix: python -m orchestrator "
+                      f"convert {shlex.join([*argv, *words])}")
 
 
 def from_megatron(args) -> int:
@@ -132,6 +141,7 @@ def from_megatron(args) -> int:
     from orchestrator.convert.to_config import convert
 
     source = read_source(args.file, _variables(args.var))
+    check_defined(source, args.argv)
     name, root = _name(args), _out_root(args.out)
     conv = convert(source, name, args.nodes, args.gpus_per_node, args.gpu)
     path = experiment_file.write(conv, root, args.force)
@@ -183,6 +193,7 @@ def to_megatron(args) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the exit code (0 ok, 2 user error with one ``error:`` line)."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return from_megatron(args) if args.command == "from-megatron" else to_megatron(args)
     except OrchestratorError as exc:

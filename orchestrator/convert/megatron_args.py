@@ -189,6 +189,9 @@ TABLE: List[Flag] = [
     # ---- known flags without an equivalent (listed, never dropped silently)
     Flag("--rampup-batch-size", kind="none",
          note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)"),
+    Flag("--step-batch-size-schedule", kind="none",
+         note="no batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); the global batch "
+              "size is constant: give the final one as --global-batch-size"),
     Flag("--tensorboard-*", kind="none",
          note="TensorBoard settings are fixed (logging.tensorboard: <run dir>/tensorboard)"),
     Flag("--wandb-*", kind="none", note="Weights & Biases takes logging.wandb.project/entity/name/mode only"),

@@ -21,8 +21,34 @@ from orchestrator.convert.conversion import Conversion, fail, number
 VPP_KEY = "parallelism.virtual_pipeline_model_parallel_size"
 
 
+GPT2_FILES = ("--vocab-file", "--merge-file")
+
+
+def unread_values(given: Dict[str, Arg]) -> tuple:
+    """Flags whose values no rule reads: :data:`PRESENCE_ONLY`, and GPT-2's files with mock data."""
+    kind = given.get("--tokenizer-type")
+    mock = "--data-path" not in given and (kind is None or kind.values == ["GPT2BPETokenizer"])
+    return PRESENCE_ONLY + (GPT2_FILES if mock else ())
+
+
+def _mock_vocabulary(conv: Conversion, given: Dict[str, Arg]) -> None:
+    """Mock data reads no text: GPT-2's vocabulary as NullTokenizer ids, no vocab/merge file needed."""
+    for flag in GPT2_FILES:
+        if flag in given:
+            conv.not_converted.append(f"{given[flag].text}: mock data reads no text; the vocabulary is GPT-2 "
+                                      f"BPE's {M.GPT2_BPE_VOCAB} ids without the file")
+            conv.status[flag] = "not converted"
+    conv.set("data.tokenizer", "NullTokenizer", "mock data: token ids only (no text to tokenize)")
+    conv.set("data.vocab_size", M.GPT2_BPE_VOCAB, f"GPT-2 BPE's {M.GPT2_BPE_VOCAB} ids, eod {M.GPT2_BPE_VOCAB - 1}")
+    conv.assumed.append(f"tokenizer: mock data, so only the vocabulary counts: NullTokenizer with GPT-2 BPE's "
+                        f"{M.GPT2_BPE_VOCAB} ids (Megatron-LM's GPT2BPETokenizer vocabulary), no vocab/merge file")
+    conv.tokenizer_vocab = M.GPT2_BPE_VOCAB
+
+
 def tokenizer(conv: Conversion, given: Dict[str, Arg]) -> None:
     """``--tokenizer-type`` and its files -> data.tokenizer (+ vocab_file, merge_file, tokenizer_model, vocab_size)."""
+    if not conv.from_export and GPT2_FILES[0] in unread_values(given) and "--vocab-size" not in given:
+        return _mock_vocabulary(conv, given)
     words = {f: number(given[f], "str") for f in ("--tokenizer-type", "--vocab-file", "--merge-file",
                                                    "--tokenizer-model") if f in given}
     size = number(given["--vocab-size"], "int") if "--vocab-size" in given else None
@@ -84,6 +110,10 @@ def data(conv: Conversion, given: Dict[str, Arg]) -> None:
         conv.groups["data"] = "mock"
         conv.assumed.append("data: no --data-path, so data=mock (synthetic tokens); "
                             "set data=indexed data.paths=[<prefix>, ...] for your .bin/.idx files")
+
+
+PRESENCE_ONLY = ("--tensorboard-dir",)
+"""Flags whose value no rule reads (only that they are given): an undefined variable there is harmless."""
 
 
 def tensorboard(conv: Conversion, given: Dict[str, Arg]) -> None:
@@ -181,18 +211,28 @@ def virtual_pipeline(conv: Conversion, given: Dict[str, Arg]) -> None:
     text = f"VPP = num_layers / (PP x layers per virtual stage) = {layers} / ({pp} x {per_chunk}) = {vpp}"
     conv.set(VPP_KEY, vpp, f"{arg.text}: {text}")
     conv.derived.append(f"{VPP_KEY}: {arg.text} -> {text}")
+    if vpp == 1:
+        conv.flagged.append(f"{arg.text}: VPP = 1, one model chunk per rank: the plain 1F1B schedule, as without "
+                            "the flag (Megatron-LM interleaves only from 2 chunks per rank)")
 
 
 def data_parallel(conv: Conversion) -> None:
     """A stated DP (not a Megatron-LM flag) checked against world / (TP x PP x CP), with the arithmetic."""
     dp, world = conv.get("parallelism.data_parallel_size"), conv.world_size
-    if dp is None or world is None:
+    if world is None:
         return
     tp, pp, cp = (conv.get(f"parallelism.{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context"))
     mp = tp * pp * cp
     shown = f"({tp} × {pp}{f' × {cp}' if cp > 1 else ''})"
+    per_node = conv.get("cluster.tasks_per_node") or conv.get("cluster.gpus_per_node")
+    if world % mp and per_node and mp % per_node == 0:
+        conv.flagged.append(f"world size {world} holds no TP × PP{' × CP' if cp > 1 else ''} = {shown} = {mp} grid "
+                            f"(Megatron-LM refuses it); fix: --nodes {mp // per_node} ({mp // per_node} × {per_node} "
+                            f"= {mp} GPUs, DP 1), or the script's node count set with --var")
+    if dp is None:
+        return
     if world % mp:
-        return  # the layout validation says what is wrong
+        return  # the layout validation says what is wrong (data_parallel_size is not stated)
     derived = world // mp
     if derived != dp:
         conv.flagged.append(f"--data-parallel-size {dp}: on {world} GPUs DP = world size / (TP × PP"

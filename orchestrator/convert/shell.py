@@ -113,6 +113,8 @@ class _Scope:
         self.commands: set = set()
         """Names assigned from ``$(command)``: never run, so their values stay unknown."""
         self.unresolved: List[str] = []
+        self.holders: Dict[str, str] = {}
+        """An undefined variable -> the variable first assigned from it (``CHECKPOINT_PATH=$1``)."""
 
     def _miss(self, name: str, text: str) -> str:
         if name not in self.unresolved:
@@ -204,6 +206,9 @@ class _Scope:
             return None
         words = shlex.split(self.expand(rhs)) if rhs else [""]
         self.vars[name] = " ".join(words)
+        for used in re.findall(r"\$\{?(\w+)", self.vars[name]):
+            if used in self.unresolved:
+                self.holders.setdefault(used, name)
         return self.vars[name]
 
 
@@ -318,6 +323,7 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
             args, notes = read_flags(tokens, f"line {n}")
             src.args += args
             src.notes += notes
+    src.holders = scope.holders
     src.notes += [f"${name} is not defined in the script (set at run time?); fix: --var {name}=VALUE if a "
                   "converted flag needs it" for name in scope.unresolved if name != "$(...)"]
     if "$(...)" in scope.unresolved:

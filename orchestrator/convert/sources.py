@@ -69,6 +69,9 @@ class Source:
     setup: List[str] = field(default_factory=list)
     orchestrator: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    holders: Dict[str, str] = field(default_factory=dict)
+    """An undefined variable -> the script variable first assigned from it (``CHECKPOINT_PATH=$1``:
+    ``{"1": "CHECKPOINT_PATH"}``), to name what ``--var 1=...`` stands for."""
 
 
 def _scalar(value) -> str:

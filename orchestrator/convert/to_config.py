@@ -14,6 +14,7 @@ Pure Python; the result is rendered by :mod:`orchestrator.convert.experiment_fil
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional
 
 from orchestrator.convert import megatron_args as M
@@ -23,6 +24,8 @@ from orchestrator.convert.sources import Arg, Source
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
             "--lr", "--train-iters")
 """Flags Megatron-LM cannot run without (it has no default); the orchestrator's value stays when absent."""
+DEFAULT = "Megatron-LM default"
+"""The source of a setting no flag and no rule gave (its YAML comment)."""
 
 
 def _plain(conv: Conversion, r: M.Flag, arg: Arg) -> None:
@@ -46,7 +49,9 @@ def _classify(conv: Conversion, given: Dict[str, Arg]) -> None:
     for flag, arg in given.items():
         r = M.row(flag)
         if r is None:
-            conv.not_converted.append(f"{arg.text}: no equivalent here")
+            conv.not_converted.append(f"{arg.text}: not a flag this converter knows (not in its table, "
+                                      "orchestrator/convert/megatron_args.py), so nothing here sets it; if the run "
+                                      "depends on it, set the matching key in the written file")
             conv.status[flag] = "not converted"
         elif r.kind == "none":
             conv.not_converted.append(f"{arg.text}: {r.note}")
@@ -67,15 +72,42 @@ def _defaults(conv: Conversion, given: Dict[str, Arg]) -> None:
             continue
         default = M.megatron_default(key)
         if default is not M.KEEP:
-            conv.set(key, default, "Megatron-LM default")
-            first = M.rows_for(key)[0]
-            if not conv.from_export and default is not None:
-                conv.defaults.append(f"{key}={default} (no {first.flag})" if first.kind in ("on", "special")
-                                     else f"{first.flag} {default}")
+            conv.set(key, default, DEFAULT)
     missing = [f for f in REQUIRED if f not in given and M.row(f).key not in conv.settings]
     if missing and not conv.from_export:
         conv.assumed.append(f"not given (Megatron-LM requires them): {', '.join(missing)}; the orchestrator's "
                             f"defaults stay for {', '.join(M.row(f).key for f in missing)}")
+
+
+def undefined_variables(source: Source) -> Dict[str, List[str]]:
+    """Each variable the script leaves undefined (``$1``, ``$DATA_PATH``) -> the converted flags whose
+    values need it, in the order found; flags whose value is not read (not converted, or only their
+    presence counts, :func:`~orchestrator.convert.rules.unread_values`) need none."""
+    from orchestrator.convert.rules import unread_values
+
+    unread = unread_values({arg.flag: arg for arg in source.args})
+    out: Dict[str, List[str]] = {}
+    for arg in source.args:
+        r = M.row(arg.flag)
+        if r is None or r.kind in ("none", "wrong") or arg.flag in unread:
+            continue
+        for name in re.findall(r"\$\{?([A-Za-z_]\w*|\d+)", " ".join(arg.values)):
+            flags = out.setdefault(name, [])
+            if arg.flag not in flags:
+                flags.append(arg.flag)
+    return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
+
+
+def _defaults_written(conv: Conversion) -> List[str]:
+    """The "defaults written out" list: each key that still holds Megatron-LM's default once every rule
+    ran (a rule deriving it, such as warm-up from --lr-warmup-fraction, takes it off the list)."""
+    out = []
+    for key, s in conv.settings.items():
+        if s.source == DEFAULT and s.value is not None:
+            first = M.rows_for(key)[0]
+            out.append(f"{key}={s.value} (no {first.flag})" if first.kind in ("on", "special")
+                       else f"{first.flag} {s.value}")
+    return out
 
 
 def schema_keys() -> List[str]:
@@ -114,6 +146,8 @@ def convert(source: Source, name: str, nodes: Optional[int] = None, gpus_per_nod
             conv.set(key, name, "the experiment's name")
         if "run.name" not in conv.settings:
             conv.set("run.name", name, "the experiment's name (no --save)")
+    if not conv.from_export:
+        conv.defaults += _defaults_written(conv)
     if gpu:
         conv.set("gpu", gpu, "--gpu (planner preset)")
     conv.groups.update(groups)

@@ -20,8 +20,6 @@ _TEXT = {"#0072B2": "white", "#56B4E9": "black", "#D55E00": "white", "#E69F00": 
 _IDLE = "#E8E8E8"
 _MEMORY = (("weights", "#0072B2"), ("gradients", "#56B4E9"), ("optimizer state", "#009E73"),
            ("activations", "#E69F00"), ("overhead", "#999999"))
-SAFETY = 0.8
-"""The memory safety line: an estimate below 80% of device memory (Fujii et al. 2024: never OOMed)."""
 
 
 def _figure(width: float, height: float):
@@ -115,7 +113,7 @@ def _legend(ax, vpp: int, waits: bool) -> None:
 
 
 def draw_memory(ax, plan) -> None:
-    """Stacked bars per stage (GiB) against the device's memory and the 80% safety line."""
+    """Stacked bars per stage (GiB) against the device's memory and the plan's headroom line (``plan_headroom``)."""
     gib = 2.0 ** 30
     stages = plan.stages
     xs = list(range(len(stages)))
@@ -126,7 +124,8 @@ def draw_memory(ax, plan) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     mem = plan.gpu.memory_bytes / gib
     ax.axhline(mem, color="black", linewidth=1.2, label=f"{plan.gpu.name}: {mem:.3g} GiB")
-    ax.axhline(SAFETY * mem, color="black", linewidth=1.0, linestyle="--", label=f"{SAFETY:.0%} of it")
+    ax.axhline(plan.headroom * mem, color="black", linewidth=1.0, linestyle="--",
+               label=f"plan_headroom {plan.headroom:.0%} of it")
     ax.set_ylim(0, max(max(bottom), mem) * 1.08)
     ax.set_xlim(-0.6, len(stages) - 0.4)
     ax.set_xticks(xs)

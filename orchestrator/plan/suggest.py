@@ -69,6 +69,7 @@ def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_di
     recomputes = {(None, None, None), ("selective", None, None), ("full", "uniform", 1),
                   (recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers)}
     distopts = {recipe.use_distributed_optimizer, True} if allow_distributed_optimizer else {recipe.use_distributed_optimizer}
+    kept = {recipe.use_distributed_optimizer}  # at DP 1 the distributed optimizer shards nothing: no change
     for tp in _divisors(world):
         if tp > max_tp or (world // tp) % cp:
             continue
@@ -86,7 +87,7 @@ def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_di
                     if cand.problems():
                         continue
                     for g, method, n in recomputes:
-                        for distopt in distopts:
+                        for distopt in (distopts if cand.data_parallel_size > 1 else kept):
                             rec = replace(recipe, recompute_granularity=g, recompute_method=method,
                                           recompute_num_layers=n, use_distributed_optimizer=distopt)
                             if not recipe_problems(rec, cand):
@@ -97,10 +98,11 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
             mfu: Optional[float] = None, always: bool = False) -> List[Suggestion]:
     """Up to ``limit`` nearby layouts that fit, fastest first (then fewest changes, least memory).
 
-    Runs when the config is invalid, does not fit, or idles more than ``LARGE_BUBBLE`` of the step
-    in the pipeline bubble (or ``always``); when the config already fits, only faster layouts are
-    returned. TP stays within a node (``cluster.gpus_per_node``, else 8); the distributed optimizer
-    is not proposed for CPU runs (megatron-core 0.16.1 rejects it there).
+    Runs when the config is invalid, does not fit, is tight (above ``plan_headroom`` of the device's
+    memory) or idles more than ``LARGE_BUBBLE`` of the step in the pipeline bubble (or ``always``);
+    every suggestion fits within ``plan_headroom``; when the config already does, only faster layouts
+    are returned. The distributed optimizer is proposed only where DP > 1 (at DP 1 it shards nothing). TP stays within a node (``cluster.gpus_per_node``, else 8); the distributed optimizer
+    is not proposed for CPU runs either (megatron-core 0.16.1 rejects it there).
     """
     from orchestrator.errors import LayoutError
 
@@ -110,10 +112,12 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
     mfu, node = mfu or DEFAULT_MFU, gpus_per_node(cfg)
     shape, recipe, layout = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg), layout_from_config(cfg)
     try:
-        current: Optional[Plan] = plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node)
+        current: Optional[Plan] = replace(plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node),
+                                          headroom=cfg.plan_headroom)
     except (LayoutError, ConfigError):
         current = None
-    needed = current is None or not current.fits or current.bubble_fraction > LARGE_BUBBLE
+    roomy = current is not None and current.fits and not current.tight
+    needed = not roomy or current.bubble_fraction > LARGE_BUBBLE
     if not (needed or always):
         return []
     cpu = cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node)
@@ -121,8 +125,9 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
     # cluster=local without tasks_per_node takes its world size from TP x PP x CP x DP: keep DP stated.
     local_world = cfg.cluster.kind == "local" and cfg.cluster.tasks_per_node is None
     for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world):
-        pl = plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node)
-        if not pl.fits or (current is not None and current.fits and pl.step_time_s >= 0.99 * current.step_time_s):
+        pl = replace(plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node),
+                     headroom=cfg.plan_headroom)
+        if not pl.fits or pl.tight or (roomy and pl.step_time_s >= 0.99 * current.step_time_s):
             continue
         ov = _overrides(cfg, cand, rec)
         if ov:
