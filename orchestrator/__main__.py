@@ -171,7 +171,8 @@ def _hydra(argv: List[str]) -> int:
 
 
 def _multirun(argv: List[str]) -> int:
-    from orchestrator.config.compose import check_overrides, compose_config, group_options, parse_overrides, sweep_checks
+    from orchestrator.config.compose import (check_overrides, compose_config, group_options, parse_overrides,
+                                             sweep_checks, sweep_points)
 
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
 
@@ -181,7 +182,10 @@ def _multirun(argv: List[str]) -> int:
                     searched=searched)
     announce_conf_dirs(overrides)
     for point in sweep_checks(overrides):
-        compose_config(point)  # composition errors only: a point's invalid layout is recorded, not fatal
+        cfg = compose_config(point)  # composition errors only: a point's invalid layout is recorded, not fatal
+    from orchestrator.sweep import driver as sweep
+
+    sweep.announce(*sweep_points(overrides), cfg.cluster.kind)  # in place of Hydra's "Launching N jobs" lines
     return _hydra(argv)
 
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import yaml
 
@@ -83,6 +84,8 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
     keys = schema_keys(JobConfig)
     for o in parsed:
         key, line = o.key_or_group, o.input_line
+        if key.startswith(("hydra/launcher", "hydra.launcher")):
+            raise _launcher_error(line, parsed)
         if key == "hydra" or key.startswith("hydra."):
             continue  # Hydra's own settings: Hydra checks them
         if o.is_sweep_override() and not multirun:
@@ -101,8 +104,9 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
                     best = did_you_mean(value, options[key])
+                    plus = "+" if key == "experiment" else ""
                     raise ConfigError(f"{key}={value}: no such {key} in {where(key, searched)}; fix: "
-                                      + (f"did you mean {key}={best}? " if best else "")
+                                      + (f"did you mean {plus}{key}={best}? " if best else "")
                                       + f"one of {', '.join(options[key])}"
                                       + (" (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)"
                                          if key == "experiment" else ""))
@@ -118,6 +122,17 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
             raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: {line.lstrip('+')}")
         if key in keys and o.type == OverrideType.DEL:
             raise ConfigError(f"{line}: schema keys cannot be removed; fix: {key}=<value> (or null where allowed)")
+
+
+def _launcher_error(line: str, parsed: List[Any]) -> ConfigError:
+    """``hydra/launcher=...`` (Hydra's submitit plugin habit): how sweeps run here, and the command that does."""
+    kept = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra/launcher", "hydra.launcher"))]
+    if not any(o.key_or_group == "cluster" for o in parsed):
+        kept.append("cluster=slurm")
+    return ConfigError(f"{line}: Hydra's launcher plugins are not used here: -m runs one orchestrator job per "
+                       "point, one after another locally, or all queued at once on SLURM through submitit with "
+                       "cluster=slurm (partition, account, time as cluster.* keys); fix: python -m orchestrator -m "
+                       + shlex.join(kept))
 
 
 def _under_open_field(key: str) -> bool:
@@ -139,6 +154,17 @@ def sweep_checks(overrides: List[str]) -> Iterator[List[str]]:
         if o.is_sweep_override():
             for value in _values(o)[1:]:
                 yield fixed[:i] + [f"{o.get_key_element()}={value}"] + fixed[i + 1:]
+
+
+def sweep_points(overrides: List[str]) -> Tuple[int, List[str]]:
+    """(points, the swept overrides as typed) of a ``-m`` command: Hydra's basic sweeper runs the
+    cartesian product of every swept key's values."""
+    points, swept = 1, []
+    for o in parse_overrides(overrides):
+        if o.is_sweep_override():
+            points *= len(_values(o))
+            swept.append(o.input_line)
+    return points, swept
 
 
 # ---------------------------------------------------------------- Hydra's errors, one line
@@ -166,7 +192,7 @@ def hydra_error(exc: BaseException) -> ConfigError:
         group, _, option = missing.rpartition("/")
         known = group_options().get(group, [])
         best = did_you_mean(option, known) if known else None
-        fix = (f"did you mean {group}={best}? " if best else "") + (f"one of {', '.join(known)}" if known else
+        fix = (f"did you mean {'+' if group == 'experiment' else ''}{group}={best}? " if best else "") + (f"one of {', '.join(known)}" if known else
                                                                      "check the defaults list of the config")
         return ConfigError(f"{group or 'config'}={option or missing}: no such config in conf/; fix: {fix}")
     cause: Optional[BaseException] = exc

@@ -210,6 +210,26 @@ def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
         return default, f"{exc}; assumed a vocabulary of {default}"
 
 
+def vocab_source(cfg, vocab_size: int) -> str:
+    """Where the plan's vocabulary of ``vocab_size`` ids came from, in words (the plan prints it)."""
+    from orchestrator.config.tokenizer import tokenizer_facts
+
+    d = cfg.data
+    try:
+        facts = tokenizer_facts(d)
+    except ConfigError:
+        facts = None
+    if facts is not None and facts.vocab_size == vocab_size:
+        if facts.kind == "byte":
+            return (f"data.tokenizer=byte of data={d.name}: 256 byte ids + eod + pad, not a model's tokenizer "
+                    "(set data.tokenizer for one)")
+        read = ", ".join(f"{role} {path}" for role, path in facts.files)
+        return f"data.tokenizer={d.tokenizer}" + (f", read from {read}" if read else f", data.vocab_size={d.vocab_size}")
+    if d.vocab_size == vocab_size:
+        return f"data.vocab_size={vocab_size} (data.tokenizer={d.tokenizer}'s files are not on this machine)"
+    return f"{vocab_size} ids as given to the planner (data.tokenizer={d.tokenizer} not read here)"
+
+
 def recipe_of(cfg) -> Recipe:
     """The :class:`Recipe` of a :class:`~orchestrator.config.schema.JobConfig`."""
     m, o = cfg.model, cfg.optimizer

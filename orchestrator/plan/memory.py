@@ -34,7 +34,8 @@ from orchestrator.config.schema import JobConfig
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
 from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
                                      FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
-                                     Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of)
+                                     Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of,
+                                     vocab_source)
 from orchestrator.plan.params import layer_params as _layer_params, stage_params as _stage_params  # noqa: F401
 from orchestrator.plan.params import total_params as _total_params
 from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
@@ -107,6 +108,8 @@ class Plan:
     """The amounts of work of a step that a device profile prices (calibration samples use them)."""
     bubble_idle: bool = True
     """False when ranks share cores (CPU): a stage's idle pipeline time runs other ranks."""
+    vocab_source: str = ""
+    """Where ``shape.vocab_size`` came from, in words (:func:`~orchestrator.plan.inputs.vocab_source`)."""
     headroom: float = HEADROOM
     """Share of device memory a plan may use and still say "fits" (``plan_headroom``); above it, "tight"."""
 
@@ -360,7 +363,7 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     ranks_per_node = layout.world_size // max(1, cfg.cluster.nodes) if preset.name == CPU_PRESET else None
     result = plan_layout(layout, shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
                          gpus_per_node=gpus_per_node(cfg), profile=profile, ranks_per_node=ranks_per_node)
-    result.headroom = cfg.plan_headroom
+    result.headroom, result.vocab_source = cfg.plan_headroom, vocab_source(cfg, vocab_size)
     if vpp_no_op(cfg):
         result.notes.append(vpp_no_op(cfg))
     if note:

@@ -25,7 +25,7 @@ def format_plan(plan: Plan) -> str:
              *("  " + s for s in lay.summary().splitlines()),
              "parameters",
              f"  vocab {sh.vocab_size} -> padded {plan.padded_vocab_size} (multiple of "
-             f"{sh.make_vocab_size_divisible_by} x TP {t})",
+             f"{sh.make_vocab_size_divisible_by} x TP {t})" + (f"; from {plan.vocab_source}" if plan.vocab_source else ""),
              f"  total {_num(plan.params_total)} (per layer {_num(plan.params_per_layer)}, embeddings "
              f"{_num(plan.params_embedding)}{', output layer tied' if not sh.untie_embeddings_and_output_weights else ''})",
              "  per stage: " + ", ".join(_num(n) for n in plan.params_per_stage)

@@ -223,9 +223,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="every attempt of each run: job id, start, end, cause, iteration reached")
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
-    if not root.exists():
-        print(f"error: runs_root={root}: no such directory; fix: the run.root of your runs "
-              "(default: runs, relative to where you launched them)", file=sys.stderr)
+    if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
+        if not args.json:
+            print(f"no runs under {root}: no such directory yet (a run creates run.root/run.name; run.root is "
+                  f"runs, relative to where it was launched, unless set)")
+        return 0
+    if not root.is_dir():
+        print(f"error: runs_root={root}: not a directory; fix: the run.root of your runs (default: runs)",
+              file=sys.stderr)
         return 2
     statuses = [run_status(d) for d in find_runs(root)]
     if args.json:

@@ -99,6 +99,8 @@ class _Driver:
     wait_at_end: bool = True
     pool: Any = None
     """The warm ranks of local points (orchestrator.submit.pool.PoolLauncher), made by the first one."""
+    points: Optional[int] = None
+    """How many points the sweep has (:func:`announce`), for "point 2 of 3"."""
 
     def launcher(self, cfg: Any) -> Any:
         """How a point runs: warm ranks (local, ``sweep.warm_pool``) or None (a fresh job)."""
@@ -117,6 +119,13 @@ class _Driver:
 
 
 _DRIVER = _Driver()
+
+
+def announce(points: int, swept: List[str], cluster_kind: str) -> None:
+    """The sweep's first line (Hydra's own launcher lines are off: conf/config.yaml)."""
+    _DRIVER.points = points
+    how = ("all queued at once on SLURM" if cluster_kind == "slurm" else "one after another on this machine")
+    say(f"{points} point{'s' * (points != 1)} ({' x '.join(swept) or 'no swept key'}), {how}")
 
 
 def current_point() -> Optional[Point]:
@@ -173,6 +182,8 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     from orchestrator.config.checks import validate
 
     _DRIVER.sweep_dir = point.sweep_dir
+    of = f" ({point.num + 1} of {_DRIVER.points})" if _DRIVER.points else ""
+    say(f"point {point.num}{of}: {' '.join(point.overrides)} -> {point.run_dir}")
     record: Dict[str, Any] = {
         "point": point.num, "overrides": point.overrides, "status": "running", "reason": "", "job_id": None,
         "run_dir": str(point.run_dir), "driver": {"pid": os.getpid(), "host": socket.gethostname()},
