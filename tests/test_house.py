@@ -16,6 +16,12 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
 
+def function_lines(src: str) -> dict:
+    """Each function of ``src`` -> its lines, ``def`` line to last line, both included."""
+    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(src))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def _offenders() -> list:
     found = []
     for path in sorted((REPO / "orchestrator").rglob("*.py")):
@@ -23,10 +29,14 @@ def _offenders() -> list:
         rel = path.relative_to(REPO)
         if src.count("\n") > MAX_MODULE_LINES:
             found.append(f"{rel}: {src.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(src)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno > MAX_FUNCTION_LINES:
-                found.append(f"{rel}:{node.lineno} {node.name}() is {node.end_lineno - node.lineno} lines")
+        found += [f"{rel}: {name}() is {n} lines" for name, n in function_lines(src).items() if n > MAX_FUNCTION_LINES]
     return found
+
+
+def test_function_lines_count_the_def_and_the_last_line():
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    src = f"def eighty():\n{body}\n\ndef eighty_one():\n{body}    return 1\n"
+    assert function_lines(src) == {"eighty": 80, "eighty_one": 81}
 
 
 def test_no_module_over_400_lines_and_no_function_over_80():

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from orchestrator.ckpt.manifest import MANIFEST_NAME, list_checkpoints, read_manifest
 
+
 def _summary(manifest: dict) -> str:
     lay, mod, files = manifest["layout"], manifest["model"], manifest["files"]
     vpp = lay.get("virtual_pipeline_model_parallel_size")
@@ -50,14 +51,8 @@ def _deep_line(manifest: dict) -> str:
             (f"; {sized} checked by size only (saved with checkpoint.digest=size)" if sized else ""))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser():
     import argparse
-
-    from orchestrator.errors import OrchestratorError
-    from orchestrator.config.layout import layout_from_config
-    from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
-    from orchestrator.config.compose import compose_config
-    from orchestrator.config.confdirs import with_config_dir_flags
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -76,58 +71,78 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_list.add_argument("run_dir")
     p_list.add_argument("--no-verify", action="store_true")
     p_list.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
+    return parser
+
+
+def show(args) -> int:
+    """``manifest show``: the manifest (summary or JSON), verified unless ``--no-verify``."""
+    directory = Path(args.ckpt_dir)
+    directory = directory.parent if directory.name == MANIFEST_NAME else directory
+    manifest = read_manifest(directory, verify=not args.no_verify, deep=args.deep)
+    print(json.dumps(manifest, indent=1, sort_keys=True) if args.json else
+          f"{directory / MANIFEST_NAME}\n{_summary(manifest)}")
+    if args.deep and not args.json:
+        print(_deep_line(manifest))
+    return 0
+
+
+def check(args) -> int:
+    """``manifest check``: the resume comparison of a composed config with a checkpoint; 1 when refused."""
+    from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
+    from orchestrator.config.compose import compose_config
+    from orchestrator.config.confdirs import with_config_dir_flags
+    from orchestrator.config.layout import layout_from_config
+
+    directory = Path(args.ckpt_dir)
+    manifest = read_manifest(directory, deep=args.deep)
+    if args.deep:
+        print(_deep_line(manifest))
+    overrides = list(args.overrides)
+    if not any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides):
+        overrides.append(f"run.dir={directory.resolve().parent.parent}")
+    cfg = compose_config(with_config_dir_flags(overrides + [w for d in args.config_dir for w in ("--config-dir", d)]))
+    mismatches = compare(manifest, cfg, layout_from_config(cfg), data_fingerprint=None, tokenizer=None)
+    print(format_mismatch_table(mismatches) if mismatches else
+          f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})")
+    refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
+    if refused:
+        print(f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
+              if all(x.reshardable for x in refused) else
+              f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry")
+    return 1 if refused else 0
+
+
+def list_run(args) -> int:
+    """``manifest list``: every checkpoint of a run with its layout, status and why retention keeps it."""
+    from orchestrator.ckpt.retention import describe
+
+    root = Path(args.run_dir)
+    save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    infos = list_checkpoints(save_dir, verify=not args.no_verify, deep=args.deep)
+    if not infos:
+        print(f"{save_dir}: no checkpoints")
+    for info, why in zip(infos, describe(save_dir, infos)):
+        lay = (info.manifest or {}).get("layout") or {}
+        shape = (f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
+                 f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
+                 f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}") if lay else "-"
+        extra = f"consumed {info.manifest['consumed_samples']}" if info.manifest else info.reason
+        kept = f"[{why}]" if why.startswith("removed") else f"[kept: {why}]"
+        print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  {kept}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: 0 done (``check``: the config matches), 1 ``check`` refused, 2 a user error (one line)."""
+    from orchestrator.errors import OrchestratorError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     tail = argv[argv.index("--") + 1:] if "--" in argv else []  # Hydra overrides, after options anywhere
-    args = parser.parse_args(argv[:len(argv) - len(tail) - 1] if "--" in argv else argv)
+    args = _parser().parse_args(argv[:len(argv) - len(tail) - 1] if "--" in argv else argv)
     if args.cmd == "check":
         args.overrides = list(args.overrides) + tail
     try:
-        if args.cmd == "show":
-            directory = Path(args.ckpt_dir)
-            directory = directory.parent if directory.name == MANIFEST_NAME else directory
-            manifest = read_manifest(directory, verify=not args.no_verify, deep=args.deep)
-            print(json.dumps(manifest, indent=1, sort_keys=True) if args.json else
-                  f"{directory / MANIFEST_NAME}\n{_summary(manifest)}")
-            if args.deep and not args.json:
-                print(_deep_line(manifest))
-            return 0
-        if args.cmd == "check":
-            directory = Path(args.ckpt_dir)
-            manifest = read_manifest(directory, deep=args.deep)
-            if args.deep:
-                print(_deep_line(manifest))
-            overrides = list(args.overrides)
-            if not any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides):
-                overrides.append(f"run.dir={directory.resolve().parent.parent}")
-            cfg = compose_config(with_config_dir_flags(overrides + [w for d in args.config_dir
-                                                                     for w in ("--config-dir", d)]))
-            layout = layout_from_config(cfg)
-            mismatches = compare(manifest, cfg, layout, data_fingerprint=None, tokenizer=None)
-            print(format_mismatch_table(mismatches) if mismatches else
-                  f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})")
-            refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
-            if refused:
-                print(f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
-                      if all(x.reshardable for x in refused) else
-                      f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry")
-            return 1 if refused else 0
-        root = Path(args.run_dir)
-        save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-        infos = list_checkpoints(save_dir, verify=not args.no_verify, deep=args.deep)
-        if not infos:
-            print(f"{save_dir}: no checkpoints")
-        from orchestrator.ckpt.retention import describe
-
-        for info, why in zip(infos, describe(save_dir, infos)):
-            lay = (info.manifest or {}).get("layout") or {}
-            shape = (f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
-                     f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
-                     f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}") if lay else "-"
-            extra = f"consumed {info.manifest['consumed_samples']}" if info.manifest else info.reason
-            print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  [kept: {why}]"
-                  if not why.startswith("removed") else
-                  f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  [{why}]")
-        return 0
+        return {"show": show, "check": check, "list": list_run}[args.cmd](args)
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
