@@ -7,7 +7,8 @@
   the ranks only load the indices the launcher built, and changing the weights is refused with a
   diff naming data.weights.
 
-Text: /work/shared/data/tinyshakespeare.jsonl (skipped, saying so, where it is absent).
+Text: tests/fixtures/data/tinyshakespeare_300.jsonl, the first 300 speeches of Tiny Shakespeare (public
+domain; one JSON document per speech), shipped with the tests.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from orchestrator.data.prepare import prepare
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
 from orchestrator.config.schema import DataConfig
 
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.jsonl"
-needs_text = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not found")
+SHAKESPEARE = REPO / "tests" / "fixtures" / "data" / "tinyshakespeare_300.jsonl"
 
 
 def speeches(start: int, count: int) -> List[str]:
-    """``count`` JSONL lines of tinyshakespeare.jsonl from line ``start`` (0-based), as bytes-safe text."""
+    """``count`` JSONL lines of the fixture from line ``start`` (0-based), as bytes-safe text."""
     with SHAKESPEARE.open(encoding="utf-8") as f:
-        return [line.rstrip("\n") for i, line in enumerate(f) if start <= i < start + count]
+        lines = [line.rstrip("\n") for i, line in enumerate(f) if start <= i < start + count]
+    assert len(lines) == count, f"{SHAKESPEARE} has fewer than {start + count} speeches"
+    return lines
 
 
 def leftovers(cache: Path) -> List[str]:
@@ -51,7 +53,6 @@ def test_identity_is_megatrons_byte_tokenizer(byte_tokenizer):
     assert ident["vocab_size"] == byte_tokenizer.vocab_size == 258 and ident["eod"] == byte_tokenizer.eod == 256
 
 
-@needs_text
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer, workers):
     """In this process or in two tokenizing processes (data.workers=2): the same counts, lines and ids."""
@@ -119,18 +120,17 @@ def test_a_failure_while_writing_removes_the_temporary_files(tmp_path, byte_toke
 
 # ---- a blend through the CLI ------------------------------------------------------------------------
 @pytest.mark.slow
-@needs_text
 def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("\n".join(speeches(0, 2000)) + "\n")
-    b.write_text("\n".join(speeches(2000, 2000)) + "\n")
+    a.write_text("\n".join(speeches(0, 150)) + "\n")
+    b.write_text("\n".join(speeches(150, 150)) + "\n")
     cache = tmp_path / "cache"  # cold
     run_dir = tmp_path / "run"
     common = ["parallelism=none", "data=jsonl", f"data.paths=[{a},{b}]", f"run.dir={run_dir}",
               "training.train_iters=4", "checkpoint.save_interval=2", "training.global_batch_size=8",
               "training.micro_batch_size=4", "training.eval_iters=0"]
     first = run_cli(common + ["data.weights=[0.5,0.5]"], cache=cache, timeout=400)
-    assert "data a: 2,000 documents" in first.stdout and "data b: 2,000 documents" in first.stdout
+    assert "data a: 150 documents" in first.stdout and "data b: 150 documents" in first.stdout
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     manifest = json.loads((run_dir / "checkpoints" / "iter_0000004" / "manifest.json").read_text())
     assert manifest["data"]["weights"] == [0.5, 0.5] and manifest["config"]["data"]["weights"] == [0.5, 0.5]
