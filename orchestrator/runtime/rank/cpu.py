@@ -206,14 +206,9 @@ def _set_rng_state_cpu(new_state, device=-1, graph_safe=False):
 def check_supported(version: "str | None" = None) -> None:
     """Raise :class:`BackendError` when megatron-core ``version`` (default: the installed one) is not
     one this layer was checked against, or psutil is missing."""
-    ver = version or mcore.version()
-    if not ver.startswith(SUPPORTED_MEGATRON):
-        raise BackendError(
-            f"a CPU run needs megatron-core {', '.join(v + 'x' for v in SUPPORTED_MEGATRON)} (the CPU compatibility "
-            f"layer, orchestrator/runtime/rank/cpu.py, is tested only there), found {ver}; fix: pip install "
-            "'megatron-core>=0.16.1,<0.17' (0.19.x needs Python 3.12), or run on GPUs (cluster.gpus_per_node=<n>), which megatron-core "
-            "0.16.1-0.19.x serve without this layer"
-        )
+    problem = mcore.cpu_line_problem(version or mcore.version())
+    if problem:
+        raise BackendError(problem)
     try:
         import psutil  # noqa: F401
     except ImportError:
@@ -240,11 +235,10 @@ def activate() -> None:
         setattr(random, attr, repl)
     # The tracker warns whenever the CPU state moves inside fork(); on CPU that is by design.
     logging.getLogger(random.__name__).setLevel(logging.ERROR)
-    for modname in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+    for modname in mcore.CLIP_GRAD_MODULES:
         module = importlib.import_module(modname)
-        if hasattr(module, "clip_grad_by_total_norm_fp32"):
-            _ORIGINALS[f"{modname}.clip_grad_by_total_norm_fp32"] = module.clip_grad_by_total_norm_fp32
-            module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+        _ORIGINALS[f"{modname}.clip_grad_by_total_norm_fp32"] = module.clip_grad_by_total_norm_fp32
+        module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original_setup = LanguageModule.setup_embeddings_and_output_layer

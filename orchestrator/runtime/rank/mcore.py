@@ -21,21 +21,88 @@ needs (the renamed attribute, the new parameter), so a 0.17/0.18 on a GPU machin
 * The asynchronous-save queue: ``dist_checkpointing.strategies.async_utils.AsyncCallsQueue`` in both;
   0.19.x deprecates it for nvidia-resiliency-ext's (same interface), taken when installed.
 
+* Notices at import and at run time: 0.19.x warns about its own defaults and logs two deprecations we
+  cannot follow (``GPTModel`` -> ``HybridModel``, which has no local, non-TE layer spec and other
+  state-dict keys; "MCore's async save" -> nvidia-resiliency-ext); :func:`quiet_notices` drops exactly
+  those (called by ``orchestrator/runtime/__init__.py``, before any megatron import).
+* The lines a CPU job runs on: :data:`LINES`, :func:`cpu_line_problem` (the CPU compatibility layer,
+  :mod:`orchestrator.runtime.rank.cpu`, is tested on these only).
+
 Same in both (relied on, tested on both): ``initialize_model_parallel(distributed_timeout_minutes=)``,
-``filesystem_async._results_queue`` (the module's cached queue), ``GPTModel`` (0.19 logs it as
-deprecated in favour of ``HybridModel``, which has no local, non-TE layer spec and other state-dict
-keys: see the warning filters in ``orchestrator/runtime/__init__.py``).
+``filesystem_async._results_queue`` (the module's cached queue), ``GPTModel``, ``megatron.core.jit``'s
+``disable_jit_fuser()`` and the ``try/except ImportError`` around megatron-core's own ``transformers`` and
+``wandb`` imports (what :mod:`orchestrator.runtime.rank.startup` relies on), ``clip_grad_by_total_norm_fp32``
+bound in :data:`CLIP_GRAD_MODULES` and the RNG helpers' ``graph_safe`` parameter (what the CPU layer
+replaces). Across the lines' checkpoints: a line reads what its own and older lines saved, not newer
+(0.16.1 fails inside its load on a 0.19.x checkpoint); that rule is applied before a job is queued, so it
+lives torch-free below the runtime, in ``orchestrator/ckpt/resume.py`` (``_version_mismatch``).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 
 LINES = ("0.16.", "0.19.")
 """The megatron-core version prefixes the runtime is written and tested against (CPU: enforced by
 :func:`orchestrator.runtime.rank.cpu.check_supported`; CI runs both, see README "Tests")."""
+
+CLIP_GRAD_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
+"""The modules that bind ``clip_grad_by_total_norm_fp32`` (defined in the first, imported by the second)
+in both lines: the CPU layer replaces it in each."""
+
+IGNORED_WARNINGS = (
+    "Transformer Engine and Apex are not installed", "Apex is not installed",
+    "The pad token id in the tokenizer collides",
+    # 0.19: TransformerConfig's own default (cuda_graph_modules="full"; CUDA graphs are off)
+    "full scope is deprecated",
+    # 0.19: importing megatron.core.models.mimo (get_megatron_optimizer does), and
+    # log_single_rank before torch.distributed is up (GPTDatasetConfig in the launcher)
+    "MimoModelConfig is experimental", "Could not determine rank from torch.distributed",
+)
+"""megatron-core's warnings at import on every rank: expected on CPU and without Apex/Transformer Engine,
+and otherwise burying the training log."""
+
+DROPPED_NOTICES = {
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+}
+"""0.19.x's deprecations logged at WARNING on every model build and first save, whose replacements we
+cannot take: ``HybridModel`` (no local layer spec, other state-dict keys: a 0.16 checkpoint would no
+longer load) and NVRx (not a dependency; 0.19's *synchronous* torch_dist save runs through the
+deprecated async path and logs it too). Logger name -> message prefix."""
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_notices() -> None:
+    """Ignore :data:`IGNORED_WARNINGS` and drop :data:`DROPPED_NOTICES` (no megatron import; idempotent)."""
+    for pattern in IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name, prefix in DROPPED_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in logger.filters):
+            logger.addFilter(_DropNotice(prefix))
+
+
+def cpu_line_problem(version: str) -> Optional[str]:
+    """Why megatron-core ``version`` cannot run a CPU job (one sentence with the fix), or None."""
+    if version.startswith(LINES):
+        return None
+    return (f"a CPU run needs megatron-core {', '.join(v + 'x' for v in LINES)} (the CPU compatibility layer, "
+            f"orchestrator/runtime/rank/cpu.py, is tested only there), found {version}; fix: pip install "
+            "'megatron-core>=0.16.1,<0.17' (0.19.x needs Python 3.12), or run on GPUs (cluster.gpus_per_node=<n>), "
+            "which megatron-core 0.16.1-0.19.x serve without this layer")
 
 
 def version() -> str:

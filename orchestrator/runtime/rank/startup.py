@@ -14,9 +14,9 @@ a SLURM job's tasks, pay it each. Three parts of it never serve a rank:
   fused functions it decorates run only with the fusions the runtime turns off on CPU
   (:mod:`orchestrator.runtime.rank.model`), yet decorating them with ``torch.compile`` at import costs it.
 
-Both megatron-core lines (0.16.x, 0.19.x) import the first two inside ``try/except ImportError`` and
-have ``megatron.core.jit.disable_jit_fuser``; the savings were measured with ``time.process_time``
-around the rank's imports (:func:`orchestrator.runtime.start.forked.preload`).
+What this relies on in megatron-core is the same in both lines (listed in
+:mod:`orchestrator.runtime.rank.mcore`); the savings were measured with ``time.process_time`` around the
+rank's imports (:func:`orchestrator.runtime.start.forked.preload`).
 """
 
 from __future__ import annotations
