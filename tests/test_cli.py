@@ -104,7 +104,7 @@ USER_ERRORS = [
     (["paralelism=tp2_pp2"], ["paralelism: unknown key", "did you mean parallelism?"]),
     (["trainng.seed=3"], ["trainng.seed: unknown key", "did you mean training.seed?"]),
     (["model=gpt_6.7"], ["model=gpt_6.7: no such model", "did you mean model=gpt_6.7b?"]),
-    (["+experiment=gpt_pp2"], ["experiment=gpt_pp2: no such experiment", "did you mean experiment=gpt_pp2_dp2?"]),
+    (["+experiment=gpt_pp2"], ["experiment=gpt_pp2: no such experiment", "did you mean +experiment=gpt_pp2_dp2?"]),
     (["parallelism=tp4"], ["parallelism=tp4: no such parallelism", "tp2_pp2"]),
     # Hydra's and OmegaConf's own errors
     (["experiment=gpt_pp2_dp2"], ["experiment is an optional group", "fix: +experiment=gpt_pp2_dp2"]),

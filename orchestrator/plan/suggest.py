@@ -149,5 +149,6 @@ def format_suggestions(suggestions: Sequence[Suggestion]) -> str:
                      f"{pl.peak_bytes / GiB:.1f}", f"{pl.bubble_fraction:.1%}", f"{pl.step_time_s:.3g}",
                      f"{pl.tokens_per_s:,.0f}"))
     text = table(["#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "distopt", "mem GiB", "bubble", "step s",
-                  "tokens/s"], rows, title="suggestions (fastest first; each fits):", right=range(12))
+                  "tokens/s"], rows, title="suggestions (fastest first; each fits within plan_headroom):",
+                 right=range(12))
     return text + "\n" + "\n".join(f"  #{i}: {' '.join(s.overrides)}" for i, s in enumerate(suggestions, 1))
