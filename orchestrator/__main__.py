@@ -223,6 +223,7 @@ def help_text() -> str:
         "                 (would resume / start fresh, or refused with exit 2 as the run would), and stop (no torch)",
         "  dry_run=true   plan, then print the submission (the sbatch script on SLURM), and stop",
         "  plan_picture=FILE.png  with plan=true: draw the predicted schedule and the memory per stage",
+        "  plan_headroom=0.85  share of device memory a plan may use and say \"fits\"; above it \"tight\", with suggestions",
         "  gpu=NAME       the planner's GPU preset: " + ", ".join(GPU_PRESETS),
         "  run.name=NAME  the run directory is run.root/run.name (run.root=runs); an experiment's run is",
         "                 named by the experiment plus the groups chosen on the command line",

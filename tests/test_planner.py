@@ -216,7 +216,8 @@ def test_seed_plan_with_distributed_optimizer_and_recompute_fits_at_both_micro_b
         cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
         plan = planner.plan(cfg, vocab_size=SEED_VOCAB)
         fits[mbs] = plan.fits
-        assert plan.reason.startswith("fits")
+        # fits within the device (MBS 8: 96% of it, above plan_headroom=0.85 -> said "tight")
+        assert plan.reason.startswith("tight" if plan.peak_bytes > 0.85 * plan.gpu.memory_bytes else "fits")
     assert fits == {4: True, 8: True}
 
 
