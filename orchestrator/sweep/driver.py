@@ -179,7 +179,7 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     """
     from orchestrator.plan import memory as planner
     from orchestrator.config.schema import to_job_config
-    from orchestrator.config.checks import validate
+    from orchestrator.config.checks import validate, validate_planned
 
     _DRIVER.sweep_dir = point.sweep_dir
     of = f" ({point.num + 1} of {_DRIVER.points})" if _DRIVER.points else ""
@@ -193,7 +193,7 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         cfg = to_job_config(dcfg)
         if cfg.sweep.trace_iteration:  # the table's measured bubble (runtime.training.trace)
             cfg.training.trace_iteration = cfg.sweep.trace_iteration
-        layout = validate(cfg)
+        layout = validate_planned(cfg)[0] if cfg.plan and not cfg.dry_run else validate(cfg)  # as pipeline.run
         record["training"] = {"train_iters": cfg.training.train_iters,
                               "timing_warmup_iters": cfg.training.timing_warmup_iters}
         record["layout"] = layout_record(layout)
