@@ -64,8 +64,8 @@ def _watch_stdin() -> None:
     import signal
 
     def watch() -> None:
-        try:
-            while sys.stdin.buffer.read(65536):
+        try:  # the raw descriptor: a buffered reader's lock would stop the interpreter's shutdown
+            while os.read(0, 65536):
                 pass
         except OSError:
             pass
