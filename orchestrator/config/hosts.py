@@ -119,7 +119,13 @@ def nodes_world_size(c, needed: int) -> "tuple[int, str]":
     if c.kind == "torchrun":
         procs = procs_per_node(c)
         env_nodes = any(os.environ.get(v) for v in ("NNODES", "PET_NNODES", "SKYPILOT_NODE_IPS", "WORLD_SIZE"))
-        nodes = node_env({"MASTER_ADDR": "-", "NODE_RANK": "0", **os.environ}, procs).nnodes if env_nodes else c.nodes
+        env = node_env({"MASTER_ADDR": "-", "NODE_RANK": "0", **os.environ}, procs) if env_nodes else None
+        nodes = env.nnodes if env else c.nodes
+        said = env.source.split(", ")[1] if env else "cluster.nodes"
+        if needed and nodes * procs != needed:
+            raise LayoutError(f"{said}={nodes} nodes x {procs} processes per node = {nodes * procs} ranks, but the "
+                              f"layout needs TP x PP x CP x DP = {needed} (world size {needed}); fix: run on "
+                              f"{max(1, needed // procs)} nodes, or change the layout (parallelism.*)")
         return nodes * procs, f"nodes x processes per node = {nodes} x {procs}"
     hosts = cluster_hosts(c)
     procs = procs_per_node(c, hosts)

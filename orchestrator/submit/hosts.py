@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import pickle
 import shlex
 import subprocess
 import sys
@@ -34,10 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from orchestrator.config.hosts import Host, cluster_hosts, procs_per_node
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, to_dict
-from orchestrator.errors import ConfigError, JobFailedError
+from orchestrator.errors import ConfigError
+from orchestrator.submit.sessions import Sessions, failure, results  # noqa: F401 (platform uses them)
 
-STOP_WAIT_S = 40.0
-"""How long the other sessions get to stop their ranks (torchrun's SIGTERM-to-SIGKILL is 30 s)."""
 AGENTS_DIR = "agents"
 
 
@@ -137,32 +135,11 @@ def write_job_file(cfg: JobConfig, prepared, job_dir: Path, env: Dict[str, str])
     return job_file
 
 
-def results(job_file: Path, world_size: int) -> Dict[int, Tuple[str, Any]]:
-    """The outcome files the ranks wrote, by rank."""
-    from orchestrator.runtime.start.agent import result_path
-
-    found: Dict[int, Tuple[str, Any]] = {}
-    for rank in range(world_size):
-        try:
-            found[rank] = pickle.loads(result_path(job_file, rank).read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError):
-            continue
-    return found
-
-
-def _tail(path: Path, lines: int = 12) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
     """Start the agents on every host, wait, return the logging rank's summary; JobFailedError naming the host
     whose session or ranks failed."""
     from orchestrator.ckpt.history import record_submission
     from orchestrator.runtime.start.agent import agent_command
-    from orchestrator.submit.sessions import Sessions
 
     hosts = cluster_hosts(cfg.cluster)
     procs = procs_per_node(cfg.cluster, hosts)
@@ -188,15 +165,3 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
 
         print(final_lines(cfg), flush=True)
     return summary
-
-
-def failure(job_file: Path, found: Dict[int, Tuple[str, Any]], headline: str) -> JobFailedError:
-    """The JobFailedError of a job whose agents ended: the headline, then the first failed rank's last lines."""
-    errors = {r: o[1] for r, o in found.items() if o[0] == "error"}
-    detail = ""
-    for rank, text in sorted(errors.items()):
-        lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-        if lines:
-            detail = f"\nrank {rank}:\n" + "\n".join(lines[-8:])
-            break
-    return JobFailedError(headline + detail)

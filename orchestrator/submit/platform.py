@@ -106,5 +106,7 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
     if rc != 0 or len(found) != procs or any(o[0] != "success" for o in found.values()):
         raise failure(job_file, found, f"node {env.node_rank}: torchrun's agent exited {rc}")
     summaries = [found[r][1] for r in ranks]
-    best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), summaries[0])
+    best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), None)
+    if best is None:  # the loss lives on the logging rank, on another node
+        best = {k: v for k, v in summaries[0].items() if k != "lm_loss"}
     return {**best, "job_id": job_id}

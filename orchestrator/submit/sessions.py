@@ -8,16 +8,46 @@ and afterwards removes any process of the job still on a host (``pkill -f <job f
 
 from __future__ import annotations
 
+import pickle
 import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import JobFailedError
 
 CLEANUP_TIMEOUT_S = 20.0
+STOP_WAIT_S = 40.0
+"""How long the other sessions get to stop their ranks (torchrun's SIGTERM-to-SIGKILL is 30 s)."""
+
+
+def results(job_file: Path, world_size: int) -> Dict[int, Tuple[str, Any]]:
+    """The outcome files the ranks wrote, by rank."""
+    from orchestrator.runtime.start.agent import result_path
+
+    found: Dict[int, Tuple[str, Any]] = {}
+    for rank in range(world_size):
+        try:
+            found[rank] = pickle.loads(result_path(job_file, rank).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            continue
+    return found
+
+
+def failure(job_file: Path, found: Dict[int, Tuple[str, Any]], headline: str) -> JobFailedError:
+    """The JobFailedError of a job whose agents ended: the headline, then the first failed rank's last lines."""
+    errors = {r: o[1] for r, o in found.items() if o[0] == "error"}
+    detail = ""
+    for rank, text in sorted(errors.items()):
+        lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        if lines:
+            detail = f"\nrank {rank}:\n" + "\n".join(lines[-8:])
+            break
+    return JobFailedError(headline + detail)
+
 
 
 def _how(rc: int) -> str:
@@ -91,7 +121,6 @@ class Sessions:
         from orchestrator.ckpt.lock import RunLock
         from orchestrator.ckpt.rundir import METRICS_FILE
         from orchestrator.submit import outcome
-        from orchestrator.submit.hosts import STOP_WAIT_S, failure, results
         from orchestrator.submit.progress import Progress, ranks_up
 
         run_dir = cfg.run.dir
