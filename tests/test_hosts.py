@@ -169,52 +169,41 @@ def _assert_losses_match(got: Dict[int, float], ref: Dict[int, float], iteration
 
 @needs_hosts
 @pytest.mark.slow
-def test_two_hosts_lose_a_session_name_it_resume_and_match_local(tmp_path, cache_dir):
-    """PP=2 x DP=2 on hnode1 + hnode2 (2 ranks each): kill -9 the SSH client to hnode2 once training runs; the
-    launcher names hnode2 within 30 s and no process of the job is left on any host; the rerun resumes from
-    the last checkpoint and finishes; every loss equals a local run's (1e-5); the manifest records both hosts;
-    a layout change is refused. Then cluster=torchrun, started by hand in each namespace, trains the same job
-    with the same losses, and variables that disagree with the layout are refused in one line."""
-    n = 10
+def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_local(tmp_path, cache_dir):
+    """PP=2 x DP=2 on hnode1 + hnode2 (2 ranks each), cluster=hosts: kill -9 the SSH client to hnode2 once
+    iteration 4 is logged; the launcher names hnode2 within 30 s, exits 1, and no process of the job is left on
+    any host; the manifest of its checkpoint records both hosts. The rerun is the same job with
+    cluster=torchrun, started by hand in each namespace with the platform's variables (one CI run for both
+    acceptance items): it resumes from that checkpoint and finishes, and every loss of the 8 iterations,
+    before and after the loss, equals a local run's (1e-5). Variables that disagree with the layout, and a
+    layout change, are refused in one line."""
+    n = 8
     root = tmp_path / "runs"
-    common = SMALL + [f"run.root={root}", f"training.train_iters={n}", "checkpoint.save_interval=3"]
-    ref = Launcher(common + ["cluster=local", "run.name=local"], cache_dir, tmp_path / "local.log")
-    hosts = common + ["cluster=hosts_dev", "run.name=hosts"]
-    first = Launcher(hosts, cache_dir, tmp_path / "hosts1.log")
-    run_dir = root / "hosts"
+    common = SMALL + [f"run.root={root}", f"training.train_iters={n}", "checkpoint.save_interval=3", "run.name=job"]
+    ref = Launcher([a for a in common if a != "run.name=job"] + ["cluster=local", "run.name=local"], cache_dir,
+                   tmp_path / "local.log")
+    first = Launcher(common + ["cluster=hosts_dev"], cache_dir, tmp_path / "hosts.log")
+    run_dir = root / "job"
     deadline = time.monotonic() + 300
     while not any(r["iteration"] >= 4 for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
         assert first.proc.poll() is None and time.monotonic() < deadline, first.text[-4000:]
-        time.sleep(0.3)
+        time.sleep(0.2)
     _ssh_client_to("hnode2", first.proc.pid).kill()
     killed = time.monotonic()
+    while "hnode2: session ended" not in first.text and time.monotonic() - killed < 60:
+        time.sleep(0.2)
+    named_after = time.monotonic() - killed
     assert first.wait(120) == 1, first.text[-4000:]
-    named = [ln for ln in first.text.splitlines() if "hnode2: session ended" in ln]
-    assert named and "killed by SIGKILL" in named[0], first.text[-3000:]
+    line = next((ln for ln in first.text.splitlines() if "hnode2: session ended" in ln), "")
+    assert "killed by SIGKILL" in line and named_after <= 30, (named_after, first.text[-3000:])
     job_id = next(p.name for p in (run_dir / "agents").iterdir())
     assert _job_processes(job_id) == []
-    took = time.monotonic() - killed
-    assert took <= 30 + 45, took  # named within the polling interval; the wait covers the others' shutdown
+    manifest = json.loads((run_dir / "checkpoints" / "iter_0000003" / "manifest.json").read_text())
+    assert manifest["hosts"] == ["hnode1", "hnode1", "hnode2", "hnode2"], manifest["hosts"]
 
-    second = Launcher(hosts, cache_dir, tmp_path / "hosts2.log")
-    assert second.wait(300) == 0, second.text[-4000:]
-    assert "resumed at iteration" in second.text, second.text[-3000:]
-    assert ref.wait(300) == 0, ref.text[-4000:]
-    local = losses_by_iteration(root / "local")
-    _assert_losses_match(losses_by_iteration(run_dir), local, range(1, n + 1))
-    manifest = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
-    assert sorted(set(manifest["hosts"])) == ["hnode1", "hnode2"], manifest["hosts"]
-    proc = run_cli(hosts + ["parallelism.pipeline_model_parallel_size=1", "parallelism.data_parallel_size=null"],
-                   cache=cache_dir, check=False, timeout=120)
-    assert proc.returncode == 2 and "pipeline_model_parallel_size" in proc.stderr, proc.stderr[-2000:]
-
-    # cluster=torchrun: the platform's variables set by hand, one launcher per namespace
-    m = 4
-    tr = common + [f"training.exit_after_iters={m}", "cluster=torchrun", "cluster.gpus_per_node=0",
-                  "cluster.tasks_per_node=2", "+cluster.env.OMP_NUM_THREADS=1", "run.name=torchrun"]
-    bad = run_cli(tr, cache=cache_dir, check=False, timeout=120,
-                  env={"MASTER_ADDR": "hnode1", "NNODES": "3", "NODE_RANK": "0"})
-    _one_error_line(bad, "NNODES=3 nodes x 2 processes per node = 6 ranks", "world size 4")
+    tr = common + ["cluster=torchrun", "cluster.gpus_per_node=0", "cluster.tasks_per_node=2", "+cluster.env.OMP_NUM_THREADS=1"]
+    bad = run_cli(tr, cache=cache_dir, check=False, timeout=120, env={"MASTER_ADDR": "hnode1", "NNODES": "3", "NODE_RANK": "0"})
+    _one_error_line(bad, "NNODES=3 nodes x 2 processes per node = 6 ranks", "needs TP x PP x CP x DP = 4")
     nodes = [Launcher(tr, cache_dir, tmp_path / f"torchrun{i}.log",
                       env={"MASTER_ADDR": "hnode1", "MASTER_PORT": "29617", "NNODES": "2", "NODE_RANK": str(i)},
                       prefix=["nsenter", f"--net=/run/netns/host-node{i + 1}", "unshare", "--uts", "--", "sh", "-c",
@@ -222,6 +211,11 @@ def test_two_hosts_lose_a_session_name_it_resume_and_match_local(tmp_path, cache
              for i in range(2)]
     for node in nodes:
         assert node.wait(300) == 0, node.text[-4000:]
-    _assert_losses_match(losses_by_iteration(root / "torchrun"), local, range(1, m + 1))
-    manifest = json.loads((root / "torchrun" / "checkpoints" / f"iter_{m:07d}" / "manifest.json").read_text())
+    assert "resumed at iteration 3" in nodes[0].text + nodes[1].text, nodes[0].text[-3000:]
+    assert ref.wait(300) == 0, ref.text[-4000:]
+    _assert_losses_match(losses_by_iteration(run_dir), losses_by_iteration(root / "local"), range(1, n + 1))
+    manifest = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
     assert sorted(set(manifest["hosts"])) == ["hnode1", "hnode2"], manifest["hosts"]
+    proc = run_cli(common + ["cluster=hosts_dev", "parallelism.pipeline_model_parallel_size=1",
+                             "parallelism.data_parallel_size=null"], cache=cache_dir, check=False, timeout=120)
+    assert proc.returncode == 2 and "pipeline_model_parallel_size" in proc.stderr, proc.stderr[-2000:]

@@ -166,7 +166,7 @@ class Sessions:
             tail = "\n".join(self.log(first).read_text(errors="replace").splitlines()[-6:]) if self.log(first).exists() else ""
             headline += f"\n{first}'s last lines ({self.log(first)}):\n{tail}" if tail else ""
         RunLock(run_dir).release_for(job_id)
-        raise failure(self.job_file, found, headline)
+        raise failure(self.job_file, {} if lost else found, headline)  # a lost session: its peers' errors are echoes
 
     def _finish(self, run_dir: str, job_id: str) -> None:
         from orchestrator.ckpt.lock import RunLock
