@@ -211,7 +211,7 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
              for i in range(2)]
     for node in nodes:
         assert node.wait(300) == 0, node.text[-4000:]
-    assert "resumed at iteration 3" in nodes[0].text + nodes[1].text, nodes[0].text[-3000:]
+    assert "will resume from" in nodes[0].text and "iter_0000003 (iteration 3)" in nodes[0].text, nodes[0].text[-3000:]
     assert ref.wait(300) == 0, ref.text[-4000:]
     _assert_losses_match(losses_by_iteration(run_dir), losses_by_iteration(root / "local"), range(1, n + 1))
     manifest = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
@@ -219,3 +219,22 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     proc = run_cli(common + ["cluster=hosts_dev", "parallelism.pipeline_model_parallel_size=1",
                              "parallelism.data_parallel_size=null"], cache=cache_dir, check=False, timeout=120)
     assert proc.returncode == 2 and "pipeline_model_parallel_size" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_path):
+    """``status``: a hosts job is running while its launcher lives (here: this process), completed once every
+    rank's result file (``result_<rank>.pkl`` beside the job file) says success."""
+    import pickle
+    import socket
+
+    from orchestrator.ckpt.history import read_records, record_submission
+    from orchestrator.submit.jobs import job_status
+
+    folder = tmp_path / "agents" / "hosts-1"
+    folder.mkdir(parents=True)
+    record_submission(tmp_path, "hosts-1", "hosts", {"stdout": str(folder / "hnode1.log")}, num_tasks=2,
+                      launcher={"pid": os.getpid(), "host": socket.gethostname()})
+    assert job_status("hosts-1", "hosts", folder, 2, events=read_records(tmp_path)).state == "running"
+    for rank in range(2):
+        (folder / f"result_{rank}.pkl").write_bytes(pickle.dumps(("success", {"status": "completed"})))
+    assert job_status("hosts-1", "hosts", folder, 2, events=read_records(tmp_path)).state == "completed"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -151,7 +152,8 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     argv = agent_command(python_of(cfg), str(job_file), nnodes=len(hosts), nproc_per_node=procs,
                          rdzv_endpoint=endpoint, rdzv_id=job_id, watch_stdin=True)
     record_submission(cfg.run.dir, job_id, cfg.cluster, {"stdout": str(job_dir / f"{hosts[0].name}.log")},
-                      num_tasks=layout.world_size, hosts=[h.name for h in hosts], rendezvous=endpoint)
+                      num_tasks=layout.world_size, hosts=[h.name for h in hosts], rendezvous=endpoint,
+                      launcher={"pid": os.getpid(), "host": socket.gethostname()})
     print(f"[orchestrator] job {job_id} (hosts): torchrun on {len(hosts)} hosts x {procs} ranks, rendezvous {endpoint}\n"
           f"[orchestrator]   run dir: {cfg.run.dir}\n[orchestrator]   logs:    {job_dir}/<host>.log", flush=True)
     sessions = Sessions(ssh_base(cfg.cluster), [h.name for h in hosts], job_dir, job_file)
