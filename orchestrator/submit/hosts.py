@@ -29,13 +29,13 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from orchestrator.config.hosts import Host, cluster_hosts, procs_per_node
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ConfigError
-from orchestrator.submit.sessions import Sessions, failure, results  # noqa: F401 (platform uses them)
+from orchestrator.submit.sessions import Sessions
 
 AGENTS_DIR = "agents"
 
@@ -111,7 +111,8 @@ def check_hosts(cfg: JobConfig) -> List[Host]:
     return hosts
 
 
-def _rank_env(cfg: JobConfig, job_id: str) -> Dict[str, str]:
+def rank_env(cfg: JobConfig, job_id: str) -> Dict[str, str]:
+    """What every rank of an agent-started job gets: ``cluster.env``, the job id, this ``PYTHONPATH``."""
     env = {k: str(v) for k, v in cfg.cluster.env.items()}
     env["ORCHESTRATOR_JOB_ID"] = job_id
     if os.environ.get("PYTHONPATH"):  # the same code on every host (a shared file system)
@@ -146,7 +147,7 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     procs = procs_per_node(cfg.cluster, hosts)
     job_id = f"hosts-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     job_dir = Path(cfg.run.dir).absolute() / AGENTS_DIR / job_id
-    env = _rank_env(cfg, job_id)
+    env = rank_env(cfg, job_id)
     job_file = write_job_file(cfg, prepared, job_dir, env)
     endpoint = f"{hosts[0].name}:{rendezvous_port(cfg, job_id)}"
     argv = agent_command(python_of(cfg), str(job_file), nnodes=len(hosts), nproc_per_node=procs,

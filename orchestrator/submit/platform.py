@@ -76,14 +76,15 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
     """Run this node's agent and wait; the summary of this node's logging rank (or of its first rank)."""
     from orchestrator.ckpt.history import record_submission
     from orchestrator.runtime.start.agent import agent_command
-    from orchestrator.submit.hosts import AGENTS_DIR, _rank_env, failure, python_of, results, write_job_file
+    from orchestrator.submit.hosts import AGENTS_DIR, python_of, rank_env, write_job_file
+    from orchestrator.submit.sessions import failure, results
 
     env = this_node(cfg, layout)
     procs = procs_per_node(cfg.cluster)
     job_id = _job_id(cfg, env)
     job_dir = Path(cfg.run.dir).absolute() / AGENTS_DIR / job_id / f"node{env.node_rank}"
-    rank_env = _rank_env(cfg, job_id)
-    job_file = write_job_file(cfg, prepared, job_dir, rank_env)
+    env_of_ranks = rank_env(cfg, job_id)
+    job_file = write_job_file(cfg, prepared, job_dir, env_of_ranks)
     if env.node_rank == 0:
         record_submission(cfg.run.dir, job_id, cfg.cluster, {"stdout": str(job_dir / "agent.log")},
                           num_tasks=layout.world_size, rendezvous=f"{env.master_addr}:{env.master_port}")
@@ -91,7 +92,7 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
                          rdzv_endpoint=f"{env.master_addr}:{env.master_port}", rdzv_id=job_id, node_rank=env.node_rank)
     print(f"[orchestrator] job {job_id} (torchrun): node {env.node_rank} of {env.nnodes}, ranks "
           f"{env.node_rank * procs}..{(env.node_rank + 1) * procs - 1}", flush=True)
-    agent = subprocess.Popen(argv, env={**os.environ, **rank_env}, start_new_session=True)
+    agent = subprocess.Popen(argv, env={**os.environ, **env_of_ranks}, start_new_session=True)
     try:
         rc = agent.wait()
     except KeyboardInterrupt:
