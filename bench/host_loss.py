@@ -8,6 +8,7 @@ processes of the job left on any host (one pid namespace here), and the load ave
 
     python bench/host_loss.py                      # hnode2 at iteration 4
     python bench/host_loss.py --host hnode1 --at 2
+    python bench/host_loss.py --signal TERM        # SIGTERM to the launcher instead (INT: Ctrl-C)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="hnode2")
     parser.add_argument("--at", type=int, default=4, help="kill once this iteration is logged")
+    parser.add_argument("--signal", default=None, help="send this signal (TERM, INT, HUP) to the launcher instead")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="host_loss-"))
     log = root / "launcher.log"
@@ -57,14 +60,19 @@ def main() -> int:
     print(f"first iteration {time.monotonic() - start:.1f} s after the launch")
     while _iteration(metrics) < args.at:
         time.sleep(0.1)
-    ssh = next(c for c in psutil.Process(proc.pid).children() if c.cmdline()[:1] == ["ssh"] and args.host in c.cmdline())
-    ssh.kill()
-    killed = time.monotonic()
-    while f"{args.host}: session ended" not in log.read_text() and proc.poll() is None:
-        time.sleep(0.05)
-    print(f"{args.host} named {time.monotonic() - killed:.1f} s after kill -9 of its SSH client")
+    if args.signal:
+        proc.send_signal(getattr(signal, f"SIG{args.signal.upper()}"))
+        killed = time.monotonic()
+    else:
+        ssh = next(c for c in psutil.Process(proc.pid).children() if c.cmdline()[:1] == ["ssh"] and args.host in c.cmdline())
+        ssh.kill()
+        killed = time.monotonic()
+        while f"{args.host}: session ended" not in log.read_text() and proc.poll() is None:
+            time.sleep(0.05)
+        print(f"{args.host} named {time.monotonic() - killed:.1f} s after kill -9 of its SSH client")
     code = proc.wait()
-    print(f"launcher exited {code}, {time.monotonic() - killed:.1f} s after the kill")
+    print(f"launcher exited {code}, {time.monotonic() - killed:.1f} s after the {args.signal or 'kill'}; "
+          f"checkpoints: {sorted(p.name for p in (root / 'job' / 'checkpoints').glob('iter_*'))}")
     job = next((root / "job" / "agents").iterdir()).name
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if job in " ".join(p.info["cmdline"] or [])]
     print(f"processes of job {job} left: {left or 'none'}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
