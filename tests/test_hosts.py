@@ -238,3 +238,24 @@ def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_pat
     for rank in range(2):
         (folder / f"result_{rank}.pkl").write_bytes(pickle.dumps(("success", {"status": "completed"})))
     assert job_status("hosts-1", "hosts", folder, 2, events=read_records(tmp_path)).state == "completed"
+
+
+def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_its_hosts(tmp_path):
+    from orchestrator.config.layout import world_size_of
+    from orchestrator.config.schema import JobConfig
+    from orchestrator.errors import LayoutError
+
+    cfg = JobConfig()
+    cfg.cluster.kind, cfg.cluster.gpus_per_node = "hosts", 0
+    cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.data_parallel_size = 2, 2
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("hnode1 slots=2\nhnode2 slots=2\n")
+    cfg.cluster.hostfile = str(hostfile)
+    assert world_size_of(cfg) == (4, "2 hosts x 2 processes per node")
+    hostfile.write_text("hnode1 slots=2\n")
+    with pytest.raises(LayoutError, match=r"^cluster.hosts=\[hnode1\]: 1 host\(s\) x 2 processes = 2 ranks, but the "
+                                          r"layout needs TP x PP x CP x DP = 4; fix: list 2 hosts"):
+        world_size_of(cfg)
+    hostfile.write_text("hnode1 slots=2\nhnode2 slots=4\n")
+    with pytest.raises(ConfigError, match=r"hosts have different slots \(\[2, 4\]\)"):
+        world_size_of(cfg)
