@@ -259,3 +259,16 @@ def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_it
     hostfile.write_text("hnode1 slots=2\nhnode2 slots=4\n")
     with pytest.raises(ConfigError, match=r"hosts have different slots \(\[2, 4\]\)"):
         world_size_of(cfg)
+
+
+def test_a_worker_of_the_agent_takes_torchruns_variables_even_inside_a_slurm_step():
+    """Under ``srun`` (one agent per node, issue 28) the workers inherit the step's SLURM_* variables: their rank
+    and rendezvous are torchrun's."""
+    from orchestrator.runtime.rank.distributed import rendezvous_from_env
+
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
+           "TORCHELASTIC_RUN_ID": "7", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+    rv = rendezvous_from_env(env, resolve=lambda h: h)
+    assert (rv.rank, rv.world_size, rv.local_rank, rv.master_addr, rv.master_port, rv.source) == \
+        (5, 8, 1, "node1", 29400, "env")

@@ -135,6 +135,8 @@ def rendezvous_from_env(environ: Mapping[str, str],
     Raises :class:`BackendError` when a SLURM task has no node list.
     """
     executor = environ.get("SUBMITIT_EXECUTOR", "")
+    if "TORCHELASTIC_RUN_ID" in environ:  # a worker of torchrun's agent (runtime.start.agent), even inside srun
+        executor = "torchrun"
     if executor == "slurm" or (not executor and "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ):
         rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
         nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)

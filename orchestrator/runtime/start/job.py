@@ -194,6 +194,8 @@ def _whoami() -> Tuple[int, Optional[str], int]:
     ORCHESTRATOR_JOB_ID or None, 0) outside a submitit job."""
     import submitit
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent: its RANK, not the agent's task
+        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), 0
     try:
         env = submitit.JobEnvironment()
     except RuntimeError:  # torchrun's worker (runtime.start.agent: its job id) or a bare process
