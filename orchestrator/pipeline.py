@@ -54,6 +54,10 @@ def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
         from orchestrator.submit.sbatch import render_sbatch
 
         print(render_sbatch(cfg, layout.world_size, f"{cfg.run.dir}/submitit"), flush=True)
+    elif cfg.cluster.kind in ("hosts", "torchrun"):
+        from orchestrator.submit.platform import describe
+
+        say(describe(cfg, layout))
     else:
         say(f"would start {layout.world_size} local processes (submitit LocalExecutor) in {cfg.run.dir}")
 
@@ -172,6 +176,10 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     from orchestrator.submit.executor import launch, one_task
 
     latest = preflight(cfg, layout)
+    if cfg.cluster.kind in ("hosts", "torchrun"):  # SSH to every host / the platform's variables: one line if not
+        from orchestrator.submit.platform import check_nodes
+
+        say(check_nodes(cfg))
     if latest is not None:
         say(verdict(cfg, latest, dry=False))
     if latest is not None and latest.iteration >= cfg.training.train_iters:
@@ -181,7 +189,9 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):
         step = summary.get("step_time_median_s")
-        say(f"{summary['status']}: iteration {summary.get('iteration')} | lm loss {summary.get('lm_loss'):.4f}"
+        loss = summary.get("lm_loss")  # None on a node of cluster=torchrun without the logging rank
+        say(f"{summary['status']}: iteration {summary.get('iteration')}"
+            + (f" | lm loss {loss:.4f}" if loss is not None else "")
             + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
             + f" | job {summary.get('job_id')}")
     return summary

@@ -551,7 +551,7 @@ def test_config_surface_is_frozen():
         "optimizer": ["adam", "sgd"],
         "data": ["indexed", "jsonl", "mock", "stdlib"],
         "training": ["default"],
-        "cluster": ["local", "slurm", "slurm_a100_4x8", "slurm_dev"],
+        "cluster": ["hosts", "hosts_dev", "local", "slurm", "slurm_a100_4x8", "slurm_dev", "torchrun"],
         "experiment": ["gpt_pp2_dp2"],
     }
     readme = (REPO / "README.md").read_text()

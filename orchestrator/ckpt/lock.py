@@ -52,7 +52,7 @@ class RunLock:
 
         return {"pid": os.getpid(), "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "create_time": psutil.Process().create_time(),
-                "token": uuid.uuid4().hex}
+                "token": uuid.uuid4().hex, "launch_id": os.environ.get("ORCHESTRATOR_JOB_ID")}
 
     def stale_reason(self, holder: dict) -> Optional[str]:
         """Why ``holder`` is dead, or None when it may be alive.
@@ -145,6 +145,15 @@ class RunLock:
             except FileExistsError:
                 pass
         tomb.unlink(missing_ok=True)
+
+    def release_for(self, launch_id: str) -> bool:
+        """Remove the lock when a rank of the agent-started job ``launch_id`` holds it (its launcher saw every
+        agent end, so no rank lives on: a rank killed outright leaves it); True when removed."""
+        holder = self.holder()
+        if holder and holder.get("launch_id") == launch_id:
+            self._break(holder)
+            return True
+        return False
 
     def release(self) -> None:
         holder = self.holder()

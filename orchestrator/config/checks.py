@@ -43,7 +43,7 @@ CHOICES = {
     "training.device": ("auto", "cpu", "cuda"),
     "training.nan_policy": ("stop", "skip"),
     "checkpoint.digest": ("size", "sha256"),
-    "cluster.kind": ("local", "slurm"),
+    "cluster.kind": ("local", "slurm", "hosts", "torchrun"),
     "logging.wandb.mode": (None, "online", "offline", "disabled"),
 }
 """Enumerated string fields and their values (megatron-core's spelling where it has one)."""
@@ -70,6 +70,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
+    ("cluster.ssh.port", 1, True), ("cluster.ssh.connect_timeout_s", 1, False),
 ]
 """Integer fields megatron-core / SLURM need in a range (``iteration % log_interval``, group sizes...)."""
 

@@ -360,6 +360,10 @@ def world_size_of(cfg) -> "tuple[int, str]":
             return c.tasks_per_node, f"cluster.tasks_per_node={c.tasks_per_node}"
         dp = p.data_parallel_size or 1
         return mp * dp, f"TP x PP x CP x DP = {mp} x {dp}"
+    if c.kind in ("hosts", "torchrun"):
+        from orchestrator.config.hosts import nodes_world_size
+
+        return nodes_world_size(c, mp * (p.data_parallel_size or 0))
     tasks = c.tasks_per_node if c.tasks_per_node is not None else c.gpus_per_node
     if not tasks:
         raise LayoutError(

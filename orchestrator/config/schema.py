@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from orchestrator.errors import ConfigError
+from orchestrator.config.hosts import SshConfig
 from orchestrator.config.keys import check_keys, omegaconf_error
 
 
@@ -250,11 +251,15 @@ class CheckpointConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where the job runs: ``local`` (submitit LocalExecutor) or ``slurm`` (submitit SLURM)."""
+    """Where the job runs: local (submitit LocalExecutor), slurm, hosts or torchrun (orchestrator.config.hosts)."""
 
     name: str = "local"
     kind: str = "local"
-    """local or slurm."""
+    """local, slurm, hosts or torchrun."""
+    hosts: List[str] = field(default_factory=list)
+    """cluster=hosts: the hosts (the first hosts the rendezvous); or ``hostfile``: one host a line, ``slots=N``."""
+    hostfile: Optional[str] = None
+    ssh: SshConfig = field(default_factory=SshConfig)
     nodes: int = 1
     tasks_per_node: Optional[int] = None
     """Null: local = the layout's world size; slurm = gpus_per_node."""
@@ -287,6 +292,10 @@ class ClusterConfig:
     wait: bool = True
     """Block until the job ends, streaming progress."""
     poll_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ssh, dict):  # from_dict / a pickled job: plain dicts travel
+            self.ssh = SshConfig(**self.ssh)
 
 
 @dataclass

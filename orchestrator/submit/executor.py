@@ -136,6 +136,12 @@ def _record(cfg: JobConfig, job, world_size: int) -> None:
 
 def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
     """Submit and (with ``cluster.wait``) wait; returns the logging rank's summary (or ``{job_id}``)."""
+    if cfg.cluster.kind in ("hosts", "torchrun"):  # torchrun's agents, over SSH or on this node
+        from orchestrator.submit.hosts import launch_hosts
+        from orchestrator.submit.platform import launch_node
+
+        return (launch_hosts if cfg.cluster.kind == "hosts" else launch_node)(cfg, layout, prepared,
+                                                                                 show_progress=show_progress)
     job = submit(cfg, layout, prepared)
     print(f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}): starting {layout.world_size} ranks\n"
           f"[orchestrator]   run dir: {cfg.run.dir}\n"

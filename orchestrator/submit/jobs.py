@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -115,7 +116,8 @@ def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
     out: Dict[int, str] = {}
     if not folder.is_dir():
         return out
-    pattern = re.compile(rf"^{re.escape(str(job_id))}_(\d+)_result\.pkl$")
+    # submitit's names, or result_<rank>.pkl of a job of torchrun agents (runtime/start/agent.py)
+    pattern = re.compile(rf"^(?:{re.escape(str(job_id))}_(\d+)_result|result_(\d+))\.pkl$")
     for path in folder.iterdir():
         m = pattern.match(path.name)
         if not m:
@@ -125,7 +127,7 @@ def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
                 outcome = pickle.load(f)[0]
         except Exception:
             outcome = "unreadable"
-        out[int(m.group(1))] = outcome if outcome in ("success", "error") else "unreadable"
+        out[int(m.group(1) or m.group(2))] = outcome if outcome in ("success", "error") else "unreadable"
     return out
 
 
@@ -194,6 +196,10 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
     # has written its results before it is seen as ended, never the other way round.
     st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
     alive = cluster == "local" and st is None and _local_alive(job_id)
+    if cluster == "hosts":  # its launcher waits on the SSH sessions: alive while it is
+        launcher = next((e.get("launcher") for e in events if e.get("event") == "submitted"
+                         and str(e.get("job_id")) == job_id), None) or {}
+        alive = launcher.get("host") == socket.gethostname() and _local_alive(str(launcher.get("pid")))
     outcomes = result_outcomes(folder, job_id) if folder else {}
     own_events = [e for e in events if str(e.get("job_id")) == job_id]
     stopped = any(e.get("event") == "stopped" for e in own_events)

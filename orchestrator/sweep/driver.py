@@ -214,8 +214,8 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         _record(point, record, "skipped_oom_predicted",
                 f"{runs_on.reason}; to run it anyway: sweep.run_predicted_oom=true (or {fix})")
         return None
-    if cfg.cluster.kind == "local":
-        cfg.cluster.wait = True  # one point at a time on this machine
+    if cfg.cluster.kind in ("local", "hosts"):
+        cfg.cluster.wait = True  # one point at a time on this machine (on these hosts)
     else:
         _DRIVER.wait_at_end = cfg.cluster.wait
         cfg.cluster.wait = False  # queue every point now; finish() waits for all of them

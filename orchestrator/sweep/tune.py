@@ -236,6 +236,8 @@ class Tuner:
         if self.opts.dry_run:
             return 0
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.base.cluster.kind in ("hosts", "torchrun"):  # torchrun's agents: a fresh job per trial
+            self.opts.warm_pool = False
         self.runner = TrialRunner(self.opts, self.root)
         reason = self.stop()
         try:

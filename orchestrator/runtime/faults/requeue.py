@@ -45,14 +45,15 @@ class Stopped(SystemExit):
 
 def job_identity() -> "tuple[str, int]":
     """(job id, attempt) of this process: submitit's job id (``<array>_<task>`` for arrays), else
-    ``SLURM_JOB_ID`` / ``SUBMITIT_LOCAL_JOB_ID``, else ``pid-<pid>``; attempt = SLURM's restart count."""
+    ``SLURM_JOB_ID`` / ``SUBMITIT_LOCAL_JOB_ID`` / ``ORCHESTRATOR_JOB_ID``, else ``pid-<pid>``; attempt = SLURM's restart count."""
     job_id = None
     try:
         import submitit
 
         job_id = str(submitit.JobEnvironment().job_id)
     except Exception:  # not a submitit task
-        job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+        job_id = (os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+                  or os.environ.get("ORCHESTRATOR_JOB_ID"))  # a job of torchrun agents (runtime.start.agent)
     return job_id or f"pid-{os.getpid()}", restart_count()
 
 

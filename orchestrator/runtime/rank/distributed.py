@@ -135,6 +135,8 @@ def rendezvous_from_env(environ: Mapping[str, str],
     Raises :class:`BackendError` when a SLURM task has no node list.
     """
     executor = environ.get("SUBMITIT_EXECUTOR", "")
+    if "TORCHELASTIC_RUN_ID" in environ:  # a worker of torchrun's agent (runtime.start.agent), even inside srun
+        executor = "torchrun"
     if executor == "slurm" or (not executor and "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ):
         rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
         nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)
@@ -295,11 +297,13 @@ def _exchange(store, rv: Rendezvous, record: Dict[str, object], timeout: datetim
 
 
 def open_store(rv: Rendezvous, timeout: datetime.timedelta):
-    """The TCP rendezvous store (rank 0 hosts it). Raises :class:`BackendError` naming address and port."""
+    """The TCP rendezvous store (rank 0 hosts it, or torchrun's agent). Raises :class:`BackendError` naming address and port."""
     import torch.distributed as dist
 
+    # torchrun's agent hosts the store already (TORCHELASTIC_USE_AGENT_STORE): every rank is its client
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0, timeout,
+        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0 and not agent, timeout,
                              wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise BackendError(f"rank {rv.rank}: rendezvous store {rv.master_addr}:{rv.master_port} "

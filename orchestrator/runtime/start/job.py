@@ -190,14 +190,16 @@ def exit_fast_after_success() -> "Callable[[], None]":
 
 
 def _whoami() -> Tuple[int, Optional[str], int]:
-    """(global rank, job id, SLURM attempt) from submitit's job environment; (RANK or 0, None, 0)
-    outside a submitit job."""
+    """(global rank, job id, SLURM attempt) from submitit's job environment; (RANK or 0,
+    ORCHESTRATOR_JOB_ID or None, 0) outside a submitit job."""
     import submitit
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent: its RANK, not the agent's task
+        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), 0
     try:
         env = submitit.JobEnvironment()
-    except RuntimeError:
-        return int(os.environ.get("RANK", "0")), None, 0
+    except RuntimeError:  # torchrun's worker (runtime.start.agent: its job id) or a bare process
+        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), 0
     attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
     return env.global_rank, str(env.job_id), int(attempt) if attempt.isdigit() else 0
 
