@@ -52,16 +52,16 @@ def latest_job(run_dir: Path) -> Tuple[Dict[str, Any], JobStatus, List[Dict[str,
     return last, st, records
 
 
-def kill_local(job_id: str) -> None:
-    """SIGKILL a local job: its submitit controller (process id ``job_id``) and every descendant (the
-    task, the ranks it forked, their checkpoint writers)."""
+def kill_local(job_id: str, controller_too: bool = True) -> None:
+    """SIGKILL a local job: every descendant of its submitit controller (process id ``job_id``: the
+    task, the ranks it forked, their checkpoint writers) and (``controller_too``) the controller."""
     import psutil
 
     try:
         controller = psutil.Process(int(job_id))
         if "submitit" not in " ".join(controller.cmdline()):
             return  # the id is another process's now: the job is gone
-        tree = [*controller.children(recursive=True), controller]
+        tree = [*controller.children(recursive=True), *([controller] if controller_too else [])]
     except (psutil.Error, ValueError):
         return
     for p in tree:
@@ -73,6 +73,26 @@ def kill_local(job_id: str) -> None:
 
 def scancel(job_id: str) -> None:
     subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
+
+
+def cancel(job, cfg) -> None:
+    """End every task of the submitit ``job`` now, unsaved. Local: SIGKILL the rank processes (the
+    controller then exits on its own); SLURM: scancel (the launcher does it only when the job failed,
+    hung or outran its bound, never for a signal to the launcher: :mod:`orchestrator.submit.signals`)."""
+    if cfg.cluster.kind != "local":
+        try:
+            job.cancel(check=False)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        return
+    process = getattr(job, "_process", None)
+    if process is None:
+        return
+    kill_local(str(process.pid), controller_too=False)
+    try:
+        process.wait(timeout=30)
+    except Exception:  # noqa: BLE001
+        process.kill()
 
 
 def command_of(run_dir: Path) -> str:

@@ -18,6 +18,7 @@ from orchestrator.errors import JobFailedError
 from orchestrator.slurm import restarts_of, scontrol_job
 from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
+from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here
 
 
 def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
@@ -63,35 +64,6 @@ def _stderr_tail(job, task: int, lines: int = 25) -> str:
         return "\n".join(text.rstrip().splitlines()[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
-
-
-def cancel(job, cfg: JobConfig) -> None:
-    """Stop every task of ``job`` now. Local: SIGKILL the rank processes (the controller then
-    exits on its own); SLURM: scancel."""
-    if cfg.cluster.kind != "local":
-        try:
-            job.cancel(check=False)
-        except Exception:
-            pass
-        return
-    import psutil
-
-    process = getattr(job, "_process", None)
-    if process is None:
-        return
-    try:
-        children = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        process.wait(timeout=30)
-    except Exception:
-        process.kill()
 
 
 def _local_alive_ranks(job) -> Optional[set]:
