@@ -606,7 +606,7 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
     hup, ctrl_c = tmp_path / "hup", tmp_path / "int"
     common = SMALL + ONE_RANK + [f"run.root={tmp_path}", "checkpoint.save_interval=1000"]
     a = Cli(common + ["run.name=hup", "training.train_iters=100000"], cache_dir, tmp_path / "logs_hup")
-    b = Cli(common + ["run.name=int", "training.train_iters=40"], cache_dir, tmp_path / "logs_int")
+    b = Cli(common + ["run.name=int", "training.train_iters=20"], cache_dir, tmp_path / "logs_int")
     codes, states = [], []
     try:
         ids = [wait_until(lambda d=d: submitted_job(d), 180, "the submission", c) for d, c in ((hup, a), (ctrl_c, b))]
@@ -628,7 +628,7 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
         assert f"detached ({sig}): SLURM job {job_id} runs on" in line and "orchestrator status" in line \
             and "orchestrator stop" in line, cli.describe()
     assert states == [ids[1], "RUNNING", ids[0], "RUNNING"], states
-    assert done and "completed: iteration 40" not in b.stdout  # it completed after its launcher left
+    assert done and "completed: iteration 20" not in b.stdout  # it completed after its launcher left
     assert status.run_status(ctrl_c).state == "completed"
     # `orchestrator stop`: the stop iteration saved, not requeued, status says so
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
