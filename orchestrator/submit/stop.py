@@ -35,7 +35,7 @@ def run_dir_of(run: str, root: str) -> Path:
     (one line) when neither is a run."""
     for candidate in (Path(run), Path(root) / run):
         if (candidate / JOBS_FILE).is_file():
-            return candidate
+            return candidate.absolute()
     raise ConfigError(f"RUN={run}: no run directory {run} or {Path(root) / run} (none holds {JOBS_FILE}); "
                       f"fix: `python -m orchestrator status {root}` lists the runs (--root DIR for another run.root)")
 
