@@ -108,6 +108,9 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size),
                        fork_ranks=layout.world_size if forks else 0, build_indices=one_task(cfg, layout.world_size),
                        launcher=launcher_identity() if waited else None)
+    from orchestrator.ckpt import stop
+
+    stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
     try:
         with _children_ignore_sigint():
             job = executor.submit(payload)
@@ -130,10 +133,8 @@ def as_rank_tasks(job, world_size: int):
 
 
 def _record(cfg: JobConfig, job, world_size: int) -> None:
-    from orchestrator.ckpt import stop
     from orchestrator.ckpt.history import record_submission
 
-    stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
     record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
                       {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=world_size)
 

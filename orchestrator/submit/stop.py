@@ -151,6 +151,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = run_dir_of(args.run, args.root)
         last, st, _ = latest_job(run_dir)
         job_id = str(last["job_id"])
+        if last.get("warm_pool"):
+            raise ConfigError(f"RUN={args.run}: {run_dir} is a sweep point or tune trial on warm ranks (job {job_id}), "
+                              "which `stop` does not reach; fix: Ctrl-C the sweep's launcher")
         if st.state not in LIVE:
             raise ConfigError(f"RUN={args.run}: run {run_dir} is not live: its latest job {job_id} is "
                               f"{st.describe()}; fix: nothing to stop (rerun its command to resume it)")
