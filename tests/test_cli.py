@@ -426,8 +426,8 @@ def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_ca
     import re
 
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    args = [*TINY[:-1], "checkpoint.save_interval=1000", "training.train_iters=100000", f"run.root={tmp_path}",
-            "run.name=term", "checkpoint.digest=sha256"]
+    args = [*TINY[:-1], "checkpoint.save_interval=1000", "training.train_iters=1000", f"run.root={tmp_path}",
+            "run.name=term", "checkpoint.digest=sha256"]  # 1000: the sample indices of the interrupted fixture
     run_dir = tmp_path / "term"
     proc = interrupt(args, tmp_path, env, "iteration 20/", sig=signal.SIGTERM, group=False, watch=run_dir)
     assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr

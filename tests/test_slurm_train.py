@@ -603,9 +603,9 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
     saved the iteration it stopped at (complete, with its manifest, though checkpoint.save_interval=1000)
     and left without a requeue; `status` says `stopped (by request)`. Stop again, or stop the completed
     one: exit 2, one line each, nothing changed on disk."""
-    hup, ctrl_c = tmp_path / "hup", tmp_path / "int"
+    hup, ctrl_c = tmp_path / "hup", tmp_path / "int"  # 5000 iterations: the scancel test's sample indices
     common = SMALL + ONE_RANK + [f"run.root={tmp_path}", "checkpoint.save_interval=1000"]
-    a = Cli(common + ["run.name=hup", "training.train_iters=100000"], cache_dir, tmp_path / "logs_hup")
+    a = Cli(common + ["run.name=hup", "training.train_iters=5000"], cache_dir, tmp_path / "logs_hup")
     b = Cli(common + ["run.name=int", "training.train_iters=20"], cache_dir, tmp_path / "logs_int")
     codes, states = [], []
     try:
