@@ -21,6 +21,8 @@ nodes (`slurm-dev-up.sh --single`). Every wait is bounded.
   (`cluster.max_failures`), resumes from the last complete checkpoint and finishes with the losses
   of an uninterrupted run (1e-5 relative); both nodes are usable afterwards.
 * scancel while the launcher waits: reported as cancelled (non-zero exit) within 60 s.
+* SIGHUP / SIGINT to a waiting launcher: it detaches (exit 0, one line), the job runs on and completes;
+  `orchestrator stop` ends a running job after saving its stop iteration, not requeued.
 * A rank killed with SIGKILL (`cluster.max_failures=0`): the launcher reports it and the job ends
   instead of hanging; the attempt is ``crashed`` (one rank, not a node) and not requeued.
 * `optimizer.lr=1000` with `cluster.max_failures=1`: ``nan``, never requeued.
