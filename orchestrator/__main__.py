@@ -21,7 +21,8 @@ One error boundary (:func:`main`): every user error — ours
 (:class:`~orchestrator.errors.OrchestratorError`), Hydra's and OmegaConf's — prints exactly one
 ``error: <key>: <what>; fix: <how>`` line on stderr (a resume refusal adds its diff table below)
 and exits 2, before anything is prepared or queued. A failed job exits 1 with the failing rank's
-last lines; an interrupt (Ctrl-C, SIGTERM, SIGHUP) stops the ranks and exits 130.
+last lines; a signal while a job is waited on follows :mod:`orchestrator.submit.signals` (a local job's
+ranks save and stop, 128 + the signal; a SLURM job is left running, 0); before that, 130.
 
 Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): every value of every swept key is
 composed first (a typo stops the sweep with exit 2 before any point runs); then Hydra's sweeper
@@ -45,6 +46,7 @@ from orchestrator.config.schema import JobConfig
 TOOLS = {
     "manifest": ("orchestrator.ckpt.cli", "list a run's checkpoints; check one against a config"),
     "status": ("orchestrator.submit.status", "runs under a directory: job state, iteration, last loss"),
+    "stop": ("orchestrator.submit.stop", "stop a live run: the ranks save, then exit (--now: at once)"),
     "sweep": ("orchestrator.sweep.driver", "summarize <sweep dir>: rebuild a sweep's results table"),
     "convert": ("orchestrator.convert.cli", "Megatron-LM arguments <-> orchestrator experiments"),
     "tune": ("orchestrator.sweep.tune", "planner-guided search for the fastest layout that fits"),
@@ -97,8 +99,15 @@ def interrupted(cfg: Optional[JobConfig]) -> str:
 
 def guarded(body: Callable[[], int]) -> int:
     """Run ``body``; a user error prints one line (exit 2), an interrupt exits 130, no traceback."""
+    from orchestrator.submit.signals import Detached, JobStopped, tell
+
     try:
         return body()
+    except Detached as exc:  # a SLURM job left running: its line is printed already
+        return exc.code
+    except JobStopped as exc:
+        tell(exc.line)
+        return exc.code
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
         print(interrupted(_Current.cfg), file=sys.stderr, flush=True)
@@ -243,7 +252,9 @@ def help_text() -> str:
     lines += [
         "",
         "exit codes: 0 done | 1 a job failed (the failing rank's last lines are shown) | 2 a user error:",
-        "one line `error: <key>: <what>; fix: <how>`, before anything is prepared or queued | 130 interrupted",
+        "one line `error: <key>: <what>; fix: <how>`, before anything is prepared or queued | 130/143/129 a local",
+        "job stopped by SIGINT/SIGTERM/SIGHUP to this launcher (the ranks save first; a second signal: at once) |",
+        "a SLURM job is never stopped by a signal to its launcher: it detaches, exit 0 (`stop RUN` stops it)",
         "Hydra's inspection flags work too: --cfg job, --resolve, --info.",
     ]
     return "\n".join(lines)
@@ -294,7 +305,7 @@ def _config_dir_flags(argv: List[str]) -> List[str]:
         sys.exit(report(exc))
 
 
-def _interrupt(signum, frame):  # a closed terminal or `kill` stops the local ranks too, like Ctrl-C
+def _interrupt(signum, frame):  # before a job is waited on (submit.signals rules during the wait): like Ctrl-C
     raise KeyboardInterrupt
 
 

@@ -5,10 +5,12 @@
   ``error:`` line on stderr, exit 2, torch never imported, and the run directories' files
   byte-identical before and after (nothing created either).
 * plan / dry-run write nothing; only a run that starts records ``<run.dir>/config.yaml``; a refused
-  resume leaves the run directory byte-identical; Ctrl-C (SIGINT to the process group), SIGHUP and
-  SIGTERM (to the launcher alone, which then stops the ranks itself) exit 130 without a traceback,
-  no rank left, with the resume hint only when a checkpoint exists; ``manifest check --deep`` catches
-  a byte flipped in a real sha256-digested shard that the default check does not read.
+  resume leaves the run directory byte-identical; Ctrl-C (SIGINT to the process group) and SIGTERM (to
+  the launcher alone) make the ranks save the iteration they are at and exit (130 / 143, no traceback,
+  no rank left, one line naming the checkpoint and the command that resumes); a second signal stops at
+  once, unsaved, and says so; ``orchestrator stop`` stops a detached local job the same way (status
+  ``stopped (by request)``), and refuses in one line a run that is not live; ``manifest check --deep``
+  catches a byte flipped in a real sha256-digested shard that the default check does not read.
 * ``--help`` / ``--version`` are the tool's own; the config surface is frozen.
 """
 
@@ -315,12 +317,13 @@ def _sigint_default() -> None:
 
 
 def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
-              sig: signal.Signals = signal.SIGINT, group: bool = True, watch: Path | None = None):
+              sig: signal.Signals = signal.SIGINT, group: bool = True, watch: Path | None = None,
+              again: signal.Signals | None = None):
     """Start the CLI, and once ``wait_for`` is printed send ``sig``: to its whole process group (a
     terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike), or, with
     ``group=False``, to the launcher process alone (``kill PID``, a closed terminal's SIGHUP): then
     the launcher must stop the ranks itself. ``watch``: a run directory whose job processes are listed
-    just before the signal (``.before`` of the result)."""
+    just before the signal (``.before`` of the result). ``again``: a second signal, to the launcher, 0.5 s later."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONPATH=str(REPO), **env))
@@ -333,6 +336,9 @@ def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
                 os.killpg(proc.pid, sig)
             else:
                 os.kill(proc.pid, sig)
+            if again is not None:
+                time.sleep(0.5)
+                os.kill(proc.pid, again)
             break
     out, err = proc.communicate(timeout=300)
     result = subprocess.CompletedProcess(args, proc.returncode, "".join(seen) + out, err)
@@ -372,26 +378,23 @@ def interrupted(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_without_a_traceback_and_hints_resume_only_with_a_checkpoint(interrupted, tmp_path):
-    """Ctrl-C (SIGINT to the process group) after a checkpoint: 130 and the resume hint; SIGHUP to the
-    launcher alone (a closed terminal) as the ranks come up: 130, the launcher stopped the ranks itself
-    (none left), and the hint says what is on disk: a rank that finished its first iteration's save
-    (checkpoint.save_interval=1) leaves iter_0000001 (the hint names it); one still starting, or still
-    saving (a directory without its manifest, never resumed), leaves no checkpoint ("no checkpoint")."""
+def test_ctrl_c_saves_and_exits_130_and_a_second_signal_stops_at_once(interrupted, tmp_path):
+    """Ctrl-C (SIGINT to the process group) at iteration 2: the ranks save the iteration they are at and
+    exit; 130, no traceback, one line naming that checkpoint and the command that resumes. SIGHUP to the
+    launcher alone (a closed terminal) as the ranks come up, then Ctrl-C: the second signal stops the
+    job at once, unsaved, and says so (130); no rank left either time."""
     cwd, run_dir, env, proc = interrupted
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
-    assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
-    assert f"run the same command again to resume from {run_dir}/checkpoints/iter_" in proc.stderr
-    assert not no_rank_left(run_dir)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    saved = max(int(m.parent.name[5:]) for m in (run_dir / "checkpoints").glob("iter_*/manifest.json"))
+    assert last.startswith("stopped after saving (SIGINT); resume from "
+                           f"{run_dir}/checkpoints/iter_{saved:07d} (iteration {saved}) with: python -m orchestrator "), last
+    assert saved >= 2 and not no_rank_left(run_dir)
     fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
-                      "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh")
+                      "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh", again=signal.SIGINT)
     assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
-    # complete checkpoints only (the manifest is written last): a save the stop cut short is not resumed
-    saved = sorted(m.parent for m in (tmp_path / "fresh" / "checkpoints").glob("iter_*/manifest.json"))
-    if saved:
-        assert f"resume from {saved[-1]} (iteration {int(saved[-1].name[5:])})" in fresh.stderr, fresh.stderr
-    else:
-        assert "no checkpoint" in fresh.stderr and "resume from" not in fresh.stderr, fresh.stderr
+    assert "stopped at once (SIGINT a second time), unsaved; " in fresh.stderr, fresh.stderr
     assert fresh.before and not no_rank_left(tmp_path / "fresh"), fresh.before  # the job was there, then gone
 
 
@@ -401,24 +404,63 @@ def _manifest_check(ckpt: Path, args: List[str], cwd: Path, env: Dict[str, str],
                           timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
 
 
+def _stop(args: List[str], cwd: Path, env: Dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "stop", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+
+
+def _files(run_dir: Path) -> Dict[str, tuple]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_stops_the_ranks_and_deep_check_catches_a_flipped_byte(tmp_path, cache_dir):
-    """SIGTERM to the launcher process alone (``kill PID``) at iteration 2: exit 130 without a
-    traceback, no rank left alive, the resume hint naming the checkpoint. That checkpoint was saved
-    with checkpoint.digest=sha256: `manifest check` accepts it; one byte flipped in its largest shard
-    (same size) passes the default check, which does not claim to have re-hashed anything, and
-    `manifest check --deep` refuses it naming the file."""
+def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_catches_a_flipped_byte(tmp_path,
+                                                                                                   cache_dir):
+    """SIGTERM to the launcher alone (``kill PID``) at iteration 20 of a run that saves every 1,000: the
+    ranks save the iteration they stop at (a complete checkpoint), exit 143, no process of the job 15 s
+    later, one line naming that checkpoint. The same command, detached (cluster.wait=false), resumes;
+    `orchestrator stop` ends it (exit 0 once stopped, `stopping` meanwhile): the stop iteration saved,
+    status `stopped (by request)`; stop again, or an unknown run: exit 2, one line, nothing changed.
+    The first checkpoint was saved with checkpoint.digest=sha256: `manifest check` accepts it; one byte
+    flipped in its largest shard (same size) passes the default check, which does not claim to have
+    re-hashed anything, and `manifest check --deep` refuses it naming the file."""
     import re
 
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    args = [*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=term", "checkpoint.digest=sha256"]
-    proc = interrupt(args, tmp_path, env, "iteration 2/", sig=signal.SIGTERM, group=False, watch=tmp_path / "term")
-    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
-    assert proc.stderr.startswith("interrupted: ") and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.before and not no_rank_left(tmp_path / "term"), proc.before
-    m = re.search(r"run the same command again to resume from (\S+) \(iteration (\d+)\)", proc.stderr)
-    assert m and Path(m.group(1)).parent == tmp_path / "term" / "checkpoints", proc.stderr
-    ckpt = Path(m.group(1))
+    args = [*TINY[:-1], "checkpoint.save_interval=1000", "training.train_iters=1000", f"run.root={tmp_path}",
+            "run.name=term", "checkpoint.digest=sha256"]  # 1000: the sample indices of the interrupted fixture
+    run_dir = tmp_path / "term"
+    proc = interrupt(args, tmp_path, env, "iteration 20/", sig=signal.SIGTERM, group=False, watch=run_dir)
+    assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.before, proc.stderr
+    assert not no_rank_left(run_dir, within_s=15), proc.before
+    m = re.search(r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: "
+                  r"python -m orchestrator ", proc.stderr)
+    assert m and Path(m.group(1)).parent == run_dir / "checkpoints", proc.stderr
+    ckpt, stop_at = Path(m.group(1)), int(m.group(2))
+    assert stop_at >= 20 and sorted(run_dir.glob("checkpoints/iter_*/manifest.json")) == [ckpt / "manifest.json"]
+
+    # the same command, detached, resumes; `orchestrator stop` ends it after a save
+    subprocess.run([sys.executable, "-m", "orchestrator", *args, "cluster.wait=false"], cwd=tmp_path, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+                   check=True)
+    from orchestrator.submit import status
+
+    deadline = time.monotonic() + 120
+    while (status.run_status(run_dir).iteration or 0) < stop_at + 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stopped = _stop(["term", "--root", str(tmp_path)], tmp_path, env)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    st = status.run_status(run_dir)
+    assert st.job.describe() == "stopped (by request)" and st.iteration > stop_at, st
+    assert (run_dir / "checkpoints" / f"iter_{st.iteration:07d}" / "manifest.json").exists()
+    assert f"resumes from {run_dir}/checkpoints/iter_{st.iteration:07d}" in stopped.stdout, stopped.stdout
+    for bad, what in ((["term"], "is not live"), (["nope"], "no run directory")):
+        before = _files(run_dir)
+        again = _stop([*bad, "--root", str(tmp_path)], tmp_path, env)
+        assert again.returncode == 2 and again.stderr.startswith("error: ") and what in again.stderr, again
+        assert len(again.stderr.splitlines()) == 1 and _files(run_dir) == before
+
     ok = _manifest_check(ckpt, args, tmp_path, env, deep=True)
     assert ok.returncode == 0 and "the config matches the checkpoint" in ok.stdout, ok.stdout + ok.stderr
     assert re.search(r"deep check: \d+ file\(s\) re-hashed and matching\n", ok.stdout), ok.stdout  # all hashed

@@ -209,3 +209,32 @@ def test_a_stop_asked_before_the_request_is_installed_is_kept(clean_env):
         stop.uninstall()
     finally:
         preempt._REQUESTED.clear()
+
+
+# ---- a stop asked on purpose (ckpt/stop.py: `orchestrator stop`, a signal to the waiting launcher) ------
+def test_a_stop_request_reaches_only_its_job_and_is_never_requeued(clean_env, monkeypatch, tmp_path):
+    """The stop watch of rank 0 ignores a request for another job, asks the graceful stop once the
+    request names its job (who asked, the cause), and a stop asked so is never requeued, even on SLURM
+    with requeues left: the attempt ends with the request's cause."""
+    import threading
+
+    from orchestrator.ckpt import stop as stop_file
+    from orchestrator.runtime.faults import launcher
+
+    asked, seen = [], threading.Event()
+    stop_file.request(tmp_path, "other", by="orchestrator stop", cause=stop_file.BY_REQUEST)
+    launcher.watch_stop(str(tmp_path), "7", lambda who, cause: (asked.append((who, cause)), seen.set()), poll_s=0.05)
+    assert not seen.wait(0.4) and asked == []
+    stop_file.request(tmp_path, "7", by="orchestrator stop", cause=stop_file.BY_REQUEST)
+    assert seen.wait(5) and asked == [("orchestrator stop", "by request")]
+    try:
+        preempt.request_stop(*asked[0])
+        request = StopRequest(max_requeues=3).install()
+        monkeypatch.setenv("SLURM_JOB_ID", "7")  # a SLURM job with every requeue left
+        assert request.local_flag and request.asked_cause == "by request"
+        assert request._decide() == (False, "asked on purpose: not requeued")
+        request.uninstall()
+    finally:
+        preempt._REQUESTED.clear()
+    stop_file.clear(tmp_path)
+    assert stop_file.read(tmp_path) is None

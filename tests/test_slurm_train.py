@@ -21,6 +21,8 @@ nodes (`slurm-dev-up.sh --single`). Every wait is bounded.
   (`cluster.max_failures`), resumes from the last complete checkpoint and finishes with the losses
   of an uninterrupted run (1e-5 relative); both nodes are usable afterwards.
 * scancel while the launcher waits: reported as cancelled (non-zero exit) within 60 s.
+* SIGHUP / SIGINT to a waiting launcher: it detaches (exit 0, one line), the job runs on and completes;
+  `orchestrator stop` ends a running job after saving its stop iteration, not requeued.
 * A rank killed with SIGKILL (`cluster.max_failures=0`): the launcher reports it and the job ends
   instead of hanging; the attempt is ``crashed`` (one rank, not a node) and not requeued.
 * `optimizer.lr=1000` with `cluster.max_failures=1`: ``nan``, never requeued.
@@ -92,8 +94,8 @@ REL = 1e-5
 # ---- helpers -----------------------------------------------------------------------------------
 
 def _sigint_default() -> None:
-    """In the child before exec: SIGINT's default disposition, so that :meth:`Cli.kill`'s SIGINT
-    cancels the job even when pytest itself was started as a shell's background job (SIGINT ignored)."""
+    """In the child before exec: SIGINT's default disposition, so that a test's SIGINT reaches the
+    launcher even when pytest itself was started as a shell's background job (SIGINT ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -103,6 +105,8 @@ class Cli:
     def __init__(self, args: List[str], cache: Path, logs: Path):
         logs.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = logs / "stdout.txt", logs / "stderr.txt"
+        keys = dict(a.split("=", 1) for a in args if a.startswith(("run.root=", "run.name=")))
+        self.run_dir = Path(keys["run.root"]) / keys["run.name"] if len(keys) == 2 else None
         env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
@@ -127,13 +131,19 @@ class Cli:
             raise AssertionError(f"the launcher did not end within {timeout:.0f} s\n{self.describe()}") from None
 
     def kill(self) -> None:
+        """End the launcher (Ctrl-C: it detaches from a SLURM job), then scancel its job if it still runs
+        (a signal to a launcher never cancels a cluster job: the test does, so nothing outlives it)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # the launcher cancels its job on Ctrl-C
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        job_id = submitted_job(self.run_dir) if self.run_dir is not None and self.run_dir.exists() else None
+        if job_id is not None and (jobs.slurm_job_status(job_id) or jobs.JobStatus("unknown", job_id)).state in (
+                "pending", "running", "requeued"):
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
 def wait_until(predicate, timeout_s: float, what: str, cli: Optional[Cli] = None, poll_s: float = 0.5):
@@ -573,6 +583,72 @@ def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path,
     rows = status_rows(tmp_path)
     assert rows["slurm"]["state"] == "cancelled" and rows["slurm"]["iteration"] >= 2, rows["slurm"]
     assert table_line(rows, "slurm").split()[1:3] == ["cancelled", job_id]
+
+
+def run_files(run_dir: Path) -> Dict[str, tuple]:
+    """Every file of a run directory with its size and mtime (to show that nothing changed)."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def stop_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "stop", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@needs_slurm
+def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
+    """Two one-rank jobs at once. SIGHUP to the launcher waiting on the first (a dropped SSH session),
+    SIGINT (Ctrl-C) to the one waiting on the second: each launcher exits 0 with one line (the job id,
+    `status` to follow it, `stop` to stop it) and both jobs are still RUNNING (squeue): never cancelled.
+    The second completes on its own. `orchestrator stop` ends the first: exit 0 once it stopped, its rank
+    saved the iteration it stopped at (complete, with its manifest, though checkpoint.save_interval=1000)
+    and left without a requeue; `status` says `stopped (by request)`. Stop again, or stop the completed
+    one: exit 2, one line each, nothing changed on disk."""
+    hup, ctrl_c = tmp_path / "hup", tmp_path / "int"  # 5000 iterations: the scancel test's sample indices
+    common = SMALL + ONE_RANK + [f"run.root={tmp_path}", "checkpoint.save_interval=1000"]
+    a = Cli(common + ["run.name=hup", "training.train_iters=5000"], cache_dir, tmp_path / "logs_hup")
+    b = Cli(common + ["run.name=int", "training.train_iters=20"], cache_dir, tmp_path / "logs_int")
+    codes, states = [], []
+    try:
+        ids = [wait_until(lambda d=d: submitted_job(d), 180, "the submission", c) for d, c in ((hup, a), (ctrl_c, b))]
+        for d, c, job_id, sig in ((ctrl_c, b, ids[1], signal.SIGINT), (hup, a, ids[0], signal.SIGHUP)):
+            wait_until(lambda d=d: iterations_done(d) >= 2, 240, "training on SLURM", c)
+            c.proc.send_signal(sig)
+            codes.append(c.wait(30))
+            states += subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True,
+                                     timeout=30).stdout.split()
+        done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
+        before = iterations_done(hup)
+        stopped = stop_cli("hup", "--root", str(tmp_path))
+    finally:
+        a.kill()
+        b.kill()
+    for cli, job_id, sig in ((b, ids[1], "SIGINT"), (a, ids[0], "SIGHUP")):
+        assert codes.pop(0) == 0, cli.describe()
+        (line,) = [x for x in cli.stderr.splitlines() if "detached" in x]
+        assert f"detached ({sig}): SLURM job {job_id} runs on" in line and "orchestrator status" in line \
+            and "orchestrator stop" in line, cli.describe()
+    assert states == [ids[1], "RUNNING", ids[0], "RUNNING"], states
+    assert done and "completed: iteration 20" not in b.stdout  # it completed after its launcher left
+    assert status.run_status(ctrl_c).state == "completed"
+    # `orchestrator stop`: the stop iteration saved, not requeued, status says so
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    (attempt,) = [x for x in history.attempts(history.read_records(hup)) if x.job_id == ids[0]]
+    assert attempt.cause == "by request" and not attempt.requeued and attempt.iteration >= before, attempt
+    assert attempt.iteration in complete_checkpoints(hup), (attempt, complete_checkpoints(hup))
+    assert f"resumes from {hup}/checkpoints/iter_{attempt.iteration:07d}" in stopped.stdout, stopped.stdout
+    st = wait_until(lambda: (x := jobs.slurm_job_status(ids[0])) and x.ended and x, 60, "SLURM to end the job")
+    assert st.restarts == 0 and not [r for r in history.read_records(hup) if r["event"] == "requeued"], st
+    rows = status_rows(tmp_path)
+    assert table_line(rows, "hup").split()[1:4] == ["stopped", "(by", "request)"], rows["_table"]
+    # bad input: stopped twice, a finished run, an unknown one
+    for args, what in ((["hup"], "is not live"), (["int"], "is not live"), (["nope"], "no run directory")):
+        files = {d: run_files(d) for d in (hup, ctrl_c)}
+        again = stop_cli(*args, "--root", str(tmp_path))
+        assert again.returncode == 2 and again.stdout == "", again
+        assert again.stderr.startswith("error: ") and len(again.stderr.splitlines()) == 1 and what in again.stderr
+        assert files == {d: run_files(d) for d in (hup, ctrl_c)}
 
 
 @needs_slurm

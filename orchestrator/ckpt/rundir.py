@@ -13,6 +13,7 @@
       heartbeat/rank_<r>   each rank's progress and liveness, attempt-end markers (runtime.watchdog)
       heartbeat/started_<r>  the job id, written as rank r's process starts (the launcher counts ranks up)
       stacks/rank_<r>.txt  every live rank's Python stacks when the hang watchdog fires
+      stop.json            a stop asked of the live job (`orchestrator stop`, a signal to its launcher: ckpt.stop)
 """
 
 from pathlib import Path
@@ -27,6 +28,7 @@ SUBMITIT_DIR = "submitit"
 HEARTBEAT_DIR = "heartbeat"
 STACKS_DIR = "stacks"
 TENSORBOARD_DIR = "tensorboard"
+STOP_FILE = "stop.json"
 
 
 def metrics_path(run_dir: Union[str, Path]) -> Path:

@@ -83,16 +83,18 @@ def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
 # ------------------------------------------------------------------ state of a submitted job
 @contextlib.contextmanager
 def _children_ignore_sigint():
-    """Spawn with SIGINT ignored, which child processes inherit: a terminal's Ctrl-C then reaches
-    only the launcher, which stops the ranks itself (:func:`cancel`); submitit's local controller
-    would otherwise print its own KeyboardInterrupt traceback on our terminal."""
+    """Spawn with SIGINT and SIGHUP ignored, which child processes inherit: a terminal's Ctrl-C (or its
+    hang-up, sent to the whole foreground process group) then reaches only the launcher, which asks the
+    ranks to save and stop (:mod:`orchestrator.submit.signals`); submitit's local controller would
+    otherwise print its own KeyboardInterrupt traceback on our terminal, or die with the ranks unsaved."""
     import signal
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
@@ -106,6 +108,9 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size),
                        fork_ranks=layout.world_size if forks else 0, build_indices=one_task(cfg, layout.world_size),
                        launcher=launcher_identity() if waited else None)
+    from orchestrator.ckpt import stop
+
+    stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
     try:
         with _children_ignore_sigint():
             job = executor.submit(payload)

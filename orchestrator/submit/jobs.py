@@ -1,6 +1,6 @@
 """Where a submitted job is: SLURM's view (``scontrol``), submitit's result files, the run's events.
 
-:func:`job_status` says ``pending``, ``running``, ``requeued``, ``completed``, ``failed``,
+:func:`job_status` says ``pending``, ``running`` (``stopping`` in ``status`` once a stop is asked), ``requeued``, ``completed``, ``failed``,
 ``cancelled`` or ``stopped`` (``unknown`` when nothing answers), and, from the run's attempt records
 (:mod:`orchestrator.ckpt.history`), why its latest attempt ended (``cause``: ``nan``, ``hang``,
 ``crashed``, ``timeout`` …) with the job's own one-line ``message``. SLURM jobs are asked with
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from orchestrator.slurm import parse_scontrol_job, restarts_of, scontrol_job
 
-STATES = ("pending", "running", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
+STATES = ("pending", "running", "stopping", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
 ENDED = frozenset({"completed", "failed", "cancelled", "stopped"})
 
 # SLURM job states (squeue/scontrol long names) -> ours.
@@ -240,3 +240,5 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
         st.detail = died.group(0)
     if last.cause in ("nan", "hang") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
         st.state, st.detail = "failed", ""
+    if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
+        st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"

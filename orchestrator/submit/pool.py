@@ -181,7 +181,7 @@ class WarmPool:
         return _slurm_state(str(self.job.job_id))[0] in _SLURM_ENDED
 
     def cancel(self) -> None:
-        from orchestrator.submit.wait import cancel
+        from orchestrator.submit.stop import cancel
 
         self.alive = False
         cancel(self.job, self.cfg)

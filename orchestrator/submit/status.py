@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from orchestrator.ckpt import stop
 from orchestrator.ckpt.history import PathLike, attempts, format_attempts, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
@@ -116,6 +117,8 @@ def run_status(run_dir: PathLike) -> RunStatus:
     rates = live_rates(run_dir)
     rs.train_iters, rs.tokens_per_s = rates["train_iters"], rates["tokens_per_s"]
     st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
+    if st.state == "running" and stop.read(run_dir, job_id) is not None:
+        st.state, st.slurm_state = "stopping", None  # asked to (`orchestrator stop`, a signal to its launcher): saving, then exiting
     if st.state == "running" and rates["step_time_s"] and rs.train_iters and iteration is not None:
         rs.eta_s = max(0, rs.train_iters - iteration) * rates["step_time_s"]
     if st.state == "unknown" and summary is not None and summary.get("status") == "completed":

@@ -18,6 +18,7 @@ from orchestrator.errors import JobFailedError
 from orchestrator.slurm import restarts_of, scontrol_job
 from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
+from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here
 
 
 def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
@@ -63,35 +64,6 @@ def _stderr_tail(job, task: int, lines: int = 25) -> str:
         return "\n".join(text.rstrip().splitlines()[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
-
-
-def cancel(job, cfg: JobConfig) -> None:
-    """Stop every task of ``job`` now. Local: SIGKILL the rank processes (the controller then
-    exits on its own); SLURM: scancel."""
-    if cfg.cluster.kind != "local":
-        try:
-            job.cancel(check=False)
-        except Exception:
-            pass
-        return
-    import psutil
-
-    process = getattr(job, "_process", None)
-    if process is None:
-        return
-    try:
-        children = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        process.wait(timeout=30)
-    except Exception:
-        process.kill()
 
 
 def _local_alive_ranks(job) -> Optional[set]:
@@ -205,6 +177,7 @@ class _Wait:
         self.requeues = 0
         self.state = ""
         self.local = self.c.kind == "local"
+        self.asked: Optional[Dict[str, Any]] = None  # the stop asked of the job (ckpt.stop), once seen
 
     def fail(self, message: str, cause: Optional[str] = None, detail: str = "") -> JobFailedError:
         """Cancel the job, record how its attempt ended (``cause``), return the error to raise."""
@@ -266,12 +239,22 @@ class _Wait:
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
                         "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
 
+    def check_stopped(self, ended: bool, signals) -> None:
+        """The job ended after a stop asked of it (a signal to this launcher, ``orchestrator stop``):
+        raise :class:`~orchestrator.submit.signals.JobStopped` (its line: where a rerun resumes)."""
+        from orchestrator.ckpt import stop
+
+        if signals.signum or stop.stop_path(self.run_dir).exists():
+            self.asked = stop.read(self.run_dir, self.job_id)
+        if self.asked is not None and ended:
+            raise signals.stopped(self.asked)
+
     def check_dead_local(self) -> None:
         """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
         from orchestrator.submit import outcome
 
-        if not self.local or time.time() - self.started <= 5:
-            return
+        if not self.local or time.time() - self.started <= 5 or self.asked is not None:
+            return  # (ranks that stop on request exit without results: check_stopped waits for the job's end)
         dead = _dead_ranks(self.job, self.world_size, self.results)
         if not dead:
             return
@@ -367,25 +350,42 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
     """
     from orchestrator.submit import outcome
 
+    from orchestrator.submit.signals import Detached, JobStopped, WaitSignals, say_detached
+
     w = _Wait(job, cfg, world_size)
+    signals = WaitSignals(cfg, w.job_id)
     try:
-        while True:
-            if progress is not None:
-                progress.poll()
-            w.read_results()
-            w.check_failed_rank()
-            if len(w.results) == world_size:
-                return [w.results[i][1] for i in range(world_size)]
-            w.check_dead_local()
-            ended = w.poll_scheduler()
-            w.check_ended(ended)
-            w.check_hang_and_bound(ended)
-            _pause(job, cfg)
-    except KeyboardInterrupt:
+        with signals:
+            while True:
+                if progress is not None:
+                    progress.poll()
+                w.read_results()
+                w.check_failed_rank()
+                if len(w.results) == world_size:
+                    return [w.results[i][1] for i in range(world_size)]
+                ended = w.poll_scheduler()
+                w.check_stopped(ended, signals)
+                w.check_dead_local()
+                w.check_ended(ended)
+                w.check_hang_and_bound(ended)
+                _pause(job, cfg)
+    except Detached as exc:  # a SLURM job runs on: never cancelled by a signal to its launcher
+        say_detached(exc, cfg)
+        raise
+    except JobStopped:
+        raise
+    except KeyboardInterrupt:  # a second signal, or one before the handlers were in place: stop at once
         cancel(job, cfg)
-        outcome.record_end(w.run_dir, w.job_id, "interrupted", "the launcher was interrupted (Ctrl-C or a signal)")
+        outcome.record_end(w.run_dir, w.job_id, "interrupted",
+                           "the launcher was interrupted a second time: stopped at once, unsaved" if signals.again
+                           else "the launcher was interrupted (Ctrl-C or a signal)")
+        if signals.again:
+            raise signals.ended_at_once() from None
         raise
     finally:
         if progress is not None:
-            progress.poll()
-            progress.close()
+            try:
+                progress.poll()
+                progress.close()
+            except OSError:  # the terminal went away (SIGHUP)
+                pass

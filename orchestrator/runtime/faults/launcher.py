@@ -18,6 +18,11 @@ ends now (``os._exit``): its forked ranks and writers die with it, a torn save h
 skipped on resume, and the run lock it leaves names a dead process (a stale lock, broken by the next run).
 
 A detached job (``cluster.wait=false``) gets no identity and runs on by design; SLURM jobs never watch.
+
+Every job's rank 0 (local or SLURM, waited on or detached) also watches for a stop asked of it
+(:func:`watch_stop`: ``<run.dir>/stop.json``, :mod:`orchestrator.ckpt.stop`, one ``stat`` a second on one
+process): ``orchestrator stop RUN``, or a signal to the launcher waiting on a local job. It asks the
+same graceful stop, with the request's cause (``by request``, ``interrupted``): never requeued.
 """
 
 from __future__ import annotations
@@ -86,5 +91,29 @@ def watch_launcher(owner: Optional[Dict[str, Any]], on_gone: Callable[[str], Non
         exit(STOP_EXIT_CODE)
 
     thread = threading.Thread(target=_watch, name="orchestrator-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def watch_stop(run_dir: str, job_id: str, on_request: Callable[[str, str], None], *,
+               poll_s: float = POLL_S) -> threading.Thread:
+    """Start the daemon thread that polls ``<run_dir>/stop.json`` every ``poll_s`` and, once it asks job
+    ``job_id`` to stop, calls ``on_request(who asked, cause)`` (the graceful stop) and ends."""
+    from orchestrator.ckpt import stop
+
+    path = stop.stop_path(run_dir)
+
+    def _watch() -> None:
+        while True:
+            asked = stop.read(run_dir, job_id) if path.exists() else None
+            if asked is not None:
+                who = str(asked.get("by") or "a stop request")
+                print(f"[orchestrator] stop asked by {who}: stopping at the next iteration (saving a checkpoint "
+                      "first)", file=sys.stderr, flush=True)
+                on_request(who, str(asked.get("cause") or stop.BY_REQUEST))
+                return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=_watch, name="orchestrator-stop-watch", daemon=True)
     thread.start()
     return thread

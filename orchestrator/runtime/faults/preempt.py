@@ -75,14 +75,18 @@ _REQUESTED: dict = {}
 """A stop asked for from code (:func:`request_stop`): ``{"name": ...}``, and the installed StopRequest."""
 
 
-def request_stop(name: str) -> None:
-    """Ask this process's graceful stop from any thread (the launcher watch of
+def request_stop(name: str, cause: Optional[str] = None) -> None:
+    """Ask this process's graceful stop from any thread (the watches of
     :mod:`orchestrator.runtime.faults.launcher`): the installed :class:`StopRequest` is triggered now,
-    one installed later (during start-up) at its :meth:`~StopRequest.install`."""
+    one installed later (during start-up) at its :meth:`~StopRequest.install`. ``cause``: a stop asked
+    on purpose (``orchestrator stop``: ``by request``; a signal to the waiting launcher: ``interrupted``)
+    is never requeued and its attempt ends with that cause."""
     _REQUESTED.setdefault("name", name)
+    if cause:
+        _REQUESTED.setdefault("cause", cause)
     current = _REQUESTED.get("current")
     if current is not None:
-        current.trigger(name)
+        current.trigger(name, cause)
 
 
 def with_stop_signals_shielded(start: Any) -> Any:
@@ -122,6 +126,7 @@ class StopRequest:
         self.max_requeues = int(max_requeues)
         self.run_dir = run_dir
         self._flag = False
+        self.asked_cause: Optional[str] = None  # a stop asked on purpose (request_stop): never requeued
         self._preempted = False  # SLURM requeued the job itself (see _requeued_by_slurm)
         self.signal_name: Optional[str] = None
         self.signal_time: Optional[float] = None
@@ -141,7 +146,7 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         _REQUESTED["current"] = self
         if "name" in _REQUESTED:  # asked for before this request existed (request_stop)
-            self.trigger(_REQUESTED["name"])
+            self.trigger(_REQUESTED["name"], _REQUESTED.get("cause"))
         if on_slurm() and _rank() == 0:
             count = restart_count()
             if count:
@@ -176,10 +181,12 @@ class StopRequest:
             self.signal_time = time.time()
         self._flag = True
 
-    def trigger(self, name: str = "manual") -> None:
-        """Request a stop from code (tests, an external trigger file, ...)."""
-        if not self._flag:
+    def trigger(self, name: str = "manual", cause: Optional[str] = None) -> None:
+        """Request a stop from code (tests, the stop request of :mod:`orchestrator.ckpt.stop`, ...);
+        ``cause``: asked on purpose (see :func:`request_stop`)."""
+        if not self._flag or (cause and not self.asked_cause):
             self.signal_name, self.signal_time = name, time.time()
+        self.asked_cause = self.asked_cause or cause
         self._flag = True
 
     @property
@@ -227,6 +234,8 @@ class StopRequest:
     # ---- requeue or stop -------------------------------------------------------------------
     def _decide(self) -> "tuple[bool, str]":
         """(requeue?, why) — evaluated on rank 0."""
+        if self.asked_cause:
+            return False, "asked on purpose: not requeued"
         if not on_slurm():
             return False, "not a SLURM job (local run): stopped after saving"
         job_id = slurm_job_id()
@@ -262,7 +271,7 @@ class StopRequest:
         (the one just saved; default: the running guard's last beat) goes into the attempt's record.
         """
         rank = _rank()
-        why = reason or "stop requested"
+        why = "stop asked" if self.asked_cause else reason or "stop requested"
         if self.signal_name:
             why += f" ({self.signal_name})"
         # 1. every rank has saved and arrived; rank 0 says whether it will requeue
@@ -270,7 +279,7 @@ class StopRequest:
         want = 0
         detail = ""
         if rank == 0:
-            if self._requeued_by_slurm():
+            if self._requeued_by_slurm() and not self.asked_cause:
                 want, detail = 2, f"SLURM requeued job {slurm_job_id()} itself (preemption)"
             else:
                 want, detail = self._decide()
@@ -312,7 +321,7 @@ class StopRequest:
 
                 iteration = guard.last_iteration()
             requeued = event == "requeued"
-            cause = ("preempted" if self._preempted else
+            cause = (self.asked_cause if self.asked_cause and not requeued else "preempted" if self._preempted else
                      "timeout" if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
                      else "preempted" if requeued else "interrupted")
             if history.claim_attempt_end(self.run_dir, job_id, attempt):

@@ -59,10 +59,15 @@ class TrainJob:
         self.launcher = launcher
 
     def _watch_launcher(self) -> None:
-        from orchestrator.runtime.faults.launcher import watch_launcher
+        """The launcher's death (a waited local job) and, on rank 0, a stop asked of the job
+        (``orchestrator stop``, a signal to the launcher): both ask the graceful stop."""
+        from orchestrator.runtime.faults.launcher import watch_launcher, watch_stop
         from orchestrator.runtime.faults.preempt import request_stop
 
         watch_launcher(self.launcher, request_stop)
+        rank, job_id, _ = _whoami()
+        if rank == 0 and job_id is not None:
+            watch_stop(self.config["run"]["dir"], job_id, request_stop)
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)

@@ -1,0 +1,156 @@
+"""What a signal to a launcher that waits on a job does: one rule, local and SLURM.
+
+=========================  ==========================================  =============================================
+signal to the launcher     local job                                   SLURM job
+=========================  ==========================================  =============================================
+SIGINT (Ctrl-C), SIGTERM   the ranks finish the iteration, save (unless  detach: one line (job id, how to follow it
+                           it is saved already) and exit; one line       with ``status``, how to stop it); the job
+                           names the checkpoint and the command that     runs on, untouched (never scancel); exit 0
+                           resumes; exit 130 / 143
+SIGHUP (terminal gone)     as SIGTERM; exit 129                          detach, as above; exit 0
+a second signal while      stop at once (SIGKILL), unsaved, said so;     (the first one detached already)
+the ranks stop             exit 128 + its number
+=========================  ==========================================  =============================================
+
+A local job is asked to stop through ``<run.dir>/stop.json`` (:mod:`orchestrator.ckpt.stop`), the same
+request ``orchestrator stop`` writes: the job's rank 0 polls it and asks the ranks' one graceful stop
+(:mod:`orchestrator.runtime.faults.preempt`, the path of the launcher watch and of SLURM's time limit).
+The handlers are installed by :func:`orchestrator.submit.wait.wait` for the duration of the wait (main
+thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
+running yet, or warm ranks that stop with their launcher). No torch import.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from orchestrator.ckpt import stop
+from orchestrator.config.schema import JobConfig
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What a terminal, ``kill`` or a closed SSH session sends a launcher."""
+STOPPED_BY_REQUEST_EXIT = 128 + signal.SIGTERM
+"""Exit status of a launcher whose job ``orchestrator stop`` ended: as if it had been sent SIGTERM."""
+
+
+class Detached(KeyboardInterrupt):
+    """The launcher leaves its SLURM job running and exits 0 after :attr:`line` (a signal told it to go)."""
+
+    def __init__(self, line: str, signum: int, job_id: str):
+        super().__init__(line)
+        self.line, self.signum, self.job_id, self.code = line, signum, job_id, 0
+
+
+class JobStopped(KeyboardInterrupt):
+    """The waited job stopped on purpose (a signal to the launcher, ``orchestrator stop``): :attr:`line`
+    says where it can resume from; :attr:`code` is the launcher's exit status (128 + the signal)."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
+def tell(line: str) -> None:
+    """Print ``line`` on stderr; nothing when the terminal is gone (a SIGHUP: writes fail with EIO)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def resume_command() -> str:
+    """The command that started this launcher, as a user retypes it."""
+    return "python -m orchestrator " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "python -m orchestrator"
+
+
+def checkpoint_words(cfg: JobConfig) -> str:
+    """``run ... to resume from <checkpoint> (iteration N)``, or that a rerun starts from scratch."""
+    try:
+        from orchestrator.ckpt.manifest import latest_complete, save_dir_of
+
+        latest = latest_complete(save_dir_of(cfg), lambda _: None, verify=False)
+    except Exception:  # noqa: BLE001 - a torn directory must not turn a stop into a traceback
+        latest = None
+    if latest is None:
+        return f"no checkpoint in {cfg.run.dir}, so `{resume_command()}` starts from scratch"
+    return f"resume from {latest.path} (iteration {latest.iteration}) with: {resume_command()}"
+
+
+def detach_line(cfg: JobConfig, job_id: str, signum: int) -> str:
+    """The one line of a launcher that leaves SLURM job ``job_id`` running."""
+    root, name = cfg.run.root, cfg.run.name
+    return (f"detached ({signal.Signals(signum).name}): SLURM job {job_id} runs on, untouched; follow it with "
+            f"`python -m orchestrator status {root}` (logs: {cfg.run.dir}/submitit/); stop it with "
+            f"`python -m orchestrator stop {name} --root {root}` (saves first; --now: at once)")
+
+
+class WaitSignals:
+    """The rule above, for one :func:`~orchestrator.submit.wait.wait` on ``job_id``: a context manager
+    that installs the handlers (main thread only) and puts the previous ones back."""
+
+    def __init__(self, cfg: JobConfig, job_id: str):
+        self.cfg, self.job_id = cfg, str(job_id)
+        self.local = cfg.cluster.kind == "local"
+        self.signum: Optional[int] = None
+        """The first signal (local): the ranks were asked to stop."""
+        self.again: Optional[int] = None
+        """A second signal (local): the job was ended at once."""
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "WaitSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any = None) -> None:
+        if not self.local:
+            raise Detached(detach_line(self.cfg, self.job_id, signum), signum, self.job_id)
+        if self.signum is not None:
+            self.again = signum
+            raise KeyboardInterrupt  # the wait ends the job at once (SIGKILL), unsaved
+        self.signum = signum
+        name = signal.Signals(signum).name
+        stop.request(self.cfg.run.dir, self.job_id, by=f"{name} to the launcher", cause="interrupted")
+        tell(f"[orchestrator] {name}: the ranks save at the next iteration and exit "
+             f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop at once, unsaved)")
+
+    def stopped(self, asked: Optional[Dict[str, Any]]) -> JobStopped:
+        """The job ended after the stop ``asked`` (this launcher's signal, or ``orchestrator stop``)."""
+        how = "stopped at once, unsaved" if asked and asked.get("now") else "stopped after saving"
+        who = signal.Signals(self.signum).name if self.signum else (asked or {}).get("by", "a stop request")
+        code = 128 + self.signum if self.signum else STOPPED_BY_REQUEST_EXIT
+        return JobStopped(f"{how} ({who}); {checkpoint_words(self.cfg)}", code)
+
+    def ended_at_once(self) -> JobStopped:
+        """A second signal ended the job at once (SIGKILL): nothing of the iteration in progress is saved."""
+        name = signal.Signals(self.again or signal.SIGINT).name
+        return JobStopped(f"stopped at once ({name} a second time), unsaved; {checkpoint_words(self.cfg)}",
+                          128 + (self.again or signal.SIGINT))
+
+
+def say_detached(exc: Detached, cfg: JobConfig) -> None:
+    """Record the detach in the run's history (``detached``: its line) and print the line; after a SIGHUP
+    the terminal is gone: the output goes nowhere from then on instead of failing."""
+    from orchestrator.ckpt.history import record_event
+
+    try:
+        record_event(cfg.run.dir, "detached", job_id=exc.job_id, message=exc.line, signal=signal.Signals(exc.signum).name,
+                     time_local=time.strftime("%Y-%m-%d %H:%M:%S"))
+    except OSError:
+        pass
+    tell(f"[orchestrator] {exc.line}")
+    if exc.signum == signal.SIGHUP:
+        import os
+
+        devnull = open(os.devnull, "w")  # noqa: SIM115 - the process ends soon
+        sys.stdout = sys.stderr = devnull
