@@ -1,0 +1,97 @@
+"""Runs that last days (issue 26): costs that stay flat, on the files a long run leaves behind.
+
+Unit tests on real files written by the production writers (no job runs here): ``status`` of a run whose
+``metrics.jsonl`` holds far more than it reads, ``status`` of a sweep one of whose points lost a rank,
+the cleanup rule for set-aside checkpoint directories, and the launcher's poll of aggregated heartbeats.
+``bench/long_run.py`` measures the same things at 100,000 iterations, 200 checkpoints and 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from orchestrator.ckpt import history
+from orchestrator.ckpt.rundir import METRICS_FILE
+from orchestrator.io import append_jsonl, write_atomic
+from orchestrator.submit import outcome, status
+
+RECORD = ('{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
+          '"max_gpu_mem_mb": null, "max_rss_mb": 1630.2, "skipped": false, "step_time_s": 0.5, '
+          '"throughput_tflops": 0.012, "time": {t:.3f}, "tokens_per_s": 8192.0}}\n')
+"""A training record as the logging rank writes it (sorted keys, ~280 B)."""
+
+
+def long_metrics(run_dir: Path, iterations: int, train_iters: int) -> None:
+    """``metrics.jsonl`` of one job that started at iteration 0 and logged every iteration up to ``iterations``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_jsonl(run_dir / METRICS_FILE, {"event": "start", "iteration": 0, "train_iters": train_iters,
+                                          "resumed_from": None, "load_s": None, "time": time.time()})
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.writelines(RECORD.format(s=8 * i, i=i, loss=10.0 - i * 1e-4, t=1.7e9 + i) for i in range(1, iterations + 1))
+
+
+def test_status_of_a_long_run_shows_total_eta_and_tokens_per_s(tmp_path):
+    """30,000 records (7.4 MiB, 7x what status reads): the total comes from the job's ``attempt_started``
+    record, and a run written before that record carried it finds the ``start`` record searching backwards."""
+    run = tmp_path / "long"
+    long_metrics(run, 30_000, 100_000)
+    job_id = str(os.getpid())  # a live local "job": this process
+    history.record_submission(run, job_id, "local", num_tasks=1, folder=str(run / "submitit"))
+    history.record_attempt_started(run, job_id, 0, iteration=0, host="h", world_size=1, train_iters=100_000)
+    assert (run / METRICS_FILE).stat().st_size > 7 * status.TAIL_BYTES
+    st = status.run_status(run)
+    assert (st.state, st.iteration, st.train_iters, st.tokens_per_s) == ("running", 30_000, 100_000, 8192.0)
+    assert st.eta_s == 70_000 * 0.5
+    row = status.format_table([st], tmp_path).splitlines()[1].split()
+    assert row[0] == "long" and row[5:] == ["30000/100000", "7.0000", "8,192", "9h43m"], row
+    # written before attempt_started carried train_iters: the start record, found from the end
+    assert status.live_rates(run, records=[])["train_iters"] == 100_000
+    append_jsonl(run / METRICS_FILE, {"event": "start", "iteration": 30_000, "train_iters": 200_000})
+    assert status.live_rates(run)["train_iters"] == 200_000  # a newer job's start, in the tail
+
+
+def _point(sweep: Path, num: int, job_id: str, pool: Path, trial: int) -> Path:
+    """A sweep point on warm ranks as the launcher records it (:meth:`orchestrator.submit.pool.WarmPool.run`)."""
+    run = sweep / str(num)
+    history.record_submission(run, job_id, "local", {"stdout": str(pool / "submitit" / f"{job_id}_0_log.out")},
+                              num_tasks=3, warm_pool=str(pool), trial=trial)
+    long_metrics(run, 3, 10)
+    return run
+
+
+def test_status_of_a_sweep_whose_point_lost_a_rank_prints_a_table(tmp_path):
+    """Point 1's rank 1 was killed (SIGKILL: it writes nothing); its peers' collectives broke and each wrote
+    its error file (:func:`orchestrator.runtime.start.pool.error_path`), then the launcher recorded the end.
+    ``status`` printed ``ValueError: too many values to unpack`` here."""
+    from orchestrator.runtime.start.pool import error_path, result_path
+
+    sweep, pool = tmp_path / "sweeps" / "s" / "2026-01-01_00-00-00", tmp_path / "sweeps" / "s" / "t" / ".pool" / "pool_0"
+    pool.mkdir(parents=True)
+    ok = _point(sweep, 0, "4242", pool, 0)
+    write_atomic(result_path(pool, 0), json.dumps({"summaries": [{"status": "completed", "logging_rank": True}]}))
+    bad = _point(sweep, 1, "4242", pool, 1)
+    broken = ("Traceback (most recent call last):\n  File \"loop.py\", line 80, in train\n"
+              "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer\n")
+    for rank in (2, 0):
+        write_atomic(error_path(pool, 1, rank), broken)
+    outcome.record_end(str(bad), "4242", "crashed",
+                       "job 4242: rank 0 failed in warm trial 1:\n" + broken + f"logs: {pool}/submitit/")
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert status.main([str(tmp_path)]) == 0
+    lines = buf.getvalue().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:] if line and not line.startswith((" ", str(tmp_path)))}
+    assert lines[0].split()[:2] == ["RUN", "STATE"]
+    assert rows[str(ok.relative_to(tmp_path))][1:3] == ["completed", "4242"], rows
+    assert rows[str(bad.relative_to(tmp_path))][1:3] == ["failed", "(crashed)"], rows
+    assert f"{bad}: rank 0 failed; last lines:" in lines
+    assert any("Connection reset by peer" in line for line in lines) and "Traceback" not in lines[0]
+    with redirect_stdout(io.StringIO()) as js:
+        assert status.main([str(tmp_path), "--json"]) == 0
+    failures = [json.loads(x)["failure"] for x in js.getvalue().splitlines()]
+    assert failures[0] is None and failures[1][0] == 0
