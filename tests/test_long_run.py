@@ -95,3 +95,59 @@ def test_status_of_a_sweep_whose_point_lost_a_rank_prints_a_table(tmp_path):
         assert status.main([str(tmp_path), "--json"]) == 0
     failures = [json.loads(x)["failure"] for x in js.getvalue().splitlines()]
     assert failures[0] is None and failures[1][0] == 0
+
+
+# ---- retention: flat per save, set-aside directories cleaned by one rule ---------------------------
+def _aside(save_dir: Path, name: str, age_s: float) -> Path:
+    path = save_dir / name
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"x" * 64)
+    for p in (path / "__0_0.distcp", path):
+        os.utime(p, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_set_aside_directories_keep_the_newest_and_never_one_still_changing(tmp_path):
+    from orchestrator.ckpt.retention import set_aside_dirs, set_aside_to_remove
+
+    save_dir = tmp_path / "checkpoints"
+    old_torn = _aside(save_dir, "iter_0000030.torn.20260101_000000", 3600)
+    old_replaced = _aside(save_dir, "iter_0000030.replaced.20260102_000000", 3600)
+    busy = _aside(save_dir, "iter_0000040.torn.20260103_000000", 3600)
+    (busy / "__1_0.distcp").write_bytes(b"y")  # a file written just now: could still be completing
+    newest = _aside(save_dir, "iter_0000050.torn.20260104_000000", 3600)
+    _aside(save_dir, "iter_0000060", 3600)  # not set aside: never a candidate
+    found = set_aside_dirs(save_dir)
+    assert sorted(p.name for p, _ in found) == sorted(p.name for p in (old_torn, old_replaced, busy, newest))
+    assert sorted(set_aside_to_remove(found, time.time(), 600.0)) == sorted([old_torn, old_replaced])
+    assert set_aside_to_remove(found, time.time(), 7200.0) == []  # nothing has settled for 2 h
+    assert set_aside_to_remove(found[:1], time.time() + 1e6, 0.0) == []  # the only one is the newest: kept
+
+
+def test_the_pruner_verifies_only_the_new_checkpoint_and_deletes_off_the_callers_thread(tmp_path, monkeypatch):
+    from test_manifest import pp2_dp2, save_checkpoint
+
+    from orchestrator.ckpt import manifest as mf
+    from orchestrator.ckpt.retention import TRASH_PREFIX, Pruner
+
+    cfg = pp2_dp2(tmp_path / "run")
+    save_dir = mf.save_dir_of(cfg)
+    for it in range(10, 121, 10):
+        save_checkpoint(cfg, it, digest="size")
+    torn = save_checkpoint(cfg, 125, manifest=False)
+    _aside(save_dir, "iter_0000020.torn.20260101_000000", 3600)
+    _aside(save_dir, "iter_0000030.replaced.20260102_000000", 3600)
+    pruner = Pruner(save_dir, keep_last=3, keep_every=50, settle_s=600)
+    pruner._scan.join()  # the job's start: what is on disk is verified once, in the pruner's thread
+    verified = []
+    monkeypatch.setattr("orchestrator.ckpt.retention.inspect_checkpoint",
+                        lambda path, verify=True: verified.append(Path(path).name) or mf.inspect_checkpoint(path, verify))
+    save_checkpoint(cfg, 130, digest="size")
+    removed = pruner.after_save(130)
+    assert verified == ["iter_0000130"]  # only what was just written
+    assert [p.name for p in removed] == [f"iter_{i:07d}" for i in (10, 20, 30, 40, 60, 70, 80, 90)]
+    assert pruner.close(timeout_s=60)
+    names = sorted(p.name for p in save_dir.iterdir())
+    assert names == ["iter_0000030.replaced.20260102_000000", "iter_0000050", "iter_0000100", "iter_0000110", "iter_0000120",
+                     "iter_0000125", "iter_0000130"]  # the newest set-aside one kept; the torn save untouched
+    assert torn.is_dir() and not any(n.startswith(TRASH_PREFIX) for n in names)
