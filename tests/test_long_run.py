@@ -151,3 +151,51 @@ def test_the_pruner_verifies_only_the_new_checkpoint_and_deletes_off_the_callers
     assert names == ["iter_0000030.replaced.20260102_000000", "iter_0000050", "iter_0000100", "iter_0000110", "iter_0000120",
                      "iter_0000125", "iter_0000130"]  # the newest set-aside one kept; the torn save untouched
     assert torn.is_dir() and not any(n.startswith(TRASH_PREFIX) for n in names)
+
+
+# ---- heartbeats: one file read per poll, whatever the number of ranks -------------------------------
+def _count_opens():
+    import sys
+
+    opened = []
+    sys.addaudithook(lambda event, args: opened.append(args[0]) if event == "open" and opened_on[0] else None)
+    return opened
+
+
+opened_on = [False]
+OPENED = _count_opens()
+"""Every file this process opens while ``opened_on[0]`` (Python's audit hook: ``open`` and ``os.open``)."""
+
+
+def test_a_poll_at_1024_ranks_opens_one_file_and_still_names_the_stalled_rank(tmp_path):
+    from orchestrator.runtime.faults.heartbeat import slots_path, write_slot
+    from orchestrator.runtime.faults.watchdog import JobWatch, Watchdog
+
+    world, stalled = 1024, 517
+    (tmp_path / "heartbeat").mkdir()
+
+    def beat(alive: int) -> None:
+        for r in range(world):
+            write_slot(slots_path(tmp_path), r, {"rank": r, "host": f"node{r // 8}", "job_id": "77", "attempt": 0,
+                                                 "iteration": 41, "alive": 1 if r == stalled else alive})
+
+    beat(1)
+    watch = JobWatch(tmp_path, "77", world, timeout_s=0.0, grace_s=0.0, every_s=0.0)
+    dog = Watchdog(tmp_path, 0, world, "node0", "77", 0, timeout_s=1.0, poll_s=0.3)  # silent: unchanged > 0.9 s
+    dog.iteration = 41
+    OPENED.clear()
+    opened_on[0] = True
+    try:
+        assert watch.silent_for() == 0.0  # the launcher's poll
+        dog._observe()  # a stalling rank's first look at every rank
+    finally:
+        opened_on[0] = False
+    assert [Path(p).name for p in OPENED] == ["ranks", "ranks"], OPENED
+    assert len(watch.last) == world and watch.last[stalled]["host"] == "node64"
+    time.sleep(1.0)
+    beat(2)  # every thread but rank 517's wrote again
+    dog._observe()
+    assert dog.stalled() == ([stalled], "not responding (process stopped, frozen or dead)")
+    assert dog._hosts([stalled]) == "node64"
+    time.sleep(0.01)
+    assert watch.hung() is None  # the job's threads are writing
