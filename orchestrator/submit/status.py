@@ -28,9 +28,12 @@ _START_PREFIX = b'{"event": "start"'
 """How a ``start`` record's line begins (records are written with sorted keys, :func:`orchestrator.io.append_jsonl`)."""
 
 
-def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES):
-    """The JSON object records of the last ``max_bytes`` of a JSONL file, newest first (torn lines skipped)."""
+def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES, only: Optional[str] = None):
+    """The JSON object records of the last ``max_bytes`` of a JSONL file, newest first (torn lines skipped);
+    ``only``: just the lines holding that text (the others are not parsed)."""
     for line in reversed(_tail_text(path, max_bytes).splitlines()):
+        if only is not None and only not in line:
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -44,14 +47,13 @@ def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Opt
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None, None, None
-    iteration = loss = summary = None
+    iteration = loss = None
+    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    summary = summary if (summary or {}).get("event") == "summary" else None
     for rec in _records_from_end(path):
-        if summary is None and rec.get("event") == "summary":
-            summary = rec
         # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
-        if iteration is None and "iteration" in rec and "lm_loss" in rec and "event" not in rec:
+        if "iteration" in rec and "lm_loss" in rec and "event" not in rec:
             iteration, loss = rec["iteration"], rec["lm_loss"]
-        if iteration is not None and summary is not None:
             break
     return iteration, loss, summary
 
@@ -91,15 +93,16 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
     if not path.exists():
         return out
+    start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
     recent: List[Dict[str, Any]] = []
-    found = False
     for rec in _records_from_end(path):
-        if rec.get("event") == "start":
-            out["train_iters"], found = rec.get("train_iters"), True
-            break
-        if "event" not in rec and len(recent) < last and isinstance(rec.get("tokens_per_s"), (int, float)):
+        if rec.get("event") == "start" or len(recent) == last:
+            break  # the newest ``last`` records of the latest job
+        if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
             recent.append(rec)
-    if not found:
+    if start is not None:
+        out["train_iters"] = start.get("train_iters")
+    else:
         started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
         start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
         out["train_iters"] = (start or {}).get("train_iters")

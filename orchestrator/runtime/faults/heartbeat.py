@@ -35,39 +35,45 @@ def slots_path(run_dir: PathLike) -> Path:
 
 
 def write_slot(path: Path, rank: int, record: Dict[str, Any]) -> None:
-    """Rewrite rank ``rank``'s slot of the ``ranks`` file ``path`` (one ``pwrite``, then close; a record
-    longer than a slot is not written)."""
-    data = json.dumps(record, separators=(",", ":")).encode()
-    if len(data) >= SLOT_BYTES:
+    """Rewrite rank ``rank``'s slot of the ``ranks`` file ``path``: the record's JSON, a newline, spaces to
+    the slot's end (one ``pwrite``, then close; a record longer than a slot is not written)."""
+    data = json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    if len(data) > SLOT_BYTES:
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        os.pwrite(fd, data.ljust(SLOT_BYTES - 1) + b"\n", rank * SLOT_BYTES)
+        os.pwrite(fd, data.ljust(SLOT_BYTES), rank * SLOT_BYTES)
     finally:
         os.close(fd)
 
 
-def read_slots(path: Path, world_size: int) -> Dict[int, Dict[str, Any]]:
-    """rank -> record of ranks ``0..world_size-1`` from the ``ranks`` file, in one open and one read (a slot
-    never written, or caught mid-write, is left out)."""
+def read_slot_bytes(path: Path, world_size: int) -> bytes:
+    """The slots of ranks ``0..world_size-1`` of the ``ranks`` file as they are on disk (one open, one read;
+    ``b""`` when there is no file)."""
     try:
         with open(path, "rb") as f:
-            data = f.read(world_size * SLOT_BYTES)
+            return f.read(world_size * SLOT_BYTES)
     except OSError:
-        return {}
+        return b""
+
+
+def read_slots(path: Path, world_size: int, data: Optional[bytes] = None) -> Dict[int, Dict[str, Any]]:
+    """rank -> record of ranks ``0..world_size-1`` from the ``ranks`` file (or its bytes ``data``), in one
+    open and one read (a slot never written, or caught mid-write, is left out)."""
+    if data is None:
+        data = read_slot_bytes(path, world_size)
     out: Dict[int, Dict[str, Any]] = {}
-    for rank in range(min(world_size, (len(data) + SLOT_BYTES - 1) // SLOT_BYTES)):
-        raw = data[rank * SLOT_BYTES:(rank + 1) * SLOT_BYTES].strip(b"\0 \n")
-        if not raw:
+    for rank, start in enumerate(range(0, len(data), SLOT_BYTES)):
+        end = data.find(b"\n", start, start + SLOT_BYTES)
+        if end < 0 or data[start] != 0x7B:  # "{": a slot never written is zeros
             continue
         try:
-            rec = json.loads(raw)
+            rec = json.loads(data[start:end])
         except ValueError:
             continue
         if isinstance(rec, dict):
             out[rank] = rec
     return out
-
 
 
 def write_heartbeat(path: Path, record: Dict[str, Any]) -> None:

@@ -52,7 +52,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import STACKS_DIR
 from orchestrator.runtime.faults.heartbeat import (HEARTBEAT_DIR, SLOT_BYTES, heartbeat_path, read_heartbeat,  # noqa: F401
-                                                  read_slots, slots_path, write_heartbeat, write_slot)
+                                                  read_slot_bytes, read_slots, slots_path, write_heartbeat,
+                                                  write_slot)
 from orchestrator.io import write_atomic
 
 PathLike = Union[str, Path]
@@ -298,28 +299,35 @@ def _record_quietly(write: Callable[[], Any]) -> None:
 class JobWatch:
     """The launcher's backstop: every rank of ``job_id`` silent (no heartbeat changed) for ``timeout_s`` +
     ``grace_s`` after one was seen. Reads the ``ranks`` file (one open, whatever the number of ranks) at
-    most every ``every_s``."""
+    most every ``every_s``; once a record of the job was seen, a poll only compares the file's bytes with
+    the last poll's (every write bumps its rank's ``alive`` counter), and parses them only for the message."""
 
     def __init__(self, run_dir: PathLike, job_id: str, world_size: int, timeout_s: float,
                  grace_s: float = 60.0, every_s: float = 5.0):
         self.run_dir, self.job_id, self.world_size = Path(run_dir), str(job_id), world_size
         self.limit_s, self.every_s = timeout_s + grace_s, every_s
-        self._state: Optional[Tuple[Any, ...]] = None
+        self._raw = b""
+        self._seen = False
         self._changed = time.monotonic()
         self._checked = 0.0
-        self.last: Dict[int, Dict[str, Any]] = {}
+
+    @property
+    def last(self) -> Dict[int, Dict[str, Any]]:
+        """rank -> the job's latest heartbeat record, as last read."""
+        return {r: rec for r, rec in read_slots(slots_path(self.run_dir), self.world_size, self._raw).items()
+                if str(rec.get("job_id")) == self.job_id}
 
     def silent_for(self) -> Optional[float]:
         """Seconds since any rank of the job last wrote its heartbeat (None before the first one)."""
         now = time.monotonic()
         if now - self._checked >= self.every_s:
             self._checked = now
-            recs = {r: rec for r, rec in read_slots(slots_path(self.run_dir), self.world_size).items()
-                    if str(rec.get("job_id")) == self.job_id}  # one file, whatever the number of ranks
-            state = tuple(sorted((r, rec.get("attempt"), rec.get("alive")) for r, rec in recs.items()))
-            if state != self._state:
-                self._state, self._changed, self.last = state, now, recs
-        return None if not self._state else now - self._changed
+            raw = read_slot_bytes(slots_path(self.run_dir), self.world_size)
+            if raw != self._raw:
+                self._raw = raw
+                self._seen = self._seen or bool(self.last)  # parsed only until the job's first record
+                self._changed = now
+        return now - self._changed if self._seen else None
 
     def pause(self) -> None:
         """The job is not running (pending, requeued): silence does not count."""
