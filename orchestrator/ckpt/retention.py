@@ -104,7 +104,10 @@ class Pruner:
 
     def _scan_existing(self) -> None:
         for path in _iter_dirs(self.root):
-            self._known.setdefault(path.name, _light(inspect_checkpoint(path, verify=True)))
+            try:
+                self._known.setdefault(path.name, _light(inspect_checkpoint(path, verify=True)))
+            except OSError:  # moved away meanwhile (a save set it aside): looked at again by after_save
+                continue
 
     def _serve(self) -> None:
         while (job := self._work.get()) is not None:
