@@ -20,8 +20,9 @@ every remaining ``iter_*`` checkpoint whole; the next prune deletes leftover ``.
 Flat cost over a long run (:class:`Pruner`, one per job on rank 0): each checkpoint is verified once
 per job — those on disk when the job starts by a thread started with the job, each new one right after
 its manifest is written — and trusted from then on (a resume verifies again what it loads), so a save
-costs the same at the 200th checkpoint as at the first. On the training ranks' path only the decision
-and the renames happen; deleting the files is the pruner's own thread's work, one directory at a time.
+costs the same at the 200th checkpoint as at the first (a save made while that start-up check still
+runs removes nothing; the next one does). On the training ranks' path only the decision and the renames
+happen; deleting the files is the pruner's own thread's work, one directory at a time.
 
 Set-aside directories (``iter_XXXXXXX.torn.<time>``, ``iter_XXXXXXX.replaced.<time>``: a save into an
 existing directory moves the old one aside, :func:`~orchestrator.ckpt.manifest.set_aside`) are removed
@@ -118,8 +119,11 @@ class Pruner:
 
     def after_save(self, just_saved: int) -> List[Path]:
         """Apply the rule once ``just_saved``'s manifest is written; returns the checkpoints removed (renamed
-        away now, their files deleted by the pruner's thread). Only ``just_saved`` is verified here."""
-        self._scan.join()
+        away now, their files deleted by the pruner's thread). Only ``just_saved`` is verified here; while the
+        start-up check of what was on disk is still running (a save soon after a resume), nothing is
+        removed: the next save does it."""
+        if self._scan.is_alive():
+            return []
         names = {p.name: p for p in _iter_dirs(self.root)}
         self._known = {name: info for name, info in self._known.items() if name in names}
         just = iteration_dir(self.root, just_saved)
