@@ -11,6 +11,7 @@
       submitit/            submitit's job scripts, logs and result pickles
       tensorboard/         TensorBoard event files (runtime.metrics, logging rank)
       heartbeat/rank_<r>   each rank's progress and liveness, attempt-end markers (runtime.watchdog)
+      heartbeat/ranks      every rank's heartbeat, a slot per rank: what the launcher reads (runtime.heartbeat)
       heartbeat/started_<r>  the job id, written as rank r's process starts (the launcher counts ranks up)
       stacks/rank_<r>.txt  every live rank's Python stacks when the hang watchdog fires
       stop.json            a stop asked of the live job (`orchestrator stop`, a signal to its launcher: ckpt.stop)

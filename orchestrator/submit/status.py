@@ -23,9 +23,18 @@ from orchestrator.ckpt.history import PathLike, attempts, format_attempts, read_
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
 
-def _records_from_end(path: Path):
-    """The JSON object records of the last MiB of a JSONL file, newest first (torn lines skipped)."""
-    for line in reversed(_tail_text(path, 1 << 20).splitlines()):
+TAIL_BYTES = 1 << 20
+"""How much of the end of ``metrics.jsonl`` status reads (~3,000 records at ``log_interval=1``)."""
+_START_PREFIX = b'{"event": "start"'
+"""How a ``start`` record's line begins (records are written with sorted keys, :func:`orchestrator.io.append_jsonl`)."""
+
+
+def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES, only: Optional[str] = None):
+    """The JSON object records of the last ``max_bytes`` of a JSONL file, newest first (torn lines skipped);
+    ``only``: just the lines holding that text (the others are not parsed)."""
+    for line in reversed(_tail_text(path, max_bytes).splitlines()):
+        if only is not None and only not in line:
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -39,32 +48,65 @@ def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Opt
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None, None, None
-    iteration = loss = summary = None
+    iteration = loss = None
+    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    summary = summary if (summary or {}).get("event") == "summary" else None
     for rec in _records_from_end(path):
-        if summary is None and rec.get("event") == "summary":
-            summary = rec
         # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
-        if iteration is None and "iteration" in rec and "lm_loss" in rec and "event" not in rec:
+        if "iteration" in rec and "lm_loss" in rec and "event" not in rec:
             iteration, loss = rec["iteration"], rec["lm_loss"]
-        if iteration is not None and summary is not None:
             break
     return iteration, loss, summary
 
 
-def live_rates(run_dir: PathLike, last: int = 5) -> Dict[str, Optional[float]]:
+def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]]:
+    """The newest ``start`` record of a metrics file, searched backwards block by block (the fallback for
+    a run whose ``jobs.jsonl`` does not carry ``train_iters``: runs written before it did)."""
+    needle = b"\n" + _START_PREFIX
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        while end > 0:
+            begin = max(0, end - block)
+            f.seek(begin)
+            chunk = (b"\n" if begin == 0 else b"") + f.read(end - begin + len(needle))  # overlap: no match lost
+            at = chunk.rfind(needle)
+            while at >= 0:
+                f.seek(begin + at + (0 if begin == 0 else 1))
+                try:
+                    rec = json.loads(f.readline())
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict):
+                    return rec
+                at = chunk.rfind(needle, 0, at)
+            end = begin
+    return None
+
+
+def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Optional[float]]:
     """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` (the
-    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``."""
+    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``.
+
+    Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
+    record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
+    record in ``records`` (``jobs.jsonl``), and only for runs without one is the file searched backwards."""
     path = Path(run_dir) / METRICS_FILE
     out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
     if not path.exists():
         return out
+    start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
     recent: List[Dict[str, Any]] = []
     for rec in _records_from_end(path):
-        if rec.get("event") == "start":
-            out["train_iters"] = rec.get("train_iters")
-            break
-        if "event" not in rec and len(recent) < last and isinstance(rec.get("tokens_per_s"), (int, float)):
+        if rec.get("event") == "start" or len(recent) == last:
+            break  # the newest ``last`` records of the latest job
+        if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
             recent.append(rec)
+    if start is not None:
+        out["train_iters"] = start.get("train_iters")
+    else:
+        started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
+        start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
+        out["train_iters"] = (start or {}).get("train_iters")
     if recent:
         out["tokens_per_s"] = sum(r["tokens_per_s"] for r in recent) / len(recent)
         steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
@@ -114,7 +156,7 @@ def run_status(run_dir: PathLike) -> RunStatus:
     if last.get("warm_pool"):  # a sweep point or tune trial on warm ranks: its trial's files say how it ended
         rs.job, rs.failure = warm_trial_status(last, records)
         return rs
-    rates = live_rates(run_dir)
+    rates = live_rates(run_dir, records=records)
     rs.train_iters, rs.tokens_per_s = rates["train_iters"], rates["tokens_per_s"]
     st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
     if st.state == "running" and stop.read(run_dir, job_id) is not None:
@@ -131,9 +173,12 @@ def run_status(run_dir: PathLike) -> RunStatus:
     return rs
 
 
-def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Tuple[JobStatus, Optional[str]]:
-    """(state, the failing rank's last lines) of a trial run on warm ranks (:mod:`orchestrator.submit.pool`):
-    its result file (the logging rank's summary), a rank's error file, else the pool job alive or not."""
+def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any]]
+                      ) -> Tuple[JobStatus, Optional[Tuple[int, List[str]]]]:
+    """(state, (the failing rank, its last lines)) of a trial run on warm ranks (:mod:`orchestrator.submit.pool`):
+    its result file (the logging rank's summary), a rank's error file, else the pool job alive or not.
+    Of several error files (a killed rank's peers fail in their broken collectives), the first rank whose
+    error is not a broken connection is named, as the launcher does."""
     import json
 
     from orchestrator.runtime.start.pool import result_path
@@ -145,13 +190,15 @@ def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any
         summaries = json.loads(result_path(pool, num).read_text())["summaries"]
     except (OSError, ValueError, KeyError):
         summaries = None
-    errors = sorted(pool.glob(f"trial_{num}.rank*.error"))
+    errors = sorted(pool.glob(f"trial_{num}.rank*.error"), key=_error_rank)
     if summaries:
         best = next((x for x in summaries if isinstance(x, dict) and x.get("logging_rank")), summaries[-1]) or {}
         st.state = {"completed": "completed", "exited": "stopped", "stopped": "stopped"}.get(best.get("status"), "unknown")
     elif errors:
-        st.state, st.detail = "failed", f"{errors[0].name.split('.')[1]} raised an exception (warm trial {num})"
-        failure = "\n".join(errors[0].read_text(errors="replace").rstrip().splitlines()[-15:])
+        tails = {_error_rank(p): p.read_text(errors="replace").rstrip().splitlines() for p in errors}
+        rank = min(tails, key=lambda r: (any("ProcessGroup" in t or "Connection" in t for t in tails[r]), r))
+        st.state, st.detail = "failed", f"rank {rank} raised an exception (warm trial {num})"
+        failure = (rank, tails[rank][-15:])
     else:
         from orchestrator.submit.jobs import _local_alive, slurm_job_status
 
@@ -161,6 +208,11 @@ def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any
 
     _attach_cause(st, records)
     return st, failure
+
+
+def _error_rank(path: Path) -> int:
+    """The rank of a warm trial's error file ``trial_<n>.rank<r>.error`` (:func:`~orchestrator.runtime.start.pool.error_path`)."""
+    return int(path.name.split(".")[1][len("rank"):])
 
 
 def find_runs(root: PathLike) -> List[Path]:

@@ -9,6 +9,7 @@ outside our control is reported, not waited on forever. No torch import.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -195,9 +196,12 @@ class _Wait:
         if self.local or self.state != "PENDING":
             self.counted_s += now - self.last_poll
         self.last_poll = now
+        listed: Dict[Path, set] = {}  # one listing of the results' folder, not one look-up per rank
         for i in range(self.world_size):
             path = Path(self.job.task(i).paths.result_pickle)
-            if i not in self.results and not _is_stale(i, path, self.stale):
+            if path.parent not in listed:
+                listed[path.parent] = set(os.listdir(path.parent)) if path.parent.is_dir() else set()
+            if i not in self.results and path.name in listed[path.parent] and not _is_stale(i, path, self.stale):
                 r = _read_result(path)
                 if r is not None:
                     self.results[i] = r

@@ -103,7 +103,7 @@ class Guard:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
-                world_size=self.world_size))
+                world_size=self.world_size, train_iters=t.train_iters))  # status reads the total here
         _ACTIVE = self
 
     # ---- per iteration ---------------------------------------------------------------------------

@@ -1,10 +1,16 @@
-"""Hang watchdog: a heartbeat file per rank, a watchdog thread in every rank, a launcher backstop.
+"""Hang watchdog: a heartbeat per rank (a file, and a slot of one shared file), a watchdog thread in every
+rank, a launcher backstop.
 
 Files (shared filesystem, ``<run_dir>/heartbeat/``)::
 
     rank_<r>                 one JSON record, rewritten in place by rank r's watchdog thread every
                              poll: job id, attempt, host, pid, the last finished iteration, a beat
                              counter (progress), an ``alive`` counter (the thread itself), the phase
+    ranks                    every rank's record at once: rank r's copy in a slot of its own
+                             (:data:`SLOT_BYTES` from byte r x SLOT_BYTES), rewritten by the same
+                             thread at the same time; readers of every rank (the other ranks'
+                             watchdogs, the launcher's :class:`JobWatch`) open this one file, not
+                             one file per rank (1,024 ranks: one open and 4 MiB read per poll)
     hang_<job>_<attempt>.json   written by the rank that declares a hang (the others follow it)
 
 Progress vs liveness. The training loop only bumps counters in memory (:meth:`Watchdog.progress`:
@@ -44,7 +50,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from orchestrator.ckpt import history
-from orchestrator.ckpt.rundir import HEARTBEAT_DIR, STACKS_DIR
+from orchestrator.ckpt.rundir import STACKS_DIR
+from orchestrator.runtime.faults.heartbeat import (HEARTBEAT_DIR, SLOT_BYTES, heartbeat_path, read_heartbeat,  # noqa: F401
+                                                  read_slot_bytes, read_slots, slots_path, write_heartbeat,
+                                                  write_slot)
 from orchestrator.io import write_atomic
 
 PathLike = Union[str, Path]
@@ -54,10 +63,6 @@ _FOLLOW_TIMEOUT_S = 60.0
 _STACKS_WAIT_S = 15.0
 
 
-def heartbeat_path(run_dir: PathLike, rank: int) -> Path:
-    return Path(run_dir) / HEARTBEAT_DIR / f"rank_{rank}"
-
-
 def stacks_path(run_dir: PathLike, rank: int) -> Path:
     return Path(run_dir) / STACKS_DIR / f"rank_{rank}.txt"
 
@@ -65,26 +70,6 @@ def stacks_path(run_dir: PathLike, rank: int) -> Path:
 def hang_path(run_dir: PathLike, job_id: str, attempt: int) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(job_id))
     return Path(run_dir) / HEARTBEAT_DIR / f"hang_{safe}_{int(attempt)}.json"
-
-
-def write_heartbeat(path: Path, record: Dict[str, Any]) -> None:
-    """Rewrite ``path`` in place with ``record`` (one write, then close; no fsync)."""
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
-    finally:
-        os.close(fd)
-
-
-def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:
-    """The record of a heartbeat file; None when missing or caught mid-write."""
-    try:
-        rec = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) else None
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:
@@ -164,7 +149,9 @@ class Watchdog:
 
     def _write(self) -> None:
         self._alive += 1
-        write_heartbeat(self.path, self._record())
+        record = self._record()
+        write_heartbeat(self.path, record)
+        write_slot(slots_path(self.run_dir), self.rank, record)
 
     def _run(self) -> None:
         complained = False
@@ -196,10 +183,11 @@ class Watchdog:
     def _observe(self) -> None:
         now = time.monotonic()
         self._watch_since = self._watch_since or now
+        records = read_slots(slots_path(self.run_dir), self.world_size)
         for r in range(self.world_size):
-            rec = read_heartbeat(heartbeat_path(self.run_dir, r))
+            rec = records.get(r)
             if rec is not None and (str(rec.get("job_id")) != self.job_id or rec.get("attempt") != self.attempt):
-                rec = None  # a file left by an earlier job or attempt
+                rec = None  # a slot left by an earlier job or attempt
             alive = None if rec is None else rec.get("alive")
             if r not in self._seen or self._seen[r][0] != alive:
                 self._seen[r] = (alive, now, rec)
@@ -309,29 +297,37 @@ def _record_quietly(write: Callable[[], Any]) -> None:
 
 
 class JobWatch:
-    """The launcher's backstop: every rank of ``job_id`` silent (no heartbeat file changed) for
-    ``timeout_s`` + ``grace_s`` after one was seen. Reads the files at most every ``every_s``."""
+    """The launcher's backstop: every rank of ``job_id`` silent (no heartbeat changed) for ``timeout_s`` +
+    ``grace_s`` after one was seen. Reads the ``ranks`` file (one open, whatever the number of ranks) at
+    most every ``every_s``; once a record of the job was seen, a poll only compares the file's bytes with
+    the last poll's (every write bumps its rank's ``alive`` counter), and parses them only for the message."""
 
     def __init__(self, run_dir: PathLike, job_id: str, world_size: int, timeout_s: float,
                  grace_s: float = 60.0, every_s: float = 5.0):
         self.run_dir, self.job_id, self.world_size = Path(run_dir), str(job_id), world_size
         self.limit_s, self.every_s = timeout_s + grace_s, every_s
-        self._state: Optional[Tuple[Any, ...]] = None
+        self._raw = b""
+        self._seen = False
         self._changed = time.monotonic()
         self._checked = 0.0
-        self.last: Dict[int, Dict[str, Any]] = {}
+
+    @property
+    def last(self) -> Dict[int, Dict[str, Any]]:
+        """rank -> the job's latest heartbeat record, as last read."""
+        return {r: rec for r, rec in read_slots(slots_path(self.run_dir), self.world_size, self._raw).items()
+                if str(rec.get("job_id")) == self.job_id}
 
     def silent_for(self) -> Optional[float]:
         """Seconds since any rank of the job last wrote its heartbeat (None before the first one)."""
         now = time.monotonic()
         if now - self._checked >= self.every_s:
             self._checked = now
-            recs = {r: rec for r in range(self.world_size)
-                    if (rec := read_heartbeat(heartbeat_path(self.run_dir, r))) and str(rec.get("job_id")) == self.job_id}
-            state = tuple(sorted((r, rec.get("attempt"), rec.get("alive")) for r, rec in recs.items()))
-            if state != self._state:
-                self._state, self._changed, self.last = state, now, recs
-        return None if not self._state else now - self._changed
+            raw = read_slot_bytes(slots_path(self.run_dir), self.world_size)
+            if raw != self._raw:
+                self._raw = raw
+                self._seen = self._seen or bool(self.last)  # parsed only until the job's first record
+                self._changed = now
+        return now - self._changed if self._seen else None
 
     def pause(self) -> None:
         """The job is not running (pending, requeued): silence does not count."""

@@ -9,7 +9,8 @@
          (runtime.async_save) — training continues and poll() finalizes it once every rank is done
       4. completion, on every rank once every rank's shards are on disk: rank 0 writes the manifest
          (with its ``save`` block), applies retention (ckpt.retention: only now, so the newest complete
-         checkpoint is this one) and broadcasts the record; the logging rank appends it to metrics.jsonl
+         checkpoint is this one; it verifies this checkpoint only and renames what goes, its thread
+         deletes the files) and broadcasts the record; the logging rank appends it to metrics.jsonl
          as a ``saved`` event, which the launcher prints in one line.
 
 Times are the slowest rank's: ``blocking_s`` how long training was held (sync: the whole write and
@@ -96,6 +97,12 @@ class Saver:
         self.async_saves = AsyncSaves() if rank.cfg.checkpoint.async_save else None
         self.records: List[Dict[str, object]] = []
         self._pending: Optional[_Save] = None
+        self.pruner = None
+        if rank.rank0:  # retention (ckpt.retention): verifies what is on disk now, in its own thread
+            from orchestrator.ckpt.retention import Pruner
+
+            c = rank.cfg.checkpoint
+            self.pruner = Pruner(ckpt.save_dir(rank.cfg), c.keep_last, c.keep_every, settle_s=c.save_timeout_s)
 
     def _guarded(self, iteration: int):
         return self.guard.saving(iteration) if self.guard is not None else contextlib.nullcontext()
@@ -103,7 +110,7 @@ class Saver:
     def __call__(self, iteration: int, consumed: int) -> Path:
         """Save at ``iteration``; returns the checkpoint directory (collective: every rank calls it)."""
         r, b = self.rank, self.rank.built
-        self.finish()
+        self._finish_write()
         path = ckpt.iter_dir(r.cfg, iteration)
         self._check_room(path)
         if r.rank0:
@@ -133,6 +140,14 @@ class Saver:
                 self.async_saves.poll(blocking=False)
 
     def finish(self) -> None:
+        """Wait for a pending asynchronous write and complete it, then for retention's deletions (before a
+        requeue, at the end)."""
+        self._finish_write()
+        if self.pruner is not None:
+            self.pruner.close()
+            self.pruner = None
+
+    def _finish_write(self) -> None:
         """Wait for a pending asynchronous write and complete it (before a save, a requeue, the end)."""
         if self.async_saves is not None and self.async_saves.pending:
             with self._guarded(self._pending.iteration if self._pending is not None else 0):
@@ -190,12 +205,10 @@ class Saver:
 
     def _retain_and_record(self, save: _Save) -> Dict[str, object]:
         from orchestrator.ckpt.manifest import read_manifest
-        from orchestrator.ckpt.retention import prune
 
-        c = self.rank.cfg.checkpoint
         manifest = read_manifest(save.path, verify=False)
         t0 = time.perf_counter()
-        removed = prune(save.path.parent, c.keep_last, c.keep_every, just_saved=save.iteration)
+        removed = self.pruner.after_save(save.iteration) if self.pruner is not None else []
         return {"event": "saved", "iteration": save.iteration, "path": str(save.path),
                 "bytes": manifest["files"]["bytes"], **manifest["save"], "prune_s": round(time.perf_counter() - t0, 4),
                 "removed": [p.name for p in removed], "time": time.time()}
