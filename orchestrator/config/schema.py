@@ -75,6 +75,15 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     num_moe_experts: Optional[int] = None
+    """Mixture of experts: experts per MLP layer (megatron-core MoELayer, alltoall token dispatcher); null = dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Mixtral: 2 of 8)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)."""
+    vocab_size: Optional[int] = None
+    """The model's published tokenizer vocabulary (Llama-3 128256, Mixtral 32000), used when the data
+    does not name a tokenizer (data.tokenizer=byte and no data.vocab_size); the data's tokenizer wins
+    otherwise. Null: the data's tokenizer (config/tokenizer.py model_vocab)."""
     recompute_granularity: Optional[str] = None
     """null, full or selective activation recomputation."""
     recompute_method: Optional[str] = None
