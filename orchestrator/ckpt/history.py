@@ -35,7 +35,7 @@ from orchestrator.io import append_jsonl, read_jsonl
 
 PathLike = Union[str, Path]
 
-CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "crashed", "interrupted")
+CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "spike", "crashed", "interrupted")
 """Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved)."""
 TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})
 """Counted against ``cluster.max_num_timeout``."""

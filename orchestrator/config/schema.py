@@ -161,6 +161,16 @@ class DataConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss / grad-norm spike stop (orchestrator/runtime/faults/spike.py, where the default is argued)."""
+
+    factor: Optional[float] = 10.0
+    """Stop the attempt (nothing of that iteration saved) when the lm loss or the gradient norm exceeds this
+    x the median of the last ``window`` values (megatron-core's spiky-loss factor); null: never."""
+    window: int = 20
+
+
+@dataclass
 class TrainingConfig:
     """Batch arithmetic, iterations, precision and logging."""
 
@@ -190,6 +200,7 @@ class TrainingConfig:
     or skip (that optimizer update is not applied, up to max_skipped_steps in a row, then stop)."""
     max_skipped_steps: int = 3
     """nan_policy=skip: how many consecutive non-finite steps are skipped before the job stops."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     eval_interval: Optional[int] = 100
     """Evaluate the validation lm loss every N iterations (and after the last); null = only after the last."""
     eval_iters: int = 10
@@ -199,6 +210,10 @@ class TrainingConfig:
     """Record iteration N's pipeline schedule on every rank (forward, backward, send/recv waits) into
     <run.dir>/schedule.json, schedule_trace.json (Chrome trace) and schedule.png, with the measured bubble
     per stage next to (p-1)/(v m); null (default) records nothing."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spike, dict):  # from_dict / a pickled job: plain dicts travel
+            self.spike = SpikeConfig(**self.spike)
 
 
 @dataclass
