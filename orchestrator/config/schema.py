@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from orchestrator.errors import ConfigError
 from orchestrator.config.keys import check_keys, omegaconf_error
+from orchestrator.config.spike import SpikeConfig
 
 
 @dataclass
@@ -75,15 +76,10 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     num_moe_experts: Optional[int] = None
-    """Mixture of experts: experts per MLP layer (megatron-core MoELayer, alltoall token dispatcher); null = dense."""
-    moe_router_topk: int = 2
-    """Experts each token is routed to (Mixtral: 2 of 8)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Load-balancing auxiliary loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)."""
+    moe_router_topk: int = 2  # experts a token is routed to (MoELayer, alltoall dispatcher; Mixtral: 2 of 8)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)
     vocab_size: Optional[int] = None
-    """The model's published tokenizer vocabulary (Llama-3 128256, Mixtral 32000), used when the data
-    does not name a tokenizer (data.tokenizer=byte and no data.vocab_size); the data's tokenizer wins
-    otherwise. Null: the data's tokenizer (config/tokenizer.py model_vocab)."""
+    """Published tokenizer vocabulary (Llama-3: 128256), used while the data names none (tokenizer.py)."""
     recompute_granularity: Optional[str] = None
     """null, full or selective activation recomputation."""
     recompute_method: Optional[str] = None
@@ -161,16 +157,6 @@ class DataConfig:
 
 
 @dataclass
-class SpikeConfig:
-    """Loss / grad-norm spike stop (orchestrator/runtime/faults/spike.py, where the default is argued)."""
-
-    factor: Optional[float] = 10.0
-    """Stop the attempt (nothing of that iteration saved) when the lm loss or the gradient norm exceeds this
-    x the median of the last ``window`` values (megatron-core's spiky-loss factor); null: never."""
-    window: int = 20
-
-
-@dataclass
 class TrainingConfig:
     """Batch arithmetic, iterations, precision and logging."""
 
@@ -211,9 +197,8 @@ class TrainingConfig:
     <run.dir>/schedule.json, schedule_trace.json (Chrome trace) and schedule.png, with the measured bubble
     per stage next to (p-1)/(v m); null (default) records nothing."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.spike, dict):  # from_dict / a pickled job: plain dicts travel
-            self.spike = SpikeConfig(**self.spike)
+    def __post_init__(self) -> None:  # from_dict / a pickled job: plain dicts travel
+        self.spike = SpikeConfig(**self.spike) if isinstance(self.spike, dict) else self.spike
 
 
 @dataclass
