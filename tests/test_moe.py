@@ -52,10 +52,11 @@ def test_moe_tiny_trains_at_ep1(ep1):
 @pytest.mark.mcore_lines
 def test_moe_tiny_trains_at_ep2_with_ep1s_losses_and_an_ep_change_is_refused(tmp_path, cache_dir, init, ep1):
     """EP=2 from the same iteration-0 weights (experts split over the 2 ranks, tokens exchanged by
-    megatron-core's alltoall dispatcher over gloo): the EP=1 run's losses to 1e-4 relative. Only the
-    order of float32 sums differs (which rank's matmul computes a token's expert output; the experts'
-    gradients reduced over DP=2 at EP=1, not at EP=2): ~1e-7 per operation, which Adam's first steps
-    amplify for weights whose gradient is near zero, hence 1e-4, not 1e-6. Each rank holds the
+    megatron-core's alltoall dispatcher over gloo): the EP=1 run's losses to 1e-5 relative. Only the
+    order of float32 sums may differ (which rank's matmul computes a token's expert output; the experts'
+    gradients reduced over DP=2 at EP=1, not at EP=2), a few ulps (float32: 1.2e-7) per operation;
+    measured on 0.16.1 over 8 iterations: bitwise equal at 7, 4.6e-8 relative at one. 1e-5 leaves two
+    orders of margin for Adam amplifying a near-zero gradient's sign, and still fails any wrong routing. Each rank holds the
     parameters the planner counts for it. Resuming its checkpoint at EP=1 is refused before anything is
     queued (the optimizer state of an expert-parallel run is chained per expert group in megatron-core,
     so torch_dist cannot reshard it): one line, the diff, the override that matches."""
@@ -65,7 +66,7 @@ def test_moe_tiny_trains_at_ep2_with_ep1s_losses_and_an_ep_change_is_refused(tmp
     assert sorted(b) == [1, 2, 3] and b[3] < b[1]
     a = ep1[0]
     for it in (1, 2, 3):
-        assert abs(a[it] - b[it]) <= 1e-4 * abs(a[it]), (it, a[it], b[it])
+        assert abs(a[it] - b[it]) <= 1e-5 * abs(a[it]), (it, a[it], b[it])
     assert _params_on_rank0(ep2.stdout) == _planned_params_per_gpu(MOE + ["parallelism.expert_model_parallel_size=2"]) \
         < _planned_params_per_gpu(MOE)  # half the experts per rank
     manifest = json.loads((tmp_path / "ep2" / "checkpoints" / "iter_0000003" / "manifest.json").read_text())
