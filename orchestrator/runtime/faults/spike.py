@@ -92,8 +92,8 @@ def _stop(guard, iteration: int, what: str, value: float, reference: float, n: i
     lr, factor = cfg.optimizer.lr, cfg.training.spike.factor
     latest = latest_checkpoint(guard.run_dir)
     keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
-    message = (f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x {REFERENCE[what][0]} "
-               f"{reference:.6g} of the last {n} iteration(s): stopped before anything of "
+    message = (f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x "
+               f"{REFERENCE[what][0]} {reference:.6g} of the last {n} iteration(s): stopped before anything of "
                f"iteration {iteration} was saved, {keep}; fix: lower the learning rate (optimizer.lr={lr:g} -> "
                f"optimizer.lr={lr / 10:g}) and rerun to resume, or training.spike.factor=null to train through spikes")
     if history.claim_attempt_end(guard.run_dir, guard.job_id, guard.attempt):
