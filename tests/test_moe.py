@@ -56,8 +56,8 @@ def test_moe_tiny_trains_at_ep2_with_ep1s_losses_and_an_ep_change_is_refused(tmp
     order of float32 sums may differ (which rank's matmul computes a token's expert output; the experts'
     gradients reduced over DP=2 at EP=1, not at EP=2), a few ulps (float32: 1.2e-7) per operation;
     measured on 0.16.1 over 8 iterations: bitwise equal at 7, 4.6e-8 relative at one. 1e-5 leaves two
-    orders of margin for Adam amplifying a near-zero gradient's sign, and still fails any wrong routing. Each rank holds the
-    parameters the planner counts for it. Resuming its checkpoint at EP=1 is refused before anything is
+    orders of margin for Adam amplifying a near-zero gradient's sign, and still fails any wrong routing.
+    Each rank holds the parameters the planner counts for it. Resuming its checkpoint at EP=1 is refused before anything is
     queued (the optimizer state of an expert-parallel run is chained per expert group in megatron-core,
     so torch_dist cannot reshard it): one line, the diff, the override that matches."""
     args = MOE + [f"run.root={tmp_path}", "run.name=ep2", "parallelism.expert_model_parallel_size=2"]
