@@ -58,6 +58,11 @@ CONFIGS: Dict[str, List[str]] = {
                   "training.micro_batch_size=4", "training.global_batch_size=8"],
     "pp4_mbs2": ["parallelism=pp4", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
                  "training.micro_batch_size=2", "training.global_batch_size=8"],
+    # MoE: 4 SwiGLU experts, top-2, split over EP 2 (each rank: 2 experts of its stage's layers)
+    "moe_ep2_mbs4": ["parallelism=pp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
+                     "model.num_moe_experts=4", "model.activation=swiglu", "model.add_bias_linear=false",
+                     "parallelism.expert_model_parallel_size=2", "training.micro_batch_size=4",
+                     "training.global_batch_size=16"],
     "pp2_seq512": ["parallelism=pp2_dp2", "model.num_layers=4", "model.hidden_size=256",
                    "model.num_attention_heads=8", "model.seq_length=512", "model.max_position_embeddings=512",
                    "training.micro_batch_size=4", "training.global_batch_size=16"],

@@ -63,6 +63,11 @@ class NonFiniteLossError(OrchestratorError):
     exit_code = 1
 
 
+class LossSpikeError(NonFiniteLossError):
+    """The lm loss or gradient norm rose above ``training.spike.factor`` x its recent median: the job stops
+    at that iteration before anything of it is saved, as for a NaN (never requeued)."""
+
+
 class DiskFullError(OrchestratorError):
     """A checkpoint save ran out of disk space (ENOSPC); the message names the path and the free space."""
 

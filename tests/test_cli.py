@@ -589,12 +589,13 @@ def test_config_surface_is_frozen():
     groups = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in (REPO / "conf").iterdir() if d.is_dir()}
     assert groups == {
         "parallelism": ["none", "pp2_dp2", "pp2_vpp2_dp2", "pp4", "tp2_pp2"],
-        "model": ["gpt_1.3b", "gpt_125m", "gpt_6.7b", "gpt_tiny"],
+        "model": ["gpt_1.3b", "gpt_125m", "gpt_6.7b", "gpt_tiny", "llama3_70b", "llama3_8b", "llama_tiny",
+                  "mixtral_8x7b", "moe_tiny"],
         "optimizer": ["adam", "sgd"],
         "data": ["indexed", "jsonl", "mock", "stdlib"],
         "training": ["default"],
         "cluster": ["hosts", "hosts_dev", "local", "slurm", "slurm_a100_4x8", "slurm_dev", "torchrun"],
-        "experiment": ["gpt_pp2_dp2"],
+        "experiment": ["gpt_pp2_dp2", "llama3_8b_a100x32", "mixtral_8x7b_a100x32"],
     }
     readme = (REPO / "README.md").read_text()
     for group, options in groups.items():

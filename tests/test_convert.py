@@ -206,6 +206,9 @@ ROUND_TRIPS = [["+experiment=gpt_pp2_dp2"]] + [
      "optimizer=sgd", "cluster=slurm_dev"],
     ["data=mock", "model.activation=swiglu", "model.ffn_hidden_size=256", "model.num_query_groups=2",
      "model.normalization=RMSNorm", "model.position_embedding_type=rope", "model.recompute_granularity=selective"],
+    ["model=moe_tiny", "parallelism.data_parallel_size=2", "parallelism.expert_model_parallel_size=2",
+     "training.spike.factor=null"],
+    ["+experiment=mixtral_8x7b_a100x32"],
 ]
 
 

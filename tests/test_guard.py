@@ -23,6 +23,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -332,8 +333,10 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     the checkpoints it would have written at and after that iteration do not exist; status says nan;
     the same command with a sane lr resumes from the last good checkpoint and finishes."""
     run_dir = tmp_path / "nan"
+    # the spike stop (test_a_loss_spike_stops_...) would end it first, and the rerun from its blown-up
+    # checkpoint: opted out, the NaN guard's turn
     common = SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=nan", "training.train_iters=14",
-                      "checkpoint.save_interval=4"]
+                      "checkpoint.save_interval=4", "training.spike.factor=null"]
     proc = run_cli(common + ["optimizer.lr=1000"], cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
@@ -362,6 +365,52 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     assert [a["cause"] for a in attempts] == ["nan", "completed"], attempts
     final = json.loads((run_dir / "checkpoints" / "iter_0000014" / "manifest.json").read_text())
     assert [(a["cause"], a["iteration"]) for a in final["history"]] == [("nan", bad), ("completed", 14)]
+
+
+@pytest.mark.slow
+def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache_dir):
+    """optimizer.lr=1000 with the default training.spike.factor=10, a checkpoint every iteration: the job
+    stops (exit 1, one line naming the iteration, the value and the median, and a lower lr) at the first
+    iteration whose loss exceeds 10 x the median of the earlier ones, long before any NaN; no checkpoint
+    at or after it exists; the attempt ends as ``spike``."""
+    run_dir = tmp_path / "spike"
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=spike", "training.train_iters=8",
+                            "checkpoint.save_interval=1", "checkpoint.keep_last=null", "optimizer.lr=1000"],
+                   cache=cache_dir, check=False, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr
+    m = re.search(r"(lm loss|grad norm) spike at iteration (\d+): (\S+) > training.spike.factor=10 x "
+                  r"(median|max) (\S+) ", line)
+    assert m, line
+    spiked, value, reference = int(m.group(2)), float(m.group(3)), float(m.group(5))
+    assert "optimizer.lr=1000 -> optimizer.lr=100" in line and "training.spike.factor=null" in line
+    records = {r["iteration"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == list(range(1, spiked))  # nothing of the spiked iteration was recorded
+    key, summary = ("lm_loss", statistics.median) if m.group(1) == "lm loss" else ("grad_norm", max)
+    assert m.group(4) == ("median" if key == "lm_loss" else "max")
+    assert reference == pytest.approx(summary([records[i][key] for i in range(1, spiked)]), rel=1e-5)
+    assert value > 10 * reference
+    assert all(math.isfinite(r["lm_loss"]) for r in records.values()) and math.isfinite(value)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
+    (a,) = history.attempts(history.read_records(run_dir))
+    assert (a.cause, a.iteration) == ("spike", spiked)
+
+
+def test_spike_watch_compares_with_the_recent_median():
+    """The rule itself: a loss above factor x the median of the window, a grad norm above factor x its
+    max, is a spike (not added), from the second value on; non-finite values are the NaN guard's; factor
+    None never fires."""
+    from orchestrator.runtime.faults.spike import SpikeWatch
+
+    w = SpikeWatch(10.0, window=3)
+    assert [w.spike("lm loss", v) for v in (5.0, 4.0, 40.0, 6.0)] == [None] * 4  # 40 <= 10 x 4.5
+    assert w.spike("lm loss", 61.0) == (61.0, 6.0)  # window (4, 40, 6): median 6
+    assert w.spike("lm loss", float("nan")) is None and w.spike("grad norm", float("inf")) is None
+    assert [w.spike("grad norm", v) for v in (1.0, 3.0, 1.0)] == [None] * 3  # 3 > 10 x median 1 would not be
+    assert w.spike("grad norm", 29.0) is None and w.spike("grad norm", 291.0) == (291.0, 29.0)  # the max
+    off = SpikeWatch(None)
+    assert off.spike("lm loss", 1.0) is None and off.spike("lm loss", 1e9) is None
 
 
 def _checkpoint_tensors(path: Path, into: Path) -> dict:

@@ -752,7 +752,9 @@ def test_a_nan_is_never_requeued(tmp_path, cache_dir):
     one line), the attempt's cause is ``nan`` and SLURM never restarts it."""
     run_dir = tmp_path / "slurm"
     cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=40",
-                                  "optimizer.lr=1000", "cluster.max_failures=1"], cache_dir, tmp_path / "logs")
+                                  "optimizer.lr=1000", "cluster.max_failures=1",
+                                  "training.spike.factor=null"],  # the spike stop would end it first (nan's turn)
+              cache_dir, tmp_path / "logs")
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         code = cli.wait(400)

@@ -35,8 +35,8 @@ from orchestrator.io import append_jsonl, read_jsonl
 
 PathLike = Union[str, Path]
 
-CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "crashed", "interrupted",
-          "by request")
+CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "spike", "crashed",
+          "interrupted", "by request")
 """Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``by
 request``: ``orchestrator stop`` (:mod:`orchestrator.ckpt.stop`)."""
 TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})

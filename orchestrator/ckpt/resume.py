@@ -51,6 +51,7 @@ from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ResumeMismatchError
 from orchestrator.config.layout import ParallelLayout, padded_vocab_size
 from orchestrator.config.schedule import lr_schedule
+from orchestrator.config.tokenizer import model_vocab_size
 from orchestrator.ckpt.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
                                    latest_complete, save_dir_of)
 
@@ -79,7 +80,7 @@ _IGNORE_KEYS = {"plan", "dry_run", "gpu", "data.cache_dir", "data.name", "model.
                 "training.log_interval", "training.timing_warmup_iters",
                 "training.exit_after_iters", "training.distributed_timeout_minutes",
                 "training.eval_interval", "training.eval_iters",
-                "model.make_vocab_size_divisible_by",  # judged by its padded vocab
+                "model.make_vocab_size_divisible_by", "model.vocab_size",  # judged by the (padded) vocab
                 "model.transformer_impl"}  # judged by what it resolved to (_layer_spec_mismatch)
 _NOTES = {
     "training.global_batch_size": "changes tokens per step and the meaning of the LR schedule; "
@@ -183,7 +184,7 @@ def _vocab_mismatches(manifest: dict, cfg: JobConfig, layout: ParallelLayout,
     out: List[Mismatch] = []
     model = manifest.get("model") or {}
     vocab = model.get("vocab_size")
-    req_vocab = (tokenizer or {}).get("vocab_size", vocab)
+    req_vocab = model_vocab_size(cfg, tokenizer["vocab_size"])[0] if (tokenizer or {}).get("vocab_size") else vocab
     if vocab is not None and req_vocab != vocab:
         out.append(Mismatch("model.vocab_size", vocab, req_vocab, None, REFUSE, "the tokenizer's vocabulary changed"))
     ck_div, div, tp = model.get("make_vocab_size_divisible_by"), cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size

@@ -64,7 +64,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("training.train_iters", 0, False), ("training.seed", 0, False), ("training.log_interval", 1, False),
     ("training.timing_warmup_iters", 0, False), ("training.exit_after_iters", 1, True),
     ("training.distributed_timeout_minutes", 1, False), ("training.eval_interval", 1, True),
-    ("training.eval_iters", 0, False), ("training.max_skipped_steps", 0, False),
+    ("training.eval_iters", 0, False), ("training.max_skipped_steps", 0, False), ("training.spike.window", 1, False),
     ("checkpoint.save_interval", 0, True), ("checkpoint.keep_last", 2, True), ("checkpoint.keep_every", 1, True),
     ("training.trace_iteration", 1, True), ("sweep.trace_iteration", 1, True),
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
@@ -86,10 +86,10 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("data.stdlib_max_mb", 0.0, False, math.inf, False),
     ("checkpoint.save_timeout_s", 0.0, False, math.inf, False), ("plan_headroom", 0.0, False, 1.0, True),
     ("cluster.poll_interval_s", 0.0, False, math.inf, False),
-    ("training.hang_timeout_s", 0.0, False, math.inf, False),
+    ("training.hang_timeout_s", 0.0, False, math.inf, False), ("training.spike.factor", 1.0, False, math.inf, False),
 ]
 """Real-valued fields and their ranges (finite values only)."""
-NULLABLE_NUMBERS = {"training.hang_timeout_s"}
+NULLABLE_NUMBERS = {"training.hang_timeout_s", "training.spike.factor"}
 
 SEED_MAX = 2 ** 32 - 1
 """numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32 - 1]."""

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 from orchestrator.errors import ConfigError
 from orchestrator.config.hosts import SshConfig
 from orchestrator.config.keys import check_keys, omegaconf_error
+from orchestrator.config.spike import SpikeConfig
 
 
 @dataclass
@@ -76,6 +77,10 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2  # experts a token is routed to (MoELayer, alltoall dispatcher; Mixtral: 2 of 8)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)
+    vocab_size: Optional[int] = None
+    """Published tokenizer vocabulary (Llama-3: 128256), used while the data names none (tokenizer.py)."""
     recompute_granularity: Optional[str] = None
     """null, full or selective activation recomputation."""
     recompute_method: Optional[str] = None
@@ -182,6 +187,7 @@ class TrainingConfig:
     or skip (that optimizer update is not applied, up to max_skipped_steps in a row, then stop)."""
     max_skipped_steps: int = 3
     """nan_policy=skip: how many consecutive non-finite steps are skipped before the job stops."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     eval_interval: Optional[int] = 100
     """Evaluate the validation lm loss every N iterations (and after the last); null = only after the last."""
     eval_iters: int = 10
@@ -191,6 +197,9 @@ class TrainingConfig:
     """Record iteration N's pipeline schedule on every rank (forward, backward, send/recv waits) into
     <run.dir>/schedule.json, schedule_trace.json (Chrome trace) and schedule.png, with the measured bubble
     per stage next to (p-1)/(v m); null (default) records nothing."""
+
+    def __post_init__(self) -> None:  # from_dict / a pickled job: plain dicts travel
+        self.spike = SpikeConfig(**self.spike) if isinstance(self.spike, dict) else self.spike
 
 
 @dataclass

@@ -226,3 +226,20 @@ def tokenizer_facts(data) -> TokenizerFacts:
                           f"fix: data.vocab_size=null (it is read from the tokenizer), or data.tokenizer=NullTokenizer "
                           "for token ids without a tokenizer")
     return facts
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> Tuple[int, str]:
+    """(the vocabulary the model is built with before Megatron's padding, where it comes from).
+
+    The data's tokenizer (``tokenizer_vocab``, from :func:`tokenizer_facts`) unless the data names none
+    (``data.tokenizer=byte`` and no ``data.vocab_size``) and the model preset carries its published
+    tokenizer's size (``model.vocab_size``, e.g. Llama-3's 128256): then that, which the byte ids fit.
+    The plan, the job's model, the manifest and the resume check all ask here.
+    """
+    d, m = cfg.data, cfg.model
+    if m.vocab_size is not None and d.tokenizer == "byte" and d.vocab_size is None and m.vocab_size >= tokenizer_vocab:
+        return m.vocab_size, f"model.vocab_size={m.vocab_size} ({m.name}'s tokenizer; the data names none)"
+    source = f"data.tokenizer={d.tokenizer}"
+    if m.vocab_size is not None and m.vocab_size != tokenizer_vocab:
+        source += f" (model.vocab_size={m.vocab_size} not used: the data's tokenizer decides)"
+    return tokenizer_vocab, source

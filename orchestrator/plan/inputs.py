@@ -118,7 +118,7 @@ class ModelShape:
     attention_dropout: float = 0.0
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
-    """Megatron's default top-k; only used when ``num_moe_experts`` is set."""
+    """Experts per token (``model.moe_router_topk``); only used when ``num_moe_experts`` is set."""
 
     @classmethod
     def from_model_config(cls, m, vocab_size: int = BYTE_TOKENIZER_VOCAB) -> "ModelShape":
@@ -132,6 +132,7 @@ class ModelShape:
             untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout, num_moe_experts=m.num_moe_experts,
+            moe_router_topk=m.moe_router_topk,
         )
 
     @property
@@ -194,20 +195,24 @@ def _gib(n: float) -> str:
 
 # ---- from a JobConfig -------------------------------------------------------------------------
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
-    """Tokenizer vocabulary of ``cfg.data`` and a note when it had to be assumed.
+    """The model's vocabulary (:func:`~orchestrator.config.tokenizer.model_vocab_size`) and a note saying
+    where it came from when the model preset carries one, or that it had to be assumed.
 
     The vocabulary the job builds the model with: :func:`orchestrator.config.tokenizer.tokenizer_facts`
     (the one function deciding it). When the tokenizer's files are not here (planning a converted
     run elsewhere): ``data.vocab_size`` if stated, else ``default`` (GPT-2's 50257), with a note.
     """
-    from orchestrator.config.tokenizer import tokenizer_facts
+    from orchestrator.config.tokenizer import model_vocab_size, tokenizer_facts
 
     try:
-        return tokenizer_facts(cfg.data).vocab_size, None
+        vocab, source = model_vocab_size(cfg, tokenizer_facts(cfg.data).vocab_size)
     except ConfigError as exc:
         if cfg.data.vocab_size is not None:
             return cfg.data.vocab_size, None
+        if cfg.model.vocab_size is not None:
+            return cfg.model.vocab_size, f"vocabulary {cfg.model.vocab_size}: model.vocab_size ({exc})"
         return default, f"{exc}; assumed a vocabulary of {default}"
+    return vocab, (f"vocabulary {vocab}: {source}" if cfg.model.vocab_size is not None else None)
 
 
 def vocab_source(cfg, vocab_size: int) -> str:

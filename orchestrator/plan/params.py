@@ -71,3 +71,15 @@ def total_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> int:
     tied_copy = vp * shape.hidden_size if (layout.pipeline_model_parallel_size > 1
                                            and not shape.untie_embeddings_and_output_weights) else 0
     return sum(s[0] for s in stage_params(shape, layout, vp)) - tied_copy
+
+
+def active_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> int:
+    """Parameters one token passes through: :func:`total_params` less, in every layer, the MLPs of the
+    ``num_moe_experts - moe_router_topk`` experts it is not routed to (dense models: the total).
+    Mixtral 8x7B: 12.9 B of 46.7 B (Jiang et al. 2024)."""
+    total = total_params(shape, layout, vp)
+    if not shape.num_moe_experts:
+        return total
+    _, _, erep, esh = layer_params(shape)
+    idle = shape.num_moe_experts - min(shape.moe_router_topk, shape.num_moe_experts)
+    return total - shape.num_layers * idle * (erep + esh) // shape.num_moe_experts

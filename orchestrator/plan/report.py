@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orchestrator.text import table
 from orchestrator.plan.memory import GiB, Plan, _gib
+from orchestrator.plan.params import active_params
 
 def _num(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -27,7 +28,9 @@ def format_plan(plan: Plan) -> str:
              f"  vocab {sh.vocab_size} -> padded {plan.padded_vocab_size} (multiple of "
              f"{sh.make_vocab_size_divisible_by} x TP {t})" + (f"; from {plan.vocab_source}" if plan.vocab_source else ""),
              f"  total {_num(plan.params_total)} (per layer {_num(plan.params_per_layer)}, embeddings "
-             f"{_num(plan.params_embedding)}{', output layer tied' if not sh.untie_embeddings_and_output_weights else ''})",
+             f"{_num(plan.params_embedding)}{', output layer tied' if not sh.untie_embeddings_and_output_weights else ''})"
+             + (f"; active per token {_num(active_params(sh, lay, plan.padded_vocab_size))} (top-{sh.moe_router_topk} "
+                f"of {sh.num_moe_experts} experts)" if sh.num_moe_experts else ""),
              "  per stage: " + ", ".join(_num(n) for n in plan.params_per_stage)
              + f"; per GPU (TP {t} shard): " + ", ".join(_num(st.params) for st in plan.stages)]
     shown = sorted({0, p - 1, plan.worst.stage})

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 from orchestrator.ckpt import history
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
-_JOB_CAUSES = ("nan", "hang")  # a crash's record names one rank's error; its traceback says more
+_JOB_CAUSES = ("nan", "spike", "hang")  # a crash's record names one rank's error; its traceback says more
 
 
 def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:

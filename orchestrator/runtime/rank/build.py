@@ -83,11 +83,11 @@ def build_rank(cfg: JobConfig) -> Rank:
     if info.rank == 0:
         say(f"{info.world_size} ranks up ({info.backend} on {info.device}); building model {cfg.model.name}")
     initialize_parallel_state(cfg, cfg.training.seed, info.device)
-    from orchestrator.config.tokenizer import tokenizer_facts
+    from orchestrator.config.tokenizer import model_vocab_size, tokenizer_facts
     from orchestrator.data.tokenizer import dataset_tokenizer
 
     tokenizer = dataset_tokenizer(cfg.data)  # the vocabulary: the plan's (tokenizer_facts), not re-derived
-    built = build_model_and_optimizer(cfg, tokenizer_facts(cfg.data).vocab_size, info.device)
+    built = build_model_and_optimizer(cfg, model_vocab_size(cfg, tokenizer_facts(cfg.data).vocab_size)[0], info.device)
     model = built.model
     tf = built.tf_config
     tf.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync

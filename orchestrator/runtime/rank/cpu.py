@@ -29,7 +29,12 @@ What it changes (megatron-core 0.16.1 and 0.19.2 alike), all scoped to the named
 4. Tied embeddings with PP > 1: ``LanguageModule.setup_embeddings_and_output_layer``
    moves the shared weight with ``weight.data.cuda()`` before its all-reduce over the
    embedding group; on CPU that call is made a no-op for the duration of the method.
-5. dist_checkpointing needs ``psutil`` (a declared dependency) or its writer
+5. MoE's alltoall token dispatcher (``transformer.moe.token_dispatcher``) turns its split sizes into
+   host NumPy arrays with ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` only for CUDA tensors; on
+   CPU they stayed tensors, which gloo's ``all_to_all_single`` refuses as split sizes. Its
+   :func:`_maybe_move_tensor_to_cpu` twin converts CPU tensors as well (same contract). Its CUDA
+   stream and event (the device-to-host copy) are :class:`_NullStream` / :class:`_NullEvent`.
+6. dist_checkpointing needs ``psutil`` (a declared dependency) or its writer
    process dies and ``save()`` hangs; :func:`activate` checks it is importable.
 
 The distributed optimizer is refused on CPU by megatron-core's own tensor-type
@@ -83,6 +88,13 @@ PATCHED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.torch",
+    # MoE (model.num_moe_experts): the alltoall dispatcher's device-to-host stream and its
+    # synchronisation, the router's and aux-loss tracker's device tensors
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.experts",
 )
 
 _ACTIVE = False
@@ -112,8 +124,27 @@ def _factory(fn: Callable) -> Callable:
     return wrapped
 
 
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: on CPU every operation has completed when it returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def query(self):
+        return True
+
+
 class _NullStream:
-    """Stands in for ``torch.cuda.Stream``: waits and records are no-ops."""
+    """Stands in for ``torch.cuda.Stream``: waits are no-ops, a recorded event is already complete."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -125,7 +156,7 @@ class _NullStream:
         return None
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NullEvent()
 
     def synchronize(self):
         return None
@@ -145,6 +176,7 @@ def _make_cuda_namespace() -> _CudaOnCpu:
         synchronize=lambda *a, **k: None,
         empty_cache=lambda: None,
         Stream=_NullStream,
+        Event=_NullEvent,
         stream=null_ctx,
         current_stream=lambda *a, **k: _NullStream(),
         default_stream=lambda *a, **k: _NullStream(),
@@ -194,6 +226,15 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """CPU twin of megatron's ``moe_utils.maybe_move_tensor_to_cpu``: the tensor on the host, as a NumPy
+    array when ``as_numpy`` (megatron converts only CUDA tensors; here every tensor already is on the host)."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 def _get_rng_state_cpu(device=None, clone=False, graph_safe=False):
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -233,6 +274,9 @@ def activate() -> None:
     for attr, repl in (("_get_cuda_rng_state", _get_rng_state_cpu), ("_set_cuda_rng_state", _set_rng_state_cpu)):
         _ORIGINALS[f"{random.__name__}.{attr}"] = getattr(random, attr)
         setattr(random, attr, repl)
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    _ORIGINALS[f"{dispatcher.__name__}.maybe_move_tensor_to_cpu"] = dispatcher.maybe_move_tensor_to_cpu
+    dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     # The tracker warns whenever the CPU state moves inside fork(); on CPU that is by design.
     logging.getLogger(random.__name__).setLevel(logging.ERROR)
     for modname in mcore.CLIP_GRAD_MODULES:

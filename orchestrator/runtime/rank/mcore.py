@@ -18,6 +18,10 @@ needs (the renamed attribute, the new parameter), so a 0.17/0.18 on a GPU machin
   resume with a new ``optimizer.lr`` (the config's schedule applies on resume, README) found no group
   and raised ValueError. :func:`load_optimizer_state` gives the saved groups the current lr bounds
   first (the runtime sets them from the config right after the load anyway).
+* The MoE router without Transformer Engine: 0.16.x's ``transformer.moe.moe_utils`` binds
+  ``te_general_gemm`` only when TE imports, yet its ``RouterGatingLinearFunction`` reads it always
+  (NameError); 0.19.x binds it to None. :func:`moe_router_without_te` gives 0.16.x the None, so the router
+  takes megatron's own ``torch.mm`` path, as 0.19.x does.
 * The asynchronous-save queue: ``dist_checkpointing.strategies.async_utils.AsyncCallsQueue`` in both;
   0.19.x deprecates it for nvidia-resiliency-ext's (same interface), taken when installed.
 
@@ -180,3 +184,13 @@ def async_calls_queue_class() -> Any:
     except ImportError:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     return AsyncCallsQueue
+
+
+def moe_router_without_te() -> None:
+    """Let megatron-core's MoE router run without Transformer Engine (its ``torch.mm`` path): bind
+    ``moe_utils.te_general_gemm = None`` where the module left it undefined (0.16.x); a no-op on 0.19.x
+    and wherever TE imported."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.x without TE
+        moe_utils.te_general_gemm = None

@@ -82,6 +82,10 @@ def transformer_config(cfg: JobConfig, device: str):
         activation_func=torch.nn.functional.silu if m.activation == "swiglu" else torch.nn.functional.gelu,
         add_bias_linear=m.add_bias_linear,
         num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_token_dispatcher_type="alltoall",  # all-to-all over the EP group (gloo on CPU, nccl on GPU)
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
@@ -149,6 +153,10 @@ def layer_spec(cfg: JobConfig, device: str):
 
     cfg.model.transformer_impl = resolve_transformer_impl(cfg, device)
     num_experts = cfg.model.num_moe_experts
+    if num_experts:
+        from orchestrator.runtime.rank import mcore
+
+        mcore.moe_router_without_te()
     if cfg.model.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization=cfg.model.normalization)

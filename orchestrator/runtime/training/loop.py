@@ -35,6 +35,7 @@ from orchestrator.runtime.rank.model import unwrap
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
 from orchestrator.runtime.training import trace
+from orchestrator.runtime.faults import spike
 
 
 def _forward_step(data_iterator, model):
@@ -239,6 +240,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
     status, loop_start = "completed", time.perf_counter()
     tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
+    spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
         for chunk in b.model:
@@ -266,6 +268,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
         if guard is not None:  # raises before anything of this iteration is saved
             update_ok = guard.check(it, loss, grad_norm) and update_ok
+            spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it)
         if loss is not None:

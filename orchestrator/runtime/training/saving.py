@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from orchestrator.config.tokenizer import model_vocab_size
 from orchestrator.errors import DiskFullError
 from orchestrator.runtime.rank.build import Rank, versions
 from orchestrator.runtime.training import checkpoint as ckpt
@@ -182,7 +183,7 @@ class Saver:
             save.blocking_s = write_s  # training waited for all of it
         manifest = mf.build_manifest(
             r.cfg, r.layout, iteration=save.iteration, consumed_samples=save.consumed, checkpoint_dir=str(save.path),
-            vocab_size=r.tokenizer.vocab_size, padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
+            vocab_size=model_vocab_size(r.cfg, r.tokenizer.vocab_size)[0], padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
             tokenizer=self.tokenizer, data=self.data_identity, versions=self.versions, origin=self.origin,
             rng_and_data_state={"scheduler": r.built.scheduler.state_dict()},
             history=self.guard.history(save.iteration) if self.guard is not None else None,
