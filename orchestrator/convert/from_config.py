@@ -67,6 +67,8 @@ def _checkpoints(cfg) -> List[List[str]]:
     out = []
     if cfg.checkpoint.save_at_end or cfg.checkpoint.save_interval:
         out.append(["--save", directory])
+        if not cfg.checkpoint.save_interval:  # validate_args asserts an interval with --save; it saves at the end too
+            out.append(["--save-interval", str(cfg.training.train_iters)])
     if cfg.checkpoint.auto_resume:
         out.append(["--load", directory])
     return out

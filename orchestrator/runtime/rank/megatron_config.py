@@ -123,13 +123,15 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     gpu, swiglu, dtype = device == "cuda", m.activation == "swiglu", params_dtype(cfg)
     vpp = p.virtual_pipeline_model_parallel_size if (p.virtual_pipeline_model_parallel_size or 1) > 1 else None
-    return TransformerConfig(
+    rope_fusion = gpu and impl == "transformer_engine" and m.position_embedding_type == "rope"
+    interleaved = gpu and vpp is not None  # Megatron-LM overlaps the interleaved schedule's p2p on GPU
+    config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
         normalization=m.normalization, gated_linear_unit=swiglu,
         activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
-        add_bias_linear=m.add_bias_linear, num_moe_experts=m.num_moe_experts,
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear, num_moe_experts=m.num_moe_experts,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -137,7 +139,8 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
         context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,
         sequence_parallel=p.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        use_cpu_initialization=not gpu, perform_initialization=True,
+        use_cpu_initialization=None if gpu else True, perform_initialization=True,  # None: Megatron-LM's
+        inference_sampling_seed=t.seed, cp_comm_type="p2p",
         # math, Megatron-LM's on every device: the fused bias-GELU is GELU's tanh approximation
         # (--bias-gelu-fusion, off without biases as validate_args turns it off); SwiGLU's is exact
         bias_activation_fusion=swiglu or m.add_bias_linear,
@@ -145,9 +148,13 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
         # speed only: CUDA kernels on GPU (fp32 weight-gradient GEMMs where the kernel exists)
         gradient_accumulation_fusion=gpu and facts.fused_wgrad,
         masked_softmax_fusion=gpu, bias_dropout_fusion=gpu, persist_layer_norm=gpu,
-        apply_rope_fusion=gpu and impl == "transformer_engine" and m.position_embedding_type == "rope",
-        deallocate_pipeline_outputs=gpu, batch_p2p_comm=True,
+        apply_rope_fusion=False,  # set below: its check looks for TE in *this* process
+        deallocate_pipeline_outputs=gpu, overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
     )
+    # TransformerConfig refuses apply_rope_fusion where TE's fused RoPE does not import; a GPU job's
+    # config computed on a login node is about the GPU nodes (facts.transformer_engine), not this one
+    config.apply_rope_fusion = rope_fusion
+    return config
 
 
 def ddp_config(cfg: JobConfig, device: str):
@@ -155,8 +162,10 @@ def ddp_config(cfg: JobConfig, device: str):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     grad, gather = overlaps(cfg, device == "cuda")
+    vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=grad, overlap_param_gather=gather,
+        align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer, average_in_collective=False,
         check_for_nan_in_grad=device == "cuda")  # the training loop checks on CPU (faults/guard)
 
