@@ -54,11 +54,13 @@ def transformer_engine_problem() -> Optional[str]:
     return None
 
 
-def installed() -> Installed:
-    """The facts of this machine. Raises :class:`BackendError` naming a Transformer Engine that is
-    installed but fails to import."""
+def installed(transformer_impl: str = "auto") -> Installed:
+    """The facts of this machine for a job asking ``model.transformer_impl``. Raises :class:`BackendError`
+    naming a Transformer Engine that is installed but fails to import, unless the job asks for ``local``."""
     from orchestrator.runtime.rank.mcore import version
 
+    if transformer_impl == "local":
+        return Installed(False, importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None, version())
     problem = transformer_engine_problem()
     if problem:
         raise BackendError(f"Transformer Engine is installed but its import fails ({problem}); fix: repair it "

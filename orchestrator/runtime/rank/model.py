@@ -54,7 +54,7 @@ def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
 def transformer_config(cfg: JobConfig, device: str):
     """megatron ``TransformerConfig`` of ``cfg`` on ``device`` (this machine's installed packages):
     :func:`orchestrator.runtime.rank.megatron_config.build`'s."""
-    return megatron_config.build(cfg, device, megatron_config.installed()).transformer
+    return megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl)).transformer
 
 
 def layer_spec(cfg: JobConfig, mc: "megatron_config.MegatronConfig"):
@@ -127,7 +127,7 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    mc = megatron_config.build(cfg, device, megatron_config.installed())
+    mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl))
     chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
     o, ddp_config = cfg.optimizer, mc.ddp
     model = [
