@@ -66,6 +66,15 @@ def check_device(cfg: JobConfig) -> None:
             raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
                               f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
                               "fix: parallelism.sequence_parallel=false")
+    p = cfg.parallelism
+    if p.overlap_param_gather and not cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError("parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters "
+                          "(megatron DDP); fix: optimizer.use_distributed_optimizer=true or "
+                          "parallelism.overlap_param_gather=null")
+    for key in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(p, key) and runs_on_cpu(cfg):
+            raise ConfigError(f"parallelism.{key}=true: communication overlap is for GPU jobs (CPU ranks reduce "
+                              f"synchronously, what is tested here); fix: parallelism.{key}=null")
     # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
     if not runs_on_cpu(cfg) and cfg.cluster.kind == "local" and m.transformer_impl != "local":
         problem = transformer_engine_problem()

@@ -51,12 +51,6 @@ def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(cfg: JobConfig, device: str):
-    """megatron ``TransformerConfig`` of ``cfg`` on ``device`` (this machine's installed packages):
-    :func:`orchestrator.runtime.rank.megatron_config.build`'s."""
-    return megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl)).transformer
-
-
 def layer_spec(cfg: JobConfig, mc: "megatron_config.MegatronConfig"):
     """megatron's GPT layer spec for the builder's resolved ``transformer_impl``.
 
