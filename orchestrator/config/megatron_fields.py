@@ -43,6 +43,18 @@ PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
 floating-point sums): kernel fusions, communication overlap, bucketing, placement, checks."""
 
 
+UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "transformer": ("cuda_graph_scope", "cuda_graph_use_single_mempool", "moe_deepep_num_sms", "moe_hybridep_num_sms",
+                    # 0.19.x keeps None, meaning TP x gtp_weight_remat_size (1): what 0.20 stores
+                    "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"),
+    "ddp": ("data_parallel_sharding_strategy",),
+    "optimizer": ("barrier_with_L1_time", "fp8_recipe", "muon_momentum", "muon_tp_mode", "optimizer_offload_fraction"),
+}
+"""Fields whose default differs between megatron-core lines (0.16.1, 0.19.2, Megatron-LM's 0.20.0) and that no
+job here reads — CUDA graphs, MoE token dispatchers, FSDP, Muon, FP8, optimizer offload and timers are never
+turned on — or that mean the same: not compared on resume, listed in the README's megatron config table."""
+
+
 def data_parallel_size(cfg) -> int:
     """DP of ``cfg``: stated, or world size / (TP x PP x CP) (orchestrator.config.layout's rule)."""
     from orchestrator.config.layout import layout_from_config
@@ -109,13 +121,12 @@ def config_hash(config: Dict[str, Any]) -> str:
 
 def split_diff(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[tuple], List[tuple]]:
     """(performance, math) differences between two megatron configs: rows ``(section.field, old, new)``.
-    A field one side lacks (another megatron-core line) is a difference only when the other side's value
-    is not its default we cannot know, so fields present on one side only are left out."""
+    Fields one side lacks (another megatron-core line) and :data:`UNUSED_FIELDS` are left out."""
     perf: List[tuple] = []
     math: List[tuple] = []
     for section in SECTIONS:
         a, b = old.get(section) or {}, new.get(section) or {}
-        for name in sorted(set(a) & set(b)):
+        for name in sorted(set(a) & set(b) - set(UNUSED_FIELDS[section])):
             if a[name] != b[name]:
                 row = (f"{section}.{name}", a[name], b[name])
                 (perf if name in PERFORMANCE_FIELDS[section] else math).append(row)

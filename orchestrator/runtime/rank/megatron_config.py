@@ -169,7 +169,9 @@ def ddp_config(cfg: JobConfig, device: str):
         grad_reduce_in_fp32=True, overlap_grad_reduce=grad, overlap_param_gather=gather,
         align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer, average_in_collective=False,
-        check_for_nan_in_grad=device == "cuda")  # the training loop checks on CPU (faults/guard)
+        # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before
+        # training.nan_policy's guard (faults/guard.py) can stop naming the ranks, or skip the step
+        check_for_nan_in_grad=False)
 
 
 def optimizer_config(cfg: JobConfig, device: str):
