@@ -122,6 +122,10 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl))
+    if (device == "cuda" and cfg.model.transformer_impl == "auto" and mc.transformer_impl == "local"
+            and torch.distributed.get_rank() == 0):  # said once, by rank 0
+        print("[orchestrator] model.transformer_impl=auto: Transformer Engine is not installed here; megatron-core's "
+              "local layer spec (no TE kernels, no fused RoPE)", flush=True)
     chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
     o, ddp_config = cfg.optimizer, mc.ddp
     model = [
