@@ -212,6 +212,10 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
+    (["parallelism.overlap_grad_reduce=true"], "parallelism.overlap_grad_reduce=true: communication overlap is for GPU"),
+    (["parallelism.overlap_param_gather=true", "cluster=slurm_a100_4x8", "parallelism.data_parallel_size=null",
+      "training.global_batch_size=128"],
+     "parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters"),
     (["parallelism.data_parallel_size=-2"], "parallelism.data_parallel_size=-2: must be a positive integer"),
     (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0: must be a positive integer"),
     (["training.log_interval=0"], "training.log_interval=0: must be a positive integer"),
