@@ -68,7 +68,7 @@ def test_cpu_math_is_megatron_lm_s_and_speed_fields_stay_cpu():
     _, gpu = _ours(golden["overrides"])
     perf, math = split_diff(gpu, cpu)
     precision = {"transformer.bf16", "transformer.autocast_dtype", "transformer.params_dtype", "transformer.pipeline_dtype",
-                 "optimizer.bf16", "optimizer.params_dtype"}
+                 "optimizer.bf16", "optimizer.params_dtype", "ddp.grad_reduce_in_fp32"}
     assert {k for k, _, _ in math} == precision  # fp32 on CPU; every other math field as on the GPU
     assert cpu["transformer"]["bias_activation_fusion"] is True  # the tanh GELU of the fused bias-GELU
     assert cpu["transformer"]["attention_softmax_in_fp32"] is False

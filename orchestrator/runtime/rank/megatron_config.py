@@ -19,6 +19,7 @@ run there (no CUDA kernels, no overlap); a GPU job gets Megatron-LM's fusions an
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -102,10 +103,16 @@ class MegatronConfig:
     optimizer: object  # OptimizerConfig
     transformer_impl: str
 
+    def __post_init__(self) -> None:
+        # as built: the runtime later hangs its hooks on the TransformerConfig (no_sync_func,
+        # finalize_model_grads_func, grad_scale_func), which are not configuration
+        self._json = {"transformer": fields_of(self.transformer), "ddp": fields_of(self.ddp),
+                      "optimizer": fields_of(self.optimizer)}
+
     def as_json(self) -> Dict[str, Dict[str, object]]:
-        """``{"transformer", "ddp", "optimizer"}``: every field by megatron-core's name (megatron_config.json)."""
-        return {"transformer": fields_of(self.transformer), "ddp": fields_of(self.ddp),
-                "optimizer": fields_of(self.optimizer)}
+        """``{"transformer", "ddp", "optimizer"}``: every field by megatron-core's name, as built
+        (megatron_config.json)."""
+        return json.loads(json.dumps(self._json))
 
 
 def _check_device(cfg: JobConfig, device: str) -> None:
@@ -166,7 +173,8 @@ def ddp_config(cfg: JobConfig, device: str):
     grad, gather = overlaps(cfg, device == "cuda")
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=grad, overlap_param_gather=gather,
+        # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
+        grad_reduce_in_fp32=cfg.training.precision == "bf16", overlap_grad_reduce=grad, overlap_param_gather=gather,
         align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer, average_in_collective=False,
         # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before
