@@ -6,7 +6,8 @@
 
 Runs Megatron-LM's real ``parse_args`` -> ``validate_args`` -> ``core_transformer_config_from_args``,
 ``get_megatron_ddp_config`` and ``get_megatron_optimizer_config`` (megatron/training) on the flags and
-prints ``{"transformer", "ddp", "optimizer"}`` (orchestrator.config.megatron_fields.fields_of). On a
+writes ``{"transformer", "ddp", "optimizer"}`` (orchestrator.config.megatron_fields.fields_of), the
+``gpt_model`` vocabulary its tokenizer builds (padded, as pretrain_gpt.py) and the megatron-core version. On a
 machine without a GPU two facts are supplied instead of asked from CUDA: the GPU's compute capability
 (``--device-arch``, 80 = A100; validate_args reads it for the TP/CP connection rule) and, on Python
 3.11, ``typing.override`` (3.12; Megatron-LM's training package uses it as a decorator only). With
