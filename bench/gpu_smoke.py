@@ -12,7 +12,10 @@ On the GPU machine (Python 3.12, torch 2.11 preinstalled, no network) one comman
 3. runs ``python -m orchestrator`` (world size 1, nccl, 55 iterations of which 50 timed, mock data, no TensorBoard) and reads the
    summary it writes to ``<run.dir>/metrics.jsonl``;
 4. runs a bare megatron-core loop of the same model (this file, ``--bare``), same batch;
-5. prints tokens/s, MFU, the ratio orchestrator/bare and peak memory vs the planner's prediction,
+   with the megatron config Megatron-LM's own parser builds for it (the golden
+   tests/golden/megatron/gpt_125m_1gpu_bf16.json through bench/golden_bare.py), not the orchestrator's;
+5. prints tokens/s, MFU, the ratio orchestrator/bare, the fusions and overlaps each side ran with,
+   and peak memory vs the planner's prediction,
    and writes ``$OUT/gpu_smoke.json`` (plus logs) when $OUT is set. The whole run stops at 8 min.
 
 The device tool's ``run`` (one line; carry=["bench/wheels"], timeout_s=540):
@@ -275,42 +278,28 @@ def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
 # ---- the bare megatron-core loop (a subprocess: its own CUDA context, peak memory and timeout) -------
 
 def _bare_model(spec: dict, device: str):
-    """TransformerConfig + GPTModel (+ Float16Module), field for field as orchestrator/runtime/rank/model.py."""
-    import torch
+    """GPTModel (+ Float16Module) with the megatron config of Megatron-LM's own parser for gpt_125m on one GPU
+    in bf16 (bench/golden_bare.py: tests/golden/megatron/gpt_125m_1gpu_bf16.json), not the orchestrator's."""
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    m, bf16 = spec["model"], device == "cuda"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    swiglu = m["activation"] == "swiglu"
-    config = TransformerConfig(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
-        num_query_groups=m["num_query_groups"], ffn_hidden_size=m["ffn_hidden_size"] or 4 * m["hidden_size"],
-        hidden_dropout=m["hidden_dropout"], attention_dropout=m["attention_dropout"],
-        init_method_std=m["init_method_std"], normalization=m["normalization"], gated_linear_unit=swiglu,
-        activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
-        add_bias_linear=m["add_bias_linear"], params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
-        use_cpu_initialization=not bf16, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        deallocate_pipeline_outputs=bf16)
+    from golden_bare import bare_configs, load_golden
+
+    golden = load_golden()
+    configs = bare_configs(golden, device)
+    config, m = configs["transformer"], spec["model"]
     impl = "local"
-    if m["transformer_impl"] in ("auto", "transformer_engine") and bf16:
-        try:
-            import transformer_engine  # noqa: F401
-
-            impl = "transformer_engine"
-        except ImportError:
-            pass
+    if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
+        impl = "transformer_engine"  # Megatron-LM's --transformer-impl default
     layer = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if impl == "transformer_engine"
              else gpt_layer_specs.get_gpt_layer_local_spec(normalization=m["normalization"]))
-    model = GPTModel(config=config, transformer_layer_spec=layer, vocab_size=spec["padded_vocab_size"],
+    model = GPTModel(config=config, transformer_layer_spec=layer, vocab_size=golden["gpt_model"]["vocab_size"],
                      max_sequence_length=m["max_position_embeddings"],
                      share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
                      position_embedding_type=m["position_embedding_type"])
-    if bf16:
+    if device == "cuda":
         model = Float16Module(config, model.cuda())
-    return config, model, impl
+    return configs, model, impl
 
 
 def bare_worker(spec: dict, out: Path, device: str) -> None:
@@ -320,8 +309,8 @@ def bare_worker(spec: dict, out: Path, device: str) -> None:
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if device == "cuda":
@@ -334,19 +323,14 @@ def bare_worker(spec: dict, out: Path, device: str) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     torch.manual_seed(spec["seed"])
     tensor_parallel.model_parallel_cuda_manual_seed(spec["seed"])
-    config, model, impl = _bare_model(spec, device)
-    ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-        average_in_collective=False))
-    o, bf16 = spec["optimizer"], device == "cuda"
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=o["lr"], min_lr=o["min_lr"], weight_decay=o["weight_decay"], adam_beta1=o["adam_beta1"],
-        adam_beta2=o["adam_beta2"], adam_eps=o["adam_eps"], clip_grad=o["clip_grad"], bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+    configs, model, impl = _bare_model(spec, device)
+    config = configs["transformer"]
+    ddp = DistributedDataParallel(config=config, module=model, ddp_config=configs["ddp"])
+    opt = get_megatron_optimizer(configs["optimizer"], [ddp])
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     mbs, seq = spec["mbs"], spec["model"]["seq_length"]
-    tokens = torch.randint(0, 256, (mbs, seq), device=device)
+    tokens = torch.randint(0, 258, (mbs, seq), device=device)
     labels, mask = torch.roll(tokens, -1, 1), torch.ones(mbs, seq, device=device)
     positions = torch.arange(seq, device=device).expand(mbs, seq)
 
@@ -369,6 +353,9 @@ def bare_worker(spec: dict, out: Path, device: str) -> None:
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     out.write_text(json.dumps({"step_time_median_s": statistics.median(times), "timed_iterations": len(times),
                                "tokens_per_step": spec["gbs"] * seq, "peak_gpu_mem_mb": peak, "transformer_impl": impl,
+                               "megatron_config": {"source": "Megatron-LM golden", "active": configs["active"],
+                                                   "turned_off_here": configs["turned_off"],
+                                                   "golden_fields_not_in_this_line": len(configs["dropped"])},
                                "torch": torch.__version__, "device_name": torch.cuda.get_device_name(0) if peak else "cpu"}))
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
@@ -418,7 +405,18 @@ def table(plan: dict, orch: Optional[dict], bare: Optional[dict]) -> dict:
     o, b = rows["orchestrator"], rows["bare megatron-core"]
     ratio = o["tokens_per_s"] / b["tokens_per_s"] if o and b else None
     say("ratio orchestrator/bare (tokens/s): " + (f"{ratio:.3f}" if ratio else "n/a"))
+    say_active(orch.get("megatron_active") if orch else None, (bare or {}).get("megatron_config"))
     return {"rows": rows, "ratio_orchestrator_over_bare_tokens_per_s": ratio}
+
+
+def say_active(ours: Optional[dict], bare: Optional[dict]) -> None:
+    """Which fusions and overlaps each side ran with (ours: its megatron_config.json; bare: the golden's)."""
+    say(f"fusions/overlaps on, orchestrator (megatron_config.json): {ours if ours else 'n/a'}")
+    if bare:
+        say(f"fusions/overlaps on, bare (Megatron-LM's own config): {bare['active']}; turned off on this machine "
+            f"(Megatron-LM would refuse them here): {bare['turned_off_here'] or 'none'}")
+    else:
+        say("fusions/overlaps on, bare: n/a")
 
 
 def device_run(a: argparse.Namespace) -> int:
@@ -453,6 +451,11 @@ def device_run(a: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "orchestrator", *orchestrator_overrides(a, str(work))]
     rc, _ = run_step("orchestrator", cmd, left(BUDGET_S["orchestrator"]), env, out / "orchestrator.log")
     result["orchestrator"] = read_summary(work / "gpu_smoke")
+    megatron_json = work / "gpu_smoke" / "megatron_config.json"
+    if result["orchestrator"] and megatron_json.is_file():
+        from golden_bare import active_of
+
+        result["orchestrator"]["megatron_active"] = active_of(json.loads(megatron_json.read_text()))
     if rc != 0 or not result["orchestrator"]:
         print_rank_logs(work / "gpu_smoke")
     spec_file, bare_file = work / "bare_spec.json", work / "bare.json"
@@ -502,8 +505,10 @@ def dry_run(a: argparse.Namespace) -> int:
     say(f"        then reads {root}/gpu_smoke/metrics.jsonl (last {{'event': 'summary'}}: step_time_median_s, "
         "tokens_per_step, peak_gpu_mem_mb_per_rank)")
     say(f"step 4 (<= {BUDGET_S['bare']} s): $ {sys.executable} {Path(__file__).resolve()} --bare "
-        f"{root}/bare_spec.json --bare-out {root}/bare.json   (spec: the composed model/optimizer, MBS {a.mbs}, "
-        f"GBS {a.gbs}, {a.iters} iterations, {a.warmup} warm-up)")
+        f"{root}/bare_spec.json --bare-out {root}/bare.json   (megatron config: Megatron-LM's own, "
+        f"tests/golden/megatron/gpt_125m_1gpu_bf16.json; MBS {a.mbs}, GBS {a.gbs}, {a.iters} iterations, "
+        f"{a.warmup} warm-up)")
+    rc = dry_run_configs(a, root) or rc
     say(f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
         f"step 3's (relative {CYCLE_TOL}):")
     for name, cmd in cycle_steps(a, root):
@@ -513,6 +518,29 @@ def dry_run(a: argparse.Namespace) -> int:
     say("dry run: " + ("config and plan OK" if rc == 0 else "config/plan check FAILED")
         + ("; wheels missing (python bench/gpu_smoke.py --fetch)" if wheels_missing else "; wheels present"))
     return 0 if rc == 0 else 1
+
+
+def dry_run_configs(a: argparse.Namespace, root: str) -> int:
+    """Both megatron configs, built here as the device would build them (no CUDA call): the orchestrator's
+    (``megatron-config``, this machine's packages) and the bare loop's (the golden's)."""
+    try:
+        from golden_bare import active_of, bare_configs, load_golden
+
+        from orchestrator.config.compose import compose_config
+        from orchestrator.convert.megatron_config_cli import megatron_json
+
+        ours, device, _ = megatron_json(compose_config(orchestrator_overrides(a, root)))
+        golden = load_golden()
+        bare = bare_configs(golden, "cuda")
+        say(f"        megatron config, orchestrator (device={device}, this machine's packages): on {active_of(ours)}")
+        say(f"        megatron config, bare: Megatron-LM {golden['megatron_lm']['commit'][:7]}'s own "
+            f"(megatron-core {golden['megatron_lm']['megatron_core']}): on {bare['active']}; turned off here "
+            f"(kernels missing): {bare['turned_off'] or 'none'}; {len(bare['dropped'])} golden fields not in this "
+            "megatron-core line")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the dry run reports, it does not crash
+        say(f"        FAILED building the megatron configs: {type(exc).__name__}: {exc}")
+        return 1
 
 
 def main() -> int:

@@ -50,6 +50,8 @@ TOOLS = {
     "sweep": ("orchestrator.sweep.driver", "summarize <sweep dir>: rebuild a sweep's results table"),
     "convert": ("orchestrator.convert.cli", "Megatron-LM arguments <-> orchestrator experiments"),
     "tune": ("orchestrator.sweep.tune", "planner-guided search for the fastest layout that fits"),
+    "megatron-config": ("orchestrator.convert.megatron_config_cli",
+                        "the megatron config a job builds (JSON), without a GPU or queueing anything"),
 }
 """Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
 

@@ -125,6 +125,18 @@ def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, 
     _assert_matches(reference, run_dir, after=2, rel=1e-5)
     manifest = json.loads((run_dir / "checkpoints" / f"iter_{REFERENCE_ITERS:07d}" / "manifest.json").read_text())
     assert manifest["iteration"] == REFERENCE_ITERS and manifest["consumed_samples"] == REFERENCE_ITERS * 16
+    # the megatron config the job built: in the run directory, whole and hashed in every manifest
+    from orchestrator.config.megatron_fields import config_hash
+
+    built = json.loads((run_dir / "megatron_config.json").read_text())
+    assert manifest["megatron_config"] == built and manifest["megatron_config_sha256"] == config_hash(built)
+    assert built["transformer"]["bias_activation_fusion"] is True  # Megatron-LM's tanh GELU, on CPU too
+    assert built["ddp"]["overlap_grad_reduce"] is False and built["transformer"]["pipeline_model_parallel_size"] == 2
+    from orchestrator.config.compose import compose_config
+    from orchestrator.convert.megatron_config_cli import megatron_json
+
+    predicted, device, _ = megatron_json(compose_config(resume_args + [f"run.root={tmp_path}", "run.name=cut"]))
+    assert (predicted, device) == (built, "cpu")  # `megatron-config` prints what the job built
 
 
 @pytest.mark.mcore_lines

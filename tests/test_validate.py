@@ -3,7 +3,7 @@
 Configs are composed from conf/ (every group) and then perturbed field by field with valid, invalid
 and edge values. Each must either be refused by ``validate`` with one ``ConfigError``/``LayoutError``
 line (never another exception, never a traceback), or be accepted — and then megatron-core's own
-``TransformerConfig`` (built by the runtime's own ``transformer_config``) and parallel-state
+``TransformerConfig`` (built by the runtime's own builder, ``runtime/rank/megatron_config.py``) and parallel-state
 arithmetic (``initialize_model_parallel``'s divisibility rules and ``RankGenerator`` groups) accept it
 too, and the planner (``plan=true``) prices it without crashing. In-process, CPU only, no process group.
 """
@@ -166,7 +166,8 @@ def megatron_parallel_groups(layout) -> int:
 
 def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     from orchestrator.plan import memory as planner
-    from orchestrator.runtime.rank.model import transformer_config
+    from orchestrator.runtime.rank.mcore import version
+    from orchestrator.runtime.rank.megatron_config import Installed, build
 
     bases = [compose_config(b + ["run.root=/tmp/orchestrator-test-validate"]) for b in BASES]
     rng = random.Random(SEED)
@@ -192,7 +193,7 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
         outcomes["accepted"] += 1
         device = "cpu" if runs_on_cpu(cfg) else "cuda"
         try:
-            tf = transformer_config(cfg, device)
+            tf = build(cfg, device, Installed(device == "cuda", False, version())).transformer  # TE on GPU nodes
             dp = megatron_parallel_groups(layout)
         except Exception as exc:
             pytest.fail(f"{where}: validate accepted it but megatron-core refuses: {type(exc).__name__}: {exc}")
@@ -211,6 +212,10 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
+    (["parallelism.overlap_grad_reduce=true"], "parallelism.overlap_grad_reduce=true: communication overlap is for GPU"),
+    (["parallelism.overlap_param_gather=true", "cluster=slurm_a100_4x8", "parallelism.data_parallel_size=null",
+      "training.global_batch_size=128"],
+     "parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters"),
     (["parallelism.data_parallel_size=-2"], "parallelism.data_parallel_size=-2: must be a positive integer"),
     (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0: must be a positive integer"),
     (["training.log_interval=0"], "training.log_interval=0: must be a positive integer"),

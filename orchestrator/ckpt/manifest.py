@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from orchestrator.config.megatron_fields import config_hash
 from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ManifestError
 from orchestrator.io import write_atomic
@@ -186,7 +187,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
                    versions: Optional[dict] = None, env: Optional[dict] = None, origin: Optional[dict] = None,
                    rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
                    hosts: Optional[List[str]] = None,
-                   history: Optional[list] = None, save: Optional[dict] = None) -> dict:
+                   history: Optional[list] = None, save: Optional[dict] = None,
+                   megatron: Optional[dict] = None) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
@@ -196,7 +198,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
     (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank;
     ``history``: the run's attempts (default: read from ``<run.dir>/jobs.jsonl``,
     :func:`orchestrator.ckpt.history.history_for_manifest`); ``save``: how the save went (``async``,
-    ``started``, ``completed``, the slowest rank's ``write_s`` and ``blocking_s``; bytes are ``files.bytes``).
+    ``started``, ``completed``, the slowest rank's ``write_s`` and ``blocking_s``; bytes are ``files.bytes``);
+    ``megatron``: the megatron config the job built (``megatron_config.json``), recorded whole with its sha256.
     """
     if history is None:
         from orchestrator.ckpt.history import history_for_manifest
@@ -240,6 +243,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "state": rng_and_data_state,
         "save": save,
         "config": to_dict(cfg),
+        "megatron_config": megatron,
+        "megatron_config_sha256": config_hash(megatron) if megatron is not None else None,
         "files": file_digest(checkpoint_dir, digest or getattr(cfg.checkpoint, "digest", "size")),
     }
     manifest = json.loads(json.dumps(manifest, default=str))  # exactly what a reader will see

@@ -66,11 +66,43 @@ def check_device(cfg: JobConfig) -> None:
             raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
                               f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
                               "fix: parallelism.sequence_parallel=false")
+    p = cfg.parallelism
+    if p.overlap_param_gather and not cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError("parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters "
+                          "(megatron DDP); fix: optimizer.use_distributed_optimizer=true or "
+                          "parallelism.overlap_param_gather=null")
+    for key in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(p, key) and runs_on_cpu(cfg):
+            raise ConfigError(f"parallelism.{key}=true: communication overlap is for GPU jobs (CPU ranks reduce "
+                              f"synchronously, what is tested here); fix: parallelism.{key}=null")
     # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
+    if not runs_on_cpu(cfg) and cfg.cluster.kind == "local" and m.transformer_impl != "local":
+        problem = transformer_engine_problem()
+        if problem:
+            raise ConfigError(f"model.transformer_impl={m.transformer_impl}: Transformer Engine is installed but its "
+                              f"import fails ({problem}); fix: repair it (pip install --force-reinstall "
+                              "transformer-engine[pytorch]) or model.transformer_impl=local")
     if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
             and importlib.util.find_spec("transformer_engine") is None):
         raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
                           "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
+
+
+def transformer_engine_problem() -> Optional[str]:
+    """None when Transformer Engine is absent or imports; else the first line of what its import raised
+    (any exception), asked of a child Python so that this process stays torch-free (a few seconds, only
+    for a local GPU job that may use TE)."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    probe = ("import sys\ntry:\n    import transformer_engine\nexcept Exception as e:\n"
+             "    print(type(e).__name__ + ': ' + ((str(e).strip().splitlines() or [''])[0])); sys.exit(1)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return None
+    return (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
 GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")

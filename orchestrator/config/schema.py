@@ -47,6 +47,12 @@ class ParallelismConfig:
     """Megatron sequence parallelism (needs TP > 1)."""
     distributed_backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+    overlap_grad_reduce: Optional[bool] = None
+    """Overlap DP gradient reduction with the backward pass (megatron DDP). Null: on for a GPU job with
+    DP > 1 (as NVIDIA's recipes), off on CPU (orchestrator/config/megatron_fields.py)."""
+    overlap_param_gather: Optional[bool] = None
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass. Null: on for a GPU
+    job with DP > 1 and optimizer.use_distributed_optimizer, else off."""
 
 
 @dataclass

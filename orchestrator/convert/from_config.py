@@ -67,6 +67,8 @@ def _checkpoints(cfg) -> List[List[str]]:
     out = []
     if cfg.checkpoint.save_at_end or cfg.checkpoint.save_interval:
         out.append(["--save", directory])
+        if not cfg.checkpoint.save_interval:  # validate_args asserts an interval with --save; it saves at the end too
+            out.append(["--save-interval", str(cfg.training.train_iters)])
     if cfg.checkpoint.auto_resume:
         out.append(["--load", directory])
     return out
@@ -92,14 +94,16 @@ def _tokenizer(cfg) -> List[List[str]]:
     d = cfg.data
     size = getattr(d, "vocab_size", None)
     if d.tokenizer == "byte":
-        return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str(M.NULL_TOKENIZER_BYTE_VOCAB)]]
+        return [["--tokenizer-type", "NullTokenizer"], *[list(pair) for pair in M.BYTE_NULL_TOKENIZER]]
     if d.tokenizer not in TOKENIZER_TYPES:  # a tokenizer.json or its directory
         path = PurePosixPath(d.tokenizer)
         local_dir = path.name == "tokenizer.json" and str(path.parent).startswith(("/", ".", "~"))
         model = str(path.parent) if local_dir else d.tokenizer  # a directory stays one
         out = [["--tokenizer-type", "HuggingFaceTokenizer"], ["--tokenizer-model", model]]
     elif d.tokenizer == "NullTokenizer":
-        return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str((size or 1) - 1)]]
+        size = size or 1  # megatron-core's NullTokenizer: `size` ids, the eod stated
+        return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str(size)],
+                ["--null-tokenizer-eod-id", str(d.eod_id if d.eod_id is not None else size - 1)]]
     else:
         out = [["--tokenizer-type", d.tokenizer]]
         for flag, key in (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"),
@@ -111,7 +115,18 @@ def _tokenizer(cfg) -> List[List[str]]:
     return out
 
 
+def _overlap(flag: str, which: int) -> Callable[[Any], List[List[str]]]:
+    def exporter(cfg) -> List[List[str]]:
+        from orchestrator.config.machine import runs_on_cpu
+        from orchestrator.config.megatron_fields import overlaps
+
+        return [[flag]] if overlaps(cfg, not runs_on_cpu(cfg))[which] else []
+    return exporter
+
+
 EXPORTERS: Dict[str, Callable[[Any], List[List[str]]]] = {
+    "--overlap-grad-reduce": _overlap("--overlap-grad-reduce", 0),
+    "--overlap-param-gather": _overlap("--overlap-param-gather", 1),
     "--num-layers-per-virtual-pipeline-stage": _vpp,
     "--group-query-attention": _gqa,
     "--ffn-hidden-size": _ffn,
@@ -129,7 +144,7 @@ def flags(cfg) -> List[List[str]]:
     for r in M.TABLE:
         if not r.export or r.key is None or r.kind in ("none", "wrong"):
             continue
-        if r.kind == "special":
+        if r.kind == "special" or r.flag in EXPORTERS:
             out += EXPORTERS[r.flag](cfg)
             continue
         value = _get(cfg, r.key)
@@ -160,8 +175,8 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
         lines.append(f"# data={cfg.data.name}: Megatron-LM reads prepared .bin/.idx data; prepare it and add "
                      "--data-path (the orchestrator prepares it into data.cache_dir).")
     if cfg.data.tokenizer == "byte":
-        lines.append("# data.tokenizer=byte: NullTokenizer with --vocab-size 256 has the same ids "
-                     "(bytes 0-255, eod 256).")
+        lines.append("# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same "
+                     "ids and embedding (bytes 0-255, eod 256, pad 257; padded to 384).")
     choices = [f"{g}={getattr(cfg, g).name}" for g in GROUPS if _is_option(g, getattr(cfg, g).name)]
     lines.append("# orchestrator: defaults " + " ".join(choices))
     lines += [f"# orchestrator: {key}={json_value(value)}" for key, value in extras.items()]

@@ -57,7 +57,12 @@ class Flag:
 GPT2_BPE_VOCAB = 50257
 """Megatron-LM's GPT2BPETokenizer (the GPT-2 byte-pair encoding): 50,257 ids, eod = 50256."""
 NULL_TOKENIZER_BYTE_VOCAB = 256
-"""``--tokenizer-type NullTokenizer --vocab-size 256`` = ids 0..255 plus eod 256: our byte tokenizer's ids."""
+"""Older Megatron-LM's ``--tokenizer-type NullTokenizer --vocab-size 256`` = ids 0..255 plus eod 256 (its
+legacy NullTokenizer added the eod): read as our byte tokenizer."""
+BYTE_NULL_TOKENIZER = (("--vocab-size", "258"), ("--null-tokenizer-eod-id", "256"), ("--null-tokenizer-pad-id", "257"))
+"""Our byte tokenizer (bytes 0..255, eod 256, pad 257: 258 ids) as megatron-core's NullTokenizer of Megatron-LM
+0.20 (``tokenizers/text/libraries/null_tokenizer.py``: ``vocab_size`` ids, eod ``vocab_size - 1`` unless
+``--null-tokenizer-eod-id``): the same vocabulary, padded alike (384), the same eod."""
 MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
 """Megatron-LM's ``--split`` when ``--data-path`` is given without one (``validate_args``)."""
 
@@ -188,6 +193,8 @@ TABLE: List[Flag] = [
     Flag("--merge-file", "data.merge_file", "special", export=False),
     Flag("--tokenizer-model", "data.tokenizer_model", "special", export=False),
     Flag("--vocab-size", "data.vocab_size", "special", export=False),
+    Flag("--null-tokenizer-eod-id", "data.eod_id", "special", export=False),
+    Flag("--null-tokenizer-pad-id", "data.tokenizer", "special", export=False),
     # ---- known flags without an equivalent (listed, never dropped silently)
     Flag("--rampup-batch-size", kind="none",
          note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)"),
@@ -200,9 +207,10 @@ TABLE: List[Flag] = [
     Flag("--log-*", kind="none", note="logging is fixed: training.log_interval and <run dir>/metrics.jsonl"),
     Flag("--attention-backend", kind="none", note="the attention kernel follows model.transformer_impl"),
     Flag("--use-flash-attn", kind="none", note="the attention kernel follows model.transformer_impl"),
-    Flag("--no-*-fusion", kind="none", note="kernel fusions are megatron-core's defaults here"),
-    Flag("--overlap-grad-reduce", kind="none", note="communication overlap is not configurable here"),
-    Flag("--overlap-param-gather", kind="none", note="communication overlap is not configurable here"),
+    Flag("--no-*-fusion", kind="none",
+         note="kernel fusions are Megatron-LM's defaults on GPU (README \"Megatron config\"), not configurable here"),
+    Flag("--overlap-grad-reduce", "parallelism.overlap_grad_reduce", "on", default=False),
+    Flag("--overlap-param-gather", "parallelism.overlap_param_gather", "on", default=False),
     Flag("--num-workers", kind="none", note="data loading workers are not configurable here"),
     Flag("--exit-interval", kind="none",
          note="no equivalent (training.exit_after_iters counts iterations of one job, not a multiple)"),

@@ -62,7 +62,10 @@ def tokenizer(conv: Conversion, given: Dict[str, Arg]) -> None:
         conv.assumed.append(f"tokenizer: GPT2BPETokenizer ({why}): vocabulary {M.GPT2_BPE_VOCAB}")
     src = (given["--tokenizer-type"].text if "--tokenizer-type" in given
            else "inferred from --vocab-file/--merge-file" if "--vocab-file" in words else "assumed: no tokenizer flag")
-    if kind == "NullTokenizer" and size == M.NULL_TOKENIZER_BYTE_VOCAB:
+    eod = number(given["--null-tokenizer-eod-id"], "int") if "--null-tokenizer-eod-id" in given else None
+    byte = dict(M.BYTE_NULL_TOKENIZER)
+    if kind == "NullTokenizer" and ((size, eod) == (int(byte["--vocab-size"]), int(byte["--null-tokenizer-eod-id"]))
+                                    or (size == M.NULL_TOKENIZER_BYTE_VOCAB and eod is None)):
         conv.set("data.tokenizer", "byte", f"{src} --vocab-size {size}: byte ids 0-255 + eod 256")
         return
     if kind == "HuggingFaceTokenizer" and "--tokenizer-model" in words:
@@ -76,7 +79,10 @@ def tokenizer(conv: Conversion, given: Dict[str, Arg]) -> None:
             conv.set(key, words[flag], given[flag].text)
     if "--tokenizer-model" in words and kind != "HuggingFaceTokenizer":
         conv.set("data.tokenizer_model", words["--tokenizer-model"], given["--tokenizer-model"].text)
-    if kind == "NullTokenizer" and size is not None:
+    if kind == "NullTokenizer" and size is not None and eod is not None:  # megatron-core's: size ids, eod stated
+        conv.set("data.vocab_size", size, given["--vocab-size"].text)
+        conv.set("data.eod_id", eod, given["--null-tokenizer-eod-id"].text)
+    elif kind == "NullTokenizer" and size is not None:  # older Megatron-LM's legacy NullTokenizer added the eod
         conv.set("data.vocab_size", size + 1, f"--vocab-size {size} + 1 (NullTokenizer adds eod)")
     elif size is not None:
         conv.set("data.vocab_size", size, given["--vocab-size"].text)

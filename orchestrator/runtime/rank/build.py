@@ -73,6 +73,10 @@ def build_rank(cfg: JobConfig) -> Rank:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
+    from orchestrator.config.megatron_fields import required_env
+
+    for name, value in required_env(cfg).items():  # before CUDA starts (cluster.env or the shell may set it)
+        os.environ.setdefault(name, value)
     info = init_distributed(cfg)
     if info.device == "cpu":
         cpu_backend.activate()

@@ -7,7 +7,7 @@ chosen by megatron-core's :func:`megatron.core.utils.get_batch_on_this_cp_rank` 
 ``2·CP−1−i`` on CP rank ``i``, so causal attention work is balanced. ``seq_length % (2·CP) == 0``
 is checked before launch (``config/layout.py``). Attention across the chunks is Transformer Engine's
 (megatron's local attention has no CP), so CP > 1 needs the TE layer spec
-(:func:`orchestrator.runtime.rank.model.resolve_transformer_impl` refuses it otherwise).
+(:func:`orchestrator.runtime.rank.megatron_config.resolve_transformer_impl` refuses it otherwise).
 
 The loss of a micro-batch is the mean over its *whole* sequence: each CP rank sums its tokens'
 losses, the (sum, count) pair is all-reduced over the CP group (a value only, no gradient), and the

@@ -1,9 +1,9 @@
 """Build megatron-core objects from the typed config: parallel state, GPT chunks, DDP, optimizer, LR schedule.
 
-Nothing here re-implements megatron-core: it maps :class:`~orchestrator.config.schema.JobConfig`
-fields onto ``TransformerConfig``, ``GPTModel``, ``DistributedDataParallel``,
-``get_megatron_optimizer`` and ``OptimizerParamScheduler`` by name, explicitly
-(no ``**kwargs`` passed through).
+Nothing here re-implements megatron-core: the three configs come from the one builder
+(:mod:`orchestrator.runtime.rank.megatron_config`), then ``GPTModel``, ``DistributedDataParallel``,
+``get_megatron_optimizer`` and ``OptimizerParamScheduler`` get them, explicitly (no ``**kwargs`` passed
+through).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import List
 import torch
 
 from orchestrator.config.schema import JobConfig
-from orchestrator.errors import BackendError, ConfigError
 from orchestrator.config.layout import padded_vocab_size
+from orchestrator.runtime.rank import megatron_config
 from orchestrator.config.schedule import lr_schedule
 
 
@@ -51,99 +51,8 @@ def initialize_parallel_state(cfg: JobConfig, seed: int, device: str) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _params_dtype(cfg: JobConfig) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.training.precision]
-
-
-def transformer_config(cfg: JobConfig, device: str):
-    """megatron ``TransformerConfig`` for the model and parallel settings in ``cfg``."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    m, p, t = cfg.model, cfg.parallelism, cfg.training
-    if device == "cpu" and t.precision != "fp32":
-        raise ConfigError(f"training.precision={t.precision} needs a GPU; fix: training.precision=fp32 on CPU")
-    if device == "cpu" and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(
-            "optimizer.use_distributed_optimizer=true is rejected on CPU by megatron-core 0.16.1's tensor-type "
-            "checks; fix: optimizer.use_distributed_optimizer=false (or run on GPU)"
-        )
-    vpp = p.virtual_pipeline_model_parallel_size if (p.virtual_pipeline_model_parallel_size or 1) > 1 else None
-    return TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        normalization=m.normalization,
-        gated_linear_unit=m.activation == "swiglu",
-        activation_func=torch.nn.functional.silu if m.activation == "swiglu" else torch.nn.functional.gelu,
-        add_bias_linear=m.add_bias_linear,
-        num_moe_experts=m.num_moe_experts,
-        moe_router_topk=m.moe_router_topk,
-        moe_token_dispatcher_type="alltoall",  # all-to-all over the EP group (gloo on CPU, nccl on GPU)
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        params_dtype=_params_dtype(cfg),
-        pipeline_dtype=_params_dtype(cfg),
-        bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16",
-        use_cpu_initialization=device == "cpu",
-        perform_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        deallocate_pipeline_outputs=device == "cuda",
-    )
-
-
-def resolve_transformer_impl(cfg: JobConfig, device: str) -> str:
-    """``model.transformer_impl`` resolved for this job: ``transformer_engine`` or ``local``.
-
-    ``auto`` means Transformer Engine on GPU when it imports, the local spec otherwise. Context
-    parallelism needs Transformer Engine attention (megatron's local ``DotProductAttention`` has no
-    CP). Raises :class:`BackendError` for TE asked for but missing, or CP > 1 without TE.
-    """
-    impl = cfg.model.transformer_impl
-    te_ok = False
-    if impl in ("auto", "transformer_engine") and device == "cuda":
-        try:
-            import transformer_engine  # noqa: F401
-
-            te_ok = True
-        except ImportError:
-            te_ok = False
-    if impl == "transformer_engine" and not te_ok:
-        raise BackendError(
-            "model.transformer_impl=transformer_engine but Transformer Engine is not importable here "
-            f"(device={device}); fix: install transformer-engine on the GPU nodes or set model.transformer_impl=local"
-        )
-    cp = cfg.parallelism.context_parallel_size
-    if cp > 1 and not te_ok:
-        raise BackendError(
-            f"parallelism.context_parallel_size={cp} needs Transformer Engine attention, but this job uses the "
-            f"local layer spec (model.transformer_impl={impl}, device={device}); fix: install transformer-engine "
-            "on the GPU nodes, or parallelism.context_parallel_size=1"
-        )
-    return "transformer_engine" if te_ok else "local"
-
-
-def layer_spec(cfg: JobConfig, device: str):
-    """megatron's GPT layer spec for :func:`resolve_transformer_impl`'s choice.
+def layer_spec(cfg: JobConfig, mc: "megatron_config.MegatronConfig"):
+    """megatron's GPT layer spec for the builder's resolved ``transformer_impl``.
 
     Writes the resolved value back into ``cfg.model.transformer_impl``: from here on the job's
     config says what runs (``local`` / ``transformer_engine``, never ``auto``), so the in-job resume
@@ -151,13 +60,13 @@ def layer_spec(cfg: JobConfig, device: str):
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    cfg.model.transformer_impl = resolve_transformer_impl(cfg, device)
+    cfg.model.transformer_impl = mc.transformer_impl
     num_experts = cfg.model.num_moe_experts
     if num_experts:
         from orchestrator.runtime.rank import mcore
 
         mcore.moe_router_without_te()
-    if cfg.model.transformer_impl == "transformer_engine":
+    if mc.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization=cfg.model.normalization)
 
@@ -171,15 +80,16 @@ class Built:
     scheduler: object  # OptimizerParamScheduler
     tf_config: object
     padded_vocab_size: int
+    megatron: object = None  # megatron_config.MegatronConfig: what megatron_config.json records
 
 
-def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str) -> tuple:
+def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str, mc) -> tuple:
     """One ``GPTModel`` per (virtual) pipeline stage held by this rank, not yet wrapped."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    tf_config = transformer_config(cfg, device)
-    spec = layer_spec(cfg, device)
+    tf_config = mc.transformer
+    spec = layer_spec(cfg, mc)
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallelism.tensor_model_parallel_size)
     vpp = tf_config.virtual_pipeline_model_parallel_size
@@ -211,39 +121,23 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str) -> tuple:
 
 def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> Built:
     """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device)
-    o = cfg.optimizer
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-        average_in_collective=False,
-    )
+    mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl))
+    if (device == "cuda" and cfg.model.transformer_impl == "auto" and mc.transformer_impl == "local"
+            and torch.distributed.get_rank() == 0):  # said once, by rank 0
+        print("[orchestrator] model.transformer_impl=auto: Transformer Engine is not installed here; megatron-core's "
+              "local layer spec (no TE kernels, no fused RoPE)", flush=True)
+    chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
+    o, ddp_config = cfg.optimizer, mc.ddp
     model = [
         DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk,
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
-    opt_config = OptimizerConfig(
-        optimizer=o.name,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        sgd_momentum=o.sgd_momentum,
-        clip_grad=o.clip_grad,
-        bf16=cfg.training.precision == "bf16",
-        fp16=cfg.training.precision == "fp16",
-        params_dtype=_params_dtype(cfg),
-        use_distributed_optimizer=o.use_distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    optimizer = get_megatron_optimizer(mc.optimizer, model)
     lr = lr_schedule(cfg)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -262,7 +156,7 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
         override_opt_param_scheduler=True,
     )
     return Built(model=model, optimizer=optimizer, scheduler=scheduler, tf_config=tf_config,
-                 padded_vocab_size=padded)
+                 padded_vocab_size=padded, megatron=mc)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

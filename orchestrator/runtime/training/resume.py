@@ -54,13 +54,18 @@ def _verdict(rank: Rank, prepared):
     from orchestrator.ckpt import resume as preflight
     from orchestrator.data.tokenizer import tokenizer_identity
 
+    from orchestrator.ckpt.megatron_resume import check_megatron_config
+
     verdict: List[object] = [None]
     if rank.rank0:
         try:
-            verdict[0] = ("ok", preflight.preflight(
+            info = preflight.preflight(
                 rank.cfg, rank.layout, data_fingerprint=prepared.fingerprint,
                 tokenizer=tokenizer_identity(rank.cfg.data),
-                warn=_warn_in_job))
+                warn=_warn_in_job)
+            if info is not None and rank.built.megatron is not None:
+                check_megatron_config(info.manifest, rank.built.megatron.as_json(), str(info.path), rank.say)
+            verdict[0] = ("ok", info)
         except OrchestratorError as exc:
             verdict[0] = ("error", exc)
     torch.distributed.broadcast_object_list(verdict, src=0)

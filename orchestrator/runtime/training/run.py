@@ -26,6 +26,19 @@ def _stop_request(cfg: JobConfig):
     return stop
 
 
+def write_megatron_config(run_dir: str, mc) -> None:
+    """``<run.dir>/megatron_config.json``: the three configs megatron-core received (keys ``transformer``,
+    ``ddp``, ``optimizer``; megatron-core's field names), what ``python -m orchestrator megatron-config``
+    predicts for the job; the manifest of every checkpoint records it and its sha256."""
+    import json
+    import os
+
+    from orchestrator.io import write_atomic
+
+    write_atomic(os.path.join(run_dir, "megatron_config.json"),
+                 json.dumps(mc.as_json(), indent=1, sort_keys=True) + "\n", fsync=False)
+
+
 def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict.
 
@@ -60,6 +73,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     saver = Saver(rank, prepared, start.origin, guard, trackers)
     if rank.rank0:  # for the job's own log (the launcher printed it before submission)
         print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
+        write_megatron_config(cfg.run.dir, rank.built.megatron)
     rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
              f"{start.iteration + 1}..{cfg.training.train_iters}")
     trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,

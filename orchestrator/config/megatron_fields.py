@@ -1,0 +1,133 @@
+"""The megatron config as data: JSON values of megatron-core's config objects, and which fields are
+performance only.
+
+``megatron_config.json`` (every run directory), ``python -m orchestrator megatron-config`` and the
+golden files of ``tests/golden/megatron/`` (written by ``tools/megatron_golden.py`` from Megatron-LM's
+own parser) all hold ``{"transformer": {...}, "ddp": {...}, "optimizer": {...}}``: every field of
+megatron-core's ``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig`` by its
+own name, with :func:`jsonable` values. A resume compares two of them with :func:`split_diff`: a
+difference in :data:`PERFORMANCE_FIELDS` only changes speed (kernels, overlaps) and is carried; any
+other difference changes what the model computes and is refused. Pure Python (no torch import: values
+are read by duck typing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+from typing import Any, Dict, List, Tuple
+
+SECTIONS = ("transformer", "ddp", "optimizer")
+
+PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "transformer": (
+        # fused kernels computing the same formula as the unfused path
+        "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm", "apply_rope_fusion",
+        "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
+        # where and when tensors live, not what they hold
+        "use_cpu_initialization", "deallocate_pipeline_outputs", "batch_p2p_comm", "batch_p2p_sync",
+        "barrier_with_L1_time", "overlap_p2p_comm", "tp_comm_overlap", "defer_embedding_wgrad_compute",
+    ),
+    "ddp": (
+        "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "bucket_size", "num_buckets",
+        "pad_buckets_for_high_nccl_busbw", "check_for_nan_in_grad", "check_for_large_grads",
+        "nccl_ub", "fsdp_double_buffer",
+    ),
+    "optimizer": ("overlap_param_gather_with_optimizer_step", "timers", "log_num_zeros_in_grad",
+                  "barrier_with_L1_time"),
+}
+"""Fields whose value changes speed or memory only, never the numbers computed (up to the order of
+floating-point sums): kernel fusions, communication overlap, bucketing, placement, checks."""
+
+
+UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "transformer": ("cuda_graph_scope", "cuda_graph_use_single_mempool", "moe_deepep_num_sms", "moe_hybridep_num_sms",
+                    # 0.19.x keeps None, meaning TP x gtp_weight_remat_size (1): what 0.20 stores
+                    "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"),
+    "ddp": ("data_parallel_sharding_strategy",),
+    "optimizer": ("barrier_with_L1_time", "fp8_recipe", "muon_momentum", "muon_tp_mode", "optimizer_offload_fraction"),
+}
+"""Fields whose default differs between megatron-core lines (0.16.1, 0.19.2, Megatron-LM's 0.20.0) and that no
+job here reads — CUDA graphs, MoE token dispatchers, FSDP, Muon, FP8, optimizer offload and timers are never
+turned on — or that mean the same: not compared on resume, listed in the README's megatron config table."""
+
+
+def data_parallel_size(cfg) -> int:
+    """DP of ``cfg``: stated, or world size / (TP x PP x CP) (orchestrator.config.layout's rule)."""
+    from orchestrator.config.layout import layout_from_config
+
+    return layout_from_config(cfg).data_parallel_size
+
+
+def overlaps(cfg, gpu: bool) -> Tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather) of the job: the config's when stated; null means on
+    for a GPU job with DP > 1 (param gather: with the distributed optimizer), as NVIDIA's published
+    pretraining recipes (Megatron-Bridge ``CommOverlapConfig``) — Megatron-LM's bare flags default off."""
+    p = cfg.parallelism
+    on = gpu and data_parallel_size(cfg) > 1
+    grad = p.overlap_grad_reduce if p.overlap_grad_reduce is not None else on
+    gather = (p.overlap_param_gather if p.overlap_param_gather is not None
+              else on and cfg.optimizer.use_distributed_optimizer)
+    return bool(grad), bool(gather)
+
+
+def required_env(cfg) -> Dict[str, str]:
+    """Environment megatron-core needs on a GPU rank before CUDA starts: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    with TP > 1 or CP > 1 (Megatron-LM's ``validate_args`` asserts it before Blackwell: the TP/CP
+    communication kernels must be queued ahead of the compute they overlap)."""
+    p = cfg.parallelism
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON value for one config field: numbers, strings, bools and None as they are; a dtype as
+    ``torch.bfloat16``; a function or class as ``module.qualname``; an enum by name; containers
+    element by element; anything else by ``repr``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if type(value).__name__ == "dtype":  # torch.dtype (str: "torch.bfloat16")
+        return str(value)
+    if isinstance(value, functools.partial):  # e.g. init_method: normal_(mean=0.0, std=0.02)
+        args = [repr(a) for a in value.args] + [f"{k}={v!r}" for k, v in sorted(value.keywords.items())]
+        return f"{jsonable(value.func)}({', '.join(args)})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        module = getattr(value, "__module__", None) or ""
+        return f"{module}.{value.__qualname__}" if module else value.__qualname__
+    if dataclasses.is_dataclass(value):
+        return fields_of(value)
+    return repr(value)
+
+
+def fields_of(config: Any) -> Dict[str, Any]:
+    """Every dataclass field of a megatron-core config object, by name, :func:`jsonable`."""
+    return {f.name: jsonable(getattr(config, f.name, None)) for f in dataclasses.fields(config)}
+
+
+def config_hash(config: Dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a megatron config (what a manifest records)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def split_diff(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[tuple], List[tuple]]:
+    """(performance, math) differences between two megatron configs: rows ``(section.field, old, new)``.
+    Fields one side lacks (another megatron-core line) and :data:`UNUSED_FIELDS` are left out."""
+    perf: List[tuple] = []
+    math: List[tuple] = []
+    for section in SECTIONS:
+        a, b = old.get(section) or {}, new.get(section) or {}
+        for name in sorted(set(a) & set(b) - set(UNUSED_FIELDS[section])):
+            if a[name] != b[name]:
+                row = (f"{section}.{name}", a[name], b[name])
+                (perf if name in PERFORMANCE_FIELDS[section] else math).append(row)
+    return perf, math

@@ -1,0 +1,64 @@
+"""``python -m orchestrator megatron-config OVERRIDES...``: the megatron config a job would build, as JSON.
+
+Prints ``{"transformer", "ddp", "optimizer"}`` — what the job writes to ``<run.dir>/megatron_config.json``
+— for any job, a SLURM GPU job included, without a GPU and without writing or queueing anything: the
+config is composed and validated as a plan is (a bad layout: one ``error:`` line, exit 2), then
+:func:`orchestrator.runtime.rank.megatron_config.build` runs (megatron-core is imported, no CUDA call).
+The installed facts are this machine's for a local job (a Transformer Engine that fails to import is
+refused in one line); for a SLURM GPU job they are assumed, and said on stderr: the GPU nodes have
+Transformer Engine and apex's fused weight-gradient kernel (NVIDIA's PyTorch containers), unless
+``model.transformer_impl=local``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import List, Optional
+
+from orchestrator.errors import OrchestratorError
+
+
+def megatron_json(cfg) -> tuple:
+    """(the megatron config of ``cfg`` as JSON, the device, what was assumed about the GPU nodes or None)."""
+    from orchestrator.config.machine import runs_on_cpu
+    from orchestrator.runtime.rank import megatron_config as mcfg
+    from orchestrator.runtime.rank.mcore import version
+
+    device = "cpu" if runs_on_cpu(cfg) else "cuda"
+    assumed = None
+    if device == "cpu":
+        facts = mcfg.Installed(False, False, version())
+    elif cfg.cluster.kind == "local":
+        facts = mcfg.installed(cfg.model.transformer_impl)
+    else:
+        te = cfg.model.transformer_impl != "local"
+        facts = mcfg.Installed(te, True, version())
+        assumed = (f"assumed on the GPU nodes: Transformer Engine {'installed' if te else 'not used'}, apex's "
+                   "fused weight-gradient kernel (NVIDIA's PyTorch containers); the job records what it built "
+                   "in <run.dir>/megatron_config.json")
+    return mcfg.build(cfg, device, facts).as_json(), device, assumed
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Compose + validate (as ``plan=true``), build, print; exit 2 with one line on a user error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    from orchestrator.config.checks import validate
+    from orchestrator.config.compose import compose_config
+
+    try:
+        cfg = dataclasses.replace(compose_config(argv), plan=True)  # plan: nothing is written, nothing queued
+        validate(cfg)
+        config, device, assumed = megatron_json(cfg)
+    except OrchestratorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"megatron config for device={device} (megatron-core field names)", file=sys.stderr)
+    if assumed:
+        print(assumed, file=sys.stderr)
+    print(json.dumps(config, indent=1, sort_keys=True))
+    return 0
