@@ -68,14 +68,14 @@ def test_cpu_math_is_megatron_lm_s_and_speed_fields_stay_cpu():
     _, gpu = _ours(golden["overrides"])
     perf, math = split_diff(gpu, cpu)
     precision = {"transformer.bf16", "transformer.autocast_dtype", "transformer.params_dtype", "transformer.pipeline_dtype",
-                 "optimizer.bf16", "optimizer.params_dtype", "ddp.grad_reduce_in_fp32"}
+                 "ddp.grad_reduce_in_fp32"}  # and the optimizer's (a carried section: precision is the layout check's)
     assert {k for k, _, _ in math} == precision  # fp32 on CPU; every other math field as on the GPU
     assert cpu["transformer"]["bias_activation_fusion"] is True  # the tanh GELU of the fused bias-GELU
     assert cpu["transformer"]["attention_softmax_in_fp32"] is False
     assert {k for k, _, _ in perf} == {
         "transformer.gradient_accumulation_fusion", "transformer.masked_softmax_fusion",
         "transformer.bias_dropout_fusion", "transformer.persist_layer_norm", "transformer.use_cpu_initialization",
-        "transformer.deallocate_pipeline_outputs"}
+        "transformer.deallocate_pipeline_outputs", "optimizer.bf16", "optimizer.params_dtype"}
 
 
 def _cli(capsys, *overrides):
@@ -141,7 +141,11 @@ def test_resume_carries_speed_changes_and_refuses_math_changes():
     faster["transformer"]["masked_softmax_fusion"] = False
     perf = check_megatron_config(manifest, faster, "ckpt", said.append)
     assert [k for k, _, _ in perf] == ["transformer.masked_softmax_fusion", "ddp.overlap_grad_reduce"]
-    assert len(said) == 1 and "performance-only" in said[0]
+    assert len(said) == 1 and "leave the model's function as it was" in said[0]
+    lower_lr = json.loads(json.dumps(saved))
+    lower_lr["optimizer"]["lr"] /= 10  # a rerun with a lower learning rate, as the spike hint says
+    lower_lr["transformer"]["pipeline_model_parallel_size"] = 1  # the layout check's (reshard opt-in)
+    assert [k for k, _, _ in check_megatron_config(manifest, lower_lr, "ckpt", said.append)] == ["optimizer.lr"]
     other = json.loads(json.dumps(faster))
     other["transformer"]["apply_residual_connection_post_layernorm"] = True
     with pytest.raises(ResumeMismatchError) as exc:

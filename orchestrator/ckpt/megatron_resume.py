@@ -20,7 +20,7 @@ from orchestrator.errors import ResumeMismatchError
 def check_megatron_config(manifest: dict, requested: dict, where: str, warn: Callable[[str], None]) -> Optional[list]:
     """Compare the checkpoint's recorded megatron config with the requested one.
 
-    Returns the performance-only differences (said through ``warn``, carried), None when the checkpoint
+    Returns the carried differences (speed fields and optimizer settings, said through ``warn``), None when the checkpoint
     records none (older manifests) or nothing differs. Raises :class:`ResumeMismatchError` with the table
     when a math field differs.
     """
@@ -36,6 +36,6 @@ def check_megatron_config(manifest: dict, requested: dict, where: str, warn: Cal
             f"checkpoint's ({', '.join(k for k, _, _ in math)}); fix: restore the settings that produced them, "
             f"or start a new run.name\n{format_mismatch_table(rows)}")
     if perf:
-        warn(f"resuming from {where} with performance-only megatron config changes (the arithmetic is the "
-             "same): " + ", ".join(f"{k} {a} -> {b}" for k, a, b in perf))
+        warn(f"resuming from {where} with megatron config changes that leave the model's function as it was "
+             "(speed, or optimizer settings): " + ", ".join(f"{k} {a} -> {b}" for k, a, b in perf))
     return perf or None

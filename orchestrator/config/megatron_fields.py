@@ -6,8 +6,9 @@ golden files of ``tests/golden/megatron/`` (written by ``tools/megatron_golden.p
 own parser) all hold ``{"transformer": {...}, "ddp": {...}, "optimizer": {...}}``: every field of
 megatron-core's ``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig`` by its
 own name, with :func:`jsonable` values. A resume compares two of them with :func:`split_diff`: a
-difference in :data:`PERFORMANCE_FIELDS` only changes speed (kernels, overlaps) and is carried; any
-other difference changes what the model computes and is refused. Pure Python (no torch import: values
+difference in :data:`PERFORMANCE_FIELDS` only changes speed (kernels, overlaps, recomputation) and is
+carried, as are the optimizer's hyperparameters (:data:`CARRIED_SECTIONS`); the layout's fields are the
+layout check's (:data:`LAYOUT_FIELDS`); any other difference changes what the model computes and is refused. Pure Python (no torch import: values
 are read by duck typing).
 """
 
@@ -30,6 +31,8 @@ PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
         # where and when tensors live, not what they hold
         "use_cpu_initialization", "deallocate_pipeline_outputs", "batch_p2p_comm", "batch_p2p_sync",
         "barrier_with_L1_time", "overlap_p2p_comm", "tp_comm_overlap", "defer_embedding_wgrad_compute",
+        # activation recomputation: the forward again in the backward, the same numbers, less memory
+        "recompute_granularity", "recompute_method", "recompute_num_layers",
     ),
     "ddp": (
         "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "bucket_size", "num_buckets",
@@ -41,6 +44,29 @@ PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
 }
 """Fields whose value changes speed or memory only, never the numbers computed (up to the order of
 floating-point sums): kernel fusions, communication overlap, bucketing, placement, checks."""
+
+
+CARRIED_SECTIONS = ("optimizer",)
+"""Sections a resume may change and carries, saying so: the optimizer's hyperparameters (learning rate,
+weight decay, betas, clipping) are the config's from the resumed step on, as Megatron-LM's own resume
+takes them from its flags; the optimizer's kind, the distributed optimizer and the precision, which shape
+its state, are the layout check's (:mod:`orchestrator.ckpt.resume`)."""
+
+
+LAYOUT_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "transformer": (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+        "microbatch_group_size_per_vp_stage", "num_layers_in_first_pipeline_stage",
+        "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout", "hierarchical_context_parallel_sizes",
+        "cp_comm_type",
+    ),
+    "ddp": ("use_distributed_optimizer",),
+    "optimizer": ("use_distributed_optimizer",),
+}
+"""Fields of the parallel layout: the manifest's layout check (:mod:`orchestrator.ckpt.resume`) already
+refused them, or carried them with ``checkpoint.allow_reshard=true``; the megatron config comparison
+leaves them to it (a PP 2 -> 1 reshard also changes ``microbatch_group_size_per_vp_stage``, which is PP)."""
 
 
 UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {
@@ -120,14 +146,17 @@ def config_hash(config: Dict[str, Any]) -> str:
 
 
 def split_diff(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[tuple], List[tuple]]:
-    """(performance, math) differences between two megatron configs: rows ``(section.field, old, new)``.
-    Fields one side lacks (another megatron-core line) and :data:`UNUSED_FIELDS` are left out."""
+    """(carried, math) differences between two megatron configs: rows ``(section.field, old, new)``; carried:
+    :data:`PERFORMANCE_FIELDS` and :data:`CARRIED_SECTIONS`.
+    Fields one side lacks (another megatron-core line), :data:`UNUSED_FIELDS` and :data:`LAYOUT_FIELDS`
+    (judged by the layout check) are left out."""
     perf: List[tuple] = []
     math: List[tuple] = []
     for section in SECTIONS:
         a, b = old.get(section) or {}, new.get(section) or {}
-        for name in sorted(set(a) & set(b) - set(UNUSED_FIELDS[section])):
+        for name in sorted(set(a) & set(b) - set(UNUSED_FIELDS[section]) - set(LAYOUT_FIELDS[section])):
             if a[name] != b[name]:
                 row = (f"{section}.{name}", a[name], b[name])
-                (perf if name in PERFORMANCE_FIELDS[section] else math).append(row)
+                carried = name in PERFORMANCE_FIELDS[section] or section in CARRIED_SECTIONS
+                (perf if carried else math).append(row)
     return perf, math

@@ -124,7 +124,14 @@ def _overlap(flag: str, which: int) -> Callable[[Any], List[List[str]]]:
     return exporter
 
 
+def _experts(cfg) -> List[List[str]]:
+    """``--num-experts`` and the dispatcher the job builds (all-to-all; Megatron-LM's default is allgather)."""
+    n = cfg.model.num_moe_experts
+    return [["--num-experts", str(n)], ["--moe-token-dispatcher-type", "alltoall"]] if n else []
+
+
 EXPORTERS: Dict[str, Callable[[Any], List[List[str]]]] = {
+    "--num-experts": _experts,
     "--overlap-grad-reduce": _overlap("--overlap-grad-reduce", 0),
     "--overlap-param-gather": _overlap("--overlap-param-gather", 1),
     "--num-layers-per-virtual-pipeline-stage": _vpp,

@@ -124,6 +124,16 @@ def _check_device(cfg: JobConfig, device: str) -> None:
             "checks; fix: optimizer.use_distributed_optimizer=false (or run on GPU)")
 
 
+def _moe_fields(m) -> dict:
+    """A MoE model's router and dispatcher (none for a dense model: megatron-core's defaults stay, as in
+    Megatron-LM): top-k routing with the aux load-balancing loss, tokens exchanged all-to-all over the EP
+    group (gloo on CPU, nccl on GPU; exported as ``--moe-token-dispatcher-type alltoall``)."""
+    if not m.num_moe_experts:
+        return {}
+    return {"moe_router_topk": m.moe_router_topk, "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+            "moe_router_load_balancing_type": "aux_loss", "moe_token_dispatcher_type": "alltoall"}
+
+
 def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str):
     """megatron ``TransformerConfig``: the model, the layout, precision, and Megatron-LM's fusions."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -141,9 +151,7 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
         normalization=m.normalization, gated_linear_unit=swiglu,
         activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear, num_moe_experts=m.num_moe_experts,
-        moe_router_topk=m.moe_router_topk, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_router_load_balancing_type="aux_loss",
-        moe_token_dispatcher_type="alltoall",  # all-to-all over the EP group (gloo on CPU, nccl on GPU)
+        **_moe_fields(m),
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
