@@ -249,7 +249,7 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     assert "run mine-parallelism=none: gpt_tiny x none" in results[0]["stdout"]
     assert "layers per stage = 2 / 1 = 2" in results[0]["stdout"]  # ./conf/model/gpt_tiny.yaml, not the shipped 4
     assert_one_error_line(results[4], "experiment=theirs: no such experiment in "
-                          f"{here / 'conf' / 'experiment'}/ or the shipped conf/experiment/", "one of gpt_pp2_dp2, mine")
+                          f"{here / 'conf' / 'experiment'}/ or the shipped conf/experiment/", "one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32")
     assert_one_error_line(results[5], f"hydra.searchpath=file://{tmp_path / 'nope'}: no such directory")
     assert_one_error_line(results[6], "--config-dir: needs a directory")
     assert_one_error_line(results[7], f"{here / 'conf' / 'model' / 'broken.yaml'}, line 2: not valid YAML")
