@@ -132,7 +132,11 @@ class Cli:
 
     def kill(self) -> None:
         """End the launcher (Ctrl-C: it detaches from a SLURM job), then scancel its job if it still runs
-        (a signal to a launcher never cancels a cluster job: the test does, so nothing outlives it)."""
+        (a signal to a launcher never cancels a cluster job: the test does, so nothing outlives it). A
+        launcher that already exited 0 saw its job complete: the batch script is ending on its own, and a
+        scancel in that moment would turn the completed job CANCELLED."""
+        if self.proc.poll() == 0:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
