@@ -291,6 +291,39 @@ def test_no_hang_while_progressing_or_saving(tmp_path):
     assert exits == {} and not hang_path(tmp_path, "job9", 0).exists()
 
 
+def test_a_stopped_rank_is_named_within_hang_timeout_while_its_peers_save_or_load(tmp_path):
+    """A peer whose heartbeat thread stopped (SIGSTOP, frozen) is named after ``hang_timeout_s`` whatever
+    the phase: inside a save allowed 60 s, and during the checkpoint load before the first iteration
+    (where a peer that has not written yet is not counted)."""
+    dogs, exits = _watchdogs(tmp_path / "save", [3, 3], timeout_s=1.0)
+    t0 = time.monotonic()
+    with dogs[0].phase_of("save", 60.0):
+        dogs[1].stop()
+        assert _wait(lambda: 0 in exits, 10), "rank 0 never declared the hang inside the save"
+    elapsed = time.monotonic() - t0
+    hang = json.loads(hang_path(tmp_path / "save", "job9", 0).read_text())
+    assert hang["stalled"] == [1] and "not responding" in hang["message"] and "after iteration 3 (save)" in hang["message"]
+    assert 1.0 <= elapsed < 4.0, elapsed  # hang_timeout_s (1 s) + polls, not the save's 60 s
+
+    run_dir = tmp_path / "load"
+    exits.clear()
+    def exit_0(code):
+        exits[0] = code
+        raise _Exit(code)
+
+    dogs = [Watchdog(run_dir, r, 3, f"host{r}", "job9", 0, 1.0, poll_s=0.1, exit=exit_0)
+            for r in range(2)]  # rank 2 never starts its watchdog
+    for dog in dogs:
+        dog.start()
+    with dogs[0].phase_of("load", 1.0):
+        time.sleep(0.5)
+        dogs[1].stop()
+        assert _wait(lambda: 0 in exits, 10), "rank 0 never declared the hang during the load"
+    hang = json.loads(hang_path(run_dir, "job9", 0).read_text())
+    assert hang["stalled"] == [1] and "after the start of the attempt (load)" in hang["message"], hang
+    dogs[0].stop()
+
+
 def test_launcher_backstop_sees_every_rank_silent(tmp_path):
     dogs, exits = _watchdogs(tmp_path, [2, 2], timeout_s=30)
     watch = JobWatch(tmp_path, "job9", 2, timeout_s=0.3, grace_s=0.0, every_s=0.05)
@@ -497,14 +530,17 @@ def _rank_process(run_dir: Path, job_id: str, rank: int):
 
 @pytest.mark.slow
 def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
-    """SIGSTOP rank 1 of a 2-rank job at iteration 3: within hang_timeout_s + 30 s the launcher exits 1
-    naming rank 1; rank 0's stacks (its main thread inside the gradient all-reduce) are in stacks/."""
+    """SIGSTOP rank 1 of a 2-rank job that saves every iteration, at iteration 3 (mostly inside or just
+    before a save, whose allowance is checkpoint.save_timeout_s + 60 s = 660 s): within hang_timeout_s +
+    30 s the launcher exits 1 naming rank 1; rank 0's stacks (its main thread inside a collective) are in
+    stacks/."""
     import psutil
 
     timeout_s = 10
     run_dir = tmp_path / "hang"
     args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=hang",
-                    "training.train_iters=2000", f"training.hang_timeout_s={timeout_s}"]
+                    "training.train_iters=2000", f"training.hang_timeout_s={timeout_s}", "checkpoint.save_interval=1",
+                    "checkpoint.keep_last=2"]
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out, stderr=err)

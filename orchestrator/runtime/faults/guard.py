@@ -54,6 +54,7 @@ from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
+from orchestrator.runtime.faults.optimizer_step import local_grads_bad, step_unless_nonfinite
 from orchestrator.runtime.faults.watchdog import Watchdog
 
 __all__ = ["Guard", "explain_save_failure", "last_iteration"]
@@ -99,12 +100,20 @@ class Guard:
         if t.hang_timeout_s:
             self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
                                      float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
+        _ACTIVE = self
+        if start_iteration is not None:
+            self.begin(start_iteration)
+
+    def begin(self, start_iteration: int) -> None:
+        """Training starts after iteration ``start_iteration`` (0, or the checkpoint resumed): rank 0
+        records the attempt's start (``status`` reads the total there). The watchdog has been running
+        since the guard was made, so a rank that stops during the checkpoint load is named too."""
+        self.iteration = start_iteration
         if self.rank == 0:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
-                world_size=self.world_size, train_iters=t.train_iters))  # status reads the total here
-        _ACTIVE = self
+                world_size=self.world_size, train_iters=self.cfg.training.train_iters))
 
     # ---- per iteration ---------------------------------------------------------------------------
     def beat(self, iteration: int) -> None:
@@ -117,23 +126,9 @@ class Guard:
         """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
         never applied. Returns ``(update_ok, grad_norm, None)`` like megatron; ``grad_norm`` is the
         global norm (also with ``optimizer.clip_grad=0``), None after an fp16 loss-scale overflow."""
-        import torch
-
         self._optimizer = optimizer
-        with torch.no_grad():
-            if optimizer.prepare_grads():  # fp16 overflow: megatron's loss scaler skips and rescales
-                self._step_state = "overflow"
-                return False, None, None
-            grad_norm = float(optimizer.get_grad_norm())
-            if not math.isfinite(grad_norm):
-                self._step_state = "skipped"
-                return False, grad_norm, None
-            clip = self.cfg.optimizer.clip_grad
-            if clip > 0.0:
-                _clip(optimizer, clip, grad_norm)
-            ok = optimizer.step_with_ready_grads()
-        self._step_state = "applied"
-        return bool(ok), grad_norm, None
+        self._step_state, ok, grad_norm = step_unless_nonfinite(optimizer, self.cfg.optimizer.clip_grad)
+        return ok, grad_norm, None
 
     def check(self, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float]) -> bool:
         """Stop (raise) or skip on a non-finite gradient norm; call BEFORE any save of ``iteration``.
@@ -213,7 +208,7 @@ class Guard:
         import torch.distributed as dist
 
         loss_bad = lm_loss is not None and not math.isfinite(float(lm_loss))
-        grads_bad = _local_grads_bad(self._optimizer)
+        grads_bad = local_grads_bad(self._optimizer)
         mine = torch.tensor([float(loss_bad), float(grads_bad)], device=_device())
         if not (dist.is_available() and dist.is_initialized()):
             gathered = [mine]
@@ -255,6 +250,16 @@ class Guard:
                                              current=(self.job_id, self.attempt))
 
     # ---- the end ---------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Stop the watchdog, record nothing: the job failed before :meth:`begin` (its error is
+        reported by whoever catches it)."""
+        global _ACTIVE
+        self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
     def close(self) -> None:
         """Stop the watchdog and record how this attempt ended. Safe to call from a ``finally``: the
         exception in flight decides the cause (none: completed, or exited before train_iters). After
@@ -368,32 +373,3 @@ def _device():
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _sub_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _clip(optimizer, clip: float, grad_norm: float) -> None:
-    """Scale every sub-optimizer's gradients by ``clip / grad_norm`` when below 1 (megatron's rule,
-    through the module attribute so the CPU backend's replacement applies)."""
-    from megatron.core.optimizer import optimizer as mopt
-
-    for sub in _sub_optimizers(optimizer):
-        if getattr(sub, "is_stub_optimizer", False):
-            continue
-        params = sub.get_parameters()
-        if params:
-            mopt.clip_grad_by_total_norm_fp32(
-                params, max_norm=clip, total_norm=grad_norm,
-                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-
-
-def _local_grads_bad(optimizer) -> bool:
-    """Whether this rank's own gradients hold a NaN/inf (False when unknown)."""
-    import torch
-
-    from orchestrator.runtime.rank.mcore import grads_for_grad_norm
-
-    return optimizer is not None and any(not bool(torch.isfinite(g).all())
-                                         for sub in _sub_optimizers(optimizer) for g in grads_for_grad_norm(sub))

@@ -20,20 +20,25 @@ collective still has a running thread; a stopped (SIGSTOP), frozen or dead proce
 
 Detection, in every rank's thread (clock-skew free: only changes seen by the reader count):
 
-1. once this rank's own progress is older than half its allowance, it starts watching every rank's
-   file (so the files of a healthy run are read by nobody);
-2. once it is older than the allowance (``training.hang_timeout_s``; a checkpoint save gets
-   ``checkpoint.save_timeout_s`` + 60 s), the stalled ranks are named: those whose ``alive`` counter
-   stopped changing (not responding), else those behind the others' iteration, else all of them
-   (every rank blocked after the same iteration: a collective or I/O that never completes);
-3. the first rank to claim the attempt's end (:func:`orchestrator.ckpt.history.claim_attempt_end`)
+1. once this rank's own progress is older than half of ``training.hang_timeout_s`` (before the first
+   iteration: the time since the watchdog started), it starts watching every rank's slot (so the
+   slots of a healthy run are read by nobody);
+2. a rank whose ``alive`` counter stopped changing (its process stopped, frozen or dead) for half of
+   ``training.hang_timeout_s`` while this rank has made no progress for ``training.hang_timeout_s`` is
+   named at once, whatever the phase (a save, the checkpoint load, the data set-up, an iteration): a
+   stopped process is a fact about that process, independent of its peers' allowance;
+3. otherwise, once this rank's progress is older than its phase's allowance (``training.hang_timeout_s``;
+   a checkpoint save gets ``checkpoint.save_timeout_s`` + 60 s: the long allowance covers a save
+   that is slow, not a peer that stopped), the stalled ranks are named: those behind the others'
+   iteration, else all of them (every rank blocked after the same iteration: a collective or I/O that
+   never completes). Before the first iteration only rule 2 applies (start-up times vary);
+4. the first rank to claim the attempt's end (:func:`orchestrator.ckpt.history.claim_attempt_end`)
    reports: it writes ``hang_<job>_<attempt>.json``, dumps its stacks
    (``faulthandler.dump_traceback(all_threads=True)`` into ``<run_dir>/stacks/rank_<r>.txt``), waits
    for the other live ranks' stacks, lets ``on_hang`` requeue the SLURM job, records the ``hang`` event
    and the attempt's end, and ends the process with :data:`HANG_EXIT_CODE`. Every other live rank
    sees the hang file, dumps its own stacks and exits the same way once the reporter is done.
 
-Nothing is counted before this rank's first finished iteration (start-up, data, checkpoint load).
 Torch-free; the launcher uses :class:`JobWatch` (every rank silent: cancel, report).
 """
 
@@ -105,6 +110,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="orchestrator-watchdog", daemon=True)
         self.declared: Optional[str] = None
         self._born = time.time()  # a hang file older than this is from an earlier job with the same id
+        self._started = time.monotonic()
 
     # ---- the training loop's side (cheap) ------------------------------------------------------
     def progress(self, iteration: int) -> None:
@@ -169,15 +175,14 @@ class Watchdog:
         if hang is not None and float(hang.get("time") or 0) >= self._born - 5.0:
             self._follow(hang)
             return
-        if self._last_progress is None:
-            return
-        stale = time.monotonic() - self._last_progress
-        if stale <= self.allowance_s / 2:
+        started = self._last_progress is not None
+        stale = time.monotonic() - (self._last_progress if started else self._started)
+        if stale <= self.timeout_s / 2:
             self._seen.clear()
             self._watch_since = None
             return
         self._observe()
-        if stale > self.allowance_s:
+        if (stale > self.timeout_s and self._frozen()) or (started and stale > self.allowance_s):
             self._declare(stale)
 
     def _observe(self) -> None:
@@ -194,11 +199,18 @@ class Watchdog:
             else:
                 self._seen[r] = (alive, self._seen[r][1], rec)
 
+    def _frozen(self) -> List[int]:
+        """Ranks whose heartbeat thread wrote in this attempt, then stopped for half of
+        ``training.hang_timeout_s`` while watched (rule 2 of the module docstring)."""
+        now = time.monotonic()
+        return sorted(r for r, (_, since, rec) in self._seen.items()
+                      if r != self.rank and rec is not None and now - since > max(3 * self.poll_s, self.timeout_s / 2))
+
     def stalled(self) -> Tuple[List[int], str]:
         """(stalled ranks, why) from what :meth:`_observe` saw."""
         now = time.monotonic()
-        silent = sorted(r for r, (alive, since, rec) in self._seen.items()
-                        if r != self.rank and (rec is None or now - since > 3 * self.poll_s))
+        silent = self._frozen() or sorted(r for r, (alive, since, rec) in self._seen.items()
+                                          if r != self.rank and (rec is None or now - since > 3 * self.poll_s))
         if silent:
             return silent, "not responding (process stopped, frozen or dead)"
         its = {r: (rec or {}).get("iteration") for r, (_, _, rec) in self._seen.items()}
@@ -218,7 +230,10 @@ class Watchdog:
 
     def _declare(self, stale: float) -> None:
         ranks, why = self.stalled()
-        where = f"iteration {self.iteration}" if self.phase == "train" else f"iteration {self.iteration} ({self.phase})"
+        if self.iteration is None:
+            where = f"the start of the attempt ({self.phase})"
+        else:
+            where = f"iteration {self.iteration}" + ("" if self.phase == "train" else f" ({self.phase})")
         message = (f"hang: rank(s) {_ranks(ranks)} on host(s) {self._hosts(ranks)} made no progress for "
                    f"{stale:.0f} s after {where} (training.hang_timeout_s={self.timeout_s:g}): {why}; "
                    f"Python stacks of the live ranks in {self.run_dir / STACKS_DIR}/")
@@ -233,7 +248,8 @@ class Watchdog:
         declared_at = time.time()
         self.dump_stacks(f"hang declared by this rank: {message}")
         silent = ranks if why.startswith("not responding") else []
-        self._await_stacks([r for r in range(self.world_size) if r not in silent], declared_at)
+        live = [r for r, (_, _, rec) in self._seen.items() if rec is not None and r not in silent]
+        self._await_stacks(live if self._seen else [r for r in range(self.world_size) if r not in silent], declared_at)
         _record_quietly(lambda: history.record_event(
             self.run_dir, "hang", job_id=self.job_id, attempt=self.attempt, stalled=ranks, hosts=info["hosts"],
             iteration=self.iteration, reporter=self.rank))

@@ -2,9 +2,9 @@
 
     stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
     rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
+    guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
     start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
     data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
-    guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
     outcome = loop.train(...)                  runtime.loop: the iterations, evaluation, saves, stop
     summary = summarize(rank, outcome, ...)    runtime.summary: the record every rank returns
 """
@@ -65,11 +65,16 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     from orchestrator.runtime.training.summary import summarize
 
     rank = build_rank(cfg)
-    start = restore(rank, prepared)
-    data = build_data(rank, prepared, start.consumed_samples)
+    guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank], world_size=rank.info.world_size)
+    try:
+        with guard.phase("load"):  # the hang watchdog names a rank that stops here too
+            start = restore(rank, prepared)
+            data = build_data(rank, prepared, start.consumed_samples)
+    except BaseException:
+        guard.abandon()  # a refusal or failure before training: recorded where it is reported
+        raise
+    guard.begin(start.iteration)
     trackers = Trackers(cfg, rank.is_logger)
-    guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank],
-                  world_size=rank.info.world_size, start_iteration=start.iteration)
     saver = Saver(rank, prepared, start.origin, guard, trackers)
     if rank.rank0:  # for the job's own log (the launcher printed it before submission)
         print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
