@@ -144,39 +144,7 @@ if ((NODES == 1)); then
     if command -v ip >/dev/null 2>&1; then remove_dev_network; fi
     set_hosts_block
 else
-    if ! ip link show "$DEV_BRIDGE" >/dev/null 2>&1; then
-        say "creating bridge $DEV_BRIDGE ($DEV_HOST_ADDR/24)"
-        ip link add "$DEV_BRIDGE" type bridge
-    fi
-    ip -4 addr show dev "$DEV_BRIDGE" | grep -qF " $DEV_HOST_ADDR/24 " \
-        || ip addr add "$DEV_HOST_ADDR/24" dev "$DEV_BRIDGE"
-    ip link set "$DEV_BRIDGE" up
-
-    # namespaces of nodes beyond NODES (the cluster was bigger before)
-    extra=()
-    for ns in $(dev_netns_list); do
-        if ((${ns#"$DEV_NETNS_PREFIX"} > NODES)); then extra+=("$ns"); fi
-    done
-    remove_node_netns "${extra[@]}"
-
-    for ((i = 1; i <= NODES; i++)); do
-        ns=$(dev_node_netns "$i") veth=$(dev_node_veth "$i") addr=$(dev_node_addr "$i")
-        if ! ip netns list | awk '{print $1}' | grep -qx "$ns"; then
-            ip link del "$veth" 2>/dev/null || true   # a host end whose namespace is gone
-            ip netns add "$ns"
-        fi
-        if ! ip -n "$ns" link show "$DEV_IFNAME" >/dev/null 2>&1; then
-            say "creating namespace $ns: $DEV_IFNAME = $addr, host end $veth on $DEV_BRIDGE"
-            ip link del "$veth" 2>/dev/null || true
-            ip link add "$veth" type veth peer name "$DEV_IFNAME" netns "$ns"
-        fi
-        ip link set "$veth" master "$DEV_BRIDGE"
-        ip link set "$veth" up
-        ip -n "$ns" link set lo up
-        ip -n "$ns" -4 addr show dev "$DEV_IFNAME" | grep -qF " $addr/24 " \
-            || ip -n "$ns" addr add "$addr/24" dev "$DEV_IFNAME"
-        ip -n "$ns" link set "$DEV_IFNAME" up
-    done
+    ensure_dev_network "$NODES"
 
     hosts_lines=("$DEV_HOST_ADDR $DEV_HOST_NAME")
     for ((i = 1; i <= NODES; i++)); do hosts_lines+=("$(dev_node_addr "$i") $(dev_node_name "$i")"); done
