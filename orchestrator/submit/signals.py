@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 from orchestrator.ckpt import stop
@@ -84,9 +85,11 @@ def checkpoint_words(cfg: JobConfig) -> str:
 def detach_line(cfg: JobConfig, job_id: str, signum: int) -> str:
     """The one line of a launcher that leaves SLURM job ``job_id`` running."""
     root, name = cfg.run.root, cfg.run.name
+    named = Path(cfg.run.dir) == Path(root) / name  # a sweep point's run dir is not: name it by its path
+    which = f"{name} --root {root}" if named else str(cfg.run.dir)
     return (f"detached ({signal.Signals(signum).name}): SLURM job {job_id} runs on, untouched; follow it with "
             f"`python -m orchestrator status {root}` (logs: {cfg.run.dir}/submitit/); stop it with "
-            f"`python -m orchestrator stop {name} --root {root}` (saves first; --now: at once)")
+            f"`python -m orchestrator stop {which}` (saves first; --now: at once)")
 
 
 class WaitSignals:

@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -268,14 +269,19 @@ def _wait_submitted(point: Point, cfg: Any, world_size: int, job_id: str) -> Non
     import submitit
 
     from orchestrator.ckpt.rundir import SUBMITIT_DIR
+    from orchestrator.submit.signals import Detached
     from orchestrator.submit.wait import wait
 
     record = json.loads((point.run_dir / POINT_FILE).read_text())
     job = submitit.SlurmJob(folder=point.run_dir / SUBMITIT_DIR, job_id=job_id, tasks=tuple(range(world_size)))
     try:
         summaries = wait(job, cfg, world_size, progress=None)
+    except Detached as exc:  # the launcher leaves; the job runs on (submit.signals), its point stays open
+        _record(point, record, "submitted", f"the launcher detached ({signal.Signals(exc.signum).name}); "
+                                            f"job {job_id} runs on; `python -m orchestrator sweep summarize {point.sweep_dir}` reads it")
+        raise
     except KeyboardInterrupt:
-        _record(point, record, "interrupted", f"interrupted while waiting; job {job_id} cancelled")
+        _record(point, record, "interrupted", f"interrupted while waiting for job {job_id}")
         raise
     except OrchestratorError as exc:
         _record(point, record, "failed", _tail(f"{type(exc).__name__}: {exc}"))
