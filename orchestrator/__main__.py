@@ -307,10 +307,6 @@ def _config_dir_flags(argv: List[str]) -> List[str]:
         sys.exit(report(exc))
 
 
-def _interrupt(signum, frame):  # before a job is waited on (submit.signals rules during the wait): like Ctrl-C
-    raise KeyboardInterrupt
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     """The console script and ``python -m orchestrator``: dispatch, then exit with the run's code."""
     from_cli = argv is None
@@ -326,8 +322,10 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         print(f"orchestrator {orchestrator.__version__}")
         return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    from orchestrator.submit.signals import interrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before a job is waited on: like Ctrl-C
+        signal.signal(sig, interrupt)
     flags = [a for a in argv if a.startswith("-")]
     unknown = [f for f in flags if f not in HYDRA_FLAGS | WITH_CFG | {"-m", "--multirun", "-r", "--run"}]
     if not unknown and any(f in WITH_CFG for f in flags) and not {"--cfg", "-c"} & set(flags):

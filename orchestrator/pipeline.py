@@ -174,6 +174,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
         return None
 
     from orchestrator.submit.executor import launch, one_task
+    from orchestrator.submit.signals import raise_if_interrupted
 
     latest = preflight(cfg, layout)
     if cfg.cluster.kind in ("hosts", "torchrun"):  # SSH to every host / the platform's variables: one line if not
@@ -185,6 +186,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     if latest is not None and latest.iteration >= cfg.training.train_iters:
         return {"status": "already_done", "iteration": latest.iteration}
     prepared = prepare_data(cfg, indices=launcher is None and not one_task(cfg, layout.world_size))
+    raise_if_interrupted()  # a signal lost while the data were prepared: nothing is recorded or submitted
     record_config(cfg)
     summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):

@@ -602,3 +602,29 @@ def test_config_surface_is_frozen():
         assert f"`{group}`" in readme
         for option in options:
             assert f"`{option}`" in readme, (group, option)
+
+
+
+def test_a_signal_that_python_ignores_in_a_fork_hook_still_stops_the_launcher():
+    """A stop signal that lands while worker processes are forked (the tokenizer's, before submission) raises
+    KeyboardInterrupt inside an at-fork hook, where Python prints "Exception ignored" and goes on — the
+    launcher used to submit and train anyway. The handler remembers it; the pipeline's check before anything is
+    recorded or submitted (submit.signals.raise_if_interrupted) raises it again."""
+    code = """
+import os, signal, sys
+from orchestrator.submit.signals import interrupt, raise_if_interrupted
+signal.signal(signal.SIGTERM, interrupt)
+os.register_at_fork(after_in_parent=lambda: [os.kill(os.getpid(), signal.SIGTERM), sum(range(10 ** 6))])
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("fork returned", flush=True)
+try:
+    raise_if_interrupted()
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr, proc.stderr  # Python's own
+    assert proc.stdout.strip() == "fork returned" and proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)

@@ -78,6 +78,20 @@ def init(tmp_path_factory, cache_dir) -> Path:
     return path
 
 
+def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
+    """``training.train_iters=0`` saves the initial weights (no optimizer state exists before a step): its
+    summary has no loss (null, not NaN: metrics.jsonl stays JSON), and rerunning the run with more iterations
+    resumes from that checkpoint (the weights; the optimizer starts fresh, as it would at iteration 0) instead
+    of failing in every rank on the missing optimizer state."""
+    run_dir = _copy_run(init.parent.parent, tmp_path)
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert "NaN" not in text and [json.loads(ln) for ln in text.splitlines()][-1]["lm_loss"] is None
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
+                   cache=cache_dir)
+    assert f"will resume from {run_dir}/checkpoints/iter_0000000" in proc.stdout, proc.stdout[-2000:]
+    assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
+
+
 @pytest.fixture(scope="module")
 def resume_args(init):
     return RESUME + [f"checkpoint.init_from={init}"]

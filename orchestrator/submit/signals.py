@@ -39,6 +39,26 @@ STOPPED_BY_REQUEST_EXIT = 128 + signal.SIGTERM
 """Exit status of a launcher whose job ``orchestrator stop`` ended: as if it had been sent SIGTERM."""
 
 
+_PENDING: Optional[int] = None
+"""A stop signal that reached the launcher before any job was waited on (:func:`interrupt`)."""
+
+
+def interrupt(signum: int, frame: Any = None) -> None:
+    """The launcher's handler of SIGINT/SIGTERM/SIGHUP before a job is waited on: like Ctrl-C, remembered.
+    A KeyboardInterrupt raised where Python ignores exceptions (the at-fork hooks that run while the
+    tokenizer's worker processes start: "Exception ignored in ...") is lost; :func:`raise_if_interrupted`,
+    called before anything is submitted, raises it again."""
+    global _PENDING
+    _PENDING = signum
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt when a stop signal reached the launcher earlier (:func:`interrupt`)."""
+    if _PENDING is not None:
+        raise KeyboardInterrupt
+
+
 class Detached(KeyboardInterrupt):
     """The launcher leaves its SLURM job running and exits 0 after :attr:`line` (a signal told it to go)."""
 

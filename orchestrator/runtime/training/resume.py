@@ -96,7 +96,10 @@ def restore(rank: Rank, prepared) -> Start:
     if latest is not None:
         rank.say(f"loading checkpoint {latest.path}")
         t0 = time.perf_counter()
-        progress = ckpt.load(Path(latest.path), built.model, built.optimizer, built.scheduler)
+        if latest.iteration == 0:  # saved before any step (training.train_iters=0): weights, no optimizer state yet
+            progress = ckpt.load(Path(latest.path), built.model)
+        else:
+            progress = ckpt.load(Path(latest.path), built.model, built.optimizer, built.scheduler)
         load_s = slowest(rank, time.perf_counter() - t0)
         apply_config_schedule(rank)
         iteration = progress["iteration"]

@@ -14,6 +14,8 @@ their machines).
 
 from __future__ import annotations
 
+import math
+
 import resource
 import socket
 import statistics
@@ -92,7 +94,7 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
     torch.distributed.all_gather(gathered, peaks)
     times = outcome.step_times
     return {
-        "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss,
+        "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss if math.isfinite(outcome.lm_loss) else None,  # None: no iteration ran
         "step_time_median_s": statistics.median(times) if times else None,
         "step_cpu_time_median_s": statistics.median(outcome.cpu_times) if outcome.cpu_times else None,
         "timed_iterations": len(times), "train_wall_s": outcome.train_wall_s,
