@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from orchestrator.config.checks import validate, validate_planned
@@ -144,6 +145,18 @@ def _check_space(cfg: JobConfig) -> None:
         raise ConfigError(refusal)
 
 
+def _check_writable(cfg: JobConfig) -> None:
+    """ConfigError (one line) when the run directory cannot be created or written: its nearest existing
+    directory is read-only (a read-only mount, a permission) — before data are prepared or anything queued."""
+    existing = Path(cfg.run.dir).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
+        raise ConfigError(f"run.root={cfg.run.root}: cannot write the run directory {cfg.run.dir} ({existing}: {why}); "
+                          f"fix: set run.root to a directory you can write, e.g. run.root=runs")
+
+
 def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
     """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
 
@@ -165,6 +178,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes
         say(f"note: {vpp_no_op(cfg)}")
     if not cfg.plan:
+        _check_writable(cfg)
         _check_space(cfg)
     if cfg.plan or cfg.dry_run:
         show_plan(cfg)

@@ -628,3 +628,22 @@ except KeyboardInterrupt:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr, proc.stderr  # Python's own
     assert proc.stdout.strip() == "fork returned" and proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
+    """A run.root on a read-only mount: one `error:` line naming run.root and the fix, exit 2, before the data
+    are prepared (it used to end in a traceback after tokenizing)."""
+    source, mount = tmp_path / "src", tmp_path / "ro"
+    source.mkdir()
+    mount.mkdir()
+    subprocess.run(["mount", "--bind", str(source), str(mount)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
+        proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", f"run.root={mount}/runs"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
+    assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
