@@ -647,3 +647,17 @@ def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
     assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
+
+
+def test_a_users_model_file_without_a_name_is_named_after_its_option(tmp_path):
+    """``conf/model/mymodel.yaml`` without ``name:`` used to be labelled ``gpt_tiny`` (the schema's default):
+    its runs went to ``runs/gpt_tiny_none``, where a real gpt_tiny run was then refused as a resume of it."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mymodel.yaml").write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    mine = subprocess.run([sys.executable, "-m", "orchestrator", "model=mymodel", "plan=true"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert mine.returncode == 0 and "run mymodel_none: mymodel x none" in mine.stdout, mine.stdout + mine.stderr
+    shipped = subprocess.run([sys.executable, "-m", "orchestrator", "model=gpt_tiny", "plan=true"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert "run gpt_tiny_none: gpt_tiny x none" in shipped.stdout, shipped.stdout + shipped.stderr

@@ -238,6 +238,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
         with open_dict(cfg):
             for key in ("run.name", "run.root"):  # an error names the key the user typed, not hydra.run.dir
                 OmegaConf.select(cfg, key, throw_on_missing=True)
+            _name_unnamed_options(cfg)
             _name_run(cfg, parsed)
             run_dir = os.path.abspath(str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_missing=True)))
             del cfg["hydra"]
@@ -246,6 +247,24 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise hydra_error(exc) from None
     return cfg
+
+
+NAMED_GROUPS = ("model", "parallelism", "optimizer", "data")
+"""Groups whose ``name`` (the schema's default unless the option sets it) names runs and manifests."""
+
+
+def _name_unnamed_options(cfg: Any) -> None:
+    """An option file of the user's without ``name:`` (``conf/model/mymodel.yaml``) is named after the option
+    (``mymodel``), not after the schema's default option it would otherwise claim to be (``gpt_tiny``): the run
+    directory ``${model.name}_${parallelism.name}`` of two different models must differ."""
+    from orchestrator.config.schema import JobConfig
+
+    defaults = JobConfig()
+    for group in NAMED_GROUPS:
+        choice = cfg.hydra.runtime.choices.get(group)
+        default = getattr(defaults, group).name
+        if choice and choice != default and cfg[group].get("name") == default:
+            cfg[group].name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", str(choice))
 
 
 def _name_run(cfg: Any, parsed: List[Any]) -> None:
