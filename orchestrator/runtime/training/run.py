@@ -2,6 +2,7 @@
 
     stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
     rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
+    links   = check_links(rank)                runtime.faults.links: cross-node bandwidth (multi-node jobs)
     start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
     data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
     guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
@@ -59,12 +60,14 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.faults.guard import Guard
+    from orchestrator.runtime.faults.links import check_links
     from orchestrator.runtime.training.metrics import Trackers
     from orchestrator.runtime.rank.model import count_parameters
     from orchestrator.runtime.training.resume import Saver, restore
     from orchestrator.runtime.training.summary import summarize
 
     rank = build_rank(cfg)
+    rank.link_check = check_links(rank)  # multi-node: slow links named (or refused) before anything is loaded
     start = restore(rank, prepared)
     data = build_data(rank, prepared, start.consumed_samples)
     trackers = Trackers(cfg, rank.is_logger)
@@ -76,6 +79,8 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
         write_megatron_config(cfg.run.dir, rank.built.megatron)
     rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
              f"{start.iteration + 1}..{cfg.training.train_iters}")
+    if rank.link_check is not None:
+        trackers.event(rank.link_check)
     trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,
                     "resumed_from": start.resumed_from, "load_s": start.load_s, "time": time.time()})
     try:

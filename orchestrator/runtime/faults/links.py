@@ -1,0 +1,248 @@
+"""The link check: before the first iteration of a multi-node job, the bandwidth of every cross-node
+link the layout uses, and one line naming each slow one (``cluster.link_check``).
+
+What is measured (collective: every rank runs :func:`check_links`, one measurement at a time, the ranks
+meeting at a barrier of their own gloo group between measurements, so no two share a NIC):
+
+* ``p2p`` links: point-to-point bandwidth between ranks the layout makes talk across nodes — pipeline
+  neighbours (megatron's pipeline group, in stage order; with virtual stages also last -> first) and
+  data-parallel ring neighbours (the order gloo's / NCCL's ring all-reduce uses) — one rank pair per
+  ordered host pair, each direction on its own (a NIC or a shaper can be slow one way). Measured as a
+  ping-pong on the group the pair belongs to (``torch.distributed.send/recv``): ``megabytes`` out, 4
+  bytes back, the best of 3 after a warm-up; Gbit/s = 8 x bytes / round trip.
+* ``allreduce``: one ``all_reduce`` of ``megabytes`` on each data-parallel group spanning nodes (one
+  per distinct set of hosts), as bus bandwidth (nccl-tests' busbw: 8 x bytes x 2(n-1)/n / time).
+
+The rule (:func:`judge`): a link is slow when it is below ``min_fraction`` x the median of the *other*
+links of its kind, or below ``min_gbps`` when set. Leaving the link itself out keeps a bad link from
+pulling its own reference down, and with two links of a kind each is compared with the other. A kind
+with a single link (a 2-node job with one pipeline cut, measured in one direction) has no peer: only
+``min_gbps`` judges it; intra-node links are never a reference (NVLink or shared memory is
+legitimately many times faster than any NIC). Results go to ``metrics.jsonl`` (``link_check``) and
+every manifest; ``action=refuse`` ends the job before training with :class:`SlowLinkError`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from orchestrator.errors import OrchestratorError
+
+FIX = ("fix: check that the interface is the fast fabric (`ip -s link`, `ib_write_bw` between the two hosts), "
+       "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in cluster.env to the fast one, or leave a host out "
+       "(cluster.exclude=HOST)")
+
+
+class SlowLinkError(OrchestratorError):
+    """``cluster.link_check.action=refuse`` and a link is slow: the job stops before training (not requeued)."""
+
+
+# ---------------------------------------------------------------- which links
+def ring_pairs(ranks: Sequence[int], wrap: bool) -> List[Tuple[int, int]]:
+    """Neighbours of ``ranks`` in order, (r_i, r_i+1), and (last, first) when ``wrap`` and n > 2."""
+    pairs = [(ranks[i], ranks[i + 1]) for i in range(len(ranks) - 1)]
+    if wrap and len(ranks) > 2:
+        pairs.append((ranks[-1], ranks[0]))
+    return pairs
+
+
+def plan_links(groups: Sequence[Dict[str, List[int]]], hosts: Sequence[str], vpp: bool
+               ) -> Tuple[List[Tuple[str, int, int]], List[List[int]]]:
+    """(p2p measurements, all-reduce groups) for the layout.
+
+    ``groups``: every rank's ``{"pp": [...], "dp": [...]}`` (global ranks, by rank); ``hosts``: every
+    rank's host. p2p: ``(used_by, src, dst)`` with ``used_by`` pp or dp, one per ordered cross-node host
+    pair; all-reduce: the DP groups spanning nodes, one per distinct host set.
+    """
+    p2p: List[Tuple[str, int, int]] = []
+    seen_pairs, seen_sets = set(), set()
+    reduce_groups: List[List[int]] = []
+    for kind in ("pp", "dp"):
+        for ranks in sorted({tuple(g[kind]) for g in groups}):
+            for a, b in ring_pairs(ranks, wrap=(kind == "dp" or vpp)):
+                for src, dst in ((a, b), (b, a)):
+                    if hosts[src] != hosts[dst] and (hosts[src], hosts[dst]) not in seen_pairs:
+                        seen_pairs.add((hosts[src], hosts[dst]))
+                        p2p.append((kind, src, dst))
+            host_set = tuple(sorted({hosts[r] for r in ranks}))
+            if kind == "dp" and len(host_set) > 1 and host_set not in seen_sets:
+                seen_sets.add(host_set)
+                reduce_groups.append(list(ranks))
+    return p2p, reduce_groups
+
+
+# ---------------------------------------------------------------- the verdict (pure)
+def judge(links: List[Dict[str, object]], min_fraction: float, min_gbps: Optional[float]) -> List[Dict[str, object]]:
+    """Set ``reference_gbps`` (median of the other links of the kind; None without one) and ``slow`` on
+    every link (see the module docstring); returns the slow ones."""
+    slow = []
+    for link in links:
+        others = [float(o["gbps"]) for o in links if o is not link and o["kind"] == link["kind"]]
+        ref = statistics.median(others) if others else None
+        gbps = float(link["gbps"])  # type: ignore[arg-type]
+        link["reference_gbps"] = ref
+        link["slow"] = bool((ref is not None and gbps < min_fraction * ref) or (min_gbps and gbps < min_gbps))
+        if link["slow"]:
+            slow.append(link)
+    return slow
+
+
+def describe(link: Dict[str, object], min_fraction: float, min_gbps: Optional[float]) -> str:
+    """One line naming a slow link: hosts, ranks, interface, measured vs reference, the fix."""
+    what = {"pp": "pipeline neighbours", "dp": "data-parallel ring neighbours"}.get(str(link.get("used_by")), "")
+    if link["kind"] == "allreduce":
+        where = f"all-reduce of data-parallel group {link['ranks']} on {', '.join(link['hosts'])}"  # type: ignore
+    else:
+        where = f"{link['src']} -> {link['dst']} (ranks {link['ranks'][0]} -> {link['ranks'][1]}, {what})"  # type: ignore
+    ref = link.get("reference_gbps")
+    versus = []
+    if ref is not None:
+        versus.append(f"median {ref:.3g} Gbit/s of the other {link['kind']} links (below {min_fraction:g}x)")
+    if min_gbps and float(link["gbps"]) < min_gbps:  # type: ignore[arg-type]
+        versus.append(f"cluster.link_check.min_gbps={min_gbps:g}")
+    return (f"slow link: {where} over {link['interface']}: {float(link['gbps']):.3g} Gbit/s vs "  # type: ignore
+            f"{' and '.join(versus)}; {FIX}")
+
+
+def interface_to(peer_host: str, backend: str) -> str:
+    """The interface this rank uses towards ``peer_host``: the ``*_SOCKET_IFNAME`` the backend reads when
+    set, else the one the kernel routes to the peer's address (what gloo and NCCL's socket transport pick)."""
+    var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if os.environ.get(var):
+        return f"{os.environ[var]} ({var})"
+    try:
+        import psutil
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(peer_host), 9))  # no packet is sent: only the route is looked up
+            local = s.getsockname()[0]
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == local for a in addrs):
+                return f"{name} ({local}, picked by {backend}; {var} unset)"
+        return f"{local} (picked by {backend}; {var} unset)"
+    except OSError as exc:
+        return f"unknown ({var} unset; route to {peer_host}: {exc})"
+
+
+# ---------------------------------------------------------------- measuring (collective)
+def _ping_pong(src: int, dst: int, me: int, group, nbytes: int, device: str) -> Optional[float]:
+    """Best round trip (s) of ``nbytes`` src -> dst and 4 bytes back, measured on ``src``; None elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    big = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    small = torch.empty(1, dtype=torch.float32, device=device)
+    best = None
+    for rep, n in enumerate([max(1, big.numel() // 8)] + [big.numel()] * 3):
+        t0 = time.perf_counter()
+        if me == src:
+            dist.send(big[:n], dst, group=group)
+            dist.recv(small, dst, group=group)
+        else:
+            dist.recv(big[:n], src, group=group)
+            dist.send(small, src, group=group)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        if rep > 0 and me == src:
+            best = took if best is None else min(best, took)
+    return best
+
+
+def _allreduce(group, nbytes: int, device: str) -> float:
+    """Best time (s) of an all-reduce of ``nbytes`` on ``group`` (after a warm-up), slowest rank's view."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for rep in range(4):
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(rank, nbytes: int) -> Dict[str, object]:
+    """Every cross-node link of ``rank``'s layout, measured (see the module docstring): the ``link_check``
+    record without the verdict. Collective; the same result on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    hosts, me, backend = list(rank.info.hosts), rank.info.rank, rank.info.backend
+    device = rank.tensor_device
+    meta = dist.new_group(backend="gloo")  # ours: the job's groups carry the measurements only
+    mine = {"pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+            "dp": dist.get_process_group_ranks(ps.get_data_parallel_group())}
+    groups: List[Dict[str, List[int]]] = [{} for _ in hosts]
+    dist.all_gather_object(groups, mine, group=meta)
+    vpp = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    p2p, reduce_groups = plan_links(groups, hosts, vpp)
+    t0 = time.perf_counter()
+    found: Dict[str, object] = {}
+    for i, (kind, src, dst) in enumerate(p2p):
+        dist.barrier(group=meta)
+        if me in (src, dst):
+            group = ps.get_pipeline_model_parallel_group() if kind == "pp" else ps.get_data_parallel_group()
+            took = _ping_pong(src, dst, me, group, nbytes, device)
+            if took is not None:
+                found[f"p2p{i}"] = (8 * nbytes / took / 1e9, interface_to(hosts[dst], backend))
+    for i, ranks in enumerate(reduce_groups):
+        dist.barrier(group=meta)
+        if me in ranks:
+            took = _allreduce(ps.get_data_parallel_group(), nbytes, device)
+            nxt = ranks[(ranks.index(me) + 1) % len(ranks)]
+            found[f"ar{i}"] = (took, interface_to(hosts[nxt], backend) if hosts[nxt] != hosts[me] else None)
+    gathered: List[Dict[str, object]] = [{} for _ in hosts]
+    dist.all_gather_object(gathered, found, group=meta)
+    seconds = time.perf_counter() - t0
+    dist.destroy_process_group(meta)
+    links: List[Dict[str, object]] = []
+    for i, (kind, src, dst) in enumerate(p2p):
+        gbps, interface = gathered[src][f"p2p{i}"]  # type: ignore[misc]
+        links.append({"kind": "p2p", "used_by": kind, "src": hosts[src], "dst": hosts[dst], "ranks": [src, dst],
+                      "gbps": round(gbps, 4), "interface": interface})
+    for i, ranks in enumerate(reduce_groups):
+        took = max(gathered[r][f"ar{i}"][0] for r in ranks)  # type: ignore[index]
+        interface = next((gathered[r][f"ar{i}"][1] for r in ranks if gathered[r][f"ar{i}"][1]), None)  # type: ignore
+        n = len(ranks)
+        links.append({"kind": "allreduce", "used_by": "dp", "hosts": sorted({hosts[r] for r in ranks}),
+                      "ranks": list(ranks), "gbps": round(8 * nbytes * 2 * (n - 1) / n / took / 1e9, 4),
+                      "interface": interface})
+    return {"event": "link_check", "links": links, "megabytes": nbytes / 1e6, "seconds": round(seconds, 3)}
+
+
+def check_links(rank) -> Optional[Dict[str, object]]:
+    """The link check of a multi-node job (``cluster.link_check``), after the rendezvous and before anything
+    else: measures, judges, prints one line per slow link (rank 0) and returns the ``link_check`` record
+    (``links``, ``slow``: their lines, ``action``); None on one node or with ``action=off``. Collective.
+
+    Raises :class:`SlowLinkError` on every rank with ``action=refuse`` and a slow link."""
+    lc = rank.cfg.cluster.link_check
+    if lc.action == "off" or len(set(rank.info.hosts)) < 2:
+        return None
+    record = measure(rank, int(lc.megabytes * 1e6) // 4 * 4)
+    slow = judge(record["links"], lc.min_fraction, lc.min_gbps)  # type: ignore[arg-type]
+    lines = [describe(link, lc.min_fraction, lc.min_gbps) for link in slow]
+    record.update(slow=lines, action=lc.action, min_fraction=lc.min_fraction, min_gbps=lc.min_gbps, time=time.time())
+    if rank.rank0:
+        kinds = {}
+        for link in record["links"]:  # type: ignore[union-attr]
+            kinds.setdefault(link["kind"], []).append(link["gbps"])
+        said = "; ".join(f"{k} {min(v):.3g}..{max(v):.3g} Gbit/s ({len(v)})" for k, v in kinds.items())
+        print(f"[orchestrator] link check: {said} in {record['seconds']} s"
+              f"{'' if lines else '; no slow link'}", flush=True)
+        for line in lines:
+            print(f"[orchestrator] warning: {line}" if lc.action == "warn" else f"[orchestrator] {line}", flush=True)
+    if lines and lc.action == "refuse":
+        raise SlowLinkError(f"cluster.link_check.action=refuse: {lines[0]}"
+                            f"{f' (and {len(lines) - 1} more)' if len(lines) > 1 else ''}; "
+                            f"or cluster.link_check.action=warn to train anyway")
+    return record
