@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+LINKS_ONLY = "only"
+"""``cluster.link_check.action`` of the job ``python -m orchestrator check links`` submits (never a user's value):
+the ranks rendezvous, check the links and end."""
+
+
 @dataclass
 class LinkCheckConfig:
     """Before the first iteration of a multi-node job: the bandwidth of every cross-node link the layout uses."""

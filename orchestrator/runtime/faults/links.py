@@ -30,15 +30,11 @@ import statistics
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import SlowLinkError
 
 FIX = ("fix: check that the interface is the fast fabric (`ip -s link`, `ib_write_bw` between the two hosts), "
        "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in cluster.env to the fast one, or leave a host out "
-       "(cluster.exclude=HOST)")
-
-
-class SlowLinkError(OrchestratorError):
-    """``cluster.link_check.action=refuse`` and a link is slow: the job stops before training (not requeued)."""
+       "(cluster.exclude={hosts})")
 
 
 # ---------------------------------------------------------------- which links
@@ -94,6 +90,7 @@ def judge(links: List[Dict[str, object]], min_fraction: float, min_gbps: Optiona
 def describe(link: Dict[str, object], min_fraction: float, min_gbps: Optional[float]) -> str:
     """One line naming a slow link: hosts, ranks, interface, measured vs reference, the fix."""
     what = {"pp": "pipeline neighbours", "dp": "data-parallel ring neighbours"}.get(str(link.get("used_by")), "")
+    hosts = list(link["hosts"]) if link["kind"] == "allreduce" else [link["src"], link["dst"]]  # type: ignore
     if link["kind"] == "allreduce":
         where = f"all-reduce of data-parallel group {link['ranks']} on {', '.join(link['hosts'])}"  # type: ignore
     else:
@@ -101,11 +98,11 @@ def describe(link: Dict[str, object], min_fraction: float, min_gbps: Optional[fl
     ref = link.get("reference_gbps")
     versus = []
     if ref is not None:
-        versus.append(f"median {ref:.3g} Gbit/s of the other {link['kind']} links (below {min_fraction:g}x)")
+        versus.append(f"{ref:.3g} Gbit/s, the median of the other {link['kind']} links (below {min_fraction:g}x)")
     if min_gbps and float(link["gbps"]) < min_gbps:  # type: ignore[arg-type]
         versus.append(f"cluster.link_check.min_gbps={min_gbps:g}")
     return (f"slow link: {where} over {link['interface']}: {float(link['gbps']):.3g} Gbit/s vs "  # type: ignore
-            f"{' and '.join(versus)}; {FIX}")
+            f"{' and '.join(versus)}; {FIX.format(hosts=' or '.join(map(str, hosts)))}")
 
 
 def interface_to(peer_host: str, backend: str) -> str:
@@ -239,10 +236,35 @@ def check_links(rank) -> Optional[Dict[str, object]]:
         said = "; ".join(f"{k} {min(v):.3g}..{max(v):.3g} Gbit/s ({len(v)})" for k, v in kinds.items())
         print(f"[orchestrator] link check: {said} in {record['seconds']} s"
               f"{'' if lines else '; no slow link'}", flush=True)
-        for line in lines:
-            print(f"[orchestrator] warning: {line}" if lc.action == "warn" else f"[orchestrator] {line}", flush=True)
+        for line in lines if lc.action == "warn" else []:  # refuse: the error is the one line
+            print(f"[orchestrator] warning: {line}", flush=True)
     if lines and lc.action == "refuse":
         raise SlowLinkError(f"cluster.link_check.action=refuse: {lines[0]}"
                             f"{f' (and {len(lines) - 1} more)' if len(lines) > 1 else ''}; "
                             f"or cluster.link_check.action=warn to train anyway")
     return record
+
+
+def links_only(cfg) -> Dict[str, object]:
+    """``python -m orchestrator check links``'s job (``cluster.link_check.action=only``): rendezvous and
+    megatron's parallel state, the check, teardown; no model, data or checkpoint. Returns the summary the
+    launcher reads (``link_check``: the record; rank 0 is the logging rank). Collective."""
+    from orchestrator.config.layout import layout_from_config
+    from orchestrator.runtime.rank.build import Rank
+    from orchestrator.runtime.rank.distributed import init_distributed, shutdown
+    from orchestrator.runtime.rank.model import initialize_parallel_state
+
+    info = init_distributed(cfg)
+    if info.device == "cpu":
+        from orchestrator.runtime.rank import cpu
+
+        cpu.activate()  # megatron's CUDA-only spots (its RNG tracker) on CPU, as build_rank does
+    try:
+        initialize_parallel_state(cfg, cfg.training.seed, info.device)
+        rank = Rank(cfg=cfg, layout=layout_from_config(cfg), info=info, tokenizer=None, built=None,  # type: ignore
+                    is_logger=info.rank == 0)
+        record = check_links(rank)
+    finally:
+        shutdown()
+    return {"status": "completed", "iteration": 0, "logging_rank": info.rank == 0, "link_check": record,
+            "hosts": list(info.hosts)}

@@ -16,6 +16,7 @@ import time
 from typing import Dict
 
 from orchestrator.config.schema import JobConfig
+from orchestrator.config.slowness import LINKS_ONLY
 
 
 def _stop_request(cfg: JobConfig):
@@ -56,6 +57,10 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     # and not checkpointable") instead of requeueing it. Ours only sets a flag: the first
     # iteration boundary then saves and requeues.
     stop = _stop_request(cfg)
+    if cfg.cluster.link_check.action == LINKS_ONLY:  # python -m orchestrator check links
+        from orchestrator.runtime.faults.links import links_only
+
+        return links_only(cfg)
     from orchestrator.runtime.training import loop
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
