@@ -84,10 +84,10 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
         write_megatron_config(cfg.run.dir, rank.built.megatron)
     rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
              f"{start.iteration + 1}..{cfg.training.train_iters}")
-    if rank.link_check is not None:
-        trackers.event(rank.link_check)
     trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,
                     "resumed_from": start.resumed_from, "load_s": start.load_s, "time": time.time()})
+    if rank.link_check is not None:
+        trackers.event(rank.link_check)
     try:
         outcome = loop.train(rank, data, start, saver, trackers, stop, guard)
         resumed_finished = start.resumed_from is not None and outcome.iteration == start.iteration

@@ -1,0 +1,133 @@
+"""Straggler detection (issue 29 item 2) on a real 4-rank local job, one rank's CPU throttled with a real
+cgroup v1 CPU quota; and the straggler config's bad input.
+
+One run proves both acceptance points: PP=2 x DP=2 (gpt_tiny, micro-batch 1, 2 micro-batches) trains 200
+iterations unthrottled, and nobody is named there (20 windows of 10, at the default 20% threshold); then
+rank 3's process is moved into a child cgroup of the ``cpu`` hierarchy with ``cpu.cfs_quota_us`` at 10%
+of a core, and the job must name rank 3 (log line, ``straggler`` record, summary, ``status``) within 30
+iterations. The cgroup is always removed (the process moved back first). The fault lock
+(/tmp/dev-fault.lock) is held while the quota is in place.
+
+Time (2 shared cores, load ~4): about 45 s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+UNTHROTTLED, TRAIN_ITERS = 200, 240
+ARGS = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.eval_iters=0", "training.micro_batch_size=1",
+        "training.global_batch_size=4", "training.log_interval=20", "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false", f"training.train_iters={TRAIN_ITERS}", "run.name=straggle"]
+
+
+def _cgroup_v1_cpu() -> str:
+    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        return "no cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu"
+    if not os.access(CPU_CGROUP, os.W_OK):
+        return "cannot create a cgroup under /sys/fs/cgroup/cpu (not root)"
+    return ""
+
+
+def _heartbeat(run_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((run_dir / "heartbeat" / f"rank_{rank}").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _events(run_dir: Path, name: str) -> list:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == name]
+
+
+class Throttle:
+    """A child cgroup of the cpu hierarchy with a CFS quota; ``move(pid)`` puts a process (every thread) in it."""
+
+    def __init__(self, name: str, percent: int):
+        self.path = CPU_CGROUP / name
+        self.path.mkdir(exist_ok=True)
+        (self.path / "cpu.cfs_period_us").write_text("100000")
+        (self.path / "cpu.cfs_quota_us").write_text(str(percent * 1000))
+
+    def move(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+            except OSError:  # already gone
+                pass
+        self.path.rmdir()
+
+
+@pytest.mark.skipif(bool(_cgroup_v1_cpu()), reason=_cgroup_v1_cpu() or "n/a")
+def test_throttled_rank_named_within_30_iterations_after_200_unthrottled_that_name_nobody(tmp_path, cache_dir):
+    run_dir = tmp_path / "straggle"
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *ARGS, f"run.root={tmp_path}"], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    throttled_at = None
+    with open("/tmp/dev-fault.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        throttle = Throttle(f"orchestrator-test-{os.getpid()}", 10)
+        try:
+            deadline = time.monotonic() + 300
+            while throttled_at is None and proc.poll() is None and time.monotonic() < deadline:
+                beat = _heartbeat(run_dir, 3)
+                if beat.get("iteration", 0) >= UNTHROTTLED:
+                    throttle.move(int(beat["pid"]))
+                    throttled_at = max(_heartbeat(run_dir, r).get("iteration", 0) for r in range(4))
+                time.sleep(0.1)
+            assert proc.wait(timeout=300) == 0, (tmp_path / "out.txt").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            throttle.remove()
+    out_text = (tmp_path / "out.txt").read_text()
+    assert throttled_at is not None and throttled_at < TRAIN_ITERS - 30, (throttled_at, out_text[-2000:])
+
+    named = _events(run_dir, "straggler")
+    # nobody in 200 unthrottled iterations; then rank 3 (host: this one; stage 1, DP rank 1), within 30
+    assert [r.get("rank") for r in named] == [3], named
+    rec = named[0]
+    assert throttled_at < rec["iteration"] <= throttled_at + 30, (throttled_at, rec)
+    assert rec["pp_rank"] == 1 and rec["dp_rank"] == 1 and rec["slower_by"] > 0.2
+    assert rec["compute_ms"] > 1.5 * rec["cpu_ms"], rec  # it waited for a core: the quota, not more work
+    line = next(ln for ln in out_text.splitlines() if "straggler: rank 3" in ln)
+    assert "cpu.cfs_quota_us" in line and f"{rec['compute_ms']:g} ms" in line, line
+    summary = _events(run_dir, "summary")[-1]
+    assert [s.get("rank") for s in summary["stragglers"]] == [3], summary["stragglers"]
+    status = run_cli(["status", str(tmp_path)], cache=cache_dir)
+    assert "straggler: rank 3" in status.stdout, status.stdout
+
+
+def test_straggler_and_link_check_bad_input_one_line_exit_2(tmp_path, cache_dir):
+    """Out-of-range thresholds and a one-node ``check links``: one ``error:`` line, exit 2, nothing written."""
+    cases = [(["training.straggler.threshold=0"], "training.straggler.threshold=0"),
+             (["training.straggler.threshold=12"], "training.straggler.threshold=12"),
+             (["training.straggler.windows=0"], "training.straggler.windows=0"),
+             (["training.straggler.interval=-5"], "training.straggler.interval=-5"),
+             (["cluster.link_check.min_fraction=1.5"], "cluster.link_check.min_fraction=1.5"),
+             (["cluster.link_check.min_gbps=-1"], "cluster.link_check.min_gbps=-1"),
+             (["cluster.link_check.action=maybe"], "cluster.link_check.action='maybe'")]
+    for overrides, key in cases:
+        proc = run_cli(["+experiment=gpt_pp2_dp2", f"run.root={tmp_path}", *overrides], cache=cache_dir, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (overrides, proc.stderr)
+        assert proc.stderr.startswith(f"error: {key}") and "fix: " in proc.stderr, proc.stderr
+    proc = run_cli(["check", "links", "+experiment=gpt_pp2_dp2", f"run.root={tmp_path}"], cache=cache_dir, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: check links: cluster=local with cluster.nodes=1 runs on one node"), proc.stderr
+    assert not any(tmp_path.iterdir())
