@@ -87,9 +87,9 @@ def test_throttled_rank_named_within_30_iterations_after_200_unthrottled_that_na
             deadline = time.monotonic() + 300
             while throttled_at is None and proc.poll() is None and time.monotonic() < deadline:
                 beat = _heartbeat(run_dir, 3)
-                if beat.get("iteration", 0) >= UNTHROTTLED:
+                if (beat.get("iteration") or 0) >= UNTHROTTLED:
                     throttle.move(int(beat["pid"]))
-                    throttled_at = max(_heartbeat(run_dir, r).get("iteration", 0) for r in range(4))
+                    throttled_at = max(_heartbeat(run_dir, r).get("iteration") or 0 for r in range(4))
                 time.sleep(0.1)
             assert proc.wait(timeout=300) == 0, (tmp_path / "out.txt").read_text()[-3000:]
         finally:

@@ -144,9 +144,6 @@ class StragglerWatch:
         torch.distributed.all_gather(gathered, mine, group=self.group)
         rows = [g.tolist() for g in gathered]
         slower = judge([r[0] for r in rows], self.threshold)
-        import os
-        if os.environ.get("H29A_DEBUG") and self.rank.rank0:
-            print("DEBUG", iteration, [f"{r[0]*1e12:.3f}/{r[1]*1e3:.1f}/{r[2]*1e3:.1f}" for r in rows], slower, flush=True)
         hosts = list(self.rank.info.hosts)
         for r, s in enumerate(slower):
             self.streak[r] = self.streak[r] + 1 if s is not None else 0
