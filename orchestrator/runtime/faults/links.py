@@ -9,16 +9,17 @@ meeting at a barrier of their own gloo group between measurements, so no two sha
   data-parallel ring neighbours (the order gloo's / NCCL's ring all-reduce uses) — one rank pair per
   ordered host pair, each direction on its own (a NIC or a shaper can be slow one way). Measured as a
   ping-pong on the group the pair belongs to (``torch.distributed.send/recv``): ``megabytes`` out, 4
-  bytes back, the best of 3 after a warm-up; Gbit/s = 8 x bytes / round trip.
+  bytes back; Gbit/s = 8 x bytes / the best round trip of the rounds (:data:`ROUNDS`).
 * ``allreduce``: one ``all_reduce`` of ``megabytes`` on each data-parallel group spanning nodes (one
   per distinct set of hosts), as bus bandwidth (nccl-tests' busbw: 8 x bytes x 2(n-1)/n / time).
 
 The rule (:func:`judge`): a link is slow when it is below ``min_fraction`` x the median of the *other*
 links of its kind, or below ``min_gbps`` when set. Leaving the link itself out keeps a bad link from
-pulling its own reference down, and with two links of a kind each is compared with the other. A kind
-with a single link (a 2-node job with one pipeline cut, measured in one direction) has no peer: only
-``min_gbps`` judges it; intra-node links are never a reference (NVLink or shared memory is
-legitimately many times faster than any NIC). Results go to ``metrics.jsonl`` (``link_check``) and
+pulling its own reference down, and with two links of a kind each is compared with the other: on two
+nodes the two directions of their one host pair, so a link slow one way is named, and one slow both ways
+only by ``min_gbps``. A kind with a single link (one data-parallel group spanning nodes: one all-reduce)
+has no peer: only ``min_gbps`` judges it. Intra-node links are never a reference (NVLink or shared memory
+is legitimately many times faster than any NIC). Results go to ``metrics.jsonl`` (``link_check``) and
 every manifest; ``action=refuse`` ends the job before training with :class:`SlowLinkError`.
 """
 
@@ -126,45 +127,79 @@ def interface_to(peer_host: str, backend: str) -> str:
 
 
 # ---------------------------------------------------------------- measuring (collective)
-def _ping_pong(src: int, dst: int, me: int, group, nbytes: int, device: str) -> Optional[float]:
-    """Best round trip (s) of ``nbytes`` src -> dst and 4 bytes back, measured on ``src``; None elsewhere."""
+ROUNDS = (3, 10)
+"""Rounds of measurements (each link once per round, after a warm-up round of 1/8 of the size): at least 3
+while the check has run under 1.5 s (at least 1 when a slow link makes one round longer), at most 10
+while under 0.5 s. Rounds interleave the links, so a moment of contention on a shared host hits every
+link alike, and each link keeps its best round."""
+
+
+def _more(rounds: int, elapsed: float) -> bool:
+    """Whether to measure another round (round 0 is the warm-up); see :data:`ROUNDS`."""
+    return rounds < 2 or (rounds <= ROUNDS[0] and elapsed < 1.5) or (rounds <= ROUNDS[1] and elapsed < 0.5)
+
+
+def _ping_pong(src: int, me: int, peer: int, group, buf, small, device: str) -> float:
+    """Seconds for ``buf`` src -> peer and ``small`` back (one round trip; meaningful on ``src``)."""
     import torch
     import torch.distributed as dist
 
-    big = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    small = torch.empty(1, dtype=torch.float32, device=device)
-    best = None
-    for rep, n in enumerate([max(1, big.numel() // 8)] + [big.numel()] * 3):
-        t0 = time.perf_counter()
-        if me == src:
-            dist.send(big[:n], dst, group=group)
-            dist.recv(small, dst, group=group)
-        else:
-            dist.recv(big[:n], src, group=group)
-            dist.send(small, src, group=group)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        took = time.perf_counter() - t0
-        if rep > 0 and me == src:
-            best = took if best is None else min(best, took)
-    return best
+    t0 = time.perf_counter()
+    if me == src:
+        dist.send(buf, peer, group=group)
+        dist.recv(small, peer, group=group)
+    else:
+        dist.recv(buf, peer, group=group)
+        dist.send(small, peer, group=group)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
-def _allreduce(group, nbytes: int, device: str) -> float:
-    """Best time (s) of an all-reduce of ``nbytes`` on ``group`` (after a warm-up), slowest rank's view."""
+def _allreduce(group, buf, device: str) -> float:
+    """Seconds of one all-reduce of ``buf`` on ``group`` (this rank's view)."""
     import torch
     import torch.distributed as dist
 
+    t0 = time.perf_counter()
+    dist.all_reduce(buf, group=group)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _rounds(rank, meta, p2p, reduce_groups, nbytes: int) -> Dict[str, float]:
+    """This rank's best seconds per measurement it takes part in (``p2p<i>`` on the sender, ``ar<i>``)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    me, device = rank.info.rank, rank.tensor_device
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for rep in range(4):
-        t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-    return best
+    small = torch.zeros(1, dtype=torch.float32, device=device)
+    flag = torch.zeros(1, dtype=torch.int32)
+    groups = {"pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group()}
+    best: Dict[str, float] = {}
+    rounds, t0 = 0, time.perf_counter()
+    while True:
+        flag[0] = int(_more(rounds, time.perf_counter() - t0))
+        dist.broadcast(flag, 0, group=meta)  # rank 0's clock decides for everyone
+        if not flag[0]:
+            return best
+        part = buf[: max(1, buf.numel() // 8)] if rounds == 0 else buf
+        for i, (kind, src, dst) in enumerate(p2p):
+            dist.barrier(group=meta)
+            if me in (src, dst):
+                took = _ping_pong(src, me, dst if me == src else src, groups[kind], part, small, device)
+                if rounds and me == src:
+                    best[f"p2p{i}"] = min(best.get(f"p2p{i}", took), took)
+        for i, ranks in enumerate(reduce_groups):
+            dist.barrier(group=meta)
+            if me in ranks:
+                took = _allreduce(groups["dp"], part, device)
+                if rounds:
+                    best[f"ar{i}"] = min(best.get(f"ar{i}", took), took)
+        rounds += 1
 
 
 def measure(rank, nbytes: int) -> Dict[str, object]:
@@ -174,7 +209,6 @@ def measure(rank, nbytes: int) -> Dict[str, object]:
     from megatron.core import parallel_state as ps
 
     hosts, me, backend = list(rank.info.hosts), rank.info.rank, rank.info.backend
-    device = rank.tensor_device
     meta = dist.new_group(backend="gloo")  # ours: the job's groups carry the measurements only
     mine = {"pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
             "dp": dist.get_process_group_ranks(ps.get_data_parallel_group())}
@@ -183,20 +217,15 @@ def measure(rank, nbytes: int) -> Dict[str, object]:
     vpp = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
     p2p, reduce_groups = plan_links(groups, hosts, vpp)
     t0 = time.perf_counter()
+    best = _rounds(rank, meta, p2p, reduce_groups, nbytes)
     found: Dict[str, object] = {}
-    for i, (kind, src, dst) in enumerate(p2p):
-        dist.barrier(group=meta)
-        if me in (src, dst):
-            group = ps.get_pipeline_model_parallel_group() if kind == "pp" else ps.get_data_parallel_group()
-            took = _ping_pong(src, dst, me, group, nbytes, device)
-            if took is not None:
-                found[f"p2p{i}"] = (8 * nbytes / took / 1e9, interface_to(hosts[dst], backend))
+    for i, (_, src, dst) in enumerate(p2p):
+        if me == src:
+            found[f"p2p{i}"] = (8 * nbytes / best[f"p2p{i}"] / 1e9, interface_to(hosts[dst], backend))
     for i, ranks in enumerate(reduce_groups):
-        dist.barrier(group=meta)
         if me in ranks:
-            took = _allreduce(ps.get_data_parallel_group(), nbytes, device)
             nxt = ranks[(ranks.index(me) + 1) % len(ranks)]
-            found[f"ar{i}"] = (took, interface_to(hosts[nxt], backend) if hosts[nxt] != hosts[me] else None)
+            found[f"ar{i}"] = (best[f"ar{i}"], interface_to(hosts[nxt], backend) if hosts[nxt] != hosts[me] else None)
     gathered: List[Dict[str, object]] = [{} for _ in hosts]
     dist.all_gather_object(gathered, found, group=meta)
     seconds = time.perf_counter() - t0
