@@ -526,6 +526,7 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
                 p.kill()
     out = cli.stdout
     assert ranks == [2, 3], (ranks, node)
+    assert "slow link:" not in out and len(events(run_dir, "link_check")) == 2  # issue 29: unshaped, both attempts
     assert not leftovers, leftovers
 
     # The message: the node and the ranks that died (srun's line), and the requeue.
