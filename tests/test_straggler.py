@@ -131,3 +131,31 @@ def test_straggler_and_link_check_bad_input_one_line_exit_2(tmp_path, cache_dir)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: check links: cluster=local with cluster.nodes=1 runs on one node"), proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_link_rule_with_few_links_and_the_links_a_layout_uses():
+    """The link check's rule (runtime.faults.links.judge) and which links it measures (plan_links), pure."""
+    from orchestrator.runtime.faults.links import judge, plan_links
+
+    def links(*gbps, kind="p2p"):
+        return [{"kind": kind, "gbps": g} for g in gbps]
+
+    two = links(0.1, 8.0)  # two nodes: the two directions of their one host pair, each against the other
+    assert judge(two, 0.5, None) == [two[0]] and two[0]["reference_gbps"] == 8.0 and two[1]["slow"] is False
+    same = links(4.0, 5.0)  # slow both ways: only min_gbps can tell
+    assert judge(same, 0.5, None) == [] and judge(same, 0.5, 4.5) == [same[0]]
+    three = links(9.0, 10.0, 2.0)  # the slow one does not pull its own reference down
+    assert judge(three, 0.5, None) == [three[2]] and three[2]["reference_gbps"] == 9.5
+    one = links(0.5, kind="allreduce")  # a single link of its kind: no peer, only min_gbps
+    assert judge(one, 0.5, None) == [] and one[0]["reference_gbps"] is None and judge(one, 0.5, 1.0) == one
+
+    # PP=2 x DP=2 on two nodes (megatron's order: ranks 0,1 stage 0 on n1; 2,3 stage 1 on n2): one host pair,
+    # both directions, measured between pipeline neighbours; the DP groups stay inside a node (no all-reduce).
+    groups = [{"pp": [0, 2], "dp": [0, 1]}, {"pp": [1, 3], "dp": [0, 1]}, {"pp": [0, 2], "dp": [2, 3]},
+              {"pp": [1, 3], "dp": [2, 3]}]
+    assert plan_links(groups, ["n1", "n1", "n2", "n2"], vpp=False) == ([("pp", 0, 2), ("pp", 2, 0)], [])
+    # DP=4 over 4 nodes: the ring's 4 host pairs in both directions, and the one all-reduce group
+    dp4 = [{"pp": [r], "dp": [0, 1, 2, 3]} for r in range(4)]
+    p2p, reduce_groups = plan_links(dp4, ["a", "b", "c", "d"], vpp=False)
+    assert len(p2p) == 8 and {(s, d) for _, s, d in p2p} == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3)}
+    assert reduce_groups == [[0, 1, 2, 3]]
