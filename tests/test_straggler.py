@@ -159,3 +159,18 @@ def test_link_rule_with_few_links_and_the_links_a_layout_uses():
     p2p, reduce_groups = plan_links(dp4, ["a", "b", "c", "d"], vpp=False)
     assert len(p2p) == 8 and {(s, d) for _, s, d in p2p} == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3)}
     assert reduce_groups == [[0, 1, 2, 3]]
+
+
+def test_straggler_rule_ranks_and_hosts():
+    """runtime.faults.straggler's verdict, pure: each rank against the median of the others; a host whose
+    ranks all straggle (on a job of several hosts)."""
+    from orchestrator.runtime.faults.straggler import judge, straggling_hosts
+
+    slower = judge([1.0, 1.05, 0.95, 1.5], 0.2)
+    assert slower[:3] == [None, None, None] and abs(slower[3] - 0.5) < 1e-9
+    assert judge([1.0, 1.3], 0.2)[1] is not None and judge([1.0, 1.1], 0.2) == [None, None]
+    assert judge([2.0], 0.2) == [None]  # nobody to compare with
+    hosts = ["a", "a", "b", "b"]
+    assert straggling_hosts(hosts, [0, 0, 2, 2], 2) == [("b", [2, 3])]
+    assert straggling_hosts(hosts, [0, 0, 2, 1], 2) == []  # one of b's ranks is not (yet) named
+    assert straggling_hosts(["a"] * 4, [2, 2, 2, 2], 2) == []  # one host: only ranks are named

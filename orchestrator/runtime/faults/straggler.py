@@ -63,6 +63,17 @@ def judge(scores: List[float], threshold: float) -> List[Optional[float]]:
     return out
 
 
+def straggling_hosts(hosts: List[str], streak: List[int], windows: int) -> List[tuple]:
+    """``(host, its ranks)`` for each host whose ranks have all straggled ``windows`` windows in a row; none
+    on a job of one host (its ranks are compared only with each other)."""
+    if len(set(hosts)) < 2:
+        return []
+    by_host: Dict[str, List[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    return [(h, ranks) for h, ranks in sorted(by_host.items()) if all(streak[r] >= windows for r in ranks)]
+
+
 class StragglerWatch:
     """One rank's compute clock and the window verdicts (see the module docstring). Build it on every rank
     (collective: a gloo group); ``timing`` wraps each iteration's schedule, ``tick`` ends each iteration."""
@@ -155,11 +166,8 @@ class StragglerWatch:
         self._name_hosts(iteration, hosts)
 
     def _name_hosts(self, iteration: int, hosts: List[str]) -> None:
-        if len(set(hosts)) < 2:
-            return
-        for host in sorted(set(hosts) - self._named_hosts):
-            ranks = [r for r, h in enumerate(hosts) if h == host]
-            if all(self.streak[r] >= self.windows for r in ranks):
+        for host, ranks in straggling_hosts(hosts, self.streak, self.windows):
+            if host not in self._named_hosts:
                 self._named_hosts.add(host)
                 self._name({"event": "straggler", "iteration": iteration, "host": host, "ranks": ranks,
                             "windows": self.windows, "interval": self.interval, "time": time.time()})
