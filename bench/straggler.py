@@ -3,7 +3,7 @@
 Two measures, printed with the load average (a shared machine's wall times are only as quiet as it is):
 
 1. A/B jobs: ``+experiment=gpt_pp2_dp2`` (4 CPU ranks, PP=2 x DP=2; other overrides after ``--``) with the
-   detector on (the default, every 10 iterations) and off (``training.straggler.interval=null``),
+   detector on (the default, every 8 iterations) and off (``training.straggler.interval=null``),
    alternated ``--pairs`` times; per job the summary's median step wall time and the logging rank's median
    CPU time per step; the overhead is the difference of the medians over the pairs.
 2. The detector's own work, timed directly on this machine: one timed call (the wrapper around a forward
@@ -124,7 +124,7 @@ def main() -> int:
           f"{(cpu_on / cpu_off - 1) * 100:+.2f}%")
     call, verdict = wrapper_cost(), verdict_cost()
     calls = 2 * 2 * 1  # forward + backward, 2 micro-batches (GBS 16 / (MBS 4 x DP 2)), one chunk per rank
-    per_iter = calls * call + verdict / 10  # a verdict every training.straggler.interval = 10 iterations
+    per_iter = calls * call + verdict / 8  # a verdict every training.straggler.interval = 8 iterations
     print(f"direct: one timed call {call * 1e6:.2f} us, one verdict {verdict * 1e3:.3f} ms (4 gloo ranks); "
           f"per iteration {per_iter * 1e6:.1f} us = {per_iter / wall_off * 100:.3f}% of the {wall_off * 1e3:.1f} ms "
           f"step (goal <= 1%)")

@@ -33,10 +33,11 @@ class LinkCheckConfig:
 class StragglerConfig:
     """During training: each rank's compute time per iteration, compared among ranks every ``interval`` iterations."""
 
-    interval: Optional[int] = 10
+    interval: Optional[int] = 8
     """Iterations per window (one score per rank per window); null: off."""
     threshold: float = 0.2
     """A rank whose compute per planned FLOP exceeds the median of the other ranks' by more than this
     fraction (0.2 = 20% slower) straggles in that window (0 < x < 10)."""
-    windows: int = 2
-    """Windows in a row a rank must straggle before it is named."""
+    windows: int = 3
+    """Windows in a row a rank must straggle before it is named. With ``interval`` 8: a rank throttled from
+    any iteration on is named within 29 iterations (a window counts once 6 of its 8 iterations are slow)."""

@@ -15,8 +15,8 @@ slowest one).
   quota), so a throttled rank is invisible to CPU time. The CPU seconds of the same calls are kept beside
   it (``cpu_ms``): a wall far above them says the rank waited for a core.
 
-Every ``interval`` iterations each rank's score — the median over the window's iterations of its compute
-seconds, divided by its pipeline stage's planned hardware FLOPs (:func:`orchestrator.plan.cost.flops_per_step`,
+Every ``interval`` iterations each rank's score — the lower quartile over the window's iterations of its
+compute seconds (:func:`lower_quartile`), divided by its pipeline stage's planned hardware FLOPs (:func:`orchestrator.plan.cost.flops_per_step`,
 so ranks of different stages compare; data-parallel peers of a stage have the same FLOPs) — is gathered on
 a gloo group of its own (not the default group: nvidia-resiliency-ext's detector deadlocked there under
 sub-meshes, its #277). Every rank then judges the same numbers: a rank whose score exceeds the median of the
@@ -49,6 +49,12 @@ def stage_flops(rank) -> List[float]:
         return [float(x) for x in flops_per_step(p.shape, p.layout, p.recipe, p.padded_vocab_size)[2]]
     except (OrchestratorError, ValueError, ZeroDivisionError):
         return [1.0] * pp
+
+
+def lower_quartile(values: List[float]) -> float:
+    """The window's typical iteration, robust to a few iterations slowed by something else on the host (a
+    save, a burst of another process): the lower quartile (3rd of 10). A straggler is slow in every iteration."""
+    return sorted(values)[len(values) // 4]
 
 
 def judge(scores: List[float], threshold: float) -> List[Optional[float]]:
@@ -148,8 +154,8 @@ class StragglerWatch:
 
     # -- the verdict
     def _verdict(self, iteration: int) -> None:
-        compute = statistics.median(self._seconds())
-        cpu = statistics.median(c for _, c in self._window)
+        compute = lower_quartile(self._seconds())
+        cpu = lower_quartile([c for _, c in self._window])
         mine = torch.tensor([compute / self.flops, compute, cpu, self.pp_rank, self.dp_rank], dtype=torch.float64)
         gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(self.world)]
         torch.distributed.all_gather(gathered, mine, group=self.group)
