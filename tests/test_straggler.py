@@ -84,6 +84,7 @@ class Throttle:
         self.path.rmdir()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_cgroup_v1_cpu()), reason=_cgroup_v1_cpu() or "n/a")
 def test_throttled_rank_named_within_30_iterations_after_200_unthrottled_that_name_nobody(tmp_path, cache_dir):
     run_dir = tmp_path / "straggle"
