@@ -50,6 +50,7 @@ TOOLS = {
     "sweep": ("orchestrator.sweep.driver", "summarize <sweep dir>: rebuild a sweep's results table"),
     "convert": ("orchestrator.convert.cli", "Megatron-LM arguments <-> orchestrator experiments"),
     "tune": ("orchestrator.sweep.tune", "planner-guided search for the fastest layout that fits"),
+    "check": ("orchestrator.submit.check_links", "links OVERRIDES: measure a multi-node job's cross-node links, nothing trained"),
     "megatron-config": ("orchestrator.convert.megatron_config_cli",
                         "the megatron config a job builds (JSON), without a GPU or queueing anything"),
 }

@@ -74,5 +74,10 @@ class DiskFullError(OrchestratorError):
     exit_code = 1
 
 
+class SlowLinkError(OrchestratorError):
+    """``cluster.link_check.action=refuse`` and a cross-node link measured slow: the job stops before
+    training, not requeued; the launcher exits 2 with the job's line (a user's fix: the interface, a host)."""
+
+
 class BackendError(OrchestratorError):
     """The installed megatron-core / torch cannot run the requested device path."""

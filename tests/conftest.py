@@ -40,14 +40,14 @@ def slurm_unavailable_reason() -> str:
 
 
 SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_signals_to_a_slurm_",
-               "test_killed_rank_",
+               "test_killed_rank_", "test_slow_link_",
                "test_slurm_run_across_nodes", "test_time_limit_", "test_slurm_sweep_", "test_two_detached_",
                "test_node_loss_")
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
 first (the suite's first minutes, when every worker starts at once, are the most loaded)."""
 
 LONGEST_FIRST = ("test_train", "test_slurm_train", "test_hosts", "test_pipeline_schedule", "test_guard", "test_cli",
-                 "test_sweep", "test_retention", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",
+                 "test_sweep", "test_retention", "test_straggler", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",
                  "test_slurm", "test_data", "test_cp", "test_eval_tb", "test_tune", "test_validate", "test_convert")
 """Modules by their wall time in the suite (measured with --durations), longest first: xdist takes the
 groups in this order (``--no-loadscope-reorder``), so no long module starts last."""

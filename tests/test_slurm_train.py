@@ -41,6 +41,7 @@ the kill alone, 65-120 s at load 13-25.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -382,6 +383,15 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     assert "SOCKET_IFNAME" not in script  # gloo binds to the address of the node's hostname
     hosts = assert_stages_on_two_nodes(run_dir, job_id, n)
     print(f"hosts by rank: {hosts}")
+    # Issue 29: before each attempt's training, the link check measured both directions of the one
+    # cross-node pipeline link (ranks 0 <-> 2) and, unshaped, named nothing; the manifest has it too.
+    checks = events(run_dir, "link_check")
+    assert len(checks) == 2 and all(c["slow"] == [] and c["seconds"] < 2 for c in checks), checks
+    assert {(x["src"], x["dst"], x["kind"]) for x in checks[0]["links"]} == {
+        (hosts[0], hosts[2], "p2p"), (hosts[2], hosts[0], "p2p")}, checks[0]
+    assert "slow link:" not in out and "; no slow link" in out, out
+    final_links = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["link_check"]
+    assert final_links["links"] == checks[1]["links"], final_links
     assert sbatch.srun_line(script).startswith("srun ")
     assert f"submitted job {job_id} (slurm): starting 4 ranks" in out, out
     assert json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["iteration"] == n
@@ -516,6 +526,7 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
                 p.kill()
     out = cli.stdout
     assert ranks == [2, 3], (ranks, node)
+    assert "slow link:" not in out and len(events(run_dir, "link_check")) == 2  # issue 29: unshaped, both attempts
     assert not leftovers, leftovers
 
     # The message: the node and the ranks that died (srun's line), and the requeue.
@@ -845,3 +856,54 @@ def test_checkpoint_writer_survives_the_stop_signals(tmp_path):
     out = (tmp_path / "out.txt").read_text()
     assert "plain queue broken:" in out, out  # the failure mode, reproduced
     assert "shielded queue: saved" in out and out.count("rank handler ran") == 2, out
+
+
+# ---- issue 29: a slow link, named before training --------------------------------------------------
+
+def _veth(node: str) -> str:
+    """The host end of a dev-cluster node's veth pair (launch/slurm-dev-lib.sh: node<i> -> veth-node<i>)."""
+    return f"veth-node{int(node[len('node'):])}"
+
+
+@needs_two_nodes
+def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path, cache_dir):
+    """One node's link shaped with tc (tbf, 100 Mbit/s into it; the fault lock held, the qdisc always
+    removed): ``check links`` names that link with both numbers and exits 1; a training job with
+    ``cluster.link_check.action=refuse`` stops before iteration 1 with one ``error:`` line, exit 2.
+    The unshaped case (no warning) is asserted on the run across nodes above."""
+    first, second = _NODES[:2]
+    pin = [f"cluster.exclude={','.join(_NODES[2:])}"] if len(_NODES) > 2 else []
+    common = SMALL + ["cluster=slurm_dev", *ACROSS_NODES, *pin, f"run.root={tmp_path}", "training.train_iters=2"]
+    veth = _veth(second)
+    with open("/tmp/dev-fault.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "100mbit", "burst", "32kbit",
+                        "latency", "400ms"], check=True, timeout=30)
+        try:
+            check = Cli(["check", "links", *common, "run.name=check"], cache_dir, tmp_path / "logs_check")
+            try:
+                assert check.wait(240) == 1, check.describe()
+            finally:
+                check.kill()
+            refused = Cli([*common, "run.name=refused", "cluster.link_check.action=refuse"], cache_dir,
+                          tmp_path / "logs_refused")
+            try:
+                assert refused.wait(240) == 2, refused.describe()
+            finally:
+                refused.kill()
+        finally:
+            subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], timeout=30)
+    # check links: every link measured, the slow one (into the shaped node) named with both numbers
+    slow = [ln for ln in check.stdout.splitlines() if "slow link:" in ln]
+    assert len(slow) == 1 and f"slow link: {first} -> {second} (ranks 0 -> 2, pipeline neighbours) over dev0" in slow[0]
+    measured, reference = (float(x) for x in re.search(r": ([\d.]+) Gbit/s vs ([\d.]+) Gbit/s", slow[0]).groups())
+    assert measured < 0.2 < 2 < reference, slow[0]  # 100 Mbit/s shaped; the other direction free
+    assert f"cluster.exclude={first} or {second}" in slow[0] and "GLOO_SOCKET_IFNAME" in slow[0]
+    assert f"p2p       {second} -> {first}" in check.stdout and "1 slow" in check.stdout, check.stdout
+    # refuse: the same line, before iteration 1, as the launcher's one error line; not requeued
+    err = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: cluster.link_check.action=refuse: slow link: "
+                                               f"{first} -> {second}"), refused.describe()
+    assert "iteration 1/" not in refused.stdout and "params on rank 0" not in refused.stdout, refused.stdout
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "refused")
+    assert "requeued" not in refused.stdout, refused.stdout

@@ -188,7 +188,7 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
                    rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
                    hosts: Optional[List[str]] = None,
                    history: Optional[list] = None, save: Optional[dict] = None,
-                   megatron: Optional[dict] = None) -> dict:
+                   megatron: Optional[dict] = None, link_check: Optional[dict] = None) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
@@ -199,7 +199,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
     ``history``: the run's attempts (default: read from ``<run.dir>/jobs.jsonl``,
     :func:`orchestrator.ckpt.history.history_for_manifest`); ``save``: how the save went (``async``,
     ``started``, ``completed``, the slowest rank's ``write_s`` and ``blocking_s``; bytes are ``files.bytes``);
-    ``megatron``: the megatron config the job built (``megatron_config.json``), recorded whole with its sha256.
+    ``megatron``: the megatron config the job built (``megatron_config.json``), recorded whole with its sha256;
+    ``link_check``: a multi-node job's measured cross-node links (runtime.faults.links), recorded when given.
     """
     if history is None:
         from orchestrator.ckpt.history import history_for_manifest
@@ -247,6 +248,8 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "megatron_config_sha256": config_hash(megatron) if megatron is not None else None,
         "files": file_digest(checkpoint_dir, digest or getattr(cfg.checkpoint, "digest", "size")),
     }
+    if link_check is not None:
+        manifest["link_check"] = link_check
     manifest = json.loads(json.dumps(manifest, default=str))  # exactly what a reader will see
     manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
     return manifest

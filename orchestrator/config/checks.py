@@ -42,6 +42,7 @@ CHOICES = {
     "training.precision": ("fp32", "bf16", "fp16"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.nan_policy": ("stop", "skip"),
+    "cluster.link_check.action": ("warn", "refuse", "off"),
     "checkpoint.digest": ("size", "sha256"),
     "cluster.kind": ("local", "slurm", "hosts", "torchrun"),
     "logging.wandb.mode": (None, "online", "offline", "disabled"),
@@ -71,6 +72,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
     ("cluster.ssh.port", 1, True), ("cluster.ssh.connect_timeout_s", 1, False),
+    ("training.straggler.interval", 1, True), ("training.straggler.windows", 1, False),
 ]
 """Integer fields megatron-core / SLURM need in a range (``iteration % log_interval``, group sizes...)."""
 
@@ -87,9 +89,12 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("checkpoint.save_timeout_s", 0.0, False, math.inf, False), ("plan_headroom", 0.0, False, 1.0, True),
     ("cluster.poll_interval_s", 0.0, False, math.inf, False),
     ("training.hang_timeout_s", 0.0, False, math.inf, False), ("training.spike.factor", 1.0, False, math.inf, False),
+    ("training.straggler.threshold", 0.0, False, 10.0, False), ("cluster.link_check.min_fraction", 0.0, False, 1.0, True),
+    ("cluster.link_check.min_gbps", 0.0, False, math.inf, False),
+    ("cluster.link_check.megabytes", 0.0, False, 64.0, True),
 ]
 """Real-valued fields and their ranges (finite values only)."""
-NULLABLE_NUMBERS = {"training.hang_timeout_s", "training.spike.factor"}
+NULLABLE_NUMBERS = {"training.hang_timeout_s", "training.spike.factor", "cluster.link_check.min_gbps"}
 
 SEED_MAX = 2 ** 32 - 1
 """numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32 - 1]."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from orchestrator.config.hosts import SshConfig
+from orchestrator.config.slowness import LinkCheckConfig
 
 
 @dataclass
@@ -55,7 +56,11 @@ class ClusterConfig:
     wait: bool = True
     """Block until the job ends, streaming progress."""
     poll_interval_s: float = 2.0
+    link_check: LinkCheckConfig = field(default_factory=LinkCheckConfig)
+    """Cross-node link bandwidth before training (orchestrator/runtime/faults/links.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ssh, dict):  # from_dict / a pickled job: plain dicts travel
             self.ssh = SshConfig(**self.ssh)
+        if isinstance(self.link_check, dict):
+            self.link_check = LinkCheckConfig(**self.link_check)

@@ -21,6 +21,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.keys import check_keys, omegaconf_error
 from orchestrator.config.spike import SpikeConfig
+from orchestrator.config.slowness import StragglerConfig
 
 
 @dataclass
@@ -194,6 +195,8 @@ class TrainingConfig:
     max_skipped_steps: int = 3
     """nan_policy=skip: how many consecutive non-finite steps are skipped before the job stops."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Slow-rank detection (orchestrator/runtime/faults/straggler.py)."""
     eval_interval: Optional[int] = 100
     """Evaluate the validation lm loss every N iterations (and after the last); null = only after the last."""
     eval_iters: int = 10
@@ -206,6 +209,8 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:  # from_dict / a pickled job: plain dicts travel
         self.spike = SpikeConfig(**self.spike) if isinstance(self.spike, dict) else self.spike
+        if isinstance(self.straggler, dict):
+            self.straggler = StragglerConfig(**self.straggler)
 
 
 @dataclass

@@ -59,6 +59,22 @@ def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Opt
     return iteration, loss, summary
 
 
+def slowness(run_dir: PathLike) -> List[str]:
+    """Lines naming the slow links (``link_check``) and stragglers (``straggler``) of the latest job, oldest first."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    lines: List[str] = []
+    for rec in _records_from_end(path, only='"event": "'):  # events only: iteration records are not parsed
+        if rec.get("event") == "start":
+            break
+        if rec.get("event") == "straggler" and rec.get("line"):
+            lines.append(str(rec["line"]))
+        elif rec.get("event") == "link_check":
+            lines.extend(str(line) for line in reversed(rec.get("slow") or []))
+    return lines[::-1]
+
+
 def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]]:
     """The newest ``start`` record of a metrics file, searched backwards block by block (the fallback for
     a run whose ``jobs.jsonl`` does not carry ``train_iters``: runs written before it did)."""
@@ -132,6 +148,8 @@ class RunStatus:
     """Mean tokens/s of the last few training records."""
     eta_s: Optional[float] = None
     """A running job's remaining time: iterations left x the mean recent step time."""
+    slowness: List[str] = field(default_factory=list)
+    """The latest job's slow links and named stragglers (``link_check`` / ``straggler`` records), one line each."""
 
     @property
     def state(self) -> str:
@@ -144,7 +162,7 @@ def run_status(run_dir: PathLike) -> RunStatus:
     submissions = [r for r in records if r.get("event") == "submitted"]
     iteration, loss, summary = last_metrics(run_dir)
     rs = RunStatus(run_dir=str(run_dir), job=None, iteration=iteration, lm_loss=loss, jobs=len(submissions),
-                   attempts=[a.as_dict() for a in attempts(records)])
+                   attempts=[a.as_dict() for a in attempts(records)], slowness=slowness(run_dir))
     if not submissions:
         if summary is not None:  # a run without records (older runs, direct runtime use)
             state = {"completed": "completed", "stopped": "stopped", "exited": "stopped"}.get(summary.get("status"), "unknown")
@@ -251,6 +269,9 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in statuses:
+        if s.slowness:
+            lines.append("")
+            lines.extend(f"{s.run_dir}: {line}" for line in s.slowness)
         if s.job is not None and s.job.state in ("failed", "stopped") and s.job.message:
             lines.append("")
             cause = "" if s.job.message.startswith(f"{s.job.cause}:") else f"{s.job.cause}: "

@@ -221,12 +221,13 @@ class _Wait:
             return
         job = self.job
         errors = [self.results[i][1] for i in sorted(failed)]
-        refused = next((outcome.orchestrator_error(e) for e in errors if "RunLockedError: " in str(e)), None)
-        if refused:  # another run took the directory between the launcher's probe and the job: a user error
-            from orchestrator.errors import RunLockedError
+        from orchestrator.errors import RunLockedError, SlowLinkError
 
-            cancel(self.job, self.cfg)
-            raise RunLockedError(refused)
+        for kind in (RunLockedError, SlowLinkError):  # another run took the directory; a slow link refused
+            refused = next((outcome.orchestrator_error(e) for e in errors if f"{kind.__name__}: " in str(e)), None)
+            if refused:  # user errors (exit 2), found in the job
+                cancel(self.job, self.cfg)
+                raise kind(refused)
         known = outcome.known_failure(self.run_dir, self.job_id, errors)
         if known:
             raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",

@@ -44,6 +44,8 @@ class Rank:
     built: Built
     is_logger: bool
     """Last pipeline stage, first TP/CP/DP rank: holds the global lm loss and writes the metrics."""
+    link_check: Optional[dict] = None
+    """The ``link_check`` record of a multi-node job (runtime.faults.links), for metrics and manifests."""
 
     @property
     def rank0(self) -> bool:

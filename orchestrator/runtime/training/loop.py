@@ -35,7 +35,7 @@ from orchestrator.runtime.rank.model import unwrap
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
 from orchestrator.runtime.training import trace
-from orchestrator.runtime.faults import spike
+from orchestrator.runtime.faults import spike, straggler
 
 
 def _forward_step(data_iterator, model):
@@ -162,6 +162,8 @@ class Outcome:
     trial's start-up is its wall time minus this."""
     schedule_trace: Optional[Dict[str, object]] = None
     """``training.trace_iteration``'s measured bubble per stage next to the formula (runtime.training.trace)."""
+    stragglers: List[Dict[str, object]] = field(default_factory=list)
+    """The ranks and hosts ``training.straggler`` named (runtime.faults.straggler), in order."""
 
 
 class _Log:
@@ -241,12 +243,13 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     status, loop_start = "completed", time.perf_counter()
     tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
     spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
+    watch = straggler.watch_for(rank, trackers, start.iteration)  # None when training.straggler.interval is null
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
         for chunk in b.model:
             chunk.zero_grad_buffer()
         b.optimizer.zero_grad()
-        with trace.around(tracer, it + 1, _forward_step) as forward_step:
+        with straggler.timing(watch, _forward_step) as timed, trace.around(tracer, it + 1, timed) as forward_step:
             losses = forward_backward(
                 forward_step_func=forward_step, data_iterator=data.train, model=b.model,
                 num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
@@ -271,6 +274,8 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it)
+        if watch is not None:
+            watch.tick(it)  # every training.straggler.interval iterations: the window's verdict (collective)
         if loss is not None:
             last_loss = loss
             if last or it % t.log_interval == 0:
@@ -293,4 +298,4 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             break
     poll.close()
     return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start,
-                   tracer.result if tracer is not None else None)
+                   tracer.result if tracer is not None else None, watch.named if watch is not None else [])

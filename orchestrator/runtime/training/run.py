@@ -2,6 +2,7 @@
 
     stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
     rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
+    links   = check_links(rank)                runtime.faults.links: cross-node bandwidth (multi-node jobs)
     guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
     start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
     data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
@@ -15,6 +16,7 @@ import time
 from typing import Dict
 
 from orchestrator.config.schema import JobConfig
+from orchestrator.config.slowness import LINKS_ONLY
 
 
 def _stop_request(cfg: JobConfig):
@@ -55,16 +57,22 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     # and not checkpointable") instead of requeueing it. Ours only sets a flag: the first
     # iteration boundary then saves and requeues.
     stop = _stop_request(cfg)
+    if cfg.cluster.link_check.action == LINKS_ONLY:  # python -m orchestrator check links
+        from orchestrator.runtime.faults.links import links_only
+
+        return links_only(cfg)
     from orchestrator.runtime.training import loop
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.faults.guard import Guard
+    from orchestrator.runtime.faults.links import check_links
     from orchestrator.runtime.training.metrics import Trackers
     from orchestrator.runtime.rank.model import count_parameters
     from orchestrator.runtime.training.resume import Saver, restore
     from orchestrator.runtime.training.summary import summarize
 
     rank = build_rank(cfg)
+    rank.link_check = check_links(rank)  # multi-node: slow links named (or refused) before anything is loaded
     guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank], world_size=rank.info.world_size)
     try:
         with guard.phase("load"):  # the hang watchdog names a rank that stops here too
@@ -83,6 +91,8 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
              f"{start.iteration + 1}..{cfg.training.train_iters}")
     trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,
                     "resumed_from": start.resumed_from, "load_s": start.load_s, "time": time.time()})
+    if rank.link_check is not None:
+        trackers.event(rank.link_check)
     try:
         outcome = loop.train(rank, data, start, saver, trackers, stop, guard)
         resumed_finished = start.resumed_from is not None and outcome.iteration == start.iteration

@@ -191,6 +191,7 @@ class Saver:
             save={"async": save.is_async, "started": save.started, "completed": time.time(),
                   "write_s": round(write_s, 4), "blocking_s": round(save.blocking_s, 4)},
             megatron=r.built.megatron.as_json() if r.built.megatron is not None else None,
+            link_check=r.link_check,
         )
         mf.write_manifest(str(save.path), manifest)
 

@@ -104,5 +104,6 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
         "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,
         "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
         "schedule_trace": outcome.schedule_trace,
+        "stragglers": outcome.stragglers,  # training.straggler's named ranks and hosts (runtime.faults.straggler)
         "time": time.time(),
     }
