@@ -70,6 +70,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
+    ("cluster.max_restarts", 0, False), ("cluster.spare_nodes", 0, False),
     ("cluster.ssh.port", 1, True), ("cluster.ssh.connect_timeout_s", 1, False),
 ]
 """Integer fields megatron-core / SLURM need in a range (``iteration % log_interval``, group sizes...)."""
@@ -225,7 +226,22 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"cluster.signal_delay_s={c.signal_delay_s}: the save-and-requeue signal would come before "
                           f"the job starts (cluster.timeout_min={c.timeout_min} = {c.timeout_min * 60} s); "
                           f"fix: cluster.signal_delay_s < {c.timeout_min * 60}")
+    _check_spares(c)
     _check_split(cfg)
+
+
+def _check_spares(c: Any) -> None:
+    """``cluster.spare_nodes`` needs a SLURM job (SLURM allocates them) that restarts in place."""
+    if c.spare_nodes and c.kind != "slurm":
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes}: spare nodes are extra nodes of a SLURM allocation, "
+                          f"and cluster.kind={c.kind} has none; fix: cluster.spare_nodes=0 (or cluster=slurm)")
+    if c.spare_nodes and not c.max_restarts:
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes}: a spare node only takes a failed node's place "
+                          f"when the job restarts in place, and cluster.max_restarts={c.max_restarts}; fix: "
+                          "cluster.max_restarts=1 (or more), or cluster.spare_nodes=0")
+    if c.max_restarts and c.kind in ("hosts", "torchrun"):
+        raise ConfigError(f"cluster.max_restarts={c.max_restarts}: in-place restarts are for cluster.kind=local "
+                          f"and slurm, not cluster.kind={c.kind}; fix: cluster.max_restarts=0")
 
 
 def _check_split(cfg: JobConfig) -> None:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.ckpt import history
+from orchestrator.runtime.faults import inplace
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
@@ -99,11 +100,17 @@ class Guard:
         if t.hang_timeout_s:
             self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
                                      float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
+        self._born = time.time()
+        self._restart: Dict[str, Any] = {}  # rank 0 of ranks restarted in place: restart number, failure time
         if self.rank == 0:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
+            if inplace.agent_restarts():
+                _quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id,
+                                                                                   self.attempt)))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
-                world_size=self.world_size, train_iters=t.train_iters))  # status reads the total here
+                world_size=self.world_size, train_iters=t.train_iters, **self._restart))  # status reads the total
+        self._start_iteration = start_iteration
         _ACTIVE = self
 
     # ---- per iteration ---------------------------------------------------------------------------
@@ -112,6 +119,10 @@ class Guard:
         self.iteration = iteration
         if self.watchdog is not None:
             self.watchdog.progress(iteration)
+        if self._restart:  # the first iteration after an in-place restart: one record, once
+            started, self._restart = self._restart, {}
+            _quietly(lambda: inplace.record_resumed(self.run_dir, self.job_id, self.attempt, started,
+                                                    self._start_iteration, iteration))
 
     def step(self, optimizer) -> Tuple[bool, Optional[float], Optional[int]]:
         """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
@@ -289,10 +300,12 @@ class Guard:
                                                       iteration=self.iteration, message=message, **fields))
         return True
 
-    def _requeue_failure(self, message: str) -> Tuple[bool, str]:
-        from orchestrator.runtime.faults.requeue import requeue_for_failure
-
-        return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
+    def _requeue_failure(self, message: str, cause: str = "hang") -> Tuple[bool, str]:
+        """After this attempt's failure: restart in place while ``cluster.max_restarts`` allows, else the
+        requeue policy (:func:`orchestrator.runtime.faults.inplace.decide`)."""
+        c = self.cfg.cluster
+        return inplace.decide(self.run_dir, self.job_id, self.attempt, int(c.max_restarts), int(c.max_failures),
+                              message, cause=cause, reporter=self.rank, host=self.host, iteration=self.iteration)
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
@@ -310,22 +323,26 @@ class Guard:
             history_ok = _quietly(lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))
-            requeued, detail = self._requeue_failure(message) if history_ok else (False, "")
+            requeued, detail = self._requeue_failure(message, cause) if history_ok else (False, "")
             _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
                                                   attempt=self.attempt, requeued=requeued, detail=detail))
-            if requeued:
+            if requeued or inplace.restart_decided() is not None:
                 _say(f"{message}; {detail}")
+            if requeued:
                 _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
                 leave_requeued(message)
             return
-        if not on_slurm():
-            return  # never requeued: nothing to wait for
+        if not on_slurm() and not inplace.agent_restarts():
+            return  # never requeued nor restarted: nothing to wait for
         deadline = time.monotonic() + _DECISION_WAIT_S
         while time.monotonic() < deadline:
             decision = next((r for r in reversed(history.read_records(self.run_dir))
                              if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == self.job_id
-                             and r.get("attempt") == self.attempt and r.get("decided") is not False), None)
+                             and r.get("attempt") == self.attempt and r.get("decided") is not False
+                             and float(r.get("time") or 0) >= self._born), None)  # not an earlier start's
             if decision is not None:
+                if inplace.agent_restarts():  # end as the claimer decided: restart, or not (the agent reads the exit)
+                    inplace.follow(self.run_dir, self.job_id, self.attempt, self._born)
                 if decision.get("requeued"):
                     _print_traceback(exc)
                     leave_requeued(message)

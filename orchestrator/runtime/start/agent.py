@@ -115,14 +115,27 @@ def run_rank(job_file: str) -> int:
     except SystemExit as exc:  # a stop or requeue decided by the job: its records say why
         outcome = ("error", f"SystemExit({exc.code})")
         code = exc.code if isinstance(exc.code, int) else 1
-    except Exception:
+        final = True
+    except Exception as exc:
         traceback.print_exc()
         outcome, code = ("error", traceback.format_exc()), 1
+        final = not restartable(exc)
     else:
-        code = 0
+        code, final = 0, True
     write_atomic(result_path(job_file, rank), pickle.dumps(outcome), fsync=False)
     sys.stdout.flush()
+    if final and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return 0  # an end the job decided: the agent must not restart it (runtime.start.inplace reads the outcome)
     return code
+
+
+def restartable(exc: BaseException) -> bool:
+    """Whether a rank's exception is a failure an in-place restart may cure: not a NaN stop (it would recur),
+    not an orchestrator error (the user's to fix), not a failure after which the job decided not to restart."""
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.runtime.faults import inplace
+
+    return not isinstance(exc, OrchestratorError) and inplace.restart_decided() is not False
 
 
 def _parser() -> argparse.ArgumentParser:
