@@ -91,8 +91,8 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "orchestrator.runtime.start.agent", "rank", args.job_file)
     except ChildFailedError as exc:
-        failures = ", ".join(f"rank {f.global_rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'}"
-                             f" {f.exitcode})" for f in exc.failures.values())
+        failures = ", ".join(f"rank {rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'}"
+                             f" {f.exitcode})" for rank, f in exc.failures.items())
         print(f"[orchestrator] agent on {os.uname().nodename}: {failures}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:

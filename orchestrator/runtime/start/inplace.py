@@ -73,6 +73,9 @@ class NodeAgent:
         job_dir.mkdir(parents=True, exist_ok=True)
         endpoint = self._endpoint(env, job_id, attempt)
         os.environ["ORCHESTRATOR_JOB_ID"] = job_id  # every worker's job id (records, lock, heartbeats)
+        # a fresh store for each start of the ranks (rank 0 hosts it on a free port, as torchrun's static
+        # rendezvous does): the agent's shared store would hand restarted ranks the keys of the failed start
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         job_file = job_dir / f"job_node{env.node}.pkl"
         write_job(job_file, self.job)
         # SLURM signals every process of the step: the workers save and stop (or requeue) themselves; the agent
