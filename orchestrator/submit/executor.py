@@ -153,7 +153,7 @@ def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
             job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
-    _record(cfg, job, layout.world_size)
+    _record(cfg, job, agent_tasks(cfg))  # status counts the tasks' result files: one a node
     return job
 
 

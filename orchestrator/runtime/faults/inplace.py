@@ -99,8 +99,7 @@ def record_restart_start(run_dir: str, job_id: str, attempt: int) -> Dict[str, A
         hang_path(run_dir, job_id, attempt).unlink()
     except OSError:
         pass
-    return {"restart": number, "failed_at": asked.get("time"), "cause": asked.get("cause"),
-            "failed": asked.get("failed"), "hosts": asked.get("hosts")}
+    return {"restart": number, "failed_at": asked.get("time"), "failure": asked.get("cause")}
 
 
 def record_resumed(run_dir: str, job_id: str, attempt: int, started: Dict[str, Any], resumed_from: Optional[int],
