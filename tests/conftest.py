@@ -112,6 +112,22 @@ def losses_by_iteration(run_dir: Path) -> Dict[int, float]:
     return out
 
 
+def agent_worker(run_dir: Path, rank: int):
+    """The process of rank ``rank`` of a job of torch elastic agents (``cluster.max_restarts`` > 0:
+    ``... agent rank <run_dir>/agents/.../job*.pkl``), not its children (the checkpoint writer's); None before it runs."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if len(cmd) >= 2 and cmd[-2] == "rank" and str(run_dir) in cmd[-1] and p.environ().get("RANK") == str(rank) \
+                    and p.parent().cmdline()[-2:-1] != ["rank"]:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
 def submit_like_launcher(cfg, fn, *args, world_size: int):
     """Submit ``fn`` (in place of the training job) as orchestrator.submit.executor.submit does with
     one task per rank (SLURM and GPU jobs; a local CPU job's task forks its ranks, which only

@@ -156,6 +156,8 @@ class Attempt:
     """This start failed and the job restarted its ranks in place (same job id and attempt)."""
     recovery_s: Optional[float] = None
     """A restarted start: seconds from the failure to its first iteration."""
+    failed: Optional[List[int]] = None
+    """A start restarted in place: the ranks that did not outlive its failure (when the others reported)."""
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -200,6 +202,7 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
         elif event == "restart_decision":  # runtime.faults.inplace: restarted in place, or not
             if a is not None:
                 a.restarted = a.restarted or bool(rec.get("restart"))
+                a.failed = rec.get("failed") or a.failed
         elif event == "restart_resumed":
             if a is not None and a.end is None:
                 a.recovery_s = rec.get("recovery_s")
@@ -262,7 +265,8 @@ def format_attempts(items: List[Attempt]) -> List[str]:
         if a.recovery_s is not None:
             frm += f", {a.recovery_s:.1f} s from the failure to its first iteration"
         tail = f"  {a.message}" if a.message and a.cause not in ("completed",) else ""
-        how = " (requeued)" if a.requeued else " (restarted in place)" if a.restarted else ""
+        failed = f"; rank(s) {','.join(map(str, a.failed))} failed" if a.failed else ""
+        how = " (requeued)" if a.requeued else f" (restarted in place{failed})" if a.restarted else ""
         restart = f" restart {a.restart}" if a.restart else ""
         lines.append(f"job {a.job_id} attempt {a.attempt}{restart}  {span}  {cause}{how}  iteration {it}{frm}{tail}")
     return lines

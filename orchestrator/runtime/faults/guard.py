@@ -305,7 +305,8 @@ class Guard:
         requeue policy (:func:`orchestrator.runtime.faults.inplace.decide`)."""
         c = self.cfg.cluster
         return inplace.decide(self.run_dir, self.job_id, self.attempt, int(c.max_restarts), int(c.max_failures),
-                              message, cause=cause, reporter=self.rank, host=self.host, iteration=self.iteration)
+                              message, cause=cause, reporter=self.rank, host=self.host, iteration=self.iteration,
+                              since=self._born, world_size=self.world_size)
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
@@ -316,10 +317,11 @@ class Guard:
 
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
-        slurm = on_slurm() and self.watchdog is not None  # ranks across hosts: the heartbeat files name them
+        slurm = (on_slurm() or bool(inplace.agent_restarts())) and self.watchdog is not None  # the heartbeats name hosts
         slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm)
+            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm,
+                                         since=self._born)
             history_ok = _quietly(lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))

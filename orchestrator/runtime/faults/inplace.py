@@ -44,17 +44,25 @@ def decisions(records: List[Dict[str, Any]], job_id: str, attempt: int) -> List[
 
 
 def decide(run_dir: str, job_id: str, attempt: int, max_restarts: int, max_failures: int, message: str,
-           **fields: Any) -> Tuple[bool, str]:
+           since: float = 0.0, world_size: int = 0, **fields: Any) -> Tuple[bool, str]:
     """After this attempt's failure (its end recorded): restart in place, or requeue per ``cluster.max_failures``.
-    Returns (requeued?, one line saying which and why). ``fields`` (cause, failed ranks, hosts) go in the record."""
+    Returns (requeued?, one line saying which and why). ``fields`` (cause, reporter, iteration) go in the record,
+    with ``failed``: the ranks of ``world_size`` that did not report alive since ``since`` (their start) when some
+    did (:mod:`~orchestrator.runtime.faults.lost`; without heartbeats, none is named)."""
     global _DECIDED
+    from orchestrator.runtime.faults.lost import alive_since
     from orchestrator.runtime.faults.requeue import requeue_for_failure
 
     if not agent_restarts():  # no agent to restart the ranks: today's behaviour exactly
         return requeue_for_failure(run_dir, max_failures)
     used = sum(1 for r in decisions(history.read_records(run_dir), job_id, attempt) if r.get("restart"))
+    alive, deadline = alive_since(run_dir, job_id, attempt, since), time.monotonic() + 2.0
+    while world_size and 0 < len(alive) < world_size - 1 and time.monotonic() < deadline:  # the others' reports
+        time.sleep(0.2)
+        alive = alive_since(run_dir, job_id, attempt, since)
+    failed = sorted(set(range(world_size)) - alive) if alive else []
     record = dict(job_id=str(job_id), attempt=int(attempt), used=used, max_restarts=max_restarts, message=message,
-                  **fields)
+                  failed=failed, **fields)
     if used < max_restarts:
         _DECIDED = True
         detail = (f"restarting all ranks in place: restart {used + 1} of cluster.max_restarts={max_restarts}, "
@@ -99,7 +107,8 @@ def record_restart_start(run_dir: str, job_id: str, attempt: int) -> Dict[str, A
         hang_path(run_dir, job_id, attempt).unlink()
     except OSError:
         pass
-    return {"restart": number, "failed_at": asked.get("time"), "failure": asked.get("cause")}
+    return {"restart": number, "failed_at": asked.get("time"), "failure": asked.get("cause"),
+            "failed_ranks": asked.get("failed")}
 
 
 def record_resumed(run_dir: str, job_id: str, attempt: int, started: Dict[str, Any], resumed_from: Optional[int],
