@@ -162,7 +162,7 @@ def _pause(job, cfg: JobConfig) -> None:
 class _Wait:
     """The state of one :func:`wait`: results read so far, requeues seen, running time counted."""
 
-    def __init__(self, job, cfg: JobConfig, world_size: int, tasks: Optional[int] = None):
+    def __init__(self, job, cfg: JobConfig, world_size: int, tasks: Optional[int] = None):  # tasks: see wait()
         from orchestrator.runtime.faults.watchdog import JobWatch
 
         self.job, self.cfg, self.c, self.world_size = job, cfg, cfg.cluster, tasks or world_size
@@ -243,19 +243,6 @@ class _Wait:
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
                         "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
-
-    def report_restarts(self) -> None:
-        """Say each in-place restart decision of this job once (:mod:`orchestrator.runtime.faults.inplace`)."""
-        from orchestrator.ckpt.history import read_records
-
-        if not self.c.max_restarts:
-            return
-        decided = [r for r in read_records(self.run_dir)
-                   if r.get("event") == "restart_decision" and str(r.get("job_id")) == self.job_id]
-        for r in decided[self.restarts_seen:]:
-            print(f"[orchestrator] job {self.job_id}: {r.get('message')}\n[orchestrator] job {self.job_id}: "
-                  f"{r.get('detail')}", flush=True)
-        self.restarts_seen = len(decided)
 
     def check_stopped(self, ended: bool, signals) -> None:
         """The job ended after a stop asked of it (a signal to this launcher, ``orchestrator stop``):
@@ -380,7 +367,7 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
                 if progress is not None:
                     progress.poll()
                 w.read_results()
-                w.report_restarts()
+                w.restarts_seen = outcome.say_restarts(w.run_dir, w.job_id, w.restarts_seen) if w.c.max_restarts else 0
                 w.check_failed_rank()
                 if len(w.results) == w.world_size:
                     return [w.results[i][1] for i in range(w.world_size)]

@@ -100,17 +100,13 @@ class Guard:
         if t.hang_timeout_s:
             self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
                                      float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
-        self._born = time.time()
-        self._restart: Dict[str, Any] = {}  # rank 0 of ranks restarted in place: restart number, failure time
+        self._born, self._restart = time.time(), {}  # rank 0 of ranks restarted in place: restart number, failure
         if self.rank == 0:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
-            if inplace.agent_restarts():
-                _quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id,
-                                                                                   self.attempt)))
+            _quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt)))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
                 world_size=self.world_size, train_iters=t.train_iters, **self._restart))  # status reads the total
-        self._start_iteration = start_iteration
         _ACTIVE = self
 
     # ---- per iteration ---------------------------------------------------------------------------
@@ -121,8 +117,7 @@ class Guard:
             self.watchdog.progress(iteration)
         if self._restart:  # the first iteration after an in-place restart: one record, once
             started, self._restart = self._restart, {}
-            _quietly(lambda: inplace.record_resumed(self.run_dir, self.job_id, self.attempt, started,
-                                                    self._start_iteration, iteration))
+            _quietly(lambda: inplace.record_resumed(self.run_dir, (self.job_id, self.attempt), started, iteration))
 
     def step(self, optimizer) -> Tuple[bool, Optional[float], Optional[int]]:
         """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
@@ -300,13 +295,10 @@ class Guard:
                                                       iteration=self.iteration, message=message, **fields))
         return True
 
-    def _requeue_failure(self, message: str, cause: str = "hang") -> Tuple[bool, str]:
-        """After this attempt's failure: restart in place while ``cluster.max_restarts`` allows, else the
-        requeue policy (:func:`orchestrator.runtime.faults.inplace.decide`)."""
-        c = self.cfg.cluster
-        return inplace.decide(self.run_dir, self.job_id, self.attempt, int(c.max_restarts), int(c.max_failures),
-                              message, cause=cause, reporter=self.rank, host=self.host, iteration=self.iteration,
-                              since=self._born, world_size=self.world_size)
+    def _requeue_failure(self, message: str, cause: str = "hang", failed_at: Optional[float] = None) -> Tuple[bool, str]:
+        """After a failure: restart in place, or the requeue policy (:func:`~orchestrator.runtime.faults.inplace.decide`)."""
+        return inplace.decide(self.run_dir, self.job_id, self.attempt, self.cfg.cluster, message, since=self._born,
+                              world_size=self.world_size, failed_at=failed_at or time.time(), cause=cause, iteration=self.iteration)
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
@@ -315,7 +307,7 @@ class Guard:
         from orchestrator.runtime.faults.requeue import leave_requeued
         from orchestrator.slurm import on_slurm
 
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        failed_at, first = time.time(), (str(exc).strip().splitlines() or [""])[0][:300]  # (decided seconds later)
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
         slurm = (on_slurm() or bool(inplace.agent_restarts())) and self.watchdog is not None  # the heartbeats name hosts
         slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
@@ -325,7 +317,7 @@ class Guard:
             history_ok = _quietly(lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))
-            requeued, detail = self._requeue_failure(message, cause) if history_ok else (False, "")
+            requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
             _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
                                                   attempt=self.attempt, requeued=requeued, detail=detail))
             if requeued or inplace.restart_decided() is not None:
@@ -334,22 +326,12 @@ class Guard:
                 _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
                 leave_requeued(message)
             return
-        if not on_slurm() and not inplace.agent_restarts():
-            return  # never requeued nor restarted: nothing to wait for
-        deadline = time.monotonic() + _DECISION_WAIT_S
-        while time.monotonic() < deadline:
-            decision = next((r for r in reversed(history.read_records(self.run_dir))
-                             if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == self.job_id
-                             and r.get("attempt") == self.attempt and r.get("decided") is not False
-                             and float(r.get("time") or 0) >= self._born), None)  # not an earlier start's
-            if decision is not None:
-                if inplace.agent_restarts():  # end as the claimer decided: restart, or not (the agent reads the exit)
-                    inplace.follow(self.run_dir, self.job_id, self.attempt, self._born)
-                if decision.get("requeued"):
-                    _print_traceback(exc)
-                    leave_requeued(message)
-                return
-            time.sleep(0.5)
+        if not on_slurm() and not inplace.agent_restarts():  # never requeued nor restarted: nothing to wait for
+            return
+        decision = inplace.await_decision(self.run_dir, self.job_id, self.attempt, self._born, _DECISION_WAIT_S)
+        if decision is not None and decision.get("requeued"):
+            _print_traceback(exc)
+            leave_requeued(message)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

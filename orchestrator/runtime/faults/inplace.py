@@ -43,9 +43,10 @@ def decisions(records: List[Dict[str, Any]], job_id: str, attempt: int) -> List[
             and int(r.get("attempt") or 0) == int(attempt)]
 
 
-def decide(run_dir: str, job_id: str, attempt: int, max_restarts: int, max_failures: int, message: str,
-           since: float = 0.0, world_size: int = 0, **fields: Any) -> Tuple[bool, str]:
+def decide(run_dir: str, job_id: str, attempt: int, cluster: Any, message: str, since: float = 0.0,
+           world_size: int = 0, **fields: Any) -> Tuple[bool, str]:
     """After this attempt's failure (its end recorded): restart in place, or requeue per ``cluster.max_failures``.
+    ``cluster``: the job's ClusterConfig (``max_restarts``, ``max_failures``).
     Returns (requeued?, one line saying which and why). ``fields`` (cause, reporter, iteration) go in the record,
     with ``failed``: the ranks of ``world_size`` that did not report alive since ``since`` (their start) when some
     did (:mod:`~orchestrator.runtime.faults.lost`; without heartbeats, none is named)."""
@@ -53,13 +54,16 @@ def decide(run_dir: str, job_id: str, attempt: int, max_restarts: int, max_failu
     from orchestrator.runtime.faults.lost import alive_since
     from orchestrator.runtime.faults.requeue import requeue_for_failure
 
+    max_restarts, max_failures = int(cluster.max_restarts), int(cluster.max_failures)
     if not agent_restarts():  # no agent to restart the ranks: today's behaviour exactly
         return requeue_for_failure(run_dir, max_failures)
     used = sum(1 for r in decisions(history.read_records(run_dir), job_id, attempt) if r.get("restart"))
     alive, deadline = alive_since(run_dir, job_id, attempt, since), time.monotonic() + 2.0
-    while world_size and 0 < len(alive) < world_size - 1 and time.monotonic() < deadline:  # the others' reports
-        time.sleep(0.2)
-        alive = alive_since(run_dir, job_id, attempt, since)
+    while world_size and 0 < len(alive) < world_size - 1 and time.monotonic() < deadline:  # until no report comes
+        time.sleep(0.5)
+        alive, before = alive_since(run_dir, job_id, attempt, since), alive
+        if alive == before:
+            break
     failed = sorted(set(range(world_size)) - alive) if alive else []
     record = dict(job_id=str(job_id), attempt=int(attempt), used=used, max_restarts=max_restarts, message=message,
                   failed=failed, **fields)
@@ -88,6 +92,24 @@ def follow(run_dir: str, job_id: str, attempt: int, since: float) -> Optional[Di
     return mine[-1]
 
 
+def await_decision(run_dir: str, job_id: str, attempt: int, since: float, timeout_s: float) -> Optional[Dict[str, Any]]:
+    """A rank that did not claim the failure's end: the claimer's decision (``requeue_decision``, or an
+    ``attempt_ended`` that needs none) written after ``since`` (this start), waited for up to ``timeout_s``; taken
+    as this rank's own (:func:`follow`) under an agent. None when none came."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        decision = next((r for r in reversed(history.read_records(run_dir))
+                         if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == job_id
+                         and r.get("attempt") == attempt and r.get("decided") is not False
+                         and float(r.get("time") or 0) >= since), None)
+        if decision is not None:
+            if agent_restarts():  # end as the claimer decided: restarted, or not (the agent reads the exit status)
+                follow(run_dir, job_id, attempt, since)
+            return decision
+        time.sleep(0.5)
+    return None
+
+
 def restart_number(run_dir: str, job_id: str, attempt: int) -> Tuple[int, Optional[Dict[str, Any]]]:
     """(n, the decision that asked it) for the ranks now starting: n restarts of this attempt decided so far
     (0 for its first start)."""
@@ -98,7 +120,7 @@ def restart_number(run_dir: str, job_id: str, attempt: int) -> Tuple[int, Option
 def record_restart_start(run_dir: str, job_id: str, attempt: int) -> Dict[str, Any]:
     """Rank 0 of restarted ranks: the fields its ``attempt_started`` carries (``restart``, ``failed_at``), and the
     hang file of the failed start removed (it is this attempt's)."""
-    number, asked = restart_number(run_dir, job_id, attempt)
+    number, asked = restart_number(run_dir, job_id, attempt) if agent_restarts() else (0, None)
     if not number or asked is None:
         return {}
     from orchestrator.runtime.faults.watchdog import hang_path
@@ -107,15 +129,15 @@ def record_restart_start(run_dir: str, job_id: str, attempt: int) -> Dict[str, A
         hang_path(run_dir, job_id, attempt).unlink()
     except OSError:
         pass
-    return {"restart": number, "failed_at": asked.get("time"), "failure": asked.get("cause"),
+    return {"restart": number, "failed_at": asked.get("failed_at") or asked.get("time"), "failure": asked.get("cause"),
             "failed_ranks": asked.get("failed")}
 
 
-def record_resumed(run_dir: str, job_id: str, attempt: int, started: Dict[str, Any], resumed_from: Optional[int],
-                   iteration: int) -> None:
-    """Rank 0 of restarted ranks, after their first iteration: ``restart_resumed`` with the recovery time."""
+def record_resumed(run_dir: str, attempt: Tuple[str, int], started: Dict[str, Any], iteration: int) -> None:
+    """Rank 0 of restarted ranks, after their first iteration ``iteration`` (``attempt``: job id and attempt;
+    ``started``: what :func:`record_restart_start` returned): ``restart_resumed`` with the recovery time."""
     failed_at = started.get("failed_at")
     now = time.time()
-    history.record_event(run_dir, "restart_resumed", job_id=str(job_id), attempt=int(attempt),
-                         restart=started.get("restart"), resumed_from=resumed_from, first_iteration=iteration,
+    history.record_event(run_dir, "restart_resumed", job_id=str(attempt[0]), attempt=int(attempt[1]),
+                         restart=started.get("restart"), resumed_from=iteration - 1, first_iteration=iteration,
                          failed_at=failed_at, recovery_s=round(now - float(failed_at), 3) if failed_at else None)
