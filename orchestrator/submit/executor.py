@@ -144,7 +144,8 @@ def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     waited = cfg.cluster.kind == "local" and cfg.cluster.wait
     env = job_environment(cfg, layout.world_size)
     train = TrainJob(to_dict(cfg), asdict(prepared), env=env, launcher=launcher_identity() if waited else None)
-    payload = NodeAgent(train, str(Path(cfg.run.dir).absolute()), per_node, nodes, cfg.cluster.max_restarts)
+    payload = NodeAgent(train, str(Path(cfg.run.dir).absolute()), per_node, nodes, cfg.cluster.max_restarts,
+                        cfg.cluster.spare_nodes if cfg.cluster.kind == "slurm" else 0)
     from orchestrator.ckpt import stop
 
     stop.clear(cfg.run.dir)

@@ -168,10 +168,11 @@ def slurm_cause(state: str) -> str:
 
 def say_restarts(run_dir: str, job_id: str, seen: int) -> int:
     """Print each in-place restart decision of ``job_id`` after the first ``seen`` (its failure, then what was
-    decided: :mod:`orchestrator.runtime.faults.inplace`); returns how many there are now."""
-    decided = [r for r in history.read_records(run_dir)
-               if r.get("event") == "restart_decision" and str(r.get("job_id")) == str(job_id)]
+    decided: :mod:`orchestrator.runtime.faults.inplace`), and each node left out or spare joined
+    (:mod:`orchestrator.runtime.start.spares`); returns how many there are now."""
+    decided = [r for r in history.read_records(run_dir) if str(r.get("job_id")) == str(job_id)
+               and r.get("event") in ("restart_decision", "node_left_out", "spare_joined")]
     for r in decided[seen:]:
-        print(f"[orchestrator] job {job_id}: {r.get('message')}\n[orchestrator] job {job_id}: {r.get('detail')}",
-              flush=True)
+        detail = f"\n[orchestrator] job {job_id}: {r['detail']}" if r.get("detail") else ""
+        print(f"[orchestrator] job {job_id}: {r.get('message')}{detail}", flush=True)
     return len(decided)

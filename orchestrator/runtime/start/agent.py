@@ -83,7 +83,7 @@ def run_node(args: argparse.Namespace) -> int:
     static = args.node_rank is not None
     config = LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                           run_id=args.rdzv_id, role="orchestrator", rdzv_endpoint=args.rdzv_endpoint,
-                          rdzv_backend="static" if static else "c10d",
+                          rdzv_backend="static" if static else getattr(args, "rdzv_backend", "c10d"),
                           rdzv_configs={"rank": args.node_rank} if static else {"join_timeout": 300},
                           max_restarts=args.max_restarts, monitor_interval=0.5, start_method="spawn")
     if args.watch_stdin:

@@ -21,6 +21,7 @@ import argparse
 import os
 import pickle
 import socket
+import time
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
@@ -44,9 +45,11 @@ class NodeAgent:
     summary}}`` for the ranks whose outcome it found. Raises ``SystemExit(code)`` for a stop or requeue and
     ``RuntimeError`` (the first failed rank's last lines) for a failure."""
 
-    def __init__(self, job: Any, run_dir: str, nproc_per_node: int, nnodes: int, max_restarts: int):
+    def __init__(self, job: Any, run_dir: str, nproc_per_node: int, nnodes: int, max_restarts: int,
+                 spare_nodes: int = 0):
         self.job, self.run_dir = job, run_dir
         self.nproc_per_node, self.nnodes, self.max_restarts = nproc_per_node, nnodes, max_restarts
+        self.spare_nodes = spare_nodes
 
     def _endpoint(self, env: Any, job_id: str, attempt: int) -> str:
         """Local: the port the launcher reserved (``MASTER_PORT`` of the job's environment) on 127.0.0.1; SLURM:
@@ -83,9 +86,46 @@ class NodeAgent:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         args = argparse.Namespace(nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, rdzv_endpoint=endpoint,
                                   rdzv_id=f"{job_id}-{attempt}", node_rank=None, max_restarts=self.max_restarts,
-                                  watch_stdin=False, job_file=str(job_file))
-        code = run_node(args)
+                                  watch_stdin=False, job_file=str(job_file), rdzv_backend="c10d")
+        if getattr(env, "cluster", "") != "local":  # SLURM: a health check before each start; spares wait
+            from orchestrator.runtime.start import spares
+
+            spares.register(self.run_dir, job_dir)
+            args.rdzv_backend = spares.BACKEND
+            if env.node >= self.nnodes and spares.wait_for_a_place(self.run_dir, job_dir) is None:
+                return {"ranks": {}}  # a spare the job never needed
+            try:
+                code = run_node(args)
+            except spares.LeftOut as exc:
+                return self._left_out(job_dir, str(exc))
+            spares.mark_done(job_dir)
+        else:
+            code = run_node(args)
         return self._end(code, read_outcomes(job_dir))
+
+    def _left_out(self, job_dir: Path, why: str, wait_s: float = 15.0) -> Dict[str, Any]:
+        """This node failed its health check: a spare takes its place (this task ends), or, with none left, the
+        requeue policy applies to the attempt (``cluster.max_failures``) and this task fails."""
+        from orchestrator.ckpt import history
+        from orchestrator.runtime.faults.requeue import job_identity, requeue_for_failure
+
+        host = socket.gethostname()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if (job_dir / f"taken_{host}").exists():
+                print(f"[orchestrator] {why}; a spare node takes its place", flush=True)
+                return {"ranks": {}, "left_out": host}
+            time.sleep(0.5)
+        job_id, attempt = job_identity()
+        if history.claim_attempt_end(self.run_dir, job_id, attempt):
+            history.record_attempt_ended(self.run_dir, job_id, attempt, "node failure", message=why)
+            max_failures = int(self.job.config["cluster"]["max_failures"])
+            requeued, detail = requeue_for_failure(self.run_dir, max_failures)
+            why = f"{why}; no spare node left (cluster.spare_nodes={self.spare_nodes}): {detail}"
+            history.record_event(self.run_dir, "requeue_decision", job_id=job_id, attempt=attempt, requeued=requeued,
+                                 detail=detail)
+        print(f"[orchestrator] {why}", flush=True)
+        raise RuntimeError(why)
 
     def _end(self, code: int, found: Dict[int, Tuple[str, Any]]) -> Dict[str, Any]:
         """This task's end from the agent's exit code and the ranks' outcomes."""
