@@ -265,7 +265,7 @@ def format_attempts(items: List[Attempt]) -> List[str]:
         if a.recovery_s is not None:
             frm += f", {a.recovery_s:.1f} s from the failure to its first iteration"
         tail = f"  {a.message}" if a.message and a.cause not in ("completed",) else ""
-        failed = f"; rank(s) {','.join(map(str, a.failed))} failed" if a.failed else ""
+        failed = f"; no word from rank(s) {','.join(map(str, a.failed))} after the failure" if a.failed else ""
         how = " (requeued)" if a.requeued else f" (restarted in place{failed})" if a.restarted else ""
         restart = f" restart {a.restart}" if a.restart else ""
         lines.append(f"job {a.job_id} attempt {a.attempt}{restart}  {span}  {cause}{how}  iteration {it}{frm}{tail}")
