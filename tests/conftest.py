@@ -42,7 +42,7 @@ def slurm_unavailable_reason() -> str:
 SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_signals_to_a_slurm_",
                "test_killed_rank_",
                "test_slurm_run_across_nodes", "test_time_limit_", "test_slurm_sweep_", "test_two_detached_",
-               "test_node_loss_")
+               "test_node_loss_", "test_in_place_restart_")
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
 first (the suite's first minutes, when every worker starts at once, are the most loaded)."""
 
