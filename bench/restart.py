@@ -21,11 +21,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
-
-import psutil
+from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import agent_worker  # noqa: E402  (the rank's process under its agent, as the tests find it)
+
 CLUSTERS = {"local": [], "slurm": ["cluster=slurm_dev", "cluster.nodes=2", "cluster.tasks_per_node=2"]}
 
 
@@ -40,19 +41,6 @@ def _records(run_dir: Path) -> List[Dict]:
         except ValueError:  # a line being written
             pass
     return out
-
-
-def _worker(run_dir: Path, rank: int) -> Optional[psutil.Process]:
-    """Rank ``rank``'s process under its agent (``... agent rank <job file>``), not its children."""
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = p.info["cmdline"] or []
-            if len(cmd) >= 2 and cmd[-2] == "rank" and str(run_dir) in cmd[-1] and p.environ().get("RANK") == str(rank) \
-                    and p.parent().cmdline()[-2:-1] != ["rank"]:
-                return p
-        except psutil.Error:
-            continue
-    return None
 
 
 def one(kind: str, at: int, rank: int) -> Dict[str, object]:
@@ -70,7 +58,7 @@ def one(kind: str, at: int, rank: int) -> Dict[str, object]:
             time.sleep(0.05)
         first = next(r["time"] for r in _records(run_dir) if "event" not in r)
         before = len([r for r in _records(run_dir) if "event" not in r])
-        victim = _worker(run_dir, rank)
+        victim = agent_worker(run_dir, rank)
         if victim is None:
             raise SystemExit(f"{kind}: no process of rank {rank} under {run_dir}")
         victim.kill()
