@@ -1,7 +1,7 @@
 """In-place restarts (``cluster.max_restarts``, runtime/start/inplace.py): bad input, and a SLURM job whose killed
 rank restarts all ranks inside the same allocation. (The local restart, and restarts used up: test_train.py.)
 
-Time (2 cores, load 8-17 from the other helpers): the SLURM test ~90 s, its local reference running alongside.
+Time (2 cores, load 8-17 from the other helpers): the SLURM test ~90 s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import agent_worker, losses_by_iteration, read_metrics, run_cli
+from conftest import agent_worker, read_metrics, run_cli
 from test_slurm_train import (_NODES, ACROSS_NODES, SMALL, Cli, assert_losses_match, iterations_done,  # noqa: F401
                               job_nodes, needs_two_nodes, nodes_back, submitted_job, wait_until)
 from orchestrator.ckpt import history
@@ -69,13 +69,12 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     drained and that rank killed (kill -9): the same SLURM
     job (never requeued) restarts all ranks in its allocation from the checkpoint at 8; the drained node fails its
     health check and is left out, the spare takes its place (the final manifest's hosts), and the job completes.
-    Every loss, the retrained ones too, equals an uninterrupted local run's (1e-5 rel.); the history shows the
+    The retrained iterations' losses equal the first start's, uninterrupted until the kill (1e-5 rel.); the history shows the
     restart apart from requeues. Prints the time from the kill to the first new iteration, next to the job's own
     start-up and checkpoint load."""
     n = RESTART_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
     run_dir = tmp_path / "slurm"
-    ref = Cli(common + ["cluster=local", "run.name=local"], cache_dir, tmp_path / "logs_local")
     cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1",
                         "cluster.spare_nodes=1"], cache_dir, tmp_path / "logs")
     try:
@@ -92,10 +91,8 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
             resumed = wait_until(lambda: next((r for r in history.read_records(run_dir)
                                                if r["event"] == "restart_resumed"), None),
                                  300, "the first iteration after the restart", cli, poll_s=0.1)
-        assert ref.wait(400) == 0, ref.describe()
         assert cli.wait(400) == 0, cli.describe()
     finally:
-        ref.kill()
         cli.kill()
     out = cli.stdout
     assert f"completed: iteration {n} |" in out and out.rstrip().endswith(f"| job {job_id}"), out[-3000:]
@@ -116,9 +113,12 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     its = [r["iteration"] for r in records]
     cut = next(i for i in range(1, len(its)) if its[i] <= its[i - 1])  # where the restarted ranks' records start
     assert its[:cut] == list(range(1, cut + 1)) and cut >= 10 and its[cut:] == list(range(9, n + 1)), its
-    local = losses_by_iteration(tmp_path / "local")
-    for rec in records:
-        assert_losses_match({rec["iteration"]: rec["lm_loss"]}, local, [rec["iteration"]])
+    # The first start ran uninterrupted up to the kill: the restarted ranks retrain 9.. from the checkpoint at 8 and
+    # reproduce its losses (1e-5 rel.), so they continue the uninterrupted run's path (the local restart test
+    # compares every loss with an uninterrupted run's).
+    first = {r["iteration"]: r["lm_loss"] for r in records[:cut]}
+    assert_losses_match({r["iteration"]: r["lm_loss"] for r in records[cut:] if r["iteration"] in first}, first,
+                        range(9, cut + 1))
     listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
     assert f"job {job_id} attempt 0 restart 1 " in listing and "crashed (restarted in place; " in listing, listing
 
