@@ -117,6 +117,7 @@ class NodeAgent:
                 return {"ranks": {}, "left_out": host}
             time.sleep(0.5)
         job_id, attempt = job_identity()
+        history.clear_attempt_markers(self.run_dir, job_id, attempt)  # the failure before was decided: a restart
         if history.claim_attempt_end(self.run_dir, job_id, attempt):
             history.record_attempt_ended(self.run_dir, job_id, attempt, "node failure", message=why)
             max_failures = int(self.job.config["cluster"]["max_failures"])
