@@ -7,7 +7,7 @@ terminal, a log file or a test assertion.
 from __future__ import annotations
 
 import io
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: Optional[str] = None,
@@ -30,3 +30,14 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: Op
     Console(file=buf, width=width, no_color=True, color_system=None, highlight=False,
             emoji=False, markup=False).print(t)
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines() if line.strip())
+
+
+def show(value: Any) -> str:
+    """A value as the user types it in an override: null, true/false, 'text', 3, 0.5."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)

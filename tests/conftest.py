@@ -42,7 +42,7 @@ def slurm_unavailable_reason() -> str:
 SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_signals_to_a_slurm_",
                "test_killed_rank_", "test_slow_link_",
                "test_slurm_run_across_nodes", "test_time_limit_", "test_slurm_sweep_", "test_two_detached_",
-               "test_node_loss_")
+               "test_node_loss_", "test_in_place_restart_")
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
 first (the suite's first minutes, when every worker starts at once, are the most loaded)."""
 
@@ -110,6 +110,22 @@ def losses_by_iteration(run_dir: Path) -> Dict[int, float]:
     for rec in read_metrics(run_dir):
         out[rec["iteration"]] = rec["lm_loss"]  # a resumed run's later record wins
     return out
+
+
+def agent_worker(run_dir: Path, rank: int):
+    """The process of rank ``rank`` of a job of torch elastic agents (``cluster.max_restarts`` > 0:
+    ``... agent rank <run_dir>/agents/.../job*.pkl``), not its children (the checkpoint writer's); None before it runs."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if len(cmd) >= 2 and cmd[-2] == "rank" and str(run_dir) in cmd[-1] and p.environ().get("RANK") == str(rank) \
+                    and p.parent().cmdline()[-2:-1] != ["rank"]:
+                return p
+        except psutil.Error:
+            continue
+    return None
 
 
 def submit_like_launcher(cfg, fn, *args, world_size: int):

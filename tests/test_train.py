@@ -267,6 +267,59 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     assert alive == [], alive
 
 
+@pytest.mark.mcore_lines
+def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_path, cache_dir, reference, resume_args):
+    """cluster.max_restarts=1 on a local job (torch elastic's agent runs the 4 ranks): kill -9 of rank 1 after
+    iteration 6 restarts all ranks on this machine from the checkpoint at 4, every loss (the retrained ones too)
+    equals the uninterrupted run's (1e-5 rel.), history and `status --history` show the restart apart from a
+    requeue with its recovery time; a second kill finds the restarts used up: the job ends, the line says why."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, agent_worker
+    from orchestrator.ckpt import history
+
+    run_dir = tmp_path / "restart"
+    args = resume_args + [f"run.root={tmp_path}", "run.name=restart", "checkpoint.save_interval=4",
+                          "cluster.max_restarts=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, text=True,
+                            env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def kill_after(iteration: int, since: int) -> float:
+        deadline = time.time() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and sum(1 for r in read_metrics(run_dir)[since:]
+                                                                 if r["iteration"] >= iteration)):
+            assert time.time() < deadline and proc.poll() is None, "the job did not train"
+            time.sleep(0.1)
+        agent_worker(run_dir, 1).kill()
+        return time.time()
+
+    try:
+        killed_at = kill_after(6, 0)
+        kill_after(10, len(read_metrics(run_dir)))  # the restarted ranks passed iteration 10
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, (out[-2000:], err[-2000:])
+    starts = [a for a in history.attempts(history.read_records(run_dir))]
+    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == \
+        [(0, 0, "crashed", True), (0, 1, "crashed", False)], starts
+    assert starts[1].start_iteration == 4 and 0 < starts[1].recovery_s < 120, starts
+    assert 0 <= starts[0].end - killed_at < 10, (starts[0], killed_at)  # the failure is seen at once
+    assert "restarts used up (1 of cluster.max_restarts=1): not requeued (a local run)" in out, out[-3000:]
+    assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in out, out[-3000:]
+    its = [r["iteration"] for r in read_metrics(run_dir)]
+    assert its[:6] == list(range(1, 7)) and 5 in its[6:], its  # iteration 5 trained again after the restart
+    for rec in read_metrics(run_dir):
+        assert abs(rec["lm_loss"] - reference[rec["iteration"]]) <= 1e-5 * abs(reference[rec["iteration"]]), rec
+    listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
+    assert "(1 in-place restart(s)); " in listing and "crashed (restarted in place" in listing, listing
+    assert " restart 1 " in listing and "s from the failure to its first iteration" in listing, listing
+
+
 def _megatron_lr(steps: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:
     """Megatron's OptimizerParamScheduler.get_lr after ``steps`` steps: linear warm-up from 0, then
     cosine from max_lr to min_lr until ``decay`` steps, min_lr after."""

@@ -150,6 +150,14 @@ class Attempt:
     host: Optional[str] = None
     message: str = ""
     requeued: bool = False
+    restart: int = 0
+    """In-place restarts of this attempt before this start (``cluster.max_restarts``; 0: its first start)."""
+    restarted: bool = False
+    """This start failed and the job restarted its ranks in place (same job id and attempt)."""
+    recovery_s: Optional[float] = None
+    """A restarted start: seconds from the failure to its first iteration."""
+    failed: Optional[List[int]] = None
+    """A start restarted in place: the ranks that did not outlive its failure (when the others reported)."""
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -173,7 +181,8 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
 
     for rec in records:
         event, job_id = rec.get("event"), str(rec.get("job_id"))
-        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision"):
+        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision", "restart_decision",
+                         "restart_resumed"):
             continue
         key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
         a = current.get(key)
@@ -184,11 +193,19 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
             if a is None or a.end is not None:
                 a = fresh(key)
             a.start, a.start_iteration, a.host = rec.get("time"), rec.get("iteration"), rec.get("host")
+            a.restart = int(rec.get("restart") or 0)
             if a.iteration is None:
                 a.iteration = rec.get("iteration")
         elif event == "requeue_decision":  # after a hang or a crash: recorded after the attempt's end
             if a is not None:
                 a.requeued = a.requeued or bool(rec.get("requeued"))
+        elif event == "restart_decision":  # runtime.faults.inplace: restarted in place, or not
+            if a is not None:
+                a.restarted = a.restarted or bool(rec.get("restart"))
+                a.failed = rec.get("failed") or a.failed
+        elif event == "restart_resumed":
+            if a is not None and a.end is None:
+                a.recovery_s = rec.get("recovery_s")
         elif a is None or a.end is None:
             a = a or fresh(key)
             a.end, a.cause, a.message = rec.get("time"), rec.get("cause"), rec.get("message") or ""
@@ -224,6 +241,16 @@ def history_for_manifest(run_dir: PathLike, iteration: int, train_iters: int,
     return [a.as_dict() for a in items]
 
 
+def iterations_lost(items: List[Attempt]) -> int:
+    """Iterations trained twice because of failures: for each start that ended in a failure (:data:`FAILURE_CAUSES`),
+    the iteration it reached minus the one the next start resumed from."""
+    lost = 0
+    for a, b in zip(items, items[1:]):
+        if a.cause in FAILURE_CAUSES and a.iteration is not None and b.start_iteration is not None:
+            lost += max(0, a.iteration - b.start_iteration)
+    return lost
+
+
 def format_attempts(items: List[Attempt]) -> List[str]:
     """One line per attempt: ``job 123 #0  08:01:02-08:03:10  timeout  iteration 131  (message)``."""
     def clock(t: Optional[float]) -> str:
@@ -235,7 +262,11 @@ def format_attempts(items: List[Attempt]) -> List[str]:
         cause = a.cause or ("running" if a.end is None else "?")
         it = "-" if a.iteration is None else str(a.iteration)
         frm = f" (from {a.start_iteration})" if a.start_iteration else ""
+        if a.recovery_s is not None:
+            frm += f", {a.recovery_s:.1f} s from the failure to its first iteration"
         tail = f"  {a.message}" if a.message and a.cause not in ("completed",) else ""
-        lines.append(f"job {a.job_id} attempt {a.attempt}  {span}  {cause}{' (requeued)' if a.requeued else ''}  "
-                     f"iteration {it}{frm}{tail}")
+        failed = f"; no word from rank(s) {','.join(map(str, a.failed))} after the failure" if a.failed else ""
+        how = " (requeued)" if a.requeued else f" (restarted in place{failed})" if a.restarted else ""
+        restart = f" restart {a.restart}" if a.restart else ""
+        lines.append(f"job {a.job_id} attempt {a.attempt}{restart}  {span}  {cause}{how}  iteration {it}{frm}{tail}")
     return lines

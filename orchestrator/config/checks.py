@@ -25,8 +25,10 @@ from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.keys import is_section, schema_keys, type_words
 from orchestrator.config.machine import check_device, check_local_gpus, runs_on_cpu  # noqa: F401 (re-exported)
+from orchestrator.config.model_rules import model_problems, recompute_problems  # noqa: F401 (re-exported)
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.tokenizer import tokenizer_facts
+from orchestrator.text import show
 
 CHOICES = {
     "parallelism.distributed_backend": ("auto", "nccl", "gloo"),
@@ -71,6 +73,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),
+    ("cluster.max_restarts", 0, False), ("cluster.spare_nodes", 0, False),
     ("cluster.ssh.port", 1, True), ("cluster.ssh.connect_timeout_s", 1, False),
     ("training.straggler.interval", 1, True), ("training.straggler.windows", 1, False),
 ]
@@ -150,17 +153,6 @@ def _default(key: str) -> Any:
     return node
 
 
-def show(value: Any) -> str:
-    """A value as the user types it in an override: null, true/false, 'text', 3, 0.5."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -230,7 +222,22 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"cluster.signal_delay_s={c.signal_delay_s}: the save-and-requeue signal would come before "
                           f"the job starts (cluster.timeout_min={c.timeout_min} = {c.timeout_min * 60} s); "
                           f"fix: cluster.signal_delay_s < {c.timeout_min * 60}")
+    _check_spares(c)
     _check_split(cfg)
+
+
+def _check_spares(c: Any) -> None:
+    """``cluster.spare_nodes`` needs a SLURM job (SLURM allocates them) that restarts in place."""
+    if c.spare_nodes and c.kind != "slurm":
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes}: spare nodes are extra nodes of a SLURM allocation, "
+                          f"and cluster.kind={c.kind} has none; fix: cluster.spare_nodes=0 (or cluster=slurm)")
+    if c.spare_nodes and not c.max_restarts:
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes}: a spare node only takes a failed node's place "
+                          f"when the job restarts in place, and cluster.max_restarts={c.max_restarts}; fix: "
+                          "cluster.max_restarts=1 (or more), or cluster.spare_nodes=0")
+    if c.max_restarts and c.kind in ("hosts", "torchrun"):
+        raise ConfigError(f"cluster.max_restarts={c.max_restarts}: in-place restarts are for cluster.kind=local "
+                          f"and slurm, not cluster.kind={c.kind}; fix: cluster.max_restarts=0")
 
 
 def _check_split(cfg: JobConfig) -> None:
@@ -271,55 +278,6 @@ def check_run(cfg: JobConfig) -> None:
     if init is not None and not Path(os.path.expanduser(init)).is_dir():
         raise ConfigError(f"checkpoint.init_from={show(init)}: no such directory; fix: the path of a checkpoint "
                           "(<run dir>/checkpoints/iter_XXXXXXX), or checkpoint.init_from=null")
-
-
-# ---------------------------------------------------------------- model rules (megatron-core's, before the ranks)
-def recompute_problems(granularity: Optional[str], method: Optional[str], num_layers: Optional[int],
-                       layers_per_stage: int) -> List[str]:
-    """Megatron's activation-recomputation rules (``TransformerConfig.__post_init__``), one sentence each.
-
-    ``full`` needs ``recompute_method`` uniform or block and ``recompute_num_layers`` between 1 and
-    the layers per pipeline rank; ``selective`` needs ``recompute_num_layers`` null. The planner's
-    recipe check calls this too.
-    """
-    out: List[str] = []
-    if granularity == "full":
-        if method not in ("uniform", "block"):
-            out.append(f"model.recompute_method={show(method)}: recompute_granularity=full needs uniform or block; "
-                       "fix: model.recompute_method=uniform")
-        if num_layers is None or not 1 <= num_layers <= layers_per_stage:
-            out.append(f"model.recompute_num_layers={show(num_layers)}: must be between 1 and the layers per "
-                       f"pipeline rank ({layers_per_stage}) with recompute_granularity=full; "
-                       "fix: model.recompute_num_layers=1")
-    elif granularity == "selective" and num_layers is not None:
-        out.append(f"model.recompute_num_layers={num_layers}: must be null with recompute_granularity=selective; "
-                   "fix: model.recompute_num_layers=null")
-    return out
-
-
-def model_problems(cfg: JobConfig, layout: ParallelLayout) -> List[str]:
-    """Rules megatron-core enforces only when it builds the model, inside the ranks."""
-    m, p = cfg.model, cfg.parallelism
-    tp = p.tensor_model_parallel_size
-    out = recompute_problems(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
-                             layout.layers_per_stage)
-    if m.hidden_size % m.num_attention_heads:
-        out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                   f"{m.num_attention_heads} (Megatron's head size = hidden / heads); fix: hidden_size a multiple "
-                   f"of {m.num_attention_heads}")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    if ffn % tp:
-        out.append(f"model.ffn_hidden_size={ffn} is not divisible by parallelism.tensor_model_parallel_size={tp} "
-                   f"(each TP rank holds an equal slice of the MLP); fix: ffn_hidden_size a multiple of {tp}")
-    if p.sequence_parallel and tp > 1 and (m.seq_length // p.context_parallel_size) % tp:
-        out.append(f"model.seq_length={m.seq_length} does not split over sequence parallelism: "
-                   f"seq_length / CP = {m.seq_length // p.context_parallel_size} is not divisible by TP={tp}; "
-                   f"fix: seq_length a multiple of {tp * p.context_parallel_size}")
-    if m.num_moe_experts and m.add_bias_linear and tp > 1:
-        out.append(f"model.num_moe_experts={m.num_moe_experts} with model.add_bias_linear=true needs "
-                   f"tensor_model_parallel_size=1 (megatron-core: bias in MoE only with expert TP = 1, "
-                   f"got {tp}); fix: model.add_bias_linear=false")
-    return out
 
 
 # ---------------------------------------------------------------- data options

@@ -44,6 +44,13 @@ class ClusterConfig:
     """How many times a timed-out or preempted job is requeued."""
     max_failures: int = 0
     """SLURM: how many times a failed attempt (hang, node failure, crash) is requeued; a NaN never is."""
+    max_restarts: int = 0
+    """local and slurm: how many times a failed attempt restarts all its ranks in place (same allocation, a
+    fresh rendezvous, from the last complete checkpoint) before ``max_failures`` applies; 0 = never (one
+    task per rank, no per-node agent). See runtime/start/inplace.py."""
+    spare_nodes: int = 0
+    """slurm with ``max_restarts`` > 0: extra nodes allocated that idle until a node fails its health check
+    before a restart, then take its place."""
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     """Extra sbatch parameters, e.g. {reservation: foo}."""
     setup: List[str] = field(default_factory=list)

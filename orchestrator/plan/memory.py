@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import ConfigError
-from orchestrator.config.checks import recompute_problems
+from orchestrator.config.model_rules import recompute_problems
 from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size, vpp_no_op
 from orchestrator.config.schema import JobConfig
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
@@ -258,7 +258,7 @@ def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe
 # ---- the plan -----------------------------------------------------------------------------
 
 def recipe_problems(recipe: Recipe, layout: ParallelLayout) -> List[str]:
-    """Megatron's recomputation rules (:func:`orchestrator.config.checks.recompute_problems`, the one copy)."""
+    """Megatron's recomputation rules (:func:`orchestrator.config.model_rules.recompute_problems`, the one copy)."""
     return recompute_problems(recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers,
                               layout.layers_per_stage)
 

@@ -63,7 +63,15 @@ def one_task(cfg: JobConfig, world_size: int) -> bool:
     """Whether the job runs as one process that imports megatron-core before any rank trains (a local
     job of one rank, or one that forks its ranks): that task then builds the sample indices, and the
     launcher, which would pay the torch and megatron-core import for them (~6 s), does not."""
-    return cfg.cluster.kind == "local" and (world_size == 1 or forks_ranks(cfg, world_size))
+    return cfg.cluster.kind == "local" and not cfg.cluster.max_restarts and (world_size == 1 or
+                                                                           forks_ranks(cfg, world_size))
+
+
+def agent_tasks(cfg: JobConfig) -> int:
+    """How many tasks a job restarted in place (``cluster.max_restarts`` > 0) has: one torch elastic agent a node
+    (:mod:`orchestrator.runtime.start.inplace`); 0 for a job of one task per rank."""
+    c = cfg.cluster
+    return (c.nodes + c.spare_nodes if c.kind == "slurm" else 1) if c.max_restarts else 0
 
 
 def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
@@ -102,6 +110,8 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     from orchestrator.runtime.faults.launcher import launcher_identity
     from orchestrator.runtime.start.job import TrainJob
 
+    if agent_tasks(cfg):
+        return _submit_agents(cfg, layout, prepared)
     forks = forks_ranks(cfg, layout.world_size)
     executor = make_executor(cfg, 1 if forks else layout.world_size)
     waited = cfg.cluster.kind == "local" and cfg.cluster.wait  # such a job ends with this launcher
@@ -119,6 +129,32 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     if forks:
         job = as_rank_tasks(job, layout.world_size)
     _record(cfg, job, layout.world_size)
+    return job
+
+
+def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
+    """Submit one task a node, each running its node's torch elastic agent (``cluster.max_restarts`` > 0)."""
+    from orchestrator.runtime.faults.launcher import launcher_identity
+    from orchestrator.runtime.start.inplace import NodeAgent
+    from orchestrator.runtime.start.job import TrainJob
+
+    nodes = cfg.cluster.nodes if cfg.cluster.kind == "slurm" else 1
+    per_node = layout.world_size // nodes
+    executor = make_executor(cfg, 1 if cfg.cluster.kind == "local" else layout.world_size)  # (sbatch: one a node)
+    waited = cfg.cluster.kind == "local" and cfg.cluster.wait
+    env = job_environment(cfg, layout.world_size)
+    train = TrainJob(to_dict(cfg), asdict(prepared), env=env, launcher=launcher_identity() if waited else None)
+    payload = NodeAgent(train, str(Path(cfg.run.dir).absolute()), per_node, nodes, cfg.cluster.max_restarts,
+                        cfg.cluster.spare_nodes if cfg.cluster.kind == "slurm" else 0)
+    from orchestrator.ckpt import stop
+
+    stop.clear(cfg.run.dir)
+    try:
+        with _children_ignore_sigint():
+            job = executor.submit(payload)
+    except Exception as exc:
+        raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
+    _record(cfg, job, agent_tasks(cfg))  # status counts the tasks' result files: one a node
     return job
 
 
@@ -157,7 +193,10 @@ def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: b
                          log=Path(job.task(0).paths.stdout), world_size=layout.world_size,
                          ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
                          every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2))
-    summaries = wait(job, cfg, layout.world_size, progress)
+    summaries = wait(job, cfg, layout.world_size, progress, tasks=agent_tasks(cfg) or None)
+    if agent_tasks(cfg):  # one summary a node: the ranks' summaries each agent found
+        ranks = {r: s for node in summaries if isinstance(node, dict) for r, s in node.get("ranks", {}).items()}
+        summaries = [ranks[r] for r in sorted(ranks)]
     best = next((s for s in summaries if isinstance(s, dict) and s.get("logging_rank")), None)
     summary = dict(best or (summaries[-1] if summaries and isinstance(summaries[-1], dict) else {}))
     summary["job_id"] = str(job.job_id)

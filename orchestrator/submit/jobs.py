@@ -233,7 +233,7 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     mine = [a for a in attempts(events) if a.job_id == st.job_id and a.end is not None]
     if not mine:
         return
-    last = max(mine, key=lambda a: a.attempt)
+    last = max(mine, key=lambda a: (a.attempt, a.restart))  # the latest start (in-place restarts share the attempt)
     st.cause, st.message = last.cause, last.message
     died = re.match(r"rank\(s\) \[[\d, ]+\] died without a result", last.message or "")
     if died and st.state == "failed":  # the rank that died first, not its peers' broken collectives

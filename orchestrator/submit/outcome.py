@@ -29,7 +29,7 @@ _JOB_CAUSES = ("nan", "spike", "hang")  # a crash's record names one rank's erro
 
 def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:
     items = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == str(job_id)]
-    return max(items, key=lambda a: a.attempt) if items else None
+    return max(items, key=lambda a: (a.attempt, a.restart)) if items else None  # (in-place restarts: same attempt)
 
 
 def orchestrator_error(text: Any) -> Optional[str]:
@@ -82,7 +82,7 @@ def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
 
     records = history.read_records(run_dir)
     mine = [a for a in history.attempts(records) if a.job_id == str(job_id)]
-    latest = max(mine, key=lambda a: a.attempt) if mine else None
+    latest = max(mine, key=lambda a: (a.attempt, a.restart)) if mine else None
     if latest is None or latest.requeued or latest.cause not in (*history.TIMEOUT_CAUSES, "interrupted"):
         return None
     stops = [r for r in records if r.get("event") == "stopped" and str(r.get("job_id")) == str(job_id)]
@@ -164,3 +164,15 @@ def slurm_cause(state: str) -> str:
     if state.startswith("CANCELLED"):
         return "interrupted"
     return "crashed"
+
+
+def say_restarts(run_dir: str, job_id: str, seen: int) -> int:
+    """Print each in-place restart decision of ``job_id`` after the first ``seen`` (its failure, then what was
+    decided: :mod:`orchestrator.runtime.faults.inplace`), and each node left out or spare joined
+    (:mod:`orchestrator.runtime.start.spares`); returns how many there are now."""
+    decided = [r for r in history.read_records(run_dir) if str(r.get("job_id")) == str(job_id)
+               and r.get("event") in ("restart_decision", "node_left_out", "spare_joined")]
+    for r in decided[seen:]:
+        detail = f"\n[orchestrator] job {job_id}: {r['detail']}" if r.get("detail") else ""
+        print(f"[orchestrator] job {job_id}: {r.get('message')}{detail}", flush=True)
+    return len(decided)

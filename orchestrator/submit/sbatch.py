@@ -241,16 +241,17 @@ def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
     if c.cpus_per_task is not None and c.cpus_per_task < 1:
         raise ConfigError(f"cluster.cpus_per_task={c.cpus_per_task} must be >= 1 or null")
 
+    agent = bool(c.max_restarts)  # one task a node: its torch elastic agent starts the node's ranks (inplace)
     params: Dict[str, Any] = {
         "name": job_name(cfg),
         "timeout_min": c.timeout_min,
-        "nodes": c.nodes,
-        "tasks_per_node": tasks,
+        "nodes": c.nodes + (c.spare_nodes if agent else 0),
+        "tasks_per_node": 1 if agent else tasks,
     }
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     if c.cpus_per_task is not None:
-        params["cpus_per_task"] = c.cpus_per_task
+        params["cpus_per_task"] = c.cpus_per_task * (tasks if agent else 1)
     if c.mem is not None:
         mem = _no_control("cluster.mem", c.mem).strip()
         if not _MEM_RE.match(mem):

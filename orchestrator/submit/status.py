@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.ckpt import stop
-from orchestrator.ckpt.history import PathLike, attempts, format_attempts, read_records
+from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
 
@@ -280,8 +280,12 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
             from orchestrator.ckpt.history import Attempt
 
             lines.append("")
-            lines.append(f"{s.run_dir}: {len(s.attempts)} attempt(s)")
-            lines.extend("    " + t for t in format_attempts([Attempt(**a) for a in s.attempts]))
+            items = [Attempt(**a) for a in s.attempts]
+            restarts = sum(1 for a in items if a.restart)
+            lines.append(f"{s.run_dir}: {len(s.attempts)} attempt(s)"
+                         + (f" ({restarts} in-place restart(s))" if restarts else "")
+                         + f"; {iterations_lost(items)} iteration(s) lost to failures")
+            lines.extend("    " + t for t in format_attempts(items))
         if s.failure:
             rank, tail = s.failure
             lines.append("")

@@ -162,10 +162,10 @@ def _pause(job, cfg: JobConfig) -> None:
 class _Wait:
     """The state of one :func:`wait`: results read so far, requeues seen, running time counted."""
 
-    def __init__(self, job, cfg: JobConfig, world_size: int):
+    def __init__(self, job, cfg: JobConfig, world_size: int, tasks: Optional[int] = None):  # tasks: see wait()
         from orchestrator.runtime.faults.watchdog import JobWatch
 
-        self.job, self.cfg, self.c, self.world_size = job, cfg, cfg.cluster, world_size
+        self.job, self.cfg, self.c, self.world_size = job, cfg, cfg.cluster, tasks or world_size
         self.run_dir, self.job_id = cfg.run.dir, str(job.job_id)
         hang_s = cfg.training.hang_timeout_s
         self.watch = JobWatch(self.run_dir, self.job_id, world_size, hang_s) if hang_s else None
@@ -179,6 +179,7 @@ class _Wait:
         self.state = ""
         self.local = self.c.kind == "local"
         self.asked: Optional[Dict[str, Any]] = None  # the stop asked of the job (ckpt.stop), once seen
+        self.restarts_seen = 0  # in-place restart decisions already reported (cluster.max_restarts)
 
     def fail(self, message: str, cause: Optional[str] = None, detail: str = "") -> JobFailedError:
         """Cancel the job, record how its attempt ended (``cause``), return the error to raise."""
@@ -339,8 +340,10 @@ class _Wait:
                             f"of running time); cancelled", "interrupted", "the launcher's time bound ran out")
 
 
-def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = None) -> List[Dict[str, Any]]:
-    """Block until every task of ``job`` ends; return the per-rank summaries.
+def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = None,
+         tasks: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Block until every task of ``job`` ends; return the per-task summaries (``tasks``: the job's number of tasks
+    when it is not one per rank, e.g. one torch elastic agent a node; default ``world_size``).
 
     Raises :class:`JobFailedError` (with the failing rank's last lines) when a rank fails, the
     job is cancelled, or it runs longer than ``cluster.timeout_min`` x (requeues + 1) plus 5
@@ -357,7 +360,7 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
 
     from orchestrator.submit.signals import Detached, JobStopped, WaitSignals, say_detached
 
-    w = _Wait(job, cfg, world_size)
+    w = _Wait(job, cfg, world_size, tasks)
     signals = WaitSignals(cfg, w.job_id)
     try:
         with signals:
@@ -365,9 +368,10 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
                 if progress is not None:
                     progress.poll()
                 w.read_results()
+                w.restarts_seen = outcome.say_restarts(w.run_dir, w.job_id, w.restarts_seen) if w.c.max_restarts else 0
                 w.check_failed_rank()
-                if len(w.results) == world_size:
-                    return [w.results[i][1] for i in range(world_size)]
+                if len(w.results) == w.world_size:
+                    return [w.results[i][1] for i in range(w.world_size)]
                 ended = w.poll_scheduler()
                 w.check_stopped(ended, signals)
                 w.check_dead_local()

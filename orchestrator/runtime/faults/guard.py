@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.ckpt import history
+from orchestrator.runtime.faults import inplace
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
@@ -97,6 +98,7 @@ class Guard:
         self._optimizer: Any = None
         self._closed = False
         self.watchdog: Optional[Watchdog] = None
+        self._born, self._restart = time.time(), {}  # rank 0 of ranks restarted in place: restart number, failure
         if t.hang_timeout_s:
             self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
                                      float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
@@ -111,9 +113,10 @@ class Guard:
         self.iteration = start_iteration
         if self.rank == 0:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
+            _quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt)))
             _quietly(lambda: history.record_attempt_started(
                 self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
-                world_size=self.world_size, train_iters=self.cfg.training.train_iters))
+                world_size=self.world_size, train_iters=self.cfg.training.train_iters, **self._restart))
 
     # ---- per iteration ---------------------------------------------------------------------------
     def beat(self, iteration: int) -> None:
@@ -121,6 +124,9 @@ class Guard:
         self.iteration = iteration
         if self.watchdog is not None:
             self.watchdog.progress(iteration)
+        if self._restart:  # the first iteration after an in-place restart: one record, once
+            started, self._restart = self._restart, {}
+            _quietly(lambda: inplace.record_resumed(self.run_dir, (self.job_id, self.attempt), started, iteration))
 
     def step(self, optimizer) -> Tuple[bool, Optional[float], Optional[int]]:
         """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
@@ -294,10 +300,10 @@ class Guard:
                                                       iteration=self.iteration, message=message, **fields))
         return True
 
-    def _requeue_failure(self, message: str) -> Tuple[bool, str]:
-        from orchestrator.runtime.faults.requeue import requeue_for_failure
-
-        return requeue_for_failure(self.run_dir, int(self.cfg.cluster.max_failures))
+    def _requeue_failure(self, message: str, cause: str = "hang", failed_at: Optional[float] = None) -> Tuple[bool, str]:
+        """After a failure: restart in place, or the requeue policy (:func:`~orchestrator.runtime.faults.inplace.decide`)."""
+        return inplace.decide(self.run_dir, self.job_id, self.attempt, self.cfg.cluster, message, since=self._born,
+                              world_size=self.world_size, failed_at=failed_at or time.time(), cause=cause, iteration=self.iteration)
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
@@ -306,36 +312,31 @@ class Guard:
         from orchestrator.runtime.faults.requeue import leave_requeued
         from orchestrator.slurm import on_slurm
 
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        failed_at, first = time.time(), (str(exc).strip().splitlines() or [""])[0][:300]  # (decided seconds later)
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
-        slurm = on_slurm() and self.watchdog is not None  # ranks across hosts: the heartbeat files name them
+        slurm = (on_slurm() or bool(inplace.agent_restarts())) and self.watchdog is not None  # the heartbeats name hosts
         slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm)
+            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm,
+                                         since=self._born)
             history_ok = _quietly(lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
                 decided=False))
-            requeued, detail = self._requeue_failure(message) if history_ok else (False, "")
+            requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
             _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
                                                   attempt=self.attempt, requeued=requeued, detail=detail))
-            if requeued:
+            if requeued or inplace.restart_decided() is not None:
                 _say(f"{message}; {detail}")
+            if requeued:
                 _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
                 leave_requeued(message)
             return
-        if not on_slurm():
-            return  # never requeued: nothing to wait for
-        deadline = time.monotonic() + _DECISION_WAIT_S
-        while time.monotonic() < deadline:
-            decision = next((r for r in reversed(history.read_records(self.run_dir))
-                             if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == self.job_id
-                             and r.get("attempt") == self.attempt and r.get("decided") is not False), None)
-            if decision is not None:
-                if decision.get("requeued"):
-                    _print_traceback(exc)
-                    leave_requeued(message)
-                return
-            time.sleep(0.5)
+        if not on_slurm() and not inplace.agent_restarts():  # never requeued nor restarted: nothing to wait for
+            return
+        decision = inplace.await_decision(self.run_dir, self.job_id, self.attempt, self._born, _DECISION_WAIT_S)
+        if decision is not None and decision.get("requeued"):
+            _print_traceback(exc)
+            leave_requeued(message)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def run_node(args: argparse.Namespace) -> int:
     static = args.node_rank is not None
     config = LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                           run_id=args.rdzv_id, role="orchestrator", rdzv_endpoint=args.rdzv_endpoint,
-                          rdzv_backend="static" if static else "c10d",
+                          rdzv_backend="static" if static else getattr(args, "rdzv_backend", "c10d"),
                           rdzv_configs={"rank": args.node_rank} if static else {"join_timeout": 300},
                           max_restarts=args.max_restarts, monitor_interval=0.5, start_method="spawn")
     if args.watch_stdin:
@@ -91,8 +91,8 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "orchestrator.runtime.start.agent", "rank", args.job_file)
     except ChildFailedError as exc:
-        failures = ", ".join(f"rank {f.global_rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'}"
-                             f" {f.exitcode})" for f in exc.failures.values())
+        failures = ", ".join(f"rank {rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'}"
+                             f" {f.exitcode})" for rank, f in exc.failures.items())
         print(f"[orchestrator] agent on {os.uname().nodename}: {failures}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
@@ -115,14 +115,27 @@ def run_rank(job_file: str) -> int:
     except SystemExit as exc:  # a stop or requeue decided by the job: its records say why
         outcome = ("error", f"SystemExit({exc.code})")
         code = exc.code if isinstance(exc.code, int) else 1
-    except Exception:
+        final = True
+    except Exception as exc:
         traceback.print_exc()
         outcome, code = ("error", traceback.format_exc()), 1
+        final = not restartable(exc)
     else:
-        code = 0
+        code, final = 0, True
     write_atomic(result_path(job_file, rank), pickle.dumps(outcome), fsync=False)
     sys.stdout.flush()
+    if final and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return 0  # an end the job decided: the agent must not restart it (runtime.start.inplace reads the outcome)
     return code
+
+
+def restartable(exc: BaseException) -> bool:
+    """Whether a rank's exception is a failure an in-place restart may cure: not a NaN stop (it would recur),
+    not an orchestrator error (the user's to fix), not a failure after which the job decided not to restart."""
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.runtime.faults import inplace
+
+    return not isinstance(exc, OrchestratorError) and inplace.restart_decided() is not False
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -200,7 +200,9 @@ def _whoami() -> Tuple[int, Optional[str], int]:
     import submitit
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent: its RANK, not the agent's task
-        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), 0
+        from orchestrator.slurm import restart_count  # (an agent started as a SLURM job's task: its attempt)
+
+        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), restart_count()
     try:
         env = submitit.JobEnvironment()
     except RuntimeError:  # torchrun's worker (runtime.start.agent: its job id) or a bare process

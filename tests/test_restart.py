@@ -1,0 +1,130 @@
+"""In-place restarts (``cluster.max_restarts``, runtime/start/inplace.py): bad input, and a SLURM job whose killed
+rank restarts all ranks inside the same allocation. (The local restart, and restarts used up: test_train.py.)
+
+Time (2 cores, load 8-17 from the other helpers): the SLURM test ~90 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import agent_worker, read_metrics, run_cli
+from test_slurm_train import (_NODES, ACROSS_NODES, SMALL, Cli, assert_losses_match, iterations_done,  # noqa: F401
+                              job_nodes, needs_two_nodes, nodes_back, submitted_job, wait_until)
+from orchestrator.ckpt import history
+from orchestrator.submit import jobs
+
+
+@pytest.mark.parametrize("override, key", [
+    (["cluster.spare_nodes=1", "cluster.max_restarts=1"], "cluster.spare_nodes=1"),
+    (["cluster=slurm_dev", "cluster.max_restarts=-1"], "cluster.max_restarts=-1"),
+    (["cluster=slurm_dev", "cluster.spare_nodes=1"], "cluster.spare_nodes=1"),
+])
+def test_bad_restart_settings_are_one_line_before_anything_is_queued(tmp_path, cache_dir, override, key):
+    """Spares on a local job, a negative count, spares without restarts: one `error:` line naming the key and
+    the fix, exit 2, no run directory."""
+    proc = run_cli(SMALL + [f"run.root={tmp_path}", "run.name=bad", *override], cache=cache_dir, check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}:"), proc.stderr
+    assert "fix: " in lines[0] and not (tmp_path / "bad").exists()
+
+
+RESTART_ITERS = 14
+RESTART_SAVE = 4
+
+
+def needs_three_nodes(test):
+    """:func:`needs_two_nodes`, and skipped, with the reason, on a dev cluster of fewer than 3 nodes (a spare)."""
+    test = pytest.mark.skipif(len(_NODES) < 3, reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job of "
+                              "2 nodes and a spare needs 3 (launch/slurm-dev-up.sh --nodes 3)")(test)
+    return needs_two_nodes(test)
+
+
+@contextlib.contextmanager
+def drained(node: str):
+    """``node`` drained in SLURM (what an administrator does to a bad node; its running job steps go on), under the
+    dev cluster's fault lock; resumed after."""
+    with open("/tmp/dev-fault.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=test_restart"],
+                           check=True, timeout=30)
+            yield
+        finally:
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30)
+
+
+@needs_three_nodes
+def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_and_its_losses(
+        tmp_path, cache_dir, nodes_back):
+    """Acceptance of issue 28: a 2-node PP2 x DP2 job with cluster.max_restarts=1 and cluster.spare_nodes=1 (3
+    nodes allocated). After iteration 10 the node of rank 2 (or 0: not the first node, which hosts the rendezvous) is
+    drained and that rank killed (kill -9): the same SLURM
+    job (never requeued) restarts all ranks in its allocation from the checkpoint at 8; the drained node fails its
+    health check and is left out, the spare takes its place (the final manifest's hosts), and the job completes.
+    The retrained iterations' losses equal the first start's, uninterrupted until the kill (1e-5 rel.); the history shows the
+    restart apart from requeues. Prints the time from the kill to the first new iteration, next to the job's own
+    start-up and checkpoint load."""
+    n = RESTART_ITERS
+    common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
+    run_dir = tmp_path / "slurm"
+    cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1",
+                        "cluster.spare_nodes=1"], cache_dir, tmp_path / "logs")
+    try:
+        job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
+        wait_until(lambda: iterations_done(run_dir) >= 10, 400, "iteration 10 on SLURM", cli, poll_s=0.1)
+        # a rank of the node that does not host the rendezvous store (the job's first node, never replaced)
+        first = job_nodes(job_id)[0]
+        rank, victim = next((r, p) for r in (2, 0) if (p := wait_until(lambda: agent_worker(run_dir, r), 30, f"rank {r}"))
+                            and p.environ()["SLURMD_NODENAME"] != first)
+        node = victim.environ()["SLURMD_NODENAME"]
+        with drained(node):
+            victim.kill()
+            killed_at = time.time()
+            resumed = wait_until(lambda: next((r for r in history.read_records(run_dir)
+                                               if r["event"] == "restart_resumed"), None),
+                                 300, "the first iteration after the restart", cli, poll_s=0.1)
+        assert cli.wait(400) == 0, cli.describe()
+    finally:
+        cli.kill()
+    out = cli.stdout
+    assert f"completed: iteration {n} |" in out and out.rstrip().endswith(f"| job {job_id}"), out[-3000:]
+    assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in out, out[-3000:]
+    assert f"node {node} failed its health check and is left out: SLURM has the node" in out, out[-3000:]
+    spare = re.search(rf"spare node (\S+) takes the place of node {node}", out)
+    assert spare and spare.group(1) != node, out[-3000:]
+    st = wait_until(lambda: (s := jobs.slurm_job_status(job_id)) and s.ended and s, 60, "SLURM to end the job")
+    assert st.state == "completed" and st.restarts == 0, st  # one job, never requeued
+    hosts = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["hosts"]
+    assert spare.group(1) in hosts and node not in hosts, (hosts, node)
+
+    starts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
+    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == \
+        [(0, 0, "crashed", True), (0, 1, "completed", False)], starts
+    assert rank in (starts[0].failed or []) and starts[1].start_iteration == 8, starts
+    records = read_metrics(run_dir)
+    its = [r["iteration"] for r in records]
+    cut = next(i for i in range(1, len(its)) if its[i] <= its[i - 1])  # where the restarted ranks' records start
+    assert its[:cut] == list(range(1, cut + 1)) and cut >= 10 and its[cut:] == list(range(9, n + 1)), its
+    # The first start ran uninterrupted up to the kill: the restarted ranks retrain 9.. from the checkpoint at 8 and
+    # reproduce its losses (1e-5 rel.), so they continue the uninterrupted run's path (the local restart test
+    # compares every loss with an uninterrupted run's).
+    first = {r["iteration"]: r["lm_loss"] for r in records[:cut]}
+    assert_losses_match({r["iteration"]: r["lm_loss"] for r in records[cut:] if r["iteration"] in first}, first,
+                        range(9, cut + 1))
+    listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
+    assert f"job {job_id} attempt 0 restart 1 " in listing and "crashed (restarted in place; " in listing, listing
+
+    start_up = records[0]["time"] - next(r["time"] for r in history.read_records(run_dir) if r["event"] == "submitted")
+    log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
+    print(f"kill -9 of rank {rank} on {node} (drained; spare {spare.group(1)}): the first new iteration "
+          f"{resumed['time'] - killed_at:.1f} s after the kill (recorded: {starts[1].recovery_s:.1f} s from the failure); "
+          f"the job's own start-up to its first iteration {start_up:.1f} s; "
+          f"{[ln for ln in log.splitlines() if 'loaded in' in ln][-1:]}")
