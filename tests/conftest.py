@@ -128,6 +128,71 @@ def agent_worker(run_dir: Path, rank: int):
     return None
 
 
+REFERENCE_ITERS = 20
+"""Iterations of the PP2 x DP2 runs that tests compare with one :class:`SharedReference` (the learning-rate
+schedule spans train_iters: runs of other lengths have other losses)."""
+
+
+class SharedReference:
+    """An uninterrupted local run that several tests compare with (a SLURM run, a hosts run, one killed and
+    resumed): made once per session, whichever test asks first, while that test's own job starts, and read by
+    the others (any xdist worker: a file lock in the session's data cache). ``args`` name the run's math only
+    (no run.root/run.name; saves do not change the losses, so the reference saves nothing)."""
+
+    def __init__(self, args: List[str], cache: Path):
+        import fcntl
+        import hashlib
+
+        self.args, self.cache = list(args), cache
+        key = hashlib.sha1("\0".join(sorted(self.args)).encode()).hexdigest()[:12]
+        self.root = cache / "references" / key
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.root / "lock", "w")  # noqa: SIM115 - held while this test makes the run
+        self.proc = None
+        if (self.root / "done").exists():
+            return
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # another worker makes it: losses() waits for its lock
+        if not (self.root / "done").exists():
+            self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ, ORCHESTRATOR_CACHE=str(self.cache), PYTHONUNBUFFERED="1")
+        with open(self.root / "log.txt", "w") as log:
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", *self.args, f"run.root={self.root}",
+                                     "run.name=ref", "checkpoint.save_interval=null", "checkpoint.save_at_end=false"],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def losses(self, timeout: float = 600) -> Dict[int, float]:
+        """Iteration -> lm loss of the reference (waits for it; makes it here if its maker failed)."""
+        import fcntl
+
+        deadline = time.monotonic() + timeout
+        if self.proc is None and not (self.root / "done").exists():
+            while True:  # another worker's run: its lock is released when it ends
+                try:
+                    fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"the shared reference {self.root} took over {timeout} s"
+                    time.sleep(0.5)
+            if not (self.root / "done").exists():
+                self.proc = self._start()
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise
+            assert code == 0, (self.root / "log.txt").read_text()[-4000:]
+            (self.root / "done").touch()
+            self.proc = None
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        return losses_by_iteration(self.root / "ref")
+
+
 def submit_like_launcher(cfg, fn, *args, world_size: int):
     """Submit ``fn`` (in place of the training job) as orchestrator.submit.executor.submit does with
     one task per rank (SLURM and GPU jobs; a local CPU job's task forks its ranks, which only

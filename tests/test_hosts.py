@@ -21,7 +21,7 @@ from typing import Dict, List
 import psutil
 import pytest
 
-from conftest import REPO, losses_by_iteration, read_metrics, run_cli
+from conftest import REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics, run_cli
 from orchestrator.config.hosts import Host, node_env, parse_hostfile
 from orchestrator.errors import ConfigError
 from orchestrator.runtime.start.agent import agent_command
@@ -174,15 +174,14 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     iteration 4 is logged; the launcher names hnode2 within 30 s, exits 1, and no process of the job is left on
     any host; the manifest of its checkpoint records both hosts. The rerun is the same job with
     cluster=torchrun, started by hand in each namespace with the platform's variables (one CI run for both
-    acceptance items): it resumes from that checkpoint and finishes, and every loss of the 8 iterations,
+    acceptance items): it resumes from that checkpoint and finishes, and every loss of the 20 iterations,
     before and after the loss, equals a local run's (1e-5). Variables that disagree with the layout, and a
     layout change, are refused in one line."""
-    n = 8
+    n = REFERENCE_ITERS
     root = tmp_path / "runs"
     common = SMALL + [f"run.root={root}", f"training.train_iters={n}", "checkpoint.save_interval=3", "run.name=job"]
-    ref = Launcher([a for a in common if a != "run.name=job"] + ["cluster=local", "run.name=local"], cache_dir,
-                   tmp_path / "local.log")
-    assert ref.wait(300) == 0, ref.text[-4000:]  # first: its one task builds the sample indices the others reuse
+    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)  # shared with the SLURM tests
+    local = ref.losses(300)  # first: its one task builds the sample indices the others reuse
     first = Launcher(common + ["cluster=hosts_dev"], cache_dir, tmp_path / "hosts.log")
     run_dir = root / "job"
     deadline = time.monotonic() + 300
@@ -213,7 +212,7 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     for node in nodes:
         assert node.wait(300) == 0, node.text[-4000:]
     assert "will resume from" in nodes[0].text and "iter_0000003 (iteration 3)" in nodes[0].text, nodes[0].text[-3000:]
-    _assert_losses_match(losses_by_iteration(run_dir), losses_by_iteration(root / "local"), range(1, n + 1))
+    _assert_losses_match(losses_by_iteration(run_dir), local, range(1, n + 1))
     manifest = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
     assert sorted(set(manifest["hosts"])) == ["hnode1", "hnode2"], manifest["hosts"]
     proc = run_cli(common + ["cluster=hosts_dev", "parallelism.pipeline_model_parallel_size=1",

@@ -54,7 +54,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from conftest import REPO, losses_by_iteration, read_metrics, slurm_unavailable_reason
+from conftest import (REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics,
+                      slurm_unavailable_reason)
 from orchestrator.ckpt import history
 from orchestrator.submit import jobs, sbatch, status
 
@@ -331,7 +332,7 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
 # ---- end to end on SLURM -----------------------------------------------------------------------
 
 # Iterations of the run across nodes: a few before the preemption, the rest after the requeue.
-ACROSS_ITERS = 30
+ACROSS_ITERS = REFERENCE_ITERS
 
 
 @needs_two_nodes
@@ -346,8 +347,8 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     n = ACROSS_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", "checkpoint.save_interval=null"]
     run_dir = tmp_path / "slurm"
-    # The uninterrupted reference runs while the SLURM job starts up and trains.
-    ref = Cli(common + ["cluster=local", "run.name=local"], cache_dir, tmp_path / "logs_local")
+    # The uninterrupted reference (shared with the node-loss and hosts tests) runs while the SLURM job starts.
+    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)
     cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_num_timeout=3"],
               cache_dir, tmp_path / "logs")
     try:
@@ -355,10 +356,9 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
         wait_until(lambda: iterations_done(run_dir) >= 3, 400, "training on SLURM", cli)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)  # the preemption
         wait_until(lambda: f"job {job_id} requeued (1 of at most 3)" in cli.stdout, 120, "the requeue", cli)
-        assert ref.wait(400) == 0, ref.describe()
+        local = ref.losses(400)
         assert cli.wait(420) == 0, cli.describe()
     finally:
-        ref.kill()
         cli.kill()
     out = cli.stdout
     stops = [e["iteration"] for e in events(run_dir, "stopped")]
@@ -407,7 +407,7 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     # No iteration trained twice; the losses equal the uninterrupted run's, around the resume too.
     records = read_metrics(run_dir)
     assert [r["iteration"] for r in records] == list(range(1, n + 1))
-    slurm, local = losses_by_iteration(run_dir), losses_by_iteration(tmp_path / "local")
+    slurm = losses_by_iteration(run_dir)
     assert_losses_match(slurm, local, range(1, n + 1))
 
     rows = status_rows(tmp_path)
@@ -447,7 +447,7 @@ def set_time_limit(job_id: str, minutes: int) -> None:
 
 # The node-loss run: short (gpt_tiny, 20 iterations) with a checkpoint every 5; the node goes after
 # the first checkpoint, so the requeued attempt resumes from a checkpoint and retrains a few iterations.
-NODE_LOSS_ITERS, NODE_LOSS_SAVE = 20, 5
+NODE_LOSS_ITERS, NODE_LOSS_SAVE = REFERENCE_ITERS, 5
 
 
 def complete_checkpoints(run_dir: Path) -> List[int]:
@@ -484,9 +484,9 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     complete checkpoint and finishes; every loss, of both attempts, equals an uninterrupted local run."""
     n = NODE_LOSS_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={NODE_LOSS_SAVE}"]
-    run_dir, local_dir = tmp_path / "slurm", tmp_path / "local"
-    # The uninterrupted reference runs while the SLURM job starts up and trains (2 cores: time, not CPU, is short).
-    ref = Cli(common + ["cluster=local", "run.name=local"], cache_dir, tmp_path / "logs_local")
+    run_dir = tmp_path / "slurm"
+    # The uninterrupted reference (shared: the run across nodes usually made it already) while the job starts.
+    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)
     cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm"], cache_dir, tmp_path / "logs")
     job_id = None
     try:
@@ -513,11 +513,10 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
         complete_at_loss = complete_checkpoints(run_dir)
         print(f"killed ranks {ranks} on {node} at iteration >= {reached}; the launcher reported it after "
               f"{elapsed:.1f} s; complete checkpoints then: {complete_at_loss}")
-        assert ref.wait(400) == 0, ref.describe()
+        local = ref.losses(400)
         assert cli.wait(400) == 0, cli.describe()
         print(f"requeued attempt finished {time.monotonic() - t0:.1f} s after the kill")
     finally:
-        ref.kill()
         cli.kill()  # cancels the job if it still runs
         if job_id is not None:
             end = wait_until_quiet(lambda: (s := jobs.slurm_job_status(job_id)) and s.ended and s, 60)
@@ -549,7 +548,6 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     assert attempts[1].start_iteration == resume_at and attempts[1].iteration == n, attempts
 
     # Every loss of both attempts (the retrained iterations too) equals the uninterrupted run's.
-    local = losses_by_iteration(local_dir)
     records = read_metrics(run_dir)
     its = [r["iteration"] for r in records]
     cut = next((i for i in range(1, len(its)) if its[i] <= its[i - 1]), resume_at)  # where attempt 1 starts
