@@ -267,7 +267,6 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     assert alive == [], alive
 
 
-@pytest.mark.mcore_lines
 def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_path, cache_dir, reference, resume_args):
     """cluster.max_restarts=1 on a local job (torch elastic's agent runs the 4 ranks): kill -9 of rank 1 after
     iteration 6 restarts all ranks on this machine from the checkpoint at 4, every loss (the retrained ones too)
