@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from orchestrator.config.checks import validate, validate_planned
 from orchestrator.config.layout import ParallelLayout, vpp_no_op
 from orchestrator.config.schema import JobConfig
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, ResumeMismatchError
 
 
 def say(message: str) -> None:
@@ -113,7 +113,9 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
     if cfg.checkpoint.init_from:
         from orchestrator.ckpt.manifest import read_manifest
 
-        read_manifest(cfg.checkpoint.init_from)  # ManifestError naming the file, before anything starts
+        refusal = resume.init_from_refusal(read_manifest(cfg.checkpoint.init_from), cfg, layout)  # ManifestError
+        if refusal:  # naming the file, or weights of another shape: before anything starts
+            raise ResumeMismatchError(refusal)
     held = _has_checkpoints(cfg)  # nothing to compare with otherwise (a plan's data may live elsewhere)
     fingerprint = data_fingerprint(cfg.data) if held else None  # hashes, never tokenizes
     latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint,

@@ -92,6 +92,18 @@ def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
     assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
 
 
+def test_init_from_weights_of_another_shape_are_refused_before_anything_starts(tmp_path, cache_dir, init):
+    """checkpoint.init_from of a gpt_tiny checkpoint into llama_tiny: one `error:` line naming the keys whose
+    shapes differ (with the table of the overrides that match), exit 2, no run directory — it used to fail in
+    every rank on dist_checkpointing's shape check after the job started."""
+    proc = run_cli(SMALL + ["parallelism=none", "model=llama_tiny", f"checkpoint.init_from={init}",
+                            f"run.root={tmp_path}", "run.name=other"], cache=cache_dir, check=False)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint.init_from={init}: its weights do not fit the requested model")
+    assert "model.num_query_groups=4" in proc.stderr and not (tmp_path / "other").exists()
+
+
 @pytest.fixture(scope="module")
 def resume_args(init):
     return RESUME + [f"checkpoint.init_from={init}"]

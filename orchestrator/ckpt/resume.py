@@ -366,6 +366,21 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
     return info
 
 
+INIT_SHAPE_KEYS = {k for k in _REFUSE_KEYS if k.startswith("model.") and k != "model.seq_length"} | {
+    "model.padded_vocab_size"}
+"""What ``checkpoint.init_from``'s weights must match to load (their shapes); the layout may differ."""
+
+
+def init_from_refusal(manifest: dict, cfg: JobConfig, layout: ParallelLayout) -> Optional[str]:
+    """Why ``checkpoint.init_from``'s weights cannot load into the requested model (its diff table), or None."""
+    bad = [m for m in compare(manifest, cfg, layout, data_fingerprint=None, tokenizer=None) if m.key in INIT_SHAPE_KEYS]
+    if not bad:
+        return None
+    return (f"checkpoint.init_from={cfg.checkpoint.init_from}: its weights do not fit the requested model "
+            f"({', '.join(m.key for m in bad)} differ); fix: the matching model overrides below, or a checkpoint "
+            f"of this model\n{format_mismatch_table(bad)}")
+
+
 def origin_of(info: CheckpointInfo) -> dict:
     """The ``origin`` entry for manifests written by a run resumed from ``info``."""
     resharded = {m.key: [m.checkpoint, m.requested] for m in info.mismatches if m.kind == RESHARD}
