@@ -39,7 +39,7 @@ from typing import Dict, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.plan.pipeline_schedule import measured_schedule, predict_like  # noqa: E402
+from orchestrator.plan.pipeline_schedule import measured_schedule, predict_measured  # noqa: E402
 
 
 def run_sweep(root: Path, name: str, m: str, v: str, trace: int, pp: int = 4) -> Dict[Tuple[int, int], dict]:
@@ -77,19 +77,24 @@ def main() -> int:
                 best[key] = doc
     print(f"PP{args.pp}, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced, best of {args.repeat} sweep(s) "
           f"({time.time() - start:.0f} s), {os.cpu_count()} CPUs; {root}")
-    print(f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'predicted':>9} {'measured idle/busy':>26} {'ratio':>5} | "
-          f"{'(p-1)/(vm+p-1)':>14} {'measured idle share':>19} | {'iteration ms':>12}")
-    rows = []
+    print(f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'from ops':>8} {'measured idle/busy':>26} {'ops err':>7} "
+          f"{'formula err':>11} | {'iteration ms':>12} {'from ops':>8}")
+    rows, errors = [], []
     for (v, m), doc in sorted(best.items()):
         b = doc["bubble"]
-        pred = predict_like(measured_schedule(doc["ranks"], b["pp"], v, m))
+        pred = predict_measured(measured_schedule(doc["ranks"], b["pp"], v, m))
         over = b["measured_bubble_overhead"]
-        mean_over, mean_idle = sum(over) / len(over), sum(b["measured_idle_share"]) / len(over)
+        mean_over, mean_pred = sum(over) / len(over), sum(pred.bubble_overhead()) / b["pp"]
         rows.append((v, m, mean_over))
-        print(f"{v:>2} {m:>3} | {b['predicted_bubble_overhead']:>10.1%} {sum(pred.bubble_overhead()) / b['pp']:>9.1%} "
-              f"{mean_over:>8.1%} ({min(over):.0%}..{max(over):.0%}){'':>7} "
-              f"{mean_over / b['predicted_bubble_overhead']:>5.2f} | {b['predicted_idle_share']:>14.1%} "
-              f"{mean_idle:>19.1%} | {1e3 * b['iteration_s']:>12.1f}")
+        errors.append(mean_pred / mean_over - 1)
+        print(f"{v:>2} {m:>3} | {b['predicted_bubble_overhead']:>10.1%} {mean_pred:>8.1%} "
+              f"{mean_over:>8.1%} ({min(over):.0%}..{max(over):.0%}){'':>7} {errors[-1]:>+7.0%} "
+              f"{b['predicted_bubble_overhead'] / mean_over - 1:>+11.0%} | {1e3 * b['iteration_s']:>12.1f} "
+              f"{1e3 * (pred.window[1] - pred.window[0]):>8.1f}")
+    within = sum(abs(e) <= 0.2 for e in errors)
+    print(f"bubble predicted from the measured operations vs measured: {within} of {len(errors)} points within 20% "
+          f"(mean |error| {sum(abs(e) for e in errors) / len(errors):.0%}, max {max(abs(e) for e in errors):.0%}); "
+          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for v in sorted({r[0] for r in rows}):
         series = [o for vv, _, o in rows if vv == v]
         print(f"v={v}: measured bubble falls as m grows: {all(a > b for a, b in zip(series, series[1:]))}")
