@@ -247,17 +247,17 @@ def _dependency(step: Step, pp: int, vpp: int) -> Optional[Tuple[str, int, int]]
     return (BACKWARD, step.microbatch, j + 1) if j < pp * vpp - 1 else None
 
 
-def _median(xs: List[float]) -> float:
-    xs = sorted(xs)
-    return 0.0 if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+def _mean(xs: List[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def measured_costs(measured: Schedule) -> Dict[str, object]:
     """What one traced iteration says each operation costs, in seconds: per stage the mean forward and
     backward of a micro-batch through the whole stage (the mean step x v), the ``gap`` after a step when
-    the next one's input was already there (its send/recv calls and the schedule's code: the median), and
-    ``comm``: the median time from a step's end on one stage to the start of the step it feeds on the next,
-    over those the consumer waited for (its stage idle before the input came): one transfer."""
+    the next one's input was already there (its send/recv calls and the schedule's code), and ``comm``: the
+    time from a step's end on one stage to the start of the step it feeds on the next, over those the
+    consumer waited for (its stage idle before the input came): one transfer. Means throughout, so the
+    stage's busy time and its own overheads add up to the measured ones."""
     p, v = measured.pp, measured.vpp
     ends = {(s.kind, s.microbatch, s.chunk * p + s.stage): s.end for s in measured.steps}
     waits, gaps = [], [[] for _ in range(p)]  # type: List[float], List[List[float]]
@@ -273,7 +273,7 @@ def measured_costs(measured: Schedule) -> Dict[str, object]:
     f_all = mean_cost(measured, FORWARD)
     return {"forward": [v * (mean_cost(measured, FORWARD, r) or f_all) for r in range(p)],
             "backward": [v * (mean_cost(measured, BACKWARD, r) or 2 * f_all) for r in range(p)],
-            "gap": [max(0.0, _median(g)) for g in gaps], "comm": max(0.0, _median(waits))}
+            "gap": [max(0.0, _mean(g)) for g in gaps], "comm": max(0.0, _mean(waits))}
 
 
 def predict_measured(measured: Schedule) -> Schedule:

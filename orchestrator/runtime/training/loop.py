@@ -226,6 +226,13 @@ class _Log:
               f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
               f"tokens/s {rec['tokens_per_s']:.0f}", flush=True)
 
+    def whole_run(self) -> Optional[Dict[str, object]]:
+        """The breakdown over the timed iterations, said on the logging rank (collective); None when off."""
+        whole = self.clock.gather(0, run=True) if self.clock is not None else None
+        if whole is not None and whole["stages"]:
+            print(describe_breakdown(whole, f"over {len(self.timed)} timed iterations"), flush=True)
+        return whole
+
     def eval(self, iteration: int, consumed: int, loss: Optional[float]) -> None:
         if self.trackers.enabled and loss is not None:
             t = self.rank.cfg.training
@@ -322,8 +329,6 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             status = "exited"
             break
     poll.close()
-    whole = clock.gather(it, run=True) if clock is not None else None  # collective
-    if whole is not None and whole["stages"]:
-        print(describe_breakdown(whole, f"over {len(log.timed)} timed iterations"), flush=True)
+    whole = log.whole_run()  # collective
     return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start,
                    tracer.result if tracer is not None else None, whole)
