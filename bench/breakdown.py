@@ -82,7 +82,7 @@ def main() -> int:
     med = {k: (statistics.median(s["step_time_median_s"] for s in v),
                statistics.median(s["step_cpu_time_median_s"] for s in v)) for k, v in got.items()}
     print(f"on / off: step {med[10][0] / med[0][0]:.3f}, CPU per step {med[10][1] / med[0][1]:.3f} "
-          f"(best of {args.repeat} alternating runs each, the logging rank)")
+          f"(medians of {args.repeat} alternating runs each, the logging rank)")
     pairs = 4 * 2 + 2 + 2 + 4 + 2  # PP2 m=2: F, B, data and p2p per micro-batch; grad syncs; optimizer; loss, sync
     print(f"sections per step on a rank of PP2, m = 2: about {pairs} -> {pairs * cost:.0f} us, "
           f"{pairs * cost / (1e6 * med[10][1]):.3%} of its CPU time per step")

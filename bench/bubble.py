@@ -3,21 +3,21 @@
 One local sweep on warm ranks (4 CPU ranks; gpt_tiny with 8 layers so v = 2 has a layer per chunk;
 micro-batch size 1, DP 1, so num_microbatches = global_batch_size), every point traced at iteration
 ``--trace`` (``sweep.trace_iteration``: the first iterations pay one-off costs). Per point it prints the
-formula, the predicted schedule's bubble (megatron's order timed with the traced run's own mean forward
-per stage and backward / forward ratio, :func:`orchestrator.plan.pipeline_schedule.predict_like`) and the measured one: idle / busy
-per stage (mean, min..max) and idle share of the iteration (mean over stages), with measured / formula.
-On CPU the ranks share the machine's cores, so a stage's idle time runs other ranks' work: expect the
-trend of the formula (falling with m and v), not its values.
+formula, the bubble predicted from the traced iteration's own operations (each stage's mean forward and
+backward, the gap after a step, one transfer, timed in megatron's order by the planner's dataflow model:
+:func:`orchestrator.plan.pipeline_schedule.predict_measured`) and the measured one: idle / busy per stage
+(mean, min..max), the prediction's error and the formula's, and the iteration measured vs predicted.
 
-Measured here 2026-12-02 on 2 quiet cores (idle/busy mean over stages vs (p-1)/(v m)):
-PP4 (4 ranks on 2 cores, 47 s): v = 1: 110.7%, 54.8%, 41.5% at m = 4, 8, 16 vs 75.0%, 37.5%, 18.8%
-(1.5-2.2x); v = 2: 86.3%, 63.0%, 59.5% vs 37.5%, 18.8%, 9.4% (2.3-6.3x). PP2 (one rank per core,
---pp 2 --repeat 2, 80 s): v = 1: 33.1%, 20.0%, 14.5% vs 25.0%, 12.5%, 6.2% (1.3-2.3x); v = 2: 27.5%,
-23.4%, 19.5% vs 12.5%, 6.2%, 3.1%. The measured bubble falls as m grows in every series, as the formula
-says, and is closest where each rank has a core of its own (PP2, v = 1). Interleaving lowers it only at
-m = 4: on this model (8 layers of hidden 64, gloo) the twice as many point-to-point transfers and
-per-chunk steps cost more than the bubble they remove. Under load the numbers scatter (2026-12-01, load
-20-43: 2.5-7.8x, no trend).
+Measured 2026-12-03, 2 cores shared with other agents (load 10-18), --repeat 2, mean idle/busy over stages,
+predicted from the operations / measured (formula):
+PP2 (one rank per core): v = 1, m = 4, 8, 16: 32.4/34.6% (25.0%), 34.5/38.4% (12.5%), 19.2/22.9% (6.2%);
+v = 2: 33.9/35.0% (12.5%), 32.4/34.1% (6.2%), 24.2/24.9% (3.1%): 6 of 6 within 20%, mean |error| 7%, max 16%.
+PP4 (4 ranks on 2 cores): v = 1: 94.0/74.1% (75.0%), 71.1/70.0% (37.5%), 49.2/52.4% (18.8%); v = 2:
+84.0/93.5% (37.5%), 73.5/71.5% (18.8%), 83.5/79.3% (9.4%): 5 of 6 within 20%, mean 9%, max 27% (m = 4,
+v = 1: ranks sharing a core run alone in the warm-up and two to a core later; one mean cost per step
+cannot say both). Earlier (2026-12-02, 2 quiet cores) against the formula alone: PP4 1.5-6.3x it, PP2
+1.3-2.3x; under load the measured bubble scatters, and the prediction follows it because it is fed by
+the same iteration.
 
     python bench/bubble.py                            # ~1 minute on 2 quiet cores
     python bench/bubble.py --pp 2 --repeat 2          # one rank per core
