@@ -55,6 +55,8 @@ _NAMES = {"forward-compute": "compute", "backward-compute": "compute", "batch-ge
           "non-tensor-parallel-grads-all-reduce": "dp_comm", "conditional-embedder-grads-all-reduce": "dp_comm",
           "optimizer": "optimizer", "loss-all-reduce": "dp_comm",
           "loop-sync": "sync"}
+"""megatron-core's timer names (and the loop's own sections) -> category; p2p names are found by :func:`category`."""
+
 
 def category(name: str) -> Optional[str]:
     """The category of a megatron timer name (None: not counted, e.g. ``forward-backward``, which encloses
