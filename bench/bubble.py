@@ -15,7 +15,7 @@ v = 2: 33.9/35.0% (12.5%), 32.4/34.1% (6.2%), 24.2/24.9% (3.1%): 6 of 6 within 2
 PP4 (4 ranks on 2 cores): v = 1: 94.0/74.1% (75.0%), 71.1/70.0% (37.5%), 49.2/52.4% (18.8%); v = 2:
 84.0/93.5% (37.5%), 73.5/71.5% (18.8%), 83.5/79.3% (9.4%): 5 of 6 within 20%, mean 9%, max 27% (m = 4,
 v = 1: ranks sharing a core run alone in the warm-up and two to a core later; one mean cost per step
-cannot say both). Earlier (2026-12-02, 2 quiet cores) against the formula alone: PP4 1.5-6.3x it, PP2
+cannot say both); a second PP4 run (load 14-25): 5 of 6 within 20%, mean 11%, max 21%. Earlier (2026-12-02, 2 quiet cores) against the formula alone: PP4 1.5-6.3x it, PP2
 1.3-2.3x; under load the measured bubble scatters, and the prediction follows it because it is fed by
 the same iteration.
 
