@@ -8,14 +8,14 @@ backward, the gap after a step, one transfer, timed in megatron's order by the p
 :func:`orchestrator.plan.pipeline_schedule.predict_measured`) and the measured one: idle / busy per stage
 (mean, min..max), the prediction's error and the formula's, and the iteration measured vs predicted.
 
-Measured 2026-12-03, 2 cores shared with other agents (load 10-18), --repeat 2, mean idle/busy over stages,
-predicted from the operations / measured (formula):
-PP2 (one rank per core): v = 1, m = 4, 8, 16: 32.4/34.6% (25.0%), 34.5/38.4% (12.5%), 19.2/22.9% (6.2%);
-v = 2: 33.9/35.0% (12.5%), 32.4/34.1% (6.2%), 24.2/24.9% (3.1%): 6 of 6 within 20%, mean |error| 7%, max 16%.
-PP4 (4 ranks on 2 cores): v = 1: 94.0/74.1% (75.0%), 71.1/70.0% (37.5%), 49.2/52.4% (18.8%); v = 2:
-84.0/93.5% (37.5%), 73.5/71.5% (18.8%), 83.5/79.3% (9.4%): 5 of 6 within 20%, mean 9%, max 27% (m = 4,
-v = 1: ranks sharing a core run alone in the warm-up and two to a core later; one mean cost per step
-cannot say both); a second PP4 run (load 14-25): 5 of 6 within 20%, mean 11%, max 21%. Earlier (2026-12-02, 2 quiet cores) against the formula alone: PP4 1.5-6.3x it, PP2
+Measured 2026-12-03, --repeat 2, mean idle/busy over stages, predicted from the operations / measured
+(formula), at load 2.4: PP2 (one rank per core): v = 1, m = 4, 8, 16: 35.4/35.2% (25.0%), 20.5/24.6%
+(12.5%), 16.8/17.5% (6.2%); v = 2: 32.5/35.4% (12.5%), 22.2/22.7% (6.2%), 23.3/25.1% (3.1%): 6 of 6 within
+20%, mean |error| 7%, max 17%. PP4 (4 ranks on 2 cores): v = 1: 95.9/89.1% (75.0%), 63.5/57.9% (37.5%),
+54.7/51.0% (18.8%); v = 2: 94.2/86.1% (37.5%), 62.8/59.7% (18.8%), 52.1/51.8% (9.4%): 6 of 6, mean 7%,
+max 10%. At load 10-25 (other agents): PP2 6 of 6 (mean 7%); PP4 5 of 6 twice (mean 9-11%, max 21-27%,
+at m = 4 or 8, v = 1: ranks sharing a core run alone in the warm-up and two to a core later, which one
+mean cost per step cannot say). Earlier (2026-12-02, 2 quiet cores) against the formula alone: PP4 1.5-6.3x it, PP2
 1.3-2.3x; under load the measured bubble scatters, and the prediction follows it because it is fed by
 the same iteration.
 
