@@ -8,9 +8,9 @@
    shares and its ``other`` (what no section covers: the step is explained within 5% when |other| <= 5%).
 
 On a shared machine wall times move with the load; the CPU time per step and the in-process section cost
-are what to read. Measured here 2026-12-03, 2 cores shared with 3 other agents, load 9-15, --repeat 3:
-one section 1.73 us, ~18 per step -> 0.025% of the CPU time per step; on / off: step 0.987, CPU per step
-0.971 (noise); largest |other| 0.7%.
+are what to read. Measured here 2026-12-03, --repeat 3: at load 2-3, one section 1.00 us, ~18 per step ->
+0.015% of the CPU time per step; on / off: step 0.993, CPU per step 0.998; largest |other| 0.8%. At load
+9-15 (3 other agents): 1.73 us, on / off 0.987 and 0.971 (noise); largest |other| 0.7%.
 
     python bench/breakdown.py                       # ~2 minutes on 2 quiet cores
     python bench/breakdown.py --iters 40 --repeat 3 --root /tmp/bench_breakdown
