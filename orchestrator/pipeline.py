@@ -212,4 +212,8 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             + (f" | lm loss {loss:.4f}" if loss is not None else "")
             + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
             + f" | job {summary.get('job_id')}")
+        if (summary.get("breakdown") or {}).get("stages"):
+            from orchestrator.plan.step_breakdown import describe
+
+            say(describe(summary["breakdown"], f"over {summary.get('timed_iterations')} timed iterations"))
     return summary

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, run_cli
 
-from orchestrator.plan.pipeline_schedule import (measured_schedule, predict, predict_like, schedule_table, stage_order,
+from orchestrator.plan.pipeline_schedule import (measured_costs, measured_schedule, predict, predict_like, predict_measured, schedule_table, stage_order,
                                                  warmup_count)
 
 
@@ -70,6 +70,28 @@ def test_a_trace_reads_back_as_its_schedule():
     assert [measured.order(r) for r in range(4)] == [stage_order(4, r, 8, 2) for r in range(4)]
     again = predict_like(measured)  # equal stages, backward = 2 x forward: the formula
     assert again.bubble_overhead() == pytest.approx([3 / 16] * 4)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 8, 1), (4, 8, 1), (4, 8, 2)])
+def test_the_measured_operations_predict_the_bubble_they_came_from(pp, m, v):
+    """A recorded copy of a schedule with unequal stages (the last one heavier), a transfer and a gap after
+    every step: measured_costs reads back each stage's forward and backward, the transfer and the gaps,
+    and predict_measured gives back its bubble and its step, which the bare formula does not."""
+    forward = [0.010 + 0.002 * r for r in range(pp - 1)] + [0.020]
+    backward = [0.021 + 0.003 * r for r in range(pp)]
+    gap = [0.0004 + 0.0001 * r for r in range(pp)]
+    truth = predict(pp, m, v, forward=forward, backward=backward, comm=0.002, gap=gap)
+    ranks = [{"rank": r, "pp_rank": r, "dp_rank": 0, "tp_rank": 0,
+              "events": [{"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start,
+                          "end": st.end} for st in truth.on(r)]} for r in range(pp)]
+    measured = measured_schedule(ranks, pp, v, m)
+    costs = measured_costs(measured)
+    assert costs["forward"] == pytest.approx(forward) and costs["backward"] == pytest.approx(backward)
+    assert costs["comm"] == pytest.approx(0.002) and costs["gap"] == pytest.approx(gap)
+    again = predict_measured(measured)
+    assert again.bubble_overhead() == pytest.approx(truth.bubble_overhead())
+    assert again.window == pytest.approx(truth.window)
+    assert max(abs(b - truth.formula()[0]) for b in truth.bubble_overhead()) > 0.05  # the formula misses it
 
 
 def test_plan_picture_is_written_without_torch(tmp_path):

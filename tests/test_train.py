@@ -110,13 +110,53 @@ def resume_args(init):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir, resume_args):
-    """One uninterrupted gpt_pp2_dp2 run from ``init``: the losses every interrupted/resumed run and
-    every other layout must reproduce. (Checkpoint saves do not change the math, so runs that save
-    can be compared with it.)"""
+def reference_run(tmp_path_factory, cache_dir, resume_args) -> Path:
+    """One uninterrupted gpt_pp2_dp2 run from ``init`` (its run directory)."""
     root = tmp_path_factory.mktemp("reference")
     run_cli(resume_args + [f"run.root={root}", "run.name=full"], cache=cache_dir)
-    return losses_by_iteration(root / "full")
+    return root / "full"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The reference run's losses: what every interrupted/resumed run and every other layout must reproduce.
+    (Checkpoint saves do not change the math, so runs that save can be compared with it.)"""
+    return losses_by_iteration(reference_run)
+
+
+def test_the_step_breakdown_per_stage_explains_the_step(reference_run, capsys):
+    """The reference PP2 x DP2 run (20 iterations, training.breakdown_interval 10): a breakdown record at
+    iterations 10 and 20 and one in the summary, each with both stages of 2 ranks; every category measured
+    (DP 2: gradient all-reduce; both stages read data; PP 2: point-to-point waits); the measured categories
+    sum to the step time within 5% (|other| <= 5%), and a window's step is the loop's own step time.
+    ``status --detail`` shows the newest (the summary's)."""
+    from orchestrator.plan.step_breakdown import CATEGORIES
+    from orchestrator.submit.status import main as status_main
+
+    records = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in records if r.get("event") == "breakdown"]
+    summary = next(r for r in records if r.get("event") == "summary")
+    assert [(w["iteration"], w["iterations"]) for w in windows] == [(10, [1, 10]), (20, [11, 20])]
+    for b in [*windows, summary["breakdown"]]:
+        assert [(s["stage"], s["ranks"]) for s in b["stages"]] == [(0, 2), (1, 2)]
+        for s in b["stages"]:
+            assert all(s[c] > 0 for c in CATEGORIES), s
+            assert abs(s["other"]) <= 0.05, s  # what no section covers: the step is explained within 5%
+            assert s["mfu"] is None  # CPU
+    steps = [r["step_time_s"] for r in records if "event" not in r and r["iteration"] > 10]
+    assert windows[1]["stages"][1]["step_s"] == pytest.approx(sum(steps) / len(steps), rel=0.05)
+    assert status_main(["--detail", str(reference_run.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "step breakdown, over the 17 timed iterations of the job that ended at iteration 20" in out
+    assert "PIPELINE BUBBLE" in out and len([l for l in out.splitlines() if l.strip()[:2] in ("0 ", "1 ")]) == 2
+
+
+def test_a_breakdown_interval_below_zero_is_refused_in_one_line(cache_dir):
+    proc = run_cli(["+experiment=gpt_pp2_dp2", "training.breakdown_interval=-1", "plan=true"], cache=cache_dir,
+                   check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: training.breakdown_interval=-1: must be an integer >= 0; fix: training.breakdown_interval=10 "
+        "(the default)"], proc.stderr
 
 
 @pytest.fixture(scope="module")

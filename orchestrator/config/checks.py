@@ -69,7 +69,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("training.distributed_timeout_minutes", 1, False), ("training.eval_interval", 1, True),
     ("training.eval_iters", 0, False), ("training.max_skipped_steps", 0, False), ("training.spike.window", 1, False),
     ("checkpoint.save_interval", 0, True), ("checkpoint.keep_last", 2, True), ("checkpoint.keep_every", 1, True),
-    ("training.trace_iteration", 1, True), ("sweep.trace_iteration", 1, True),
+    ("training.trace_iteration", 1, True), ("sweep.trace_iteration", 1, True), ("training.breakdown_interval", 0, False),
     ("cluster.nodes", 1, False), ("cluster.tasks_per_node", 1, True), ("cluster.gpus_per_node", 0, False),
     ("cluster.cpus_per_task", 1, True), ("cluster.timeout_min", 1, False), ("cluster.signal_delay_s", 0, False),
     ("cluster.max_num_timeout", 0, False), ("cluster.max_failures", 0, False),

@@ -206,6 +206,10 @@ class TrainingConfig:
     """Record iteration N's pipeline schedule on every rank (forward, backward, send/recv waits) into
     <run.dir>/schedule.json, schedule_trace.json (Chrome trace) and schedule.png, with the measured bubble
     per stage next to (p-1)/(v m); null (default) records nothing."""
+    breakdown_interval: int = 10
+    """Every N iterations (and at the last) the logging rank says and records (metrics.jsonl ``breakdown``)
+    each pipeline stage's step by share: compute, pipeline bubble, DP communication, optimizer, data, other
+    (and MFU on a GPU); the summary has it over the timed iterations. 0: not measured."""
 
     def __post_init__(self) -> None:  # from_dict / a pickled job: plain dicts travel
         self.spike = SpikeConfig(**self.spike) if isinstance(self.spike, dict) else self.spike

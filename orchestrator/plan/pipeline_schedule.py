@@ -146,14 +146,20 @@ class Schedule:
 
 
 def predict(pp: int, num_microbatches: int, vpp: int = 1, forward: Sequence[float] = (1.0,),
-            backward_ratio: float = 2.0, comm: float = 0.0, group: Optional[int] = None) -> Schedule:
+            backward_ratio: float = 2.0, comm: float = 0.0, group: Optional[int] = None,
+            backward: Optional[Sequence[float]] = None, gap: Sequence[float] = (0.0,)) -> Schedule:
     """The schedule megatron-core runs, timed by the dataflow model of the module docstring.
 
     ``forward``: time of one micro-batch's forward through one whole stage (all its chunks), one value
     for every stage or one per stage; a chunk takes 1/v of it. ``backward_ratio``: backward / forward
-    (2; 3 with full recomputation). ``comm``: one point-to-point transfer between stages.
+    (2; 3 with full recomputation), unless ``backward`` gives the backward times as ``forward`` does.
+    ``comm``: one point-to-point transfer between stages. ``gap``: what a stage spends after each step
+    before it can start the next (its send/recv calls and the schedule's own code), one value or one per stage.
     """
     fwd = list(forward) if len(forward) == pp else [forward[0]] * pp
+    bwd = [f * backward_ratio for f in fwd] if backward is None else (
+        list(backward) if len(backward) == pp else [backward[0]] * pp)
+    gaps = list(gap) if len(gap) == pp else [gap[0]] * pp
     orders = [stage_order(pp, r, num_microbatches, vpp, group) for r in range(pp)]
     last_virtual = pp * vpp - 1
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
@@ -173,9 +179,10 @@ def predict(pp: int, num_microbatches: int, vpp: int = 1, forward: Sequence[floa
                 # a dependency on another virtual stage (always another rank) waits for one transfer
                 ready = 0.0 if dep is None else done[dep] + (comm if dep[2] != j else 0.0)
                 start = max(free[r], ready)
-                cost = fwd[r] / vpp * (1.0 if kind == FORWARD else backward_ratio)
+                cost = (fwd[r] if kind == FORWARD else bwd[r]) / vpp
                 steps.append(Step(r, mb, chunk, kind, start, start + cost))
-                done[(kind, mb, j)] = free[r] = start + cost
+                done[(kind, mb, j)] = start + cost
+                free[r] = start + cost + gaps[r]
                 pos[r] += 1
                 progressed = True
         if not progressed:
@@ -230,3 +237,50 @@ def predict_like(measured: Schedule) -> Schedule:
     forward = [measured.vpp * (mean_cost(measured, FORWARD, r) or f) for r in range(measured.pp)]
     return predict(measured.pp, measured.num_microbatches, measured.vpp, forward=forward,
                    backward_ratio=mean_cost(measured, BACKWARD) / f if f > 0 else 2.0)
+
+
+def _dependency(step: Step, pp: int, vpp: int) -> Optional[Tuple[str, int, int]]:
+    """(kind, micro-batch, virtual stage) of the step on another stage that ``step`` waits for, or None."""
+    j = step.chunk * pp + step.stage
+    if step.kind == FORWARD:
+        return (FORWARD, step.microbatch, j - 1) if j > 0 else None
+    return (BACKWARD, step.microbatch, j + 1) if j < pp * vpp - 1 else None
+
+
+def _mean(xs: List[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def measured_costs(measured: Schedule) -> Dict[str, object]:
+    """What one traced iteration says each operation costs, in seconds: per stage the mean forward and
+    backward of a micro-batch through the whole stage (the mean step x v), the ``gap`` after a step when
+    the next one's input was already there (its send/recv calls and the schedule's code), and ``comm``: the
+    time from a step's end on one stage to the start of the step it feeds on the next, over those the
+    consumer waited for (its stage idle before the input came): one transfer. Means throughout, so the
+    stage's busy time and its own overheads add up to the measured ones."""
+    p, v = measured.pp, measured.vpp
+    ends = {(s.kind, s.microbatch, s.chunk * p + s.stage): s.end for s in measured.steps}
+    waits, gaps = [], [[] for _ in range(p)]  # type: List[float], List[List[float]]
+    for r in range(p):
+        steps = measured.on(r)
+        for prev, step in zip([None] + steps[:-1], steps):
+            dep = _dependency(step, p, v)
+            ready = ends.get(dep) if dep is not None else None
+            if ready is not None and (prev is None or ready > prev.end):
+                waits.append(step.start - ready)  # idle until the input came: start - its producer's end
+            elif prev is not None:
+                gaps[r].append(step.start - prev.end)
+    f_all = mean_cost(measured, FORWARD)
+    return {"forward": [v * (mean_cost(measured, FORWARD, r) or f_all) for r in range(p)],
+            "backward": [v * (mean_cost(measured, BACKWARD, r) or 2 * f_all) for r in range(p)],
+            "gap": [max(0.0, _mean(g)) for g in gaps], "comm": max(0.0, _mean(waits))}
+
+
+def predict_measured(measured: Schedule) -> Schedule:
+    """The schedule of a traced iteration's layout predicted from its own measured operations
+    (:func:`measured_costs`): per-stage forward and backward, the gap after each step, one transfer
+    between stages; bench/bubble.py compares its bubble with the measured one."""
+    c = measured_costs(measured)
+    return predict(measured.pp, measured.num_microbatches, measured.vpp, forward=c["forward"],  # type: ignore[arg-type]
+                   backward=c["backward"], comm=float(c["comm"]), gap=c["gap"])  # type: ignore[arg-type]
+

@@ -4,7 +4,8 @@
 state (and why the latest attempt ended: ``failed (nan)``, ``failed (hang)`` …), job id, requeues,
 iteration reached / trained to, last loss, tokens/s (mean of the last records) and, for a running
 job, the ETA (``--json``: ``train_iters``, ``tokens_per_s``, ``eta_s``), then a failed run's own one-line account or its failing rank's error
-lines; ``--history`` adds every attempt of each run (job id, start, end, cause, iteration reached).
+lines; ``--history`` adds every attempt of each run (job id, start, end, cause, iteration reached);
+``--detail`` each run's newest step breakdown per pipeline stage (``--json``: ``breakdown``).
 No torch import.
 """
 
@@ -150,14 +151,54 @@ class RunStatus:
     """A running job's remaining time: iterations left x the mean recent step time."""
     slowness: List[str] = field(default_factory=list)
     """The latest job's slow links and named stragglers (``link_check`` / ``straggler`` records), one line each."""
+    breakdown: Optional[Dict[str, Any]] = None
+    """``--detail``: the newest step breakdown per stage (:func:`latest_breakdown`)."""
 
     @property
     def state(self) -> str:
         return self.job.state if self.job else "unknown"
 
 
-def run_status(run_dir: PathLike) -> RunStatus:
-    """State of the latest job of a run, its progress and (failed) the failing rank's last lines."""
+def latest_breakdown(run_dir: PathLike) -> Optional[Dict[str, Any]]:
+    """The newest step breakdown of a run (``metrics.jsonl``): the latest window's ``breakdown`` record, or
+    the job summary's (over its timed iterations) when that came after it; with ``what``, saying which.
+    None when the run recorded none (``training.breakdown_interval=0``, or no window yet)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None
+    window = next(_records_from_end(path, only='"event": "breakdown"'), None)
+    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    if summary and (summary.get("breakdown") or {}).get("stages") and \
+            float(summary.get("time", 0)) >= float((window or {}).get("time", 0)):
+        return {**summary["breakdown"], "what": f"over the {summary.get('timed_iterations')} timed iterations "
+                                                f"of the job that ended at iteration {summary.get('iteration')}"}
+    if window and window.get("stages"):
+        first, last = window.get("iterations") or ("?", window.get("iteration"))
+        return {**window, "what": f"iterations {first}-{last}"}
+    return None
+
+
+def format_breakdown(run: str, b: Dict[str, Any]) -> List[str]:
+    """``status --detail``'s lines for one run: a row per pipeline stage, each category's share of the step."""
+    from orchestrator.plan.step_breakdown import CATEGORIES, LABELS
+
+    cols = (*CATEGORIES, "other")
+    rows = [("STAGE", "STEP MS", *(LABELS[c].upper() for c in cols), "MFU")]
+    for st in b["stages"]:
+        rows.append((str(st["stage"]), f"{1e3 * st['step_s']:.1f}", *(f"{st[c]:.1%}" for c in cols),
+                     "-" if st.get("mfu") is None else f"{st['mfu']:.1%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [f"{run}: step breakdown, {b['what']}"] + ["    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                                                       for r in rows]
+
+
+def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
+    """State of the latest job of a run, its progress and (failed) the failing rank's last lines; ``detail``:
+    its newest step breakdown too."""
+    if detail:
+        rs = run_status(run_dir)
+        rs.breakdown = latest_breakdown(run_dir)
+        return rs
     records = read_records(run_dir)
     submissions = [r for r in records if r.get("event") == "submitted"]
     iteration, loss, summary = last_metrics(run_dir)
@@ -257,7 +298,8 @@ def _fmt_eta(seconds: Optional[float]) -> str:
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{sec:02d}s"
 
 
-def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False) -> str:
+def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False,
+                 detail: bool = False) -> str:
     rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA")]
     for s in statuses:
         name = str(Path(s.run_dir).relative_to(root)) if root and Path(s.run_dir) != root else str(s.run_dir)
@@ -272,6 +314,10 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
         if s.slowness:
             lines.append("")
             lines.extend(f"{s.run_dir}: {line}" for line in s.slowness)
+        if detail:
+            lines.append("")
+            lines.extend(format_breakdown(s.run_dir, s.breakdown) if s.breakdown else
+                         [f"{s.run_dir}: no step breakdown recorded yet (training.breakdown_interval, default 10)"])
         if s.job is not None and s.job.state in ("failed", "stopped") and s.job.message:
             lines.append("")
             cause = "" if s.job.message.startswith(f"{s.job.cause}:") else f"{s.job.cause}: "
@@ -301,6 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
     parser.add_argument("--history", action="store_true",
                         help="every attempt of each run: job id, start, end, cause, iteration reached")
+    parser.add_argument("--detail", action="store_true",
+                        help="each run's newest step breakdown per pipeline stage: compute, pipeline bubble, DP "
+                             "communication, optimizer, data, other (shares of the step), MFU on a GPU")
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
     if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
@@ -312,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: runs_root={root}: not a directory; fix: the run.root of your runs (default: runs)",
               file=sys.stderr)
         return 2
-    statuses = [run_status(d) for d in find_runs(root)]
+    statuses = [run_status(d, detail=args.detail) for d in find_runs(root)]
     if args.json:
         for s in statuses:
             d = asdict(s)
@@ -322,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not statuses:
         print(f"no runs under {root}")
         return 0
-    print(format_table(statuses, root, history=args.history))
+    print(format_table(statuses, root, history=args.history, detail=args.detail))
     return 0
 
 

@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,7 +34,8 @@ from orchestrator.runtime.training.metrics import Trackers, perplexity
 from orchestrator.runtime.rank.model import unwrap
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
-from orchestrator.runtime.training import trace
+from orchestrator.plan.step_breakdown import describe as describe_breakdown
+from orchestrator.runtime.training import breakdown, trace
 from orchestrator.runtime.faults import spike, straggler
 
 
@@ -43,7 +44,12 @@ def _forward_step(data_iterator, model):
     with CP > 1 each rank keeps its share of the sequence (runtime.cp)."""
     inner = unwrap(model)
     needs_data = getattr(inner, "pre_process", True) or getattr(inner, "post_process", True)
+    timers = inner.config.timers  # Megatron-LM's pretrain_gpt times its batch the same way (runtime.training.breakdown)
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
     batch = cp.batch_on_this_cp_rank(next(data_iterator)) if needs_data else None
+    if timers is not None:
+        timers("batch-generator").stop()
     tokens = batch["tokens"] if batch is not None else None
     position_ids = batch["position_ids"] if batch is not None else None
     labels = batch["labels"] if batch is not None else None
@@ -162,6 +168,8 @@ class Outcome:
     trial's start-up is its wall time minus this."""
     schedule_trace: Optional[Dict[str, object]] = None
     """``training.trace_iteration``'s measured bubble per stage next to the formula (runtime.training.trace)."""
+    breakdown: Optional[Dict[str, object]] = None
+    """The timed iterations' step per stage by category (runtime.training.breakdown), on the logging rank."""
     stragglers: List[Dict[str, object]] = field(default_factory=list)
     """The ranks and hosts ``training.straggler`` named (runtime.faults.straggler), in order."""
 
@@ -174,8 +182,8 @@ class _Log:
     iterations (writing the record, evaluation, a save), as Megatron-LM's interval timer does.
     """
 
-    def __init__(self, rank: Rank, trackers: Trackers, start: int):
-        self.rank, self.trackers, self.start = rank, trackers, start
+    def __init__(self, rank: Rank, trackers: Trackers, start: int, clock=None):
+        self.rank, self.trackers, self.start, self.clock = rank, trackers, start, clock
         self.window: List[float] = []
         self.timed: List[float] = []
         self.cpu: List[float] = []
@@ -183,9 +191,22 @@ class _Log:
 
     def tick(self, step_time: float, cpu_time: float, iteration: int) -> None:
         self.window.append(step_time)
-        if iteration - self.start > self.rank.cfg.training.timing_warmup_iters:
+        timed = iteration - self.start > self.rank.cfg.training.timing_warmup_iters
+        if timed:
             self.timed.append(step_time)
             self.cpu.append(cpu_time)
+        if self.clock is not None:
+            self.clock.end_step(step_time, timed)
+
+    def breakdown(self, iteration: int, last: bool) -> None:
+        """At the clock's windows: every rank's section times to the logging rank, which says and records
+        them (collective)."""
+        if self.clock is None or not self.clock.due(iteration, last):
+            return
+        result = self.clock.gather(iteration)
+        if result is not None and self.trackers.enabled:
+            self.trackers.event({"event": "breakdown", "iteration": iteration, **result, "time": time.time()})
+            print(describe_breakdown(result, f"iterations {result['iterations'][0]}-{iteration}"), flush=True)
 
     def record(self, iteration: int, consumed: int, loss: float, lr: float, grad_norm, update_ok: bool) -> None:
         step = sum(self.window) / max(1, len(self.window))  # mean over the iterations since the last record
@@ -207,6 +228,13 @@ class _Log:
               f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
               f"tokens/s {rec['tokens_per_s']:.0f}", flush=True)
 
+    def whole_run(self) -> Optional[Dict[str, object]]:
+        """The breakdown over the timed iterations, said on the logging rank (collective); None when off."""
+        whole = self.clock.gather(0, run=True) if self.clock is not None else None
+        if whole is not None and whole["stages"]:
+            print(describe_breakdown(whole, f"over {len(self.timed)} timed iterations"), flush=True)
+        return whole
+
     def eval(self, iteration: int, consumed: int, loss: Optional[float]) -> None:
         if self.trackers.enabled and loss is not None:
             t = self.rank.cfg.training
@@ -226,6 +254,32 @@ def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
     return data.valid is not None and (completed or bool(t.eval_interval) and iteration % t.eval_interval == 0)
 
 
+def _step(rank: Rank, data: Data, forward_backward, iteration: int, guard, clock, watch, tracer
+          ) -> Tuple[list, float, bool, Optional[float]]:
+    """Iteration ``iteration``'s forward/backward (megatron-core's schedule) and optimizer step, timed for the
+    breakdown (``clock``), the straggler watch and the trace; ``(losses, lr applied, update_ok, grad_norm)``."""
+    cfg, t, b = rank.cfg, rank.cfg.training, rank.built
+    if clock is not None:
+        clock.begin_step(iteration)
+    with breakdown.section(clock, "optimizer"):
+        for chunk in b.model:
+            chunk.zero_grad_buffer()
+        b.optimizer.zero_grad()
+    with straggler.timing(watch, _forward_step) as timed, trace.around(tracer, iteration, timed) as forward_step:
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=data.train, model=b.model,
+            num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size, forward_only=False)
+    _inject_nonfinite_grad(b.model, iteration)
+    lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
+    # guard.step: megatron's optimizer step that never applies a non-finite update
+    with breakdown.section(clock, "optimizer"):
+        update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
+        if update_ok:  # Megatron-LM's rule: a skipped update does not advance the schedule
+            b.scheduler.step(increment=1)
+    return losses, lr, update_ok, grad_norm
+
+
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
     """Train from ``start`` to ``training.train_iters`` (or a stop / ``exit_after_iters``); collective.
 
@@ -239,43 +293,35 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     cfg, t, b = rank.cfg, rank.cfg.training, rank.built
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
-    log, poll = _Log(rank, trackers, start.iteration), StopPoll(stop)
+    clock = breakdown.clock_for(rank)  # None when training.breakdown_interval=0
+    log, poll = _Log(rank, trackers, start.iteration, clock), StopPoll(stop)
     status, loop_start = "completed", time.perf_counter()
     tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
     spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
     watch = straggler.watch_for(rank, trackers, start.iteration)  # None when training.straggler.interval is null
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
-        for chunk in b.model:
-            chunk.zero_grad_buffer()
-        b.optimizer.zero_grad()
-        with straggler.timing(watch, _forward_step) as timed, trace.around(tracer, it + 1, timed) as forward_step:
-            losses = forward_backward(
-                forward_step_func=forward_step, data_iterator=data.train, model=b.model,
-                num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
-                micro_batch_size=t.micro_batch_size, forward_only=False)
-        _inject_nonfinite_grad(b.model, it + 1)
-        lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
-        # guard.step: megatron's optimizer step that never applies a non-finite update
-        update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
-        if update_ok:  # Megatron-LM's rule: a skipped update does not advance the schedule
-            b.scheduler.step(increment=1)
+        losses, lr, update_ok, grad_norm = _step(rank, data, forward_backward, it + 1, guard, clock, watch, tracer)
         it, consumed = it + 1, consumed + t.global_batch_size
         last = it == t.train_iters
-        stopping = not last and poll.requested()
+        with breakdown.section(clock, "loop-sync"):
+            stopping = not last and poll.requested()
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
         save_now = bool(cfg.checkpoint.save_interval) and it % cfg.checkpoint.save_interval == 0 and not last
         loss = None
         if last or stopping or exiting or save_now or it % t.log_interval == 0:
             step_loss = _step_loss(losses)
-            loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
+            with breakdown.section(clock, "loss-all-reduce"):
+                loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
         if guard is not None:  # raises before anything of this iteration is saved
-            update_ok = guard.check(it, loss, grad_norm) and update_ok
-            spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device)  # likewise
+            with breakdown.section(clock, "loop-sync"):
+                update_ok = guard.check(it, loss, grad_norm) and update_ok
+                spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it)
         if watch is not None:
             watch.tick(it)  # every training.straggler.interval iterations: the window's verdict (collective)
+        log.breakdown(it, last)
         if loss is not None:
             last_loss = loss
             if last or it % t.log_interval == 0:
@@ -297,5 +343,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             status = "exited"
             break
     poll.close()
+    whole = log.whole_run()  # collective
     return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start,
-                   tracer.result if tracer is not None else None, watch.named if watch is not None else [])
+                   tracer.result if tracer is not None else None, breakdown=whole,
+                   stragglers=watch.named if watch is not None else [])

@@ -14,7 +14,9 @@ writes; every other rank gets a :class:`Trackers` whose methods do nothing.
   ``resumed``, ``eval`` (``iteration``, ``consumed_samples``, ``lm_loss``, ``ppl``, ``eval_iters``),
   ``saved`` (``iteration``, ``path``, ``bytes``, the slowest rank's ``blocking_s`` and ``write_s``,
   ``async``, ``started``, ``completed``, ``removed``, ``prune_s``: :mod:`orchestrator.runtime.training.saving`),
-  ``stopped``, ``summary``; ``start`` carries ``load_s`` after a resume. The launcher streams this file
+  ``stopped``, ``summary``, ``breakdown`` (the step per pipeline stage by category every
+  ``training.breakdown_interval`` iterations: :mod:`orchestrator.runtime.training.breakdown`); ``start``
+  carries ``load_s`` after a resume. The launcher streams this file
   for its progress display.
 * TensorBoard (``logging.tensorboard``, on by default): event files under
   ``<run.dir>/tensorboard`` with Megatron-LM's tag names, each written twice — indexed by

@@ -6,7 +6,7 @@ the last record the logging rank appends to metrics.jsonl::
     {"event": "summary", "status", "iteration", "lm_loss", "step_time_median_s",
      "step_cpu_time_median_s", "timed_iterations", "train_wall_s",
      "tokens_per_step", "peak_rss_mb_per_rank", "peak_gpu_mem_mb_per_rank", "hosts", "host",
-     "device", "rank", "logging_rank", "resumed_from", "time"}
+     "device", "rank", "logging_rank", "resumed_from", "schedule_trace", "breakdown", "time"}
 
 ``hosts``: the host of every rank, by global rank (a hang or a failure names ranks; this names
 their machines).
@@ -103,7 +103,7 @@ def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
         "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,
         "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
-        "schedule_trace": outcome.schedule_trace,
+        "schedule_trace": outcome.schedule_trace, "breakdown": outcome.breakdown,
         "stragglers": outcome.stragglers,  # training.straggler's named ranks and hosts (runtime.faults.straggler)
         "time": time.time(),
     }

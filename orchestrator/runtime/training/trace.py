@@ -32,7 +32,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.plan.pipeline_schedule import BACKWARD, FORWARD, Schedule, measured_schedule, predict_like
+from orchestrator.plan.pipeline_schedule import (BACKWARD, FORWARD, Schedule, measured_costs, measured_schedule,
+                                                 predict_measured)
 
 SCHEDULE_FILE, CHROME_FILE, PICTURE_FILE = "schedule.json", "schedule_trace.json", "schedule.png"
 _P2P = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
@@ -145,12 +146,17 @@ def _inner(model):
 
 
 def bubble_record(measured: Schedule, iteration: int) -> Dict[str, object]:
-    """The measured bubble per stage next to the formula: the summary's ``schedule_trace``."""
+    """The measured bubble per stage next to the formula and to the schedule predicted from the iteration's
+    own measured operations (:func:`~orchestrator.plan.pipeline_schedule.predict_measured`): the summary's
+    ``schedule_trace``."""
     overhead, fraction = measured.formula()
+    ops = predict_measured(measured)
     return {"iteration": iteration, "schedule": measured.name, "pp": measured.pp, "vpp": measured.vpp,
             "num_microbatches": measured.num_microbatches, "iteration_s": measured.window[1] - measured.window[0],
             "measured_bubble_overhead": measured.bubble_overhead(), "measured_idle_share": measured.idle_share(),
-            "predicted_bubble_overhead": overhead, "predicted_idle_share": fraction}
+            "predicted_bubble_overhead": overhead, "predicted_idle_share": fraction,
+            "ops_bubble_overhead": ops.bubble_overhead(), "ops_iteration_s": ops.window[1] - ops.window[0],
+            "ops": measured_costs(measured)}
 
 
 def describe(measured: Schedule, iteration: int) -> List[str]:
@@ -160,8 +166,10 @@ def describe(measured: Schedule, iteration: int) -> List[str]:
     lines = [f"schedule of iteration {iteration} ({measured.name}, PP{p}, m={m}, v={v}; "
              f"{1e3 * (measured.window[1] - measured.window[0]):.1f} ms), measured bubble per stage vs "
              f"(p-1)/(v m) = {p - 1}/({v} x {m}) = {overhead:.1%} and idle share (p-1)/(v m + p-1) = {fraction:.1%}:"]
-    lines += [f"  stage {r}: idle/busy {o:.1%} vs {overhead:.1%}; idle share {i:.1%} vs {fraction:.1%}"
-              for r, (o, i) in enumerate(zip(measured.bubble_overhead(), measured.idle_share()))]
+    ops = predict_measured(measured).bubble_overhead()
+    lines += [f"  stage {r}: idle/busy {o:.1%} vs {overhead:.1%} (predicted from the measured operations: {q:.1%}); "
+              f"idle share {i:.1%} vs {fraction:.1%}"
+              for r, (o, i, q) in enumerate(zip(measured.bubble_overhead(), measured.idle_share(), ops))]
     return lines
 
 
@@ -185,13 +193,13 @@ def write(run_dir: str, ranks: List[dict], measured: Schedule, result: Dict[str,
     from orchestrator.io import write_atomic
     from orchestrator.plan import picture
 
-    predicted = predict_like(measured)
+    predicted = predict_measured(measured)
     doc = {"bubble": result, "ranks": ranks,
            "predicted": [vars(s) for s in predicted.steps], "measured": [vars(s) for s in measured.steps]}
     write_atomic(os.path.join(run_dir, SCHEDULE_FILE), json.dumps(doc))
     write_atomic(os.path.join(run_dir, CHROME_FILE), json.dumps(_chrome(ranks)))
     picture.draw_schedules(os.path.join(run_dir, PICTURE_FILE), [predicted, measured],
-                           [f"predicted ({measured.name}, measured mean step costs)",
+                           [f"predicted ({measured.name}, from the measured operations)",
                             f"measured, iteration {result['iteration']}"])
 
 

@@ -1,0 +1,253 @@
+"""Where a step's time goes, per pipeline stage: compute, pipeline bubble, data-parallel communication,
+optimizer, data loading, and what none of them covers.
+
+``training.breakdown_interval=N`` (default 10; 0: off, and nothing here runs). The clock is megatron-core's
+own timing hook: the ``timers`` field of the model's ``TransformerConfig`` (``ModelParallelConfig.timers``,
+"see megatron.core.timers.Timers"), which megatron's schedules already call around every section this
+needs, by name; nothing of megatron is wrapped or patched:
+
+=====================  ========================================================================================
+category               megatron-core's timer names (0.16 and 0.19)
+=====================  ========================================================================================
+``compute``            ``forward-compute``, ``backward-compute`` (the forward step, loss, backward of every
+                       micro-batch and model chunk), less ``data``, which runs inside the forward step
+``bubble``             every point-to-point call of the schedule (``forward-recv``, ``backward-send``,
+                       ``forward-send-backward-recv`` ...): waiting for the neighbour's activations and
+                       gradients, and their transfer
+``dp_comm``            ``all-grads-sync`` (DDP's gradient all-reduce / reduce-scatter, or the wait for the
+                       overlapped one), ``embedding-grads-all-reduce`` and megatron's other gradient syncs of
+                       ``finalize_model_grads``; the loop's lm-loss all-reduce over DP x CP on the last stage
+                       (on logging iterations)
+``data``               ``batch-generator`` (Megatron-LM's name): the forward step's ``next(data_iterator)``
+``optimizer``          the loop's zeroing of the gradient buffers, ``optimizer.step()`` (gradient norm and its
+                       all-reduce, clipping, update) and the LR scheduler's step
+``sync``               the loop's own collectives over all ranks: the stop poll, the NaN guard's and the
+                       loss-spike check's all-reduce (where a rank waits for the slowest of all)
+``other``              the step time less the above: the schedule's own Python between sections
+=====================  ========================================================================================
+
+A section is timed with ``time.perf_counter()`` on CPU; on a GPU with a pair of CUDA events on the current
+stream (no synchronisation; they are read at the next window, after one ``torch.cuda.synchronize()``), so a
+section is the device time between the work queued before it and its own: a recv that waits shows as bubble,
+data loading that starves the device as data. Nested sections count once: ``data`` is taken out of the
+``compute`` that encloses it.
+
+Every N iterations (and at the last) the ranks gather their window's totals on the logging rank (one
+``gather`` of 9 numbers per rank on a gloo group; nothing in between), which prints one line and writes a
+``breakdown`` record to ``metrics.jsonl``; the job's summary carries the same over its timed iterations
+(after ``training.timing_warmup_iters``). Per stage: the mean over its ranks of each category's share of the
+step, and on a GPU the stage's MFU (model FLOPs of the stage per GPU per step / (step time x the GPU's peak,
+:mod:`orchestrator.plan.inputs`)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from orchestrator.plan.step_breakdown import CATEGORIES, per_stage
+
+_NAMES = {"forward-compute": "compute", "backward-compute": "compute", "batch-generator": "data",
+          "all-grads-sync": "dp_comm", "embedding-grads-all-reduce": "dp_comm",
+          "non-tensor-parallel-grads-all-reduce": "dp_comm", "conditional-embedder-grads-all-reduce": "dp_comm",
+          "optimizer": "optimizer", "loss-all-reduce": "dp_comm",
+          "loop-sync": "sync"}
+"""megatron-core's timer names (and the loop's own sections) -> category; p2p names are found by :func:`category`."""
+
+
+def category(name: str) -> Optional[str]:
+    """The category of a megatron timer name (None: not counted, e.g. ``forward-backward``, which encloses
+    the others)."""
+    if name in _NAMES:
+        return _NAMES[name]
+    parts = name.split("-")
+    return "bubble" if "send" in parts or "recv" in parts else None
+
+
+class _Section:
+    """One named timer, as megatron calls it: ``start(barrier=False)`` ... ``stop(barrier=False)``."""
+
+    __slots__ = ("clock", "category")
+
+    def __init__(self, clock: "StepClock", cat: Optional[str]):
+        self.clock, self.category = clock, cat
+
+    def start(self, barrier: bool = False) -> None:
+        if self.category is not None:
+            self.clock._push(self.category)
+
+    def stop(self, barrier: bool = False) -> None:
+        if self.category is not None:
+            self.clock._pop()
+
+
+class StepClock:
+    """megatron's ``config.timers`` for one rank: seconds per category of the current step, window and run.
+
+    Build it on every rank (collective: a gloo group and one all-reduce to find the logging rank).
+    """
+
+    def __init__(self, rank, interval: int):
+        from megatron.core import parallel_state as ps
+
+        self.rank, self.interval, self.cuda = rank, interval, rank.device == "cuda"
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.group = torch.distributed.new_group(backend="gloo")
+        who = torch.tensor([rank.info.rank if rank.is_logger else -1], dtype=torch.int64)
+        torch.distributed.all_reduce(who, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        self.logger = int(who[0])
+        self._sections: Dict[str, _Section] = {}
+        self._open: List[list] = []  # [category, start marker]
+        self._step = dict.fromkeys(CATEGORIES, 0.0)
+        self._intervals: List[tuple] = []  # GPU: (category, enclosing category, start event, end event)
+        self._pending: List[tuple] = []  # GPU: (intervals, step seconds, timed) of finished steps
+        self.window = _Totals()
+        self.run = _Totals()
+        self.first = 0
+
+    def __call__(self, name: str, log_level: Optional[int] = None) -> _Section:
+        section = self._sections.get(name)
+        if section is None:
+            section = self._sections[name] = _Section(self, category(name))
+        return section
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _push(self, cat: str) -> None:
+        self._open.append([cat, self._mark()])
+
+    def _pop(self) -> None:
+        if not self._open:
+            return
+        cat, start = self._open.pop()
+        parent = self._open[-1][0] if self._open else None
+        if self.cuda:
+            self._intervals.append((cat, parent, start, self._mark()))
+            return
+        elapsed = time.perf_counter() - start
+        self._step[cat] += elapsed
+        if parent is not None and parent != cat:
+            self._step[parent] -= elapsed
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """A section the loop times itself (``optimizer``)."""
+        timer = self(name)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.stop()
+
+    def begin_step(self, iteration: int) -> None:
+        """Iteration ``iteration`` starts: what was timed since the last step (an evaluation) is dropped."""
+        self._open, self._intervals = [], []
+        self._step = dict.fromkeys(CATEGORIES, 0.0)
+        if not self.window.iterations:
+            self.first = iteration
+
+    def end_step(self, step_s: float, timed: bool) -> None:
+        """The step ended after ``step_s`` seconds (the loop's step time); ``timed``: past the warm-up."""
+        if self.cuda:
+            self._pending.append((self._intervals, step_s, timed))
+            self._intervals = []
+            return
+        self.window.add(self._step, step_s)
+        if timed:
+            self.run.add(self._step, step_s)
+
+    def _resolve(self) -> None:
+        """GPU: read the events of the finished steps (one synchronisation)."""
+        if not self._pending:
+            return
+        torch.cuda.synchronize()
+        for intervals, step_s, timed in self._pending:
+            seconds = dict.fromkeys(CATEGORIES, 0.0)
+            for cat, parent, start, end in intervals:
+                elapsed = start.elapsed_time(end) / 1e3
+                seconds[cat] += elapsed
+                if parent is not None and parent != cat:
+                    seconds[parent] -= elapsed
+            self.window.add(seconds, step_s)
+            if timed:
+                self.run.add(seconds, step_s)
+        self._pending = []
+
+    def due(self, iteration: int, last: bool) -> bool:
+        return last or iteration % self.interval == 0
+
+    def gather(self, iteration: int, run: bool = False) -> Optional[Dict[str, object]]:
+        """The window's (``run``: the timed iterations') per-stage shares on the logging rank, None elsewhere;
+        resets the window. Collective over every rank."""
+        self._resolve()
+        totals = self.run if run else self.window
+        mine = torch.tensor([float(self.stage), float(totals.iterations), totals.step_s]
+                            + [totals.seconds[c] for c in CATEGORIES], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())] \
+            if self.rank.info.rank == self.logger else None
+        torch.distributed.gather(mine, everyone, dst=self.logger, group=self.group)
+        first = self.first
+        if not run:
+            self.window = _Totals()
+        if everyone is None:
+            return None
+        rows = [[float(x) for x in t] for t in everyone]
+        return {"iterations": [first, iteration] if not run else None, **per_stage(rows, mfu_inputs(self.rank))}
+
+
+class _Totals:
+    def __init__(self):
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.step_s, self.iterations = 0.0, 0
+
+    def add(self, seconds: Dict[str, float], step_s: float) -> None:
+        for c in CATEGORIES:
+            self.seconds[c] += seconds[c]
+        self.step_s += step_s
+        self.iterations += 1
+
+
+def mfu_inputs(rank) -> Optional[Dict[str, object]]:
+    """GPU only: per-GPU model FLOPs per step of each stage (the planner's count without recomputation) and
+    the peak FLOP/s of this GPU (the preset its name names, else ``gpu``'s) at the job's precision."""
+    if rank.device != "cuda":
+        return None
+    from dataclasses import replace
+
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.plan.cost import flops_per_step
+    from orchestrator.plan.inputs import GPU_PRESETS
+    from orchestrator.plan.memory import plan
+
+    try:
+        p = plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, profile=None)
+    except (OrchestratorError, ValueError, ZeroDivisionError):
+        return None
+    name = torch.cuda.get_device_name().upper()
+    preset = next((g for k, g in sorted(GPU_PRESETS.items(), key=lambda kv: -len(kv[0])) if k.upper() in name), p.gpu)
+    _, _, stages = flops_per_step(p.shape, p.layout, replace(p.recipe, recompute_granularity=None), p.padded_vocab_size)
+    per_gpu = p.layout.world_size // p.layout.pipeline_model_parallel_size
+    return {"stage_flops": [s / per_gpu for s in stages], "peak": preset.peak_flops(p.recipe.precision)}
+
+
+def clock_for(rank) -> Optional[StepClock]:
+    """A :class:`StepClock` hung on the model's config when ``training.breakdown_interval`` > 0, else None
+    (collective when on)."""
+    interval = rank.cfg.training.breakdown_interval
+    if not interval:
+        return None
+    clock = StepClock(rank, interval)
+    rank.built.tf_config.timers = clock
+    return clock
+
+
+def section(clock: Optional[StepClock], name: str):
+    return clock.section(name) if clock is not None else contextlib.nullcontext()
