@@ -519,63 +519,74 @@ def _iterations_done(run_dir: Path) -> int:
         return 0
 
 
-def _rank_process(run_dir: Path, job_id: str, rank: int):
-    """Rank ``rank``'s process, by the process ids the job recorded (its task forks the ranks)."""
-    import psutil
-
-    from orchestrator.runtime.start.forked import read_rank_pids
-
-    return psutil.Process(read_rank_pids(run_dir / "submitit", job_id)[rank])
-
-
 @pytest.mark.slow
-def test_sigstopped_rank_ends_the_job_naming_it(tmp_path, cache_dir):
-    """SIGSTOP rank 1 of a 2-rank job that saves every iteration, at iteration 3 (mostly inside or just
-    before a save, whose allowance is checkpoint.save_timeout_s + 60 s = 660 s): within hang_timeout_s +
-    30 s the launcher exits 1 naming rank 1; rank 0's stacks (its main thread inside a collective) are in
-    stacks/."""
+def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path, cache_dir):
+    """A 2-rank job that saves every iteration (a stop lands mostly inside or just before a save, whose allowance
+    is checkpoint.save_timeout_s + 60 s = 660 s), cluster.max_restarts=1. SIGSTOP of rank 1 at iteration 3:
+    within hang_timeout_s + 30 s the hang is declared naming rank 1 and, a restart being left, every rank
+    restarts in place from the last checkpoint and trains on. SIGSTOP of the new rank 1: named again; the
+    restarts are used up, so the launcher exits 1 naming rank 1; rank 0's stacks (its main thread inside a
+    collective) are in stacks/, and no process of the job is left."""
     import psutil
+
+    from conftest import agent_worker
 
     timeout_s = 10
     run_dir = tmp_path / "hang"
     args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=hang",
                     "training.train_iters=2000", f"training.hang_timeout_s={timeout_s}", "checkpoint.save_interval=1",
-                    "checkpoint.keep_last=2"]
+                    "checkpoint.keep_last=2", "cluster.max_restarts=1"]
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out, stderr=err)
-    victim = None
-    try:
-        deadline = time.monotonic() + 600
-        while _iterations_done(run_dir) < 3:
+    victims, named_after = [], []
+
+    def stop_rank_1_after(iteration: int) -> None:
+        deadline = time.monotonic() + 300
+        while _iterations_done(run_dir) < iteration or agent_worker(run_dir, 1) in victims:
             assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.2)
-        job_id = [r for r in history.read_records(run_dir) if r["event"] == "submitted"][-1]["job_id"]
-        victim = _rank_process(run_dir, job_id, 1)
-        victim.send_signal(signal.SIGSTOP)
+        victims.append(agent_worker(run_dir, 1))
+        victims[-1].send_signal(signal.SIGSTOP)
+
+    def hangs() -> list:
+        return [r for r in history.read_records(run_dir) if r["event"] == "hang"]
+
+    try:
+        stop_rank_1_after(3)
         t0 = time.monotonic()
-        code = cli.wait(timeout=timeout_s + 60)
-        elapsed = time.monotonic() - t0
+        while not hangs():
+            assert cli.poll() is None and time.monotonic() - t0 < timeout_s + 30, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        named_after.append(time.monotonic() - t0)
+        resumed_at = [r for r in history.read_records(run_dir) if r["event"] == "attempt_started"]
+        stop_rank_1_after(max(_iterations_done(run_dir), 3) + 2)  # the restarted ranks trained on
+        t1 = time.monotonic()
+        code = cli.wait(timeout=timeout_s + 90)
+        named_after.append(round(time.monotonic() - t1, 1))
     finally:
         if cli.poll() is None:
             cli.kill()
-        if victim is not None:
+        for victim in victims:
             try:
                 victim.send_signal(signal.SIGCONT)
                 victim.kill()
             except psutil.NoSuchProcess:
                 pass
-    stderr = (tmp_path / "err.txt").read_text()
-    print(f"launcher ended {elapsed:.1f} s after the SIGSTOP (hang_timeout_s={timeout_s})")
-    assert code == 1 and elapsed <= timeout_s + 30, (code, elapsed, stderr[-3000:])
+    stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    print(f"hang declared {named_after[0]:.1f} s after the first SIGSTOP (hang_timeout_s={timeout_s}); "
+          f"launcher ended {named_after[1]} s after the second")
+    assert named_after[0] <= timeout_s + 30 and len(resumed_at) >= 1
+    assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in stdout + stderr, stdout[-3000:]
+    assert [h["stalled"] for h in hangs()] == [[1], [1]], hangs()
+    assert code == 1, (code, stderr[-3000:])
     (line,) = _error_lines(stderr)
-    assert f"error: job {job_id}: hang: rank(s) 1 on host(s) " in line and "not responding" in line, line
+    assert "hang: rank(s) 1 on host(s) " in line and "not responding" in line, line
     stacks = (run_dir / "stacks" / "rank_0.txt").read_text()
-    assert "finish_grad_sync" in stacks or "all_reduce" in stacks or "wait" in stacks, stacks[-2000:]
     assert "orchestrator/runtime/training/loop.py" in stacks  # the main thread's stack, not only the watchdog's
     row = _status(tmp_path)["hang"]
-    assert (row["state"], row["job"]["cause"]) == ("failed", "hang") and row["attempts"][-1]["cause"] == "hang"
-    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+    assert (row["state"], row["job"]["cause"]) == ("failed", "hang"), row
+    assert all(not psutil.pid_exists(v.pid) or psutil.Process(v.pid).status() == psutil.STATUS_ZOMBIE for v in victims)
 
 
 @pytest.fixture

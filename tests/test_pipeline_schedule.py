@@ -181,4 +181,4 @@ def test_a_trace_iteration_below_one_is_refused_in_one_line(key):
 
     with pytest.raises(ConfigError) as err:
         validate(to_job_config(compose_dict(["parallelism=pp4", f"{key}=0"])))
-    assert str(err.value) == f"{key}=0: must be a positive integer or null; fix: {key}=null (the default)"
+    assert str(err.value) == f"{key}=0: must be a positive integer or null; fix: {key}=null (the schema's default)"

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import agent_worker, read_metrics, run_cli
+from conftest import REFERENCE_ITERS, SharedReference, agent_worker, read_metrics, run_cli
 from test_slurm_train import (_NODES, ACROSS_NODES, SMALL, Cli, assert_losses_match, iterations_done,  # noqa: F401
                               job_nodes, needs_two_nodes, nodes_back, submitted_job, wait_until)
 from orchestrator.ckpt import history
@@ -36,7 +36,7 @@ def test_bad_restart_settings_are_one_line_before_anything_is_queued(tmp_path, c
     assert "fix: " in lines[0] and not (tmp_path / "bad").exists()
 
 
-RESTART_ITERS = 14
+RESTART_ITERS = REFERENCE_ITERS
 RESTART_SAVE = 4
 
 
@@ -69,12 +69,13 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     drained and that rank killed (kill -9): the same SLURM
     job (never requeued) restarts all ranks in its allocation from the checkpoint at 8; the drained node fails its
     health check and is left out, the spare takes its place (the final manifest's hosts), and the job completes.
-    The retrained iterations' losses equal the first start's, uninterrupted until the kill (1e-5 rel.); the history shows the
+    Every loss, the retrained ones too, equals an uninterrupted local run's (1e-5 rel.); the history shows the
     restart apart from requeues. Prints the time from the kill to the first new iteration, next to the job's own
     start-up and checkpoint load."""
     n = RESTART_ITERS
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
     run_dir = tmp_path / "slurm"
+    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)  # made by the run across nodes already
     cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1",
                         "cluster.spare_nodes=1"], cache_dir, tmp_path / "logs")
     try:
@@ -113,12 +114,11 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     its = [r["iteration"] for r in records]
     cut = next(i for i in range(1, len(its)) if its[i] <= its[i - 1])  # where the restarted ranks' records start
     assert its[:cut] == list(range(1, cut + 1)) and cut >= 10 and its[cut:] == list(range(9, n + 1)), its
-    # The first start ran uninterrupted up to the kill: the restarted ranks retrain 9.. from the checkpoint at 8 and
-    # reproduce its losses (1e-5 rel.), so they continue the uninterrupted run's path (the local restart test
-    # compares every loss with an uninterrupted run's).
-    first = {r["iteration"]: r["lm_loss"] for r in records[:cut]}
-    assert_losses_match({r["iteration"]: r["lm_loss"] for r in records[cut:] if r["iteration"] in first}, first,
-                        range(9, cut + 1))
+    # Every loss, of the first start and of the restarted ranks (iterations 9.. again), equals the uninterrupted
+    # run's (1e-5 rel.; the reference shared with the SLURM and hosts tests).
+    local = ref.losses(300)
+    for rec in records:
+        assert_losses_match({rec["iteration"]: rec["lm_loss"]}, local, [rec["iteration"]])
     listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
     assert f"job {job_id} attempt 0 restart 1 " in listing and "crashed (restarted in place; " in listing, listing
 

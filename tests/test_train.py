@@ -156,7 +156,7 @@ def test_a_breakdown_interval_below_zero_is_refused_in_one_line(cache_dir):
                    check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: training.breakdown_interval=-1: must be an integer >= 0; fix: training.breakdown_interval=10 "
-        "(the default)"], proc.stderr
+        "(the schema's default)"], proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -71,4 +71,5 @@ def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[
             f"the older ones stay), ~{size_text(per_checkpoint)} each (predicted: {params:,} parameters x "
             f"{per_checkpoint // max(1, params)} B), so {size_text(need)} more than the {size_text(already)} "
             f"it holds there, but {mount} has {size_text(free)} free; fix: free space on {mount}, run.root=<a larger "
-            f"filesystem>, a lower checkpoint.keep_last or checkpoint.save_interval, or checkpoint.space_check=false")
+            f"filesystem>, a lower checkpoint.keep_last{' or a larger checkpoint.keep_every' if c.keep_every else ''}, or "
+            f"checkpoint.space_check=false")

@@ -181,7 +181,7 @@ def check_types(cfg: JobConfig) -> None:
         present, value = _get(cfg, key)
         if present and not is_section(f) and not _has_type(value, str(f.type)):
             raise ConfigError(f"{key}={show(value)}: must be {type_words(f.type)}; "
-                              f"fix: {key}={show(_default(key))} (the default)")
+                              f"fix: {key}={show(_default(key))} (the schema's default)")
 
 
 def check_values(cfg: JobConfig) -> None:
@@ -202,7 +202,7 @@ def check_values(cfg: JobConfig) -> None:
             if key == "training.seed":
                 need = f"an integer in [0, {SEED_MAX}]"
             raise ConfigError(f"{key}={show(value)}: must be {need}{' or null' if nullable else ''}; "
-                              f"fix: {key}={show(_default(key))} (the default)")
+                              f"fix: {key}={show(_default(key))} (the schema's default)")
     for key, low, low_in, high, high_in in NUMBERS:
         present, value = _get(cfg, key)
         if not present or (value is None and key in NULLABLE_NUMBERS):
@@ -213,7 +213,7 @@ def check_values(cfg: JobConfig) -> None:
             need = f"in {span}" if high < math.inf else (f">= {low:g}" if low_in else f"> {low:g}")
             raise ConfigError(f"{key}={show(value)}: must be a finite number {need}"
                               f"{' or null' if key in NULLABLE_NUMBERS else ''}; "
-                              f"fix: {key}={show(_default(key))} (the default)")
+                              f"fix: {key}={show(_default(key))} (the schema's default)")
     o = cfg.optimizer
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr}: above optimizer.lr={o.lr}; fix: optimizer.min_lr <= {o.lr}")
