@@ -208,12 +208,12 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     if summary.get("status") in ("completed", "exited", "stopped"):
         step = summary.get("step_time_median_s")
         loss = summary.get("lm_loss")  # None on a node of cluster=torchrun without the logging rank
+        if (summary.get("breakdown") or {}).get("stages"):  # before the result line, which stays the last
+            from orchestrator.plan.step_breakdown import describe
+
+            say(describe(summary["breakdown"], f"over {summary.get('timed_iterations')} timed iterations"))
         say(f"{summary['status']}: iteration {summary.get('iteration')}"
             + (f" | lm loss {loss:.4f}" if loss is not None else "")
             + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
             + f" | job {summary.get('job_id')}")
-        if (summary.get("breakdown") or {}).get("stages"):
-            from orchestrator.plan.step_breakdown import describe
-
-            say(describe(summary["breakdown"], f"over {summary.get('timed_iterations')} timed iterations"))
     return summary
