@@ -48,6 +48,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -241,8 +242,10 @@ class Watchdog:
         if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             self._follow(None)
             return
+        frozen = [{"rank": r, "host": rec.get("host"), "pid": rec.get("pid")}
+                  for r in (ranks if why.startswith("not responding") else []) if (rec := self._seen.get(r, (0, 0, None))[2])]
         info = {"stalled": ranks, "hosts": self._hosts(ranks), "message": message, "reporter": self.rank,
-                "iteration": self.iteration, "done": False, "time": time.time()}
+                "iteration": self.iteration, "frozen": frozen, "done": False, "time": time.time()}
         hpath = hang_path(self.run_dir, self.job_id, self.attempt)
         write_atomic(hpath, json.dumps(info), fsync=False)
         declared_at = time.time()
@@ -261,6 +264,7 @@ class Watchdog:
                                                      attempt=self.attempt, requeued=requeued, detail=detail))
         write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
         _say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))
+        self._end_frozen(frozen)
         self._exit(HANG_EXIT_CODE)
 
     def _await_stacks(self, ranks: List[int], since: float) -> None:
@@ -280,7 +284,19 @@ class Watchdog:
             time.sleep(0.2)
             hang = _read_json(hpath) or hang
         _say(f"rank {self.rank}: stopped by the hang watchdog; stacks in {stacks_path(self.run_dir, self.rank)}")
+        self._end_frozen((hang or {}).get("frozen") or [])
         self._exit(HANG_EXIT_CODE)
+
+    def _end_frozen(self, frozen: List[Dict[str, Any]]) -> None:
+        """SIGKILL the processes of this host among the ranks declared frozen (``{"rank", "host", "pid"}``): a
+        SIGSTOPped or frozen process ignores the SIGTERM that ends a job (torch's agent, submitit) and holds the
+        job for that signal's timeout (30 s) before its SIGKILL; nothing of it can be saved anyway."""
+        for rec in frozen:
+            if rec.get("host") == self.host and isinstance(rec.get("pid"), int) and rec["pid"] != os.getpid():
+                try:
+                    os.kill(rec["pid"], signal.SIGKILL)
+                except OSError:  # gone already, or not ours
+                    pass
 
     def dump_stacks(self, header: str) -> Path:
         """Write every thread's Python stack of this process to ``<run_dir>/stacks/rank_<r>.txt``."""
