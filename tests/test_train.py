@@ -278,7 +278,6 @@ def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache
     assert not _rank_processes(run_dir)  # the survivors were stopped, not left blocked in a collective
 
 
-@pytest.mark.mcore_lines
 def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
     """A local CPU job's task forks its other ranks (runtime/start/forked.py). kill -9 of a forked rank (what
     the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of
