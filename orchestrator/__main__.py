@@ -295,7 +295,11 @@ def _tool(name: str, argv: List[str]) -> int:
         print(f"error: {name}: not available in this version of orchestrator ({module} is missing); "
               f"fix: python -m orchestrator --help lists the sub-tools", file=sys.stderr)
         return 2
-    return tool.main(argv) or 0
+    try:
+        return tool.main(argv) or 0
+    except BrokenPipeError:  # `status | head`: the reader has gone; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _config_dir_flags(argv: List[str]) -> List[str]:

@@ -7,6 +7,9 @@ are caught in ``__main__`` and printed as ``error: <message>``, exit code 2).
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 
 class OrchestratorError(Exception):
     """Base class: a problem the user can fix by changing the config or the command."""
@@ -81,3 +84,12 @@ class SlowLinkError(OrchestratorError):
 
 class BackendError(OrchestratorError):
     """The installed megatron-core / torch cannot run the requested device path."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one ``error:`` line and exit 2, like every other user
+    error (argparse prints its usage block first); the sub-tools' parsers (``status``, ``stop``, ...)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        sys.stderr.write(f"error: {self.prog}: {message}; fix: {self.prog} --help\n")
+        sys.exit(2)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from orchestrator.ckpt.manifest import MANIFEST_NAME, list_checkpoints, read_manifest
+from orchestrator.errors import OneLineArgumentParser
 
 
 def _summary(manifest: dict) -> str:
@@ -52,9 +53,8 @@ def _deep_line(manifest: dict) -> str:
 
 
 def _parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
+    
+    parser = OneLineArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_show = sub.add_parser("show", help="print a checkpoint's manifest")
     p_show.add_argument("ckpt_dir")

@@ -172,6 +172,10 @@ def _layer_spec_mismatch(manifest: dict, cfg: JobConfig) -> Optional[Mismatch]:
                     "verified (their parameter names and extra state differ)")
 
 
+GROUP_NAMES = ("optimizer.name",)
+"""Names that are a config group's option: the fix picks the option (its lr, schedule... with it), not the name."""
+
+
 def _kind(key: str) -> Optional[str]:
     if key in _IGNORE_KEYS or key.startswith(_IGNORE_PREFIXES):
         return None
@@ -243,8 +247,9 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
             note, described = lr_schedule(cfg).describe(int(manifest.get("iteration") or 0) + 1), True
         if key == "training.global_batch_size":
             note += f" (checkpoint consumed {manifest.get('consumed_samples')} samples)"
-        out.append(Mismatch(key, ck_cfg.get(key), req_cfg.get(key), f"{key}={hydra_value(ck_cfg.get(key))}",
-                            kind, note))
+        group = key[:-len(".name")] if key in GROUP_NAMES else None  # the option the user picks: optimizer=adam
+        fix = f"{group}={ck_cfg.get(key)}" if group else f"{key}={hydra_value(ck_cfg.get(key))}"
+        out.append(Mismatch(key, ck_cfg.get(key), req_cfg.get(key), fix, kind, note))
     # 3. vocab: megatron pads to a multiple of make_vocab_size_divisible_by x TP
     out += _vocab_mismatches(manifest, cfg, layout, tokenizer)
     # 4. tokenizer and data content, when the caller knows them

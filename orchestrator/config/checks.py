@@ -249,11 +249,11 @@ def _check_split(cfg: JobConfig) -> None:
         parts = []
     if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts) or parts[0] <= 0:
         raise ConfigError(f"data.split={show(split)}: must be 1 to 3 comma-separated weights >= 0 "
-                          f"(train, validation, test) with train > 0; fix: data.split={show(_default('data.split'))}")
+                          f"(train, validation, test) with train > 0; fix: \"data.split={show(_default('data.split'))}\" (quoted: a bare comma list is a sweep)")
     present, eval_iters = _get(cfg, "training.eval_iters")
     if present and eval_iters and cfg.training.train_iters and (len(parts) < 2 or parts[1] <= 0):
         raise ConfigError(f"data.split={show(split)}: no validation part, but training.eval_iters={eval_iters} "
-                          f"evaluates on it; fix: data.split={show(_default('data.split'))} or training.eval_iters=0")
+                          f"evaluates on it; fix: \"data.split={show(_default('data.split'))}\" (quoted: a bare comma list is a sweep) or training.eval_iters=0")
 
 
 def check_run(cfg: JobConfig) -> None:

@@ -24,11 +24,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import ConfigError, OneLineArgumentParser, OrchestratorError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.convert",
+    parser = OneLineArgumentParser(prog="python -m orchestrator.convert",
                                      description="Convert Megatron-LM launches to orchestrator experiments and back.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("from-megatron", help="a Megatron-LM script / args YAML / JSON -> conf/experiment/NAME.yaml")

@@ -11,7 +11,6 @@ No torch import.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from orchestrator.errors import OneLineArgumentParser
 from orchestrator.ckpt import stop
 from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
@@ -341,7 +341,7 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator status",
+    parser = OneLineArgumentParser(prog="python -m orchestrator status",
                                      description="List runs with their job state, last iteration and last loss.")
     parser.add_argument("runs_root", nargs="?", default="runs", help="directory holding run directories (default: runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run")

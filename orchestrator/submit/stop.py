@@ -14,7 +14,6 @@ Rerunning the run's command (``config.yaml`` names it) resumes from its latest c
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.ckpt import history, stop
 from orchestrator.ckpt.rundir import CONFIG_FILE, JOBS_FILE
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, OneLineArgumentParser
 from orchestrator.submit.jobs import JobStatus, job_status
 
 LIVE = ("pending", "running", "requeued")
@@ -136,7 +135,7 @@ def _stop(run_dir: Path, last: Dict[str, Any], st: JobStatus, now: bool) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m orchestrator stop",
         description="Stop a live run (local or SLURM): its ranks save at their next iteration and exit, not "
                     "requeued; rerunning the run's command resumes. Exit 0 once stopped, 2 when the run is "

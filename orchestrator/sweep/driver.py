@@ -44,7 +44,6 @@ point was invalid, else 0 (points skipped as predicted OOM are a decision, not a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -57,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OneLineArgumentParser, OrchestratorError
 from orchestrator.plan.profile import device_of
 from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, layout_record,
                                       measured, plan_record, short_reason, status_of_summary, write_summary)
@@ -316,7 +315,7 @@ def finish() -> Optional[int]:
 
 # ====================================================================== CLI
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.sweep", description=__doc__.split("\n")[0])
+    parser = OneLineArgumentParser(prog="python -m orchestrator.sweep", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("summarize", help="rebuild summary.csv/.md/.png of a sweep directory and print the ranking")
     s.add_argument("sweep_dir", type=Path)

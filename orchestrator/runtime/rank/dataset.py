@@ -74,7 +74,7 @@ def _check_splits(cfg: JobConfig, config, prepared: PreparedData) -> None:
         for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
             if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
                 raise DataError(f"data.split={cfg.data.split!r}: the {name} part of {Path(prefix).name} gets none "
-                                f"of its {n} documents; fix: data.split=100,0,0 training.eval_iters=0 "
+                                f"of its {n} documents; fix: \"data.split='100,0,0'\" training.eval_iters=0 (quoted: a bare comma list is a sweep) "
                                 "(no held-out data), or more documents")
 
 
