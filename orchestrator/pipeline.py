@@ -193,6 +193,10 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     from orchestrator.submit.signals import raise_if_interrupted
 
     latest = preflight(cfg, layout)
+    if cfg.cluster.kind == "slurm":  # a partition that cannot hold the job: one line, before the data
+        from orchestrator.submit.partition import check_partition
+
+        check_partition(cfg)
     if cfg.cluster.kind in ("hosts", "torchrun"):  # SSH to every host / the platform's variables: one line if not
         from orchestrator.submit.platform import check_nodes
 

@@ -159,3 +159,28 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
     assert "success" not in jobs.result_outcomes(run / "submitit", loser).values()
     assert not (run / RunLock.NAME).exists()  # released when the winner finished
     assert json.loads((run / "submitit" / f"{loser}_lock.json").read_text())["ok"] is False
+
+
+def test_a_job_the_partition_cannot_hold_is_one_line_before_anything_is_queued(tmp_path):
+    """More nodes than the partition has (sbatch would accept it and it would pend forever: PartitionNodeLimit),
+    spares included, and a partition that does not exist: one `error:` line from sinfo's answer, exit 2, no
+    data prepared, no run directory, nothing queued."""
+    nodes = int(subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%D"], capture_output=True, text=True,
+                               timeout=30).stdout.split()[0])
+    cases = [([f"cluster.nodes={nodes + 1}", "cluster.tasks_per_node=1"],
+              f"error: cluster.nodes={nodes + 1}: partition dev has {nodes} node(s) (sinfo), so the job would wait forever"),
+             ([f"cluster.nodes={nodes}", "cluster.tasks_per_node=1", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
+              f"error: cluster.nodes={nodes} + cluster.spare_nodes=1: partition dev has {nodes} node(s)"),
+             (["cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.partition=nosuch"],
+              "error: cluster.partition=nosuch: no such partition (sinfo lists dev")]
+    queued = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout
+    for extra, expected in cases:
+        args = ["+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=null",
+                "training.micro_batch_size=1", "training.global_batch_size=240",  # any DP up to 6 divides it
+                "cluster=slurm_dev", *extra, f"run.root={tmp_path}", "run.name=big"]
+        proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+        assert "preparing data" not in proc.stdout and not (tmp_path / "big").exists()
+    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout == queued
