@@ -244,46 +244,17 @@ def test_exit_code_rules():
 @pytest.mark.slow
 @pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
 def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cache_dir):
-    """Both points are queued before the launcher waits; a SIGHUP while it waits (the SSH session dropped)
-    detaches it (exit 0): the point it waited on stays open, "submitted", both jobs run on and complete,
-    and ``sweep summarize`` builds the same table from what they wrote."""
-    import signal
-    import time
-
-    args = ["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
-            "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.micro_batch_size=2,4", *SHORT,
-            "cluster.timeout_min=5", "cluster.max_num_timeout=0", f"run.root={tmp_path}", "run.name=slurm"]
-    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
-    with open(tmp_path / "out.txt", "w") as out:
-        cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out,
-                               stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while "waiting for 2 SLURM job(s)" not in (tmp_path / "out.txt").read_text():
-            assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
-            time.sleep(0.2)
-        stdout = (tmp_path / "out.txt").read_text()
-        cli.send_signal(signal.SIGHUP)
-        assert cli.wait(timeout=60) == 0, (tmp_path / "out.txt").read_text()[-3000:]
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-    assert stdout.index("point 1: submitted") < stdout.index("waiting for 2 SLURM job(s)")  # queued before any wait
+    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
+                    "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.micro_batch_size=2,4", *SHORT,
+                    "cluster.timeout_min=5", "cluster.max_num_timeout=0", f"run.root={tmp_path}", "run.name=slurm"],
+                   cache=cache_dir, timeout=900)
     sd = sweep_dir_of(tmp_path, "slurm")
-    waited = json.loads((sd / "0" / "point.json").read_text())
-    assert waited["status"] == "submitted" and "the launcher detached (SIGHUP)" in waited["reason"], waited
-    assert f"stop it with `python -m orchestrator stop {sd / '0'}`" in (tmp_path / "out.txt").read_text()
-    job_ids = [json.loads((sd / n / "point.json").read_text())["job_id"] for n in ("0", "1")]
-    deadline = time.monotonic() + 600
-    while subprocess.run(["squeue", "-h", "-j", ",".join(job_ids)], capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline, "the detached sweep's jobs never finished"
-        time.sleep(1.0)
-    subprocess.run([sys.executable, "-m", "orchestrator.sweep", "summarize", str(sd)], cwd=REPO, env=env,
-                   capture_output=True, text=True, timeout=120)
     rows = read_csv(sd / "summary.csv")
     assert [c for c in sweep.COLUMNS if c not in rows[0]] == []
-    assert [r["status"] for r in rows] == ["completed", "completed"], rows
-    assert sorted(r["job_id"] for r in rows) == sorted(job_ids) and all(r["job_id"].isdigit() for r in rows)
+    assert [r["status"] for r in rows] == ["completed", "completed"]
+    assert len({r["job_id"] for r in rows}) == 2 and all(r["job_id"].isdigit() for r in rows)
+    # Both jobs were queued before the driver waited for either.
+    assert proc.stdout.index("point 1: submitted") < proc.stdout.index("waiting for 2 SLURM job(s)")
     for r in rows:
         summary = [x for x in metrics_records(Path(r["run_dir"])) if x.get("event") == "summary"][-1]
         assert float(r["step_time_median_s"]) == summary["step_time_median_s"]
