@@ -20,8 +20,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
-from orchestrator.plan.pipeline_schedule import (measured_costs, measured_schedule, predict, predict_like, predict_measured, schedule_table, stage_order,
-                                                 warmup_count)
+from orchestrator.plan.pipeline_schedule import (measured_costs, measured_schedule, predict, predict_like, predict_measured, schedule_table,
+                                                 shared_core_stretch, stage_order, warmup_count)
 
 
 def test_schedule_table_is_megatrons_own_example():
@@ -50,6 +50,26 @@ def test_predicted_bubble_is_the_formula_without_communication(pp, m, v):
     assert s.bubble_overhead() == pytest.approx([overhead] * pp)
     assert s.idle_share() == pytest.approx([fraction] * pp)
     assert len(s.steps) == 2 * pp * m * v
+
+
+@pytest.mark.parametrize("pp,m,v,replicas", [(2, 4, 1, 1), (4, 4, 1, 1), (4, 8, 2, 1), (2, 2, 2, 2), (4, 16, 1, 2)])
+def test_ranks_sharing_cores_stretch_by_ranks_per_core_plus_what_the_schedule_cannot_hide(pp, m, v, replicas):
+    """A core per rank: the bubble formula exactly. Fewer cores: at least ranks per core, at most that times
+    1 + (p-1)/(v m) (the fill and drain, when fewer ranks than cores can run, is all the sharing cannot hide)."""
+    ranks = pp * replicas
+    assert shared_core_stretch(pp, m, v, replicas, cores=ranks) == pytest.approx(1 + (pp - 1) / (v * m))
+    shared = shared_core_stretch(pp, m, v, replicas, cores=2)
+    assert ranks / 2 <= shared + 1e-9 and shared <= ranks / 2 * (1 + (pp - 1) / (v * m)) + 1e-9
+
+
+def test_shared_core_stretch_by_hand():
+    # no pipeline: 4 ranks on 2 cores, never waiting: 2x
+    assert shared_core_stretch(1, 8, 1, 4, cores=2) == pytest.approx(2.0)
+    # PP4 with one micro-batch is a chain (F on stages 0..3, then B on 3..0: 4 x 1 + 4 x 2 = 12 units) whatever the
+    # cores: 12 / one rank's 3 units = 4 -- ranks per core (2) times 2, the bubble nothing else can fill
+    assert shared_core_stretch(4, 1, 1, 1, cores=2) == pytest.approx(4.0)
+    # PP4, m=4 on 2 cores: the fill (one, then two runnable ranks) and drain leave a core idle: above 2
+    assert shared_core_stretch(4, 4, 1, 1, cores=2) > 2.05
 
 
 def test_a_trace_reads_back_as_its_schedule():

@@ -23,6 +23,7 @@ from orchestrator.plan.inputs import cpu_preset
 from orchestrator.plan.profile import DeviceProfile, device_key, load_profile, prior_profile, save_profile
 from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
+from orchestrator.errors import ConfigError
 from orchestrator.sweep import search
 from orchestrator.sweep.search import TrialOutcome, TuneConfig
 
@@ -256,6 +257,50 @@ def test_fit_recovers_the_constants_that_made_the_measurements(tmp_path):
     assert loaded == fitted
     again = calibrate.fit_profile(prior, loaded.samples)
     assert again.time_constants() == pytest.approx(fitted.time_constants())
+
+
+def test_spread_is_wide_where_the_trials_say_nothing_and_narrows_with_them():
+    """A prediction's relative sd: the prior's own (floor / sqrt(ridge) per constant) before any sample, about the
+    floor for a layout already measured, wide for one the samples leave to the prior (TP4's latency after one
+    TP1 sample), narrow once the samples span every direction."""
+    prior = prior_profile(cpu_preset(4))
+    truth = prior.with_time_constants([c * k for c, k in zip(prior.time_constants(), (1.5, 1, 1, 0.5, 3, 0.7, 2))])
+    samples = _synthetic_samples(truth)
+    feats = [s["time"]["features"] for s in samples]
+    fixed_only = [0.0] * 6 + [1.0]
+    assert calibrate.step_spread(prior, prior)(fixed_only) == pytest.approx(0.05 / calibrate.TIME_RIDGE ** 0.5)
+    one = calibrate.step_spread(prior, calibrate.fit_profile(prior, samples[:1]), floor=0.05)
+    tp1, tp4 = feats[0], feats[6]  # TP1 PP2 DP2 MBS4 (the sample) and TP4 MBS16 seq 64
+    assert one(tp1) == pytest.approx(0.05, abs=0.01) and one(tp4) > 0.3
+    every = calibrate.step_spread(prior, calibrate.fit_profile(prior, samples))
+    assert max(every(f) for f in feats) < 0.06
+
+
+def test_explore_picks_the_uncertain_contender_and_keeps_it_alive():
+    cands = priced(compose(BASE), search.parse_tune_args(SPACE))
+    fast, slow = sorted(cands, key=lambda c: c.plan.step_time_s)[:2]
+    fast.spread, slow.spread = 0.02, 0.45
+    assert search.ranked([fast, slow])[0] is fast  # explore 0: the fastest prediction
+    assert slow.plan.step_time_s * (1 - 2 * 0.45) < fast.plan.step_time_s * (1 - 2 * 0.02)  # optimistic: 0.1x vs 0.96x
+    assert search.ranked([fast, slow], explore=2.0)[0] is slow
+    opts = TuneConfig(min_trials=1, patience=5, model_error_floor=0.05, explore=2.0)
+    t = TrialOutcome
+    # best measured 1.0 s; a candidate predicted 1.2 s +- 10% may be 0.96 s: not a model bound stop; +- 5%: stop
+    assert search.stop_reason(opts, [t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.10]) is None
+    assert search.stop_reason(opts, [t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.05]).startswith("model bound")
+    # an error the trial's own spread allowed for (40% off at +-30%) is no surprise; at +-10% it is (40% error)
+    assert search.stop_reason(opts, [t(1.4, 1.0, True, 0.30), t(1.0, 1.0, True)], [1.2], 0,
+                              remaining_spread=[0.05]).startswith("model bound")
+    assert search.stop_reason(opts, [t(1.4, 1.0, True, 0.10), t(1.0, 1.0, True)], [1.2], 0,
+                              remaining_spread=[0.05]) is None
+    # patience does not count exploring trials (predicted no faster than the best so far)
+    opts = TuneConfig(min_trials=1, patience=2, explore=2.0)
+    explored = [t(1.0, 1.0), t(1.5, 1.6, True, 0.3, True), t(1.3, 1.4, True, 0.3, True)]
+    assert search.stop_reason(opts, explored, [0.5], 0, remaining_spread=[0.5]) is None
+    assert "tune.patience" in search.stop_reason(opts, explored + [t(1.1, 0.9, True), t(1.2, 0.95, True)], [0.5], 0,
+                                                 remaining_spread=[0.5])
+    with pytest.raises(ConfigError, match=r"^tune.explore=-1.0 must be >= 0"):
+        search.parse_tune_args(["tune.explore=-1"])
 
 
 def test_kendall_tau():

@@ -251,6 +251,8 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
 
 NAMED_GROUPS = ("model", "parallelism", "optimizer", "data")
 """Groups whose ``name`` (the schema's default unless the option sets it) names runs and manifests."""
+CONFIG_GROUPS = ("parallelism", "model", "optimizer", "data", "training", "cluster")
+"""The config groups an experiment file or an override can choose an option of."""
 
 
 def _name_unnamed_options(cfg: Any) -> None:

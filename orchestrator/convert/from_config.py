@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List
 
 from orchestrator.convert import launcher
 from orchestrator.convert import megatron_args as M
+from orchestrator.config.compose import CONFIG_GROUPS
 from orchestrator.config.tokenizer import TOKENIZER_TYPES
 from orchestrator.convert.experiment_file import compose, json_value, write
 
-GROUPS = ("parallelism", "model", "optimizer", "data", "training", "cluster")
 PROGRAM = "pretrain_gpt.py"
 
 
@@ -184,7 +184,7 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
     if cfg.data.tokenizer == "byte":
         lines.append("# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same "
                      "ids and embedding (bytes 0-255, eod 256, pad 257; padded to 384).")
-    choices = [f"{g}={getattr(cfg, g).name}" for g in GROUPS if _is_option(g, getattr(cfg, g).name)]
+    choices = [f"{g}={getattr(cfg, g).name}" for g in CONFIG_GROUPS if _is_option(g, getattr(cfg, g).name)]
     lines.append("# orchestrator: defaults " + " ".join(choices))
     lines += [f"# orchestrator: {key}={json_value(value)}" for key, value in extras.items()]
     if c.kind == "slurm":

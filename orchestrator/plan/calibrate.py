@@ -14,14 +14,21 @@ are added to (the prior for a new device), with non-negative constants:
 * step time: measured = features . constants (:data:`~orchestrator.plan.profile.TIME_CONSTANTS`).
 
 Directions the samples do not determine (e.g. inter-node bandwidth on one machine) stay at the prior.
-Entry points: :func:`sample_of`, :func:`fit_profile`, :func:`memory_errors`, :func:`kendall_tau`.
+
+Read as Bayesian regression (relative errors of sd sigma; each time multiplier a priori 1 with sd
+sigma / sqrt(:data:`TIME_RIDGE`)), the step-time fit also says how sure it is: :func:`step_spread` is a
+prediction's relative standard deviation, large where the samples leave a direction to the prior
+(e.g. three trials that all had TP 1 and MBS 4 say nothing of TP's per-call latency). ``tune`` uses it to
+choose informative trials and to stop only when no remaining candidate can plausibly win.
+
+Entry points: :func:`sample_of`, :func:`fit_profile`, :func:`step_spread`, :func:`memory_errors`, :func:`kendall_tau`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.plan.profile import PROFILE_VERSION, DeviceProfile, stage_memory_bytes
 
@@ -111,18 +118,49 @@ def _fit_memory(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> Tupl
     return base[0] * k[0], base[1] * k[1], base[2] * k[2]
 
 
+def _time_rows(base: Sequence[float], samples: Sequence[Dict[str, Any]]) -> List[List[float]]:
+    """Per timed sample: the prior's seconds of each feature / the measured step (row . k = 1 fits it)."""
+    return [[b * f / t["measured_s"] for b, f in zip(base, t["features"])]
+            for t in (s.get("time") for s in samples) if t and t.get("measured_s")]
+
+
 def _fit_time(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> List[float]:
     base = prior.time_constants()
-    rows, targets = [], []
-    for s in samples:
-        t = s.get("time")
-        if t and t.get("measured_s"):
-            rows.append([b * f / t["measured_s"] for b, f in zip(base, t["features"])])
-            targets.append(1.0)
+    rows = _time_rows(base, samples)
     if not rows:
         return base
-    k = _ridge_nonneg(rows, targets, TIME_RIDGE)
+    k = _ridge_nonneg(rows, [1.0] * len(rows), TIME_RIDGE)
     return [b * ki for b, ki in zip(base, k)]
+
+
+def step_spread(prior: DeviceProfile, profile: DeviceProfile, floor: float = 0.05) -> Callable[[Sequence[float]], float]:
+    """A function: step-time features -> the relative standard deviation of ``profile``'s prediction.
+
+    ``profile`` is :func:`fit_profile` (``prior``, its ``samples``) (or ``prior`` itself, no samples).
+    Errors are taken as relative, of sd sigma = max(``floor``, rms of the fit's relative residuals); the
+    ridge towards the prior is a prior of sd sigma / sqrt(:data:`TIME_RIDGE`) on each multiplier k (fitted
+    constant / prior constant), so k's posterior covariance is sigma^2 (A^T A + ridge I)^-1, A the rows of
+    :func:`_time_rows`; a prediction sum_j prior_j k_j f_j has relative sd sqrt(u^T cov u),
+    u_j = prior_j f_j / prediction. Standard ridge-regression algebra (e.g. Bishop, PRML section 3.3).
+    """
+    import numpy as np
+
+    base = prior.time_constants()
+    rows = _time_rows(base, [s for s in profile.samples if s.get("version") == PROFILE_VERSION][-MAX_SAMPLES:])
+    a = np.asarray(rows, dtype=float).reshape(len(rows), len(base))
+    k = np.asarray([c / b if b else 0.0 for c, b in zip(profile.time_constants(), base)])
+    residual = a @ k - 1.0
+    sigma = max(floor, float(np.sqrt(np.mean(residual ** 2))) if len(rows) else floor)
+    cov = sigma ** 2 * np.linalg.inv(a.T @ a + TIME_RIDGE * np.eye(len(base)))
+
+    def spread(features: Sequence[float]) -> float:
+        predicted = predicted_step_s(profile, features)
+        if predicted <= 0:
+            return 0.0
+        u = np.asarray([b * f for b, f in zip(base, features)]) / predicted
+        return float(np.sqrt(max(0.0, u @ cov @ u)))
+
+    return spread
 
 
 def predicted_step_s(profile: DeviceProfile, features: Sequence[float]) -> float:

@@ -106,8 +106,10 @@ class Plan:
     """The device profile whose constants priced this plan (None: the preset's assumptions)."""
     terms: Optional[StepTerms] = None
     """The amounts of work of a step that a device profile prices (calibration samples use them)."""
-    bubble_idle: bool = True
-    """False when ranks share cores (CPU): a stage's idle pipeline time runs other ranks."""
+    idle_overhead: Optional[float] = None
+    """The bubble's share of the pipelined part as priced (:meth:`~orchestrator.plan.profile.StepTerms.stretch`;
+    below ``bubble_overhead`` when ranks share cores, CPU: a stage's idle pipeline time runs other ranks);
+    None: ``bubble_overhead``."""
     vocab_source: str = ""
     """Where ``shape.vocab_size`` came from, in words (:func:`~orchestrator.plan.inputs.vocab_source`)."""
     headroom: float = HEADROOM
@@ -135,7 +137,7 @@ class Plan:
 
     @property
     def bubble_s(self) -> float:
-        idle = self.bubble_overhead if self.bubble_idle else 0.0
+        idle = self.bubble_overhead if self.idle_overhead is None else self.idle_overhead
         return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s) * idle
 
     @property
@@ -319,18 +321,19 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     tp_s, pp_s, dp_s = comm_seconds(shape, layout, recipe, gpu, max(st.params for st in stages), gpus_per_node)
     framework = fixed = 0.0
     terms = step_terms(shape, layout, recipe, vp, max(st.params for st in stages), gpus_per_node, ranks_per_node)
-    idle = True
+    idle = None
     if profile is not None:
         sec = terms.seconds(profile)
         compute, tp_s, pp_s, dp_s, framework, fixed = (sec[k] for k in ("compute", "tp", "pp", "dp", "framework",
                                                                         "fixed"))
-        idle = bool(sec["bubble_idle"])
+        idle = sec["idle"]
     rep, sh, erep, esh = _layer_params(shape)
     pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
     notes = []
-    if not idle:
+    if profile is not None and terms.ranks_per_core(profile.cores):
         notes.append(f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
-                     "other ranks (no idle bubble; each rank's work is stretched by ranks per core)")
+                     f"other ranks (each rank's work is stretched by ranks per core; the bubble is the schedule's "
+                     f"fill and drain with fewer ranks than cores: {idle:.1%})")
     if recipe.precision == "fp32" and profile is None:
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return Plan(
@@ -340,7 +343,7 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
         stages=stages, activations_by_recompute=by_recompute, bubble_overhead=overhead,
         bubble_fraction=fraction, compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
         model_flops=model, hardware_flops=hardware, notes=notes, framework_s=framework, fixed_s=fixed,
-        profile=profile, terms=terms, bubble_idle=idle)
+        profile=profile, terms=terms, idle_overhead=idle)
 
 
 def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None,

@@ -10,7 +10,8 @@ Pure Python (no torch). A :class:`DeviceProfile` holds what the planner otherwis
   link's bandwidth + calls x ``latency_s``, framework = forward-equivalent layer passes x
   ``layer_pass_s`` + model-chunk passes x ``chunk_pass_s``, fixed = ``step_s`` (see :class:`StepTerms`).
   When more ranks than ``cores`` share a host (CPU ranks), a stage's idle pipeline time runs other
-  ranks: there is no idle bubble, and every rank's work is stretched by ranks per core instead.
+  ranks: every rank's work is stretched by ranks per core, and the bubble is only what megatron's
+  schedule leaves when fewer ranks than cores can run (:meth:`StepTerms.stretch`).
 
 A profile is fitted by :mod:`orchestrator.plan.calibrate` from measured runs and stored as
 ``<cache>/profiles/<device key>.json`` (``<cache>`` = ``data.cache_dir``, by default
@@ -21,21 +22,23 @@ for this machine's CPU (``gpu=cpu``), ``gpu-<preset>`` for a GPU preset. Where n
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.io import write_atomic
 from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
+from orchestrator.plan.pipeline_schedule import shared_core_stretch
 from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
 from orchestrator.config.checks import runs_on_cpu
 from orchestrator.config.layout import ParallelLayout
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""
 TIME_CONSTANTS = ("flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "latency_s",
                   "layer_pass_s", "chunk_pass_s", "step_s")
@@ -117,16 +120,32 @@ class StepTerms:
     """(p-1)/(v m): the pipelined part is stretched by 1 + this (when the bubble idles)."""
     ranks_per_node: int = 1
     """Ranks on one host (node)."""
+    schedule: Tuple[int, int, int, float, int] = (1, 1, 1, 2.0, 1)
+    """(PP, micro-batches, VPP, backward / forward, ranks per stage = world / PP) for :meth:`stretch`."""
 
     def ranks_per_core(self, cores: int) -> float:
         """Ranks per core when more ranks than ``cores`` share a host, else 0 (each rank has its own device)."""
         return self.ranks_per_node / cores if cores and self.ranks_per_node > cores else 0.0
 
+    def stretch(self, cores: int = 0) -> Tuple[float, float]:
+        """(share, idle): a rank's pipelined work takes share x (1 + idle) x its own time, DP communication share x.
+
+        One device per rank: (1, (p-1)/(v m)). Ranks sharing ``cores`` (CPU): share = ranks per core, and idle
+        = what megatron's schedule leaves when fewer ranks than cores can run (its fill and drain), from
+        :func:`~orchestrator.plan.pipeline_schedule.shared_core_stretch` when the job is on one host, else 0.
+        """
+        shared = self.ranks_per_core(cores)
+        if not shared:
+            return 1.0, self.bubble_overhead
+        pp, m, vpp, ratio, per_stage = self.schedule
+        if pp == 1 or pp * per_stage > self.ranks_per_node:
+            return shared, 0.0
+        return shared, _shared_stretch(pp, m, vpp, per_stage, cores, ratio) / shared - 1.0
+
     def features(self, cores: int = 0) -> List[float]:
         """Per :data:`TIME_CONSTANTS`: FLOPs, intra- and inter-node bytes, calls, layer passes, chunk passes, 1."""
-        shared = self.ranks_per_core(cores)
-        b = shared or 1.0 + self.bubble_overhead  # pipelined work: stretched by sharing, else by the bubble
-        d = shared or 1.0
+        d, idle = self.stretch(cores)
+        b = d * (1.0 + idle)  # pipelined work
         intra = inter = 0.0
         for vol, mult in ((self.tp, b), (self.pp, b), (self.dp, d)):
             if vol.intra_node:
@@ -138,8 +157,8 @@ class StepTerms:
 
     def seconds(self, profile: DeviceProfile) -> Dict[str, float]:
         """compute, tp, pp, dp, framework and fixed seconds (not stretched by the bubble), and
-        ``bubble_idle`` (1.0 when the bubble idles the device, 0.0 when other ranks use it)."""
-        mult = self.ranks_per_core(profile.cores) or 1.0
+        ``idle``: the bubble's share of the pipelined part (:meth:`stretch`)."""
+        mult, idle = self.stretch(profile.cores)
 
         def comm(v: CommVolume) -> float:
             return mult * (v.bytes / profile.bandwidth(v.intra_node) + v.calls * profile.latency_s)
@@ -147,7 +166,11 @@ class StepTerms:
         return {"compute": mult * self.flops / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
                 "dp": comm(self.dp),
                 "framework": mult * (self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s),
-                "fixed": profile.step_s, "bubble_idle": 0.0 if self.ranks_per_core(profile.cores) else 1.0}
+                "fixed": profile.step_s, "idle": idle}
+
+
+_shared_stretch = functools.lru_cache(maxsize=1024)(shared_core_stretch)
+"""Every candidate is re-priced after each tune trial: simulate each schedule once."""
 
 
 def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int, params_per_gpu: int,
@@ -161,7 +184,8 @@ def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: in
     return StepTerms(flops=max(stage_flops) / (layout.world_size // p), tp=tp, pp=pp, dp=dp,
                      layer_passes=m * layout.layers_per_stage * per_layer, chunk_passes=m * layout.vpp,
                      bubble_overhead=bubble(p, m, layout.vpp)[0],
-                     ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node))
+                     ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node),
+                     schedule=(p, m, layout.vpp, per_layer - 1.0, layout.world_size // p))
 
 
 # ---- device keys and storage -------------------------------------------------------------------

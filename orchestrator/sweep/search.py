@@ -47,6 +47,11 @@ class TuneConfig:
     min_gain: float = 0.02
     model_error_floor: float = 0.05
     """The model's error is never taken below this (step-time noise between runs)."""
+    explore: float = 2.0
+    """Standard deviations of a prediction's uncertainty (:func:`~orchestrator.plan.calibrate.step_spread`)
+    a candidate may turn out faster by: the next trial is the candidate with the lowest optimistic step
+    (prediction x (1 - explore x spread)), and the model bound stops only when no candidate's optimistic
+    step beats the best measured one. 0: the fastest prediction, trusted as it is."""
     iters: int = 8
     """Training iterations per trial (the first ``warmup_iters`` are not timed)."""
     warmup_iters: int = 2
@@ -130,6 +135,8 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
     if opts.trace_iteration is not None and not 1 <= opts.trace_iteration <= opts.iters:
         raise ConfigError(f"tune.trace_iteration={opts.trace_iteration} must be one of the trial's iterations "
                           f"1..tune.iters={opts.iters}; fix: tune.trace_iteration={opts.iters}")
+    if opts.explore < 0:
+        raise ConfigError(f"tune.explore={opts.explore} must be >= 0 (standard deviations); fix: tune.explore=2")
     if opts.max_minutes <= 0:
         raise ConfigError(f"tune.max_minutes={opts.max_minutes} must be > 0; fix: tune.max_minutes=30")
     if not 0 < opts.memory_margin <= 1:
@@ -150,6 +157,12 @@ class Candidate:
     status: str = "candidate"
     """candidate, pruned_memory, blocked, or the trial's status once run."""
     note: str = ""
+    spread: float = 0.0
+    """Relative standard deviation of the plan's step time (:func:`~orchestrator.plan.calibrate.step_spread`)."""
+
+    def optimistic_s(self, explore: float) -> float:
+        """The step time ``explore`` standard deviations below the prediction (never below 0)."""
+        return self.plan.step_time_s * max(0.0, 1.0 - explore * self.spread)
 
     @property
     def label(self) -> str:
@@ -250,12 +263,15 @@ def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict
 
 # ---- pricing, pruning, ranking -------------------------------------------------------------------
 
-def price(cands: Sequence[Candidate], device: str, profile: Any) -> None:
-    """Plan every candidate on ``device`` (a preset name; ``cpu``) with ``profile``."""
+def price(cands: Sequence[Candidate], device: str, profile: Any, spread: Any = None) -> None:
+    """Plan every candidate on ``device`` (a preset name; ``cpu``) with ``profile``; ``spread``
+    (features -> relative sd, :func:`~orchestrator.plan.calibrate.step_spread`) sets each ``Candidate.spread``."""
     from orchestrator.plan import memory as planner
 
     for c in cands:
         c.plan = planner.plan(c.cfg, gpu=device, profile=profile)
+        if spread is not None and c.plan.terms is not None and profile is not None:
+            c.spread = spread(c.plan.terms.features(profile.cores))
 
 
 def memory_limit_bytes(cand: Candidate, opts: TuneConfig) -> float:
@@ -267,9 +283,10 @@ def fits(cand: Candidate, opts: TuneConfig, margin: float) -> bool:
     return cand.plan.peak_bytes <= margin * memory_limit_bytes(cand, opts)
 
 
-def ranked(cands: Sequence[Candidate]) -> List[Candidate]:
-    """Fastest predicted step first; then least memory."""
-    return sorted(cands, key=lambda c: (c.plan.step_time_s, c.plan.peak_bytes))
+def ranked(cands: Sequence[Candidate], explore: float = 0.0) -> List[Candidate]:
+    """Lowest optimistic step first (:meth:`Candidate.optimistic_s`; with ``explore`` 0 the fastest
+    prediction), then the fastest prediction, then least memory."""
+    return sorted(cands, key=lambda c: (c.optimistic_s(explore), c.plan.step_time_s, c.plan.peak_bytes))
 
 
 # ---- learning from trials --------------------------------------------------------------------------
@@ -307,18 +324,25 @@ class TrialOutcome:
     """When the trial was chosen (a prediction for a configuration the model had not seen)."""
     calibrated: bool = False
     """Whether that prediction came from a calibrated profile (the prior's errors say nothing of the fit)."""
+    predicted_sd: float = 0.0
+    """The prediction's relative standard deviation (``Candidate.spread``) when it was chosen."""
+    exploring: bool = False
+    """Chosen for what it teaches the model: predicted no faster than the best step measured before it
+    (only its uncertainty made it a contender); ``patience`` does not count it."""
 
 
 def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_predicted_s: Sequence[float],
-                elapsed_s: float, next_trial_s: float = 0.0) -> Optional[str]:
+                elapsed_s: float, next_trial_s: float = 0.0, remaining_spread: Sequence[float] = ()) -> Optional[str]:
     """Why to stop now, or None to run the next candidate.
 
     Budget: ``max_trials`` trials run, or ``max_minutes`` would be passed by another trial of the
     average length so far. No candidates left. After ``min_trials``: ``patience`` trials in a row
-    without a step ``min_gain`` faster than the best before; or the model bound: every remaining
-    prediction x (1 - error) >= the best measured step, error = max(``model_error_floor``, the
-    largest |measured / predicted - 1| of the completed trials a calibrated profile predicted
-    before they ran).
+    (exploring ones not counted) without a step ``min_gain`` faster than the best before; or the model bound: every remaining
+    candidate's prediction x (1 - its allowance) >= the best measured step, allowance = the larger of
+    ``explore`` x the candidate's spread (``remaining_spread``, relative sd of its prediction; none
+    given: 0) and the model's surprise: max(``model_error_floor``, the largest |measured / predicted - 1|
+    of the completed trials a calibrated profile predicted before they ran, where that error exceeded
+    ``explore`` x the trial's own spread -- errors its stated uncertainty allowed for are no surprise).
     """
     if len(trials) >= opts.max_trials:
         return f"budget: tune.max_trials={opts.max_trials} trials run"
@@ -329,61 +353,40 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
     done = [t for t in trials if t.measured_step_s]
     if len(trials) < opts.min_trials or not done:
         return None
-    best, last_gain = None, -1
-    for i, t in enumerate(trials):
+    best, since = None, 0
+    for t in trials:
         if t.measured_step_s and (best is None or t.measured_step_s < best * (1 - opts.min_gain)):
-            best, last_gain = t.measured_step_s, i
-    if len(trials) - 1 - last_gain >= opts.patience:
+            best, since = t.measured_step_s, 0
+        elif not t.exploring:
+            since += 1
+    if since >= opts.patience:
         return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
     best = min(t.measured_step_s for t in done)
-    error = max([opts.model_error_floor] + [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done
-                                            if t.calibrated])
+    errors = [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done if t.calibrated]
+    error = max([opts.model_error_floor] + [e for e, t in zip(errors, [t for t in done if t.calibrated])
+                                            if e > opts.explore * t.predicted_sd])
+    spreads = list(remaining_spread) or [0.0] * len(remaining_predicted_s)
+    allowance = [max(error, opts.explore * s) for s in spreads]
+    floor, i = min((p * (1 - a), i) for i, (p, a) in enumerate(zip(remaining_predicted_s, allowance)))
+    if floor >= best:
+        return (f"model bound: the best remaining candidate is predicted at {remaining_predicted_s[i] * 1e3:.1f} ms "
+                f"(>= {floor * 1e3:.1f} ms allowing the model's {allowance[i]:.0%} error) vs {best * 1e3:.1f} ms "
+                "measured")
+    return None
+    best, since = None, 0
+    for t in trials:
+        if t.measured_step_s and (best is None or t.measured_step_s < best * (1 - opts.min_gain)):
+            best, since = t.measured_step_s, 0
+        elif not t.exploring:
+            since += 1
+    if since >= opts.patience:
+        return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
+    best = min(t.measured_step_s for t in done)
+    errors = [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done if t.calibrated]
+    error = max([opts.model_error_floor] + [e for e, t in zip(errors, [t for t in done if t.calibrated])
+                                            if e > opts.explore * t.predicted_sd])
     floor = min(remaining_predicted_s) * (1 - error)
     if floor >= best:
         return (f"model bound: the best remaining candidate is predicted at {min(remaining_predicted_s) * 1e3:.1f} ms "
                 f"(>= {floor * 1e3:.1f} ms allowing the model's {error:.0%} error) vs {best * 1e3:.1f} ms measured")
     return None
-
-
-# ---- the winner as an experiment file ------------------------------------------------------------
-
-GROUPS = ("parallelism", "model", "optimizer", "data", "training", "cluster")
-
-
-def experiment_yaml(name: str, base_overrides: Sequence[str], knobs: Sequence[str], header: Sequence[str]) -> str:
-    """``conf/experiment/<name>.yaml`` text: the base overrides and the winner's knobs, runnable with
-    ``+experiment=<name>``; ``header`` lines become its leading comment.
-
-    Group choices become ``override /group: option`` defaults, ``+experiment=X`` includes
-    ``/experiment/X``, dotted keys become values; the knobs win over the base (written last).
-    """
-    import yaml
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    defaults: List[Any] = []
-    values: Dict[str, Any] = {}
-
-    def put(key: str, value: Any) -> None:
-        node = values
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-
-    knob_keys = {k.partition("=")[0] for k in knobs}
-    for o in OverridesParser.create().parse_overrides(list(base_overrides)):
-        key = o.key_or_group
-        if o.is_delete() or key in knob_keys:
-            continue
-        if key == "experiment":
-            defaults.append(f"/experiment/{o.value()}")
-        elif key in GROUPS:
-            defaults.append({f"override /{key}": o.value()})
-        else:
-            put(key, o.value())
-    for o in OverridesParser.create().parse_overrides(list(knobs)):
-        put(o.key_or_group, o.value())
-    put("run.name", name)
-    body = yaml.safe_dump({"defaults": defaults + ["_self_"], **values}, sort_keys=False, default_flow_style=False)
-    comment = "\n".join(f"# {line}".rstrip() for line in header)
-    return f"# @package _global_\n{comment}\n{body}"

@@ -11,7 +11,9 @@ Reads top to bottom (:meth:`Tuner.run`):
    each through the one ``validate``), price each on the device that runs (``cpu`` for CPU ranks,
    else the ``gpu`` preset) with its device profile -- stored calibration, or the prior -- and drop
    those predicted above ``tune.memory_margin`` x the memory per rank.
-3. Run the fastest predicted candidate as a real job: ``python -m orchestrator <overrides> <knobs>``
+3. Run the candidate with the lowest optimistic step (its prediction less ``tune.explore`` standard deviations
+   of the model's uncertainty, :func:`~orchestrator.plan.calibrate.step_spread`: early trials also pin down
+   what the first ones left to the prior) as a real job: ``python -m orchestrator <overrides> <knobs>``
    with ``tune.iters`` iterations, no checkpoint, in ``<run.root>/tune/<name>/<n>``; record it as a
    sweep point (``point.json``). Fit the device profile to every trial so far
    (:func:`~orchestrator.plan.calibrate.fit_profile`), store it (``tune.calibrate``), re-price the
@@ -25,9 +27,9 @@ A crashed trial is recorded; an out-of-memory crash lowers the memory margin bel
 another crash rules out the remaining candidates that share its untested options. SLURM: with
 ``cluster=slurm...`` the trials run in sequence within one allocation (the warm ranks' job, sized
 ``tune.max_minutes`` + ``tune.trial_timeout_min``); ``tune.warm_pool=false`` makes each trial its
-own job, submitted and waited for in sequence. Trials run on warm ranks
-(:mod:`orchestrator.sweep.trial`): the process start-up is paid once, not per trial. Exit code: 0 with a winner, 1 when no trial completed, 2
-for a user error (one ``error:`` line, nothing created).
+own job, submitted and waited for in sequence. Trials run on warm ranks (:mod:`orchestrator.sweep.trial`):
+the process start-up is paid once, not per trial. Exit code: 0 with a winner, 1 when no trial completed, 2 for
+a user error (one ``error:`` line, nothing created).
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.io import write_atomic
+from orchestrator.plan.calibrate import fit_profile, sample_of, step_spread
 from orchestrator.sweep import search
 from orchestrator.sweep.search import Candidate, TuneConfig
 from orchestrator.sweep.trial import TrialRunner, trial_overrides
+from orchestrator.sweep.winner import experiment_yaml, run_flags
 from orchestrator.sweep.table import (POINT_FILE, layout_record, measured, plan_record, short_reason, to_markdown,
                                       write_summary)
 
@@ -71,6 +75,10 @@ class Trial:
     predicted_peak_bytes: float
     calibrated: bool
     """Whether the profile that predicted it was calibrated."""
+    predicted_sd: float = 0.0
+    """The prediction's relative standard deviation at selection."""
+    exploring: bool = False
+    """Predicted no faster than the best step measured before it (:class:`~orchestrator.sweep.search.TrialOutcome`)."""
     status: str = "running"
     reason: str = ""
     summary: Optional[Dict[str, Any]] = None
@@ -121,7 +129,8 @@ class Tuner:
     # ---- choosing ---------------------------------------------------------------------------
     def _price(self) -> None:
         """Re-plan every candidate with the current profile; mark those over the memory margin."""
-        search.price(self.cands, self.device, self.profile)
+        search.price(self.cands, self.device, self.profile, step_spread(self.prior, self.profile,
+                                                                        self.opts.model_error_floor))
         for c in self.cands:
             if c.status in ("candidate", "pruned_memory"):
                 c.status = "candidate" if search.fits(c, self.opts, self.margin) else "pruned_memory"
@@ -139,24 +148,28 @@ class Tuner:
                     " of a crashed trial"
             if c.status == "candidate":
                 out.append(c)
-        return search.ranked(out)
+        return search.ranked(out, self.opts.explore)
 
     def stop(self) -> Optional[str]:
         done = [t for t in self.trials if t.wall_s]
         next_s = sum(t.wall_s for t in done) / len(done) if done else 0.0
-        outcomes = [search.TrialOutcome(t.step_s, t.predicted_step_s, t.calibrated) for t in self.trials]
-        return search.stop_reason(self.opts, outcomes, [c.plan.step_time_s for c in self.remaining()],
-                                  time.time() - self.start, next_s)
+        outcomes = [search.TrialOutcome(t.step_s, t.predicted_step_s, t.calibrated, t.predicted_sd, t.exploring)
+                    for t in self.trials]
+        left = self.remaining()
+        return search.stop_reason(self.opts, outcomes, [c.plan.step_time_s for c in left],
+                                  time.time() - self.start, next_s, [c.spread for c in left])
 
     # ---- running ----------------------------------------------------------------------------
     def run_trial(self, cand: Candidate) -> Trial:
-        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes, self.profile.calibrated)
+        best = min((t.step_s for t in self.trials if t.step_s), default=None)
+        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes, self.profile.calibrated,
+                      cand.spread, exploring=best is not None and cand.plan.step_time_s >= best)
         cand.status = "running"
         self.trials.append(trial)
         run_dir = self.root / str(trial.num)
         self._record(trial)
-        say(f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step, "
-            f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank)")
+        say(f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step ± {trial.predicted_sd:.0%}, "
+            f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank{'; exploring' if trial.exploring else ''})")
         args = [*self.overrides, *cand.overrides, *trial_overrides(self.opts, self.root, trial.num)]
         trial.summary, trial.reason, trial.wall_s = self.runner.run(args, run_dir)
         trial.status = "completed" if trial.summary else "failed"
@@ -173,7 +186,6 @@ class Tuner:
     def learn(self, trial: Trial) -> None:
         """Fit the profile to every completed trial (stored when ``tune.calibrate``); after an OOM, lower the margin."""
         from orchestrator.plan import memory as planner
-        from orchestrator.plan.calibrate import fit_profile, sample_of
         from orchestrator.plan.profile import save_profile
 
         if trial.status == "failed" and search.is_oom(trial.reason):
@@ -196,8 +208,9 @@ class Tuner:
                   "driver": {"pid": os.getpid(), "host": os.uname().nodename}, "started": trial.started,
                   "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
                   "layout": layout_record(c.layout), "cluster": c.cfg.cluster.kind, "plan": plan_record(c.plan),
-                  "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s,
+                  "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s, "predicted_step_sd": trial.predicted_sd,
                            "predicted_peak_bytes": trial.predicted_peak_bytes, "calibrated": trial.calibrated,
+                           "exploring": trial.exploring,
                            "wall_s": trial.wall_s, "startup_s": trial.startup_s, "warm": self.opts.warm_pool}}
         if trial.status != "running":
             record["ended"] = time.time()
@@ -264,7 +277,8 @@ class Tuner:
             f"{self.margin:.0%} of the memory per rank, {len(rank)} to choose from")
         say(f"device profile {self.profile.summary()}")
         for c in rank[:10]:
-            say(f"  {c.plan.step_time_s * 1e3:8.1f} ms  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  {c.label}")
+            say(f"  {c.plan.step_time_s * 1e3:8.1f} ms ± {c.spread:4.0%}  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  "
+                f"{c.label}")
 
     def finish(self, reason: str) -> int:
         """Table, candidates.csv, the winner's experiment file; the exit code."""
@@ -293,11 +307,11 @@ class Tuner:
         by_cand = {id(t.cand): t for t in self.trials}
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["candidate", "predicted_step_time_s", "predicted_peak_mib", "status", "trial",
-                    "measured_step_time_s", "overrides"])
+        w.writerow(["candidate", "predicted_step_time_s", "predicted_step_sd_pct", "predicted_peak_mib", "status",
+                    "trial", "measured_step_time_s", "overrides"])
         for c in search.ranked(self.cands):
             t = by_cand.get(id(c))
-            w.writerow([c.label, c.plan.step_time_s, c.plan.peak_bytes / search.MiB, c.status,
+            w.writerow([c.label, c.plan.step_time_s, round(100 * c.spread, 1), c.plan.peak_bytes / search.MiB, c.status,
                         "" if t is None else t.num, "" if t is None or t.step_s is None else t.step_s,
                         " ".join(c.overrides)])
         return buf.getvalue()
@@ -305,7 +319,7 @@ class Tuner:
     def write_winner(self, best: Trial, reason: str) -> Path:
         path = self.winner_path()
         header = self.evidence(best, reason)
-        text = search.experiment_yaml(self.name, self.overrides, best.cand.overrides, header)
+        text = experiment_yaml(self.name, self.overrides, best.cand.overrides, header)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text)
         return path
@@ -327,16 +341,6 @@ class Tuner:
         lines += [f"  failed: {t.cand.label}: {short_reason(t.reason, 100)}" for t in self.trials if t.status == "failed"]
         lines.append(f"Evidence: {self.root} (summary.md, candidates.csv, each trial's metrics.jsonl).")
         return lines
-
-
-def run_flags(path: Path) -> str:
-    """What ``python -m orchestrator`` needs, from this directory, to find the experiment file ``path``."""
-    from orchestrator.config.confdirs import conf_dir, user_conf_dirs
-
-    root = path.resolve().parent.parent
-    if path.parent.name != "experiment":
-        return f"--config-dir <a directory whose experiment/ holds {path.name}> "
-    return "" if root in [conf_dir().resolve(), *user_conf_dirs()] else f"--config-dir {root} "
 
 
 def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
