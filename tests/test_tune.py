@@ -303,6 +303,22 @@ def test_explore_picks_the_uncertain_contender_and_keeps_it_alive():
         search.parse_tune_args(["tune.explore=-1"])
 
 
+def test_ranks_sharing_cores_are_priced_by_the_mean_stage_and_the_fill_and_drain():
+    """PP4 gpt_tiny, m = 4, on 4 CPU ranks: with a core per rank the slowest stage (the last: the logits) paces the
+    step and the bubble is (p-1)/m; time-sharing 2 cores every stage's work queues for the same cores (the mean
+    stage) and only the schedule's fill and drain idles them."""
+    from orchestrator.plan.pipeline_schedule import shared_core_stretch
+
+    plan = planner.plan(compose(["+experiment=gpt_pp2_dp2", "parallelism=pp4", "data=mock"]), gpu="cpu", profile=None)
+    terms = plan.terms
+    assert plan.layout.num_microbatches == 4 and terms.flops > terms.flops_mean > 0
+    assert terms.stretch(cores=0) == (1.0, pytest.approx(3 / 4))
+    share, idle = terms.stretch(cores=2)
+    assert share == 2.0 and idle == pytest.approx(shared_core_stretch(4, 4, 1, 1, 2) / 2 - 1) and 0 < idle < 3 / 4
+    assert terms.features(0)[0] == pytest.approx(1.75 * terms.flops)
+    assert terms.features(2)[0] == pytest.approx(2 * (1 + idle) * terms.flops_mean)
+
+
 def test_kendall_tau():
     assert calibrate.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert calibrate.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0

@@ -120,6 +120,8 @@ class StepTerms:
     """(p-1)/(v m): the pipelined part is stretched by 1 + this (when the bubble idles)."""
     ranks_per_node: int = 1
     """Ranks on one host (node)."""
+    flops_mean: float = 0.0
+    """Hardware FLOPs of the mean stage, per GPU: what ranks time-sharing cores cost (0: ``flops``)."""
     schedule: Tuple[int, int, int, float, int] = (1, 1, 1, 2.0, 1)
     """(PP, micro-batches, VPP, backward / forward, ranks per stage = world / PP) for :meth:`stretch`."""
 
@@ -142,6 +144,11 @@ class StepTerms:
             return shared, 0.0
         return shared, _shared_stretch(pp, m, vpp, per_stage, cores, ratio) / shared - 1.0
 
+    def stage_flops(self, cores: int = 0) -> float:
+        """The FLOPs that set the pace: the slowest stage's with a device per rank, the mean stage's when ranks
+        time-share cores (every rank's work then queues for the same cores)."""
+        return (self.flops_mean or self.flops) if self.ranks_per_core(cores) else self.flops
+
     def features(self, cores: int = 0) -> List[float]:
         """Per :data:`TIME_CONSTANTS`: FLOPs, intra- and inter-node bytes, calls, layer passes, chunk passes, 1."""
         d, idle = self.stretch(cores)
@@ -153,7 +160,7 @@ class StepTerms:
             else:
                 inter += mult * vol.bytes
         calls = b * (self.tp.calls + self.pp.calls) + d * self.dp.calls
-        return [b * self.flops, intra, inter, calls, b * self.layer_passes, b * self.chunk_passes, 1.0]
+        return [b * self.stage_flops(cores), intra, inter, calls, b * self.layer_passes, b * self.chunk_passes, 1.0]
 
     def seconds(self, profile: DeviceProfile) -> Dict[str, float]:
         """compute, tp, pp, dp, framework and fixed seconds (not stretched by the bubble), and
@@ -163,7 +170,7 @@ class StepTerms:
         def comm(v: CommVolume) -> float:
             return mult * (v.bytes / profile.bandwidth(v.intra_node) + v.calls * profile.latency_s)
 
-        return {"compute": mult * self.flops / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
+        return {"compute": mult * self.stage_flops(profile.cores) / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
                 "dp": comm(self.dp),
                 "framework": mult * (self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s),
                 "fixed": profile.step_s, "idle": idle}
@@ -181,7 +188,8 @@ def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: in
     p, m = layout.pipeline_model_parallel_size, layout.num_microbatches
     tp, pp, dp = comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node)
     per_layer = 3 + (1 if recipe.recompute_granularity == "full" else 0)
-    return StepTerms(flops=max(stage_flops) / (layout.world_size // p), tp=tp, pp=pp, dp=dp,
+    per_gpu = layout.world_size // p
+    return StepTerms(flops=max(stage_flops) / per_gpu, flops_mean=sum(stage_flops) / p / per_gpu, tp=tp, pp=pp, dp=dp,
                      layer_passes=m * layout.layers_per_stage * per_layer, chunk_passes=m * layout.vpp,
                      bubble_overhead=bubble(p, m, layout.vpp)[0],
                      ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node),
