@@ -77,6 +77,13 @@ class DiskFullError(OrchestratorError):
     exit_code = 1
 
 
+class CheckpointLoadError(OrchestratorError):
+    """A rank could not load a checkpoint (a damaged file, tensors that do not fit the model); the message
+    names the checkpoint, the rank(s) that failed and their error in one line, and how to go on."""
+
+    exit_code = 1
+
+
 class SlowLinkError(OrchestratorError):
     """``cluster.link_check.action=refuse`` and a cross-node link measured slow: the job stops before
     training, not requeued; the launcher exits 2 with the job's line (a user's fix: the interface, a host)."""

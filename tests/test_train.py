@@ -92,6 +92,26 @@ def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
     assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
 
 
+def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history(tmp_path, cache_dir, init):
+    """A shard damaged in place (same size: the manifest's size digest passes) makes torch raise its
+    CheckpointException, which is no Exception: submitit wrote no result and the launcher said "ended without
+    results from rank(s) [0]". Now the last line and the history name the checkpoint, the rank and its error."""
+    from orchestrator.ckpt import history
+
+    run_dir = _copy_run(init.parent.parent, tmp_path)
+    shard = run_dir / "checkpoints" / "iter_0000000" / "__0_0.distcp"
+    shard.write_bytes(bytes(200) + shard.read_bytes()[200:])
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
+                   cache=cache_dir, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    said = (f"checkpoint {shard.parent} could not be loaded (rank(s) [0]: UnpicklingError: invalid load key, "
+            "'\\x00'.); it is damaged or does not fit this model")
+    assert proc.returncode == 1 and last.startswith("error: job ") and said in last, proc.stderr[-3000:]
+    assert "without results" not in proc.stderr and f"mv {shard.parent} {shard.parent}.bad" in last
+    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    assert ended.cause == "crashed" and ended.message.startswith(said), ended
+
+
 def test_init_from_weights_of_another_shape_are_refused_before_anything_starts(tmp_path, cache_dir, init):
     """checkpoint.init_from of a gpt_tiny checkpoint into llama_tiny: one `error:` line naming the keys whose
     shapes differ (with the table of the overrides that match), exit 2, no run directory — it used to fail in

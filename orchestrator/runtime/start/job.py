@@ -140,7 +140,12 @@ class TrainJob:
             from orchestrator.data.prepare import PreparedData
             from orchestrator.runtime.training.run import run
 
-            return run(cfg, PreparedData(**self.prepared))
+            try:
+                return run(cfg, PreparedData(**self.prepared))
+            except (Exception, SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:  # e.g. torch's CheckpointException: submitit (and a forked rank) catch
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc  # Exception only, and write no result
 
     def _forked_rank(self) -> None:
         """A forked rank: train, then write the result file as submitit writes a task's
