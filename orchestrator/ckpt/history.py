@@ -36,9 +36,10 @@ from orchestrator.io import append_jsonl, read_jsonl
 PathLike = Union[str, Path]
 
 CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "spike", "crashed",
-          "interrupted", "by request")
-"""Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``by
-request``: ``orchestrator stop`` (:mod:`orchestrator.ckpt.stop`)."""
+          "disk full", "interrupted", "by request")
+"""Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``disk
+full``: ENOSPC in a save or a write (never retried: it would recur); ``by request``: ``orchestrator stop``
+(:mod:`orchestrator.ckpt.stop`)."""
 TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})
 """Counted against ``cluster.max_num_timeout``."""
 FAILURE_CAUSES = frozenset({"hang", "node failure", "crashed"})

@@ -238,7 +238,7 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     died = re.match(r"rank\(s\) \[[\d, ]+\] died without a result", last.message or "")
     if died and st.state == "failed":  # the rank that died first, not its peers' broken collectives
         st.detail = died.group(0)
-    if last.cause in ("nan", "spike", "hang") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
+    if last.cause in ("nan", "spike", "hang", "disk full") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 from orchestrator.ckpt import history
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
-_JOB_CAUSES = ("nan", "spike", "hang")  # a crash's record names one rank's error; its traceback says more
+_JOB_CAUSES = ("nan", "spike", "hang", "disk full")  # a crash's record names one rank's error; its traceback says more
 
 
 def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:
@@ -61,14 +61,14 @@ def disk_full(run_dir: str) -> Optional[str]:
     from pathlib import Path
 
     from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-    from orchestrator.runtime.faults.diskspace import disk_full_message, out_of_space
+    from orchestrator.runtime.faults.diskspace import disk_full_message, out_of_space, write_full_message
 
     if not out_of_space(run_dir):
         return None
     base = Path(run_dir) / CHECKPOINTS_DIR
     iters = sorted(p for p in base.glob("iter_*") if p.is_dir()) if base.is_dir() else []
     torn = [p for p in iters if not (p / "manifest.json").exists()]
-    return disk_full_message(torn[-1] if torn else base)
+    return disk_full_message(torn[-1]) if torn else write_full_message(run_dir, run_dir)
 
 
 def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
@@ -123,7 +123,11 @@ def requeued_after_failure(run_dir: str, job_id: str) -> bool:
 
 
 def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
-    """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did."""
+    """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did (a crash
+    whose line is a full disk's is recorded as ``disk full``)."""
+    from orchestrator.runtime.faults.diskspace import DISK_FULL
+
+    cause = "disk full" if cause == "crashed" and message.startswith(DISK_FULL) else cause
     latest = _latest(run_dir, job_id)
     attempt = latest.attempt if latest is not None else 0
     if latest is not None and latest.end is not None:

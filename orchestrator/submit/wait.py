@@ -233,8 +233,7 @@ class _Wait:
         if known:
             raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",
                             "crashed", known)  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
-        # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the error
-        # above is its peers' broken collective: say so.
+        # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
         dead = _dead_ranks(job, self.world_size, self.results) if self.local else []
         rank = failed[0]
         detail = self.results[rank][1]
@@ -303,9 +302,8 @@ class _Wait:
             self.ended_since = None
             return
         cancelled = not self.local and self.state.startswith("CANCELLED")
-        # Allow result files a moment to land after the processes exit (the state is re-read
-        # every poll, so a transient answer does not end the wait). A local task writes its result
-        # before it exits, on this machine's filesystem: a short grace is enough there.
+        # Allow result files a moment to land after the processes exit (the state is re-read every poll, so a transient
+        # answer does not end the wait). A local task writes its result before it exits, here: a short grace is enough.
         self.ended_since = self.ended_since or time.time()
         if time.time() - self.ended_since <= (3 if cancelled or self.local else 15):
             return
@@ -313,6 +311,8 @@ class _Wait:
         missing = [i for i in range(self.world_size) if i not in self.results]
         stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)  # e.g. its requeues used up: no srun lines
         if (known := stopped or outcome.known_failure(self.run_dir, self.job_id)) and not cancelled:
+            if not stopped:  # e.g. a full disk the ranks could not record (kept if they did)
+                outcome.record_end(self.run_dir, self.job_id, "crashed", known)
             raise JobFailedError(f"job {self.job_id}{'' if stopped else f' ({state})'}: {known} (logs: {logs}/)")
         outcome.record_end(self.run_dir, self.job_id, "crashed" if self.local else outcome.slurm_cause(state),
                            f"job ended ({state}) without results from rank(s) {missing}")
