@@ -8,7 +8,9 @@ are caught in ``__main__`` and printed as ``error: <message>``, exit code 2).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from typing import Iterable
 
 
 class OrchestratorError(Exception):
@@ -49,6 +51,16 @@ class JobFailedError(SubmissionError):
     """A submitted job ended in failure; the message carries the failing rank's last lines."""
 
     exit_code = 1
+
+
+def ranks_died(ranks: Iterable[int], how: str = "") -> str:
+    """The line naming ranks that died without a result (``how``: e.g. ``exit by signal 9, SIGKILL``): the cause
+    of a crash, which their peers' broken collectives ("Connection closed by peer") only follow."""
+    return f"rank(s) {sorted(ranks)} died without a result ({f'{how}: ' if how else ''}killed? out of memory?)"
+
+
+RANKS_DIED = re.compile(r"rank\(s\) \[[\d, ]+\] died without a result( \([^)]*\))?")
+"""A :func:`ranks_died` line (at the start of a recorded end: ``status`` names those ranks)."""
 
 
 class RanksDiedError(OrchestratorError):

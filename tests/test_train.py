@@ -303,7 +303,9 @@ def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache
 def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
     """A local CPU job's task forks its other ranks (runtime/start/forked.py). kill -9 of a forked rank (what
     the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of
-    hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it)."""
+    hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it).
+    jobs.jsonl and `status` name it too (they named rank 0, which recorded its "Connection closed by peer"
+    first); rank 0's error follows as a consequence."""
     import os
     import signal
     import subprocess
@@ -313,7 +315,9 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     import psutil
 
     from conftest import REPO
+    from orchestrator.ckpt import history
     from orchestrator.runtime.start.forked import read_rank_pids
+    from orchestrator.submit import status
 
     args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=oom",
                     "training.train_iters=400", "checkpoint.save_interval=null"]
@@ -335,7 +339,13 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     finally:
         proc.kill()
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
-    assert "rank(s) [1] died without a result" in err, err[-2000:]
+    assert "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?)" in err, err[-2000:]
+    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    assert ended.cause == "crashed" and ended.message.startswith(
+        "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?); "), ended
+    assert "its peers' errors followed: rank 0 (" in ended.message or "rank 0" not in ended.message, ended
+    assert status.run_status(run_dir).job.describe() == ("failed (crashed) - rank(s) [1] died without a result "
+                                                         "(exit by signal 9, SIGKILL: killed? out of memory?)")
     alive = [pid for pid in pids.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], alive
 

@@ -17,11 +17,13 @@ No torch import.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from orchestrator.ckpt import history
+from orchestrator.errors import RANKS_DIED
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
 _JOB_CAUSES = ("nan", "spike", "hang", "disk full")  # a crash's record names one rank's error; its traceback says more
@@ -124,13 +126,20 @@ def requeued_after_failure(run_dir: str, job_id: str) -> bool:
 
 def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
     """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did (a crash
-    whose line is a full disk's is recorded as ``disk full``)."""
+    whose line is a full disk's is recorded as ``disk full``). A crash the launcher found ranks dead for (a
+    :func:`~orchestrator.errors.ranks_died` line) amends a crash a surviving peer recorded first: the dead ranks
+    are its cause, the peer's broken connection follows."""
     from orchestrator.runtime.faults.diskspace import DISK_FULL
 
     cause = "disk full" if cause == "crashed" and message.startswith(DISK_FULL) else cause
     latest = _latest(run_dir, job_id)
     attempt = latest.attempt if latest is not None else 0
     if latest is not None and latest.end is not None:
+        if cause == latest.cause == "crashed" and RANKS_DIED.match(message) and not RANKS_DIED.match(latest.message):
+            with contextlib.suppress(OSError):  # bookkeeping never hides the failure itself
+                history.record_attempt_ended(run_dir, job_id, attempt, cause, iteration=latest.iteration, amends=True,
+                                             message=f"{message.splitlines()[0]}; its peers' errors followed: "
+                                                     f"{latest.message}", recorded_by="launcher")
         return
     from orchestrator.submit.status import last_metrics
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.errors import JobFailedError
+from orchestrator.errors import JobFailedError, ranks_died
 from orchestrator.slurm import restarts_of, scontrol_job
 from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
@@ -238,7 +238,7 @@ class _Wait:
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
-        cause = f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else ""
+        cause = f"{ranks_died(dead)}; then " if dead else ""
         srun = "" if self.local else outcome.srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
@@ -264,13 +264,12 @@ class _Wait:
         if not dead:
             return
         logs = Path(self.job.task(dead[0]).paths.stderr).parent
-        known = outcome.stopped_itself(self.run_dir, self.job_id, self.c) or outcome.known_failure(self.run_dir,
-                                                                                                  self.job_id)
-        if known:
-            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)")
-        raise self.fail(f"job {self.job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
-                        f"the other ranks were stopped.\nlogs: {logs}/",
-                        "crashed", f"rank(s) {dead} died without a result")
+        stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)
+        errors = [r[1] for r in self.results.values() if r[0] != "success"]  # a forking rank 0 names the signal
+        if known := stopped or outcome.known_failure(self.run_dir, self.job_id, errors):
+            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)", None if stopped else "crashed", known)
+        raise self.fail(f"job {self.job.job_id}: {ranks_died(dead)}; the other ranks were stopped.\nlogs: {logs}/",
+                        "crashed", ranks_died(dead))
 
     def poll_scheduler(self) -> bool:
         """Read the job's state; report a requeue; True once the job has ended."""

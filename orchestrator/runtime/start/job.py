@@ -123,11 +123,10 @@ class TrainJob:
         except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
             killed = forked.killed_ranks(pids)
             if killed:
-                from orchestrator.errors import RanksDiedError
+                from orchestrator.errors import RanksDiedError, ranks_died
 
-                signals = ", ".join(sorted(set(killed.values())))
-                raise RanksDiedError(f"rank(s) {sorted(killed)} died without a result ({signals}: killed? out of "
-                                     "memory?); the other ranks were stopped") from exc
+                signals = "; ".join(sorted(set(killed.values())))
+                raise RanksDiedError(f"{ranks_died(killed, signals)}; the other ranks were stopped") from exc
             raise
         forked.reap(pids)
         return summary
