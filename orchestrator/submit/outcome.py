@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 from orchestrator.ckpt import history
 from orchestrator.errors import RANKS_DIED
@@ -164,6 +164,16 @@ def srun_errors(job, lines: int = 6) -> str:
         return "\n".join(found[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
+
+
+def srun_killed(job) -> List[int]:
+    """The tasks (ranks) srun reported killed by a signal: ``srun: error: node2: task 1: Killed`` (or ``tasks 2-3``)."""
+    killed: List[int] = []
+    for spec in re.findall(r"^srun: error: [^:]+: tasks? ([0-9,-]+): Killed$", srun_errors(job, lines=50), re.M):
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            killed += range(int(lo), int(hi or lo) + 1)
+    return sorted(set(killed))
 
 
 def slurm_cause(state: str) -> str:

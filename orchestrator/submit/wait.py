@@ -234,11 +234,11 @@ class _Wait:
             raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",
                             "crashed", known)  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
         # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
-        dead = _dead_ranks(job, self.world_size, self.results) if self.local else []
+        dead = _dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
-        cause = f"{ranks_died(dead)}; then " if dead else ""
+        cause = f"{ranks_died(dead, '' if self.local else 'exit by signal 9, SIGKILL, per srun')}; then " if dead else ""
         srun = "" if self.local else outcome.srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
