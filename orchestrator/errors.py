@@ -8,7 +8,9 @@ are caught in ``__main__`` and printed as ``error: <message>``, exit code 2).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from typing import Iterable
 
 
 class OrchestratorError(Exception):
@@ -51,6 +53,16 @@ class JobFailedError(SubmissionError):
     exit_code = 1
 
 
+def ranks_died(ranks: Iterable[int], how: str = "") -> str:
+    """The line naming ranks that died without a result (``how``: e.g. ``exit by signal 9, SIGKILL``): the cause
+    of a crash, which their peers' broken collectives ("Connection closed by peer") only follow."""
+    return f"rank(s) {sorted(ranks)} died without a result ({f'{how}: ' if how else ''}killed? out of memory?)"
+
+
+RANKS_DIED = re.compile(r"rank\(s\) \[[\d, ]+\] died without a result( \([^)]*\))?")
+"""A :func:`ranks_died` line (at the start of a recorded end: ``status`` names those ranks)."""
+
+
 class RanksDiedError(OrchestratorError):
     """Raised by rank 0 of a job whose ranks it forked (:mod:`orchestrator.runtime.start.forked`) when a
     collective failed because some of those ranks had been killed (SIGKILL, the OOM killer); the
@@ -73,6 +85,13 @@ class LossSpikeError(NonFiniteLossError):
 
 class DiskFullError(OrchestratorError):
     """A checkpoint save ran out of disk space (ENOSPC); the message names the path and the free space."""
+
+    exit_code = 1
+
+
+class CheckpointLoadError(OrchestratorError):
+    """A rank could not load a checkpoint (a damaged file, tensors that do not fit the model); the message
+    names the checkpoint, the rank(s) that failed and their error in one line, and how to go on."""
 
     exit_code = 1
 

@@ -212,6 +212,36 @@ def test_explain_save_failure(tmp_path):
     assert guard_mod.explain_save_failure(ValueError("shape mismatch"), path) is None
 
 
+def test_enospc_outside_a_save_is_a_full_disk_in_the_line_and_the_history(tmp_path):
+    """A metrics append that ran out of space (``OSError`` ENOSPC, no file name: a flush) was recorded as a
+    generic crash, and the launcher's fallback said "saving checkpoint <run>/checkpoints" with no save under way.
+    Now it names the file (else the run directory) and the free space; a launcher's crash record that says disk
+    full is recorded as cause ``disk full``."""
+    from orchestrator.runtime.faults.diskspace import explain_write_failure
+    from orchestrator.submit import outcome
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("flushing metrics")  # noqa: B904 - the implicit context, as a handler's raise
+    except RuntimeError as exc:
+        err = explain_write_failure(exc, run_dir)
+    assert isinstance(err, DiskFullError)
+    assert str(err).startswith(f"no space left on device (ENOSPC) writing {run_dir}: ") and " free of " in str(err)
+    assert "no complete checkpoint yet; fix: free space there (or set run.root" in str(err)
+    named = explain_write_failure(OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl")),
+                                  run_dir)
+    assert str(named).startswith(f"no space left on device (ENOSPC) writing {run_dir / 'metrics.jsonl'}: ")
+    assert explain_write_failure(OSError(errno.EACCES, "Permission denied"), run_dir) is None
+    history.record_attempt_started(str(run_dir), "9", 0, host="h", world_size=1, iteration=0, train_iters=4)
+    outcome.record_end(str(run_dir), "9", "crashed", str(err))
+    (ended,) = history.attempts(history.read_records(str(run_dir)))
+    assert (ended.cause, ended.message) == ("disk full", str(err))
+
+
 # ---- hang watchdog (two ranks as two watchdogs in this process) ---------------------------------
 
 class _Exit(SystemExit):
@@ -607,6 +637,9 @@ def test_disk_full_during_a_save_names_enospc_and_the_previous_checkpoint_resume
     assert f"no space left on device (ENOSPC) saving checkpoint {torn}: " in line, line
     assert f"free of 16.0 MiB on {small_tmpfs}" in line and "latest complete checkpoint is iter_0000002" in line
     assert "Traceback" not in proc.stderr and not (torn / "manifest.json").exists()
+    ended = history.attempts(history.read_records(str(run_dir)))[-1]  # the save's CheckpointException: recorded
+    assert ended.cause == "disk full" and ended.message == line[len(f"error: job {ended.job_id}: "):].split(" (logs:")[0]
+    assert (_status(small_tmpfs)["full"]["state"], _status(small_tmpfs)["full"]["job"]["cause"]) == ("failed", "disk full")
     subprocess.run(["mount", "-o", "remount,size=64M", str(small_tmpfs)], check=True)
     resumed = run_cli(common, cache=cache_dir, timeout=900)
     assert f"skipping torn checkpoint {torn}" in resumed.stdout + resumed.stderr

@@ -694,6 +694,9 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     # one rank of the node killed: a crash, not a node failure; cluster.max_failures=0: not requeued
     assert attempt_causes(run_dir, job_id) == [(0, "crashed", False)], history.read_records(run_dir)
     assert jobs.slurm_job_status(job_id).restarts == 0
+    # the killed rank is the recorded cause, not rank 0 that saw its connection close (srun names it)
+    ended = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id][-1]
+    assert ended.message.startswith("rank(s) [1] died without a result (exit by signal 9, SIGKILL, per srun: "), ended.message
 
 
 def attempt_causes(run_dir: Path, job_id: str) -> List[tuple]:

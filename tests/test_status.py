@@ -199,7 +199,31 @@ def test_status_names_the_killed_rank_not_its_peers(tmp_path):
     st = status.run_status(run)
     assert st.state == "failed" and st.job.cause == "crashed", st
     assert st.job.message.startswith("rank(s) [1] died without a result"), st.job.message
-    assert st.job.describe() == "failed (crashed) - rank(s) [1] died without a result", st.job.describe()
+    assert st.job.describe() == ("failed (crashed) - rank(s) [1] died without a result (killed? out of memory?)"), \
+        st.job.describe()
+
+
+def test_a_peer_that_recorded_its_broken_connection_first_is_amended_by_the_killed_rank(tmp_path):
+    """A surviving rank's guard records the crash within milliseconds ("Connection closed by peer"), before the
+    launcher sees rank 1 died by a signal: the launcher's account amends it (cause first, the peer's error
+    after), once; a NaN (or any end not a crash) is never amended."""
+    from orchestrator.ckpt import history
+    from orchestrator.errors import ranks_died
+    from orchestrator.submit import outcome
+
+    run = tmp_path / "run"
+    run.mkdir()
+    peer = "rank 0 (vm) crashed at iteration 7: RuntimeError: Connection closed by peer [127.0.0.1]:7049"
+    for job_id, cause in (("5", "crashed"), ("6", "nan")):
+        history.record_attempt_started(str(run), job_id, 0, host="vm", iteration=0, world_size=2, train_iters=9)
+        history.record_attempt_ended(str(run), job_id, 0, cause, iteration=7, message=peer)
+        for _ in range(2):
+            outcome.record_end(str(run), job_id, "crashed", ranks_died([1], "exit by signal 9, SIGKILL"))
+    ended = {a.job_id: a for a in history.attempts(history.read_records(str(run)))}
+    assert (ended["5"].cause, ended["5"].message) == ("crashed", "rank(s) [1] died without a result (exit by signal "
+                                                      f"9, SIGKILL: killed? out of memory?); its peers' errors followed: {peer}")
+    assert (ended["6"].cause, ended["6"].message) == ("nan", peer)
+    assert sum(1 for r in history.read_records(str(run)) if r.get("amends")) == 1
 
 
 def test_a_job_that_stopped_at_its_time_limit_says_so_plainly(tmp_path):

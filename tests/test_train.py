@@ -92,6 +92,26 @@ def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
     assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
 
 
+def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history(tmp_path, cache_dir, init):
+    """A shard damaged in place (same size: the manifest's size digest passes) makes torch raise its
+    CheckpointException, which is no Exception: submitit wrote no result and the launcher said "ended without
+    results from rank(s) [0]". Now the last line and the history name the checkpoint, the rank and its error."""
+    from orchestrator.ckpt import history
+
+    run_dir = _copy_run(init.parent.parent, tmp_path)
+    shard = run_dir / "checkpoints" / "iter_0000000" / "__0_0.distcp"
+    shard.write_bytes(bytes(200) + shard.read_bytes()[200:])
+    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
+                   cache=cache_dir, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    said = (f"checkpoint {shard.parent} could not be loaded (rank(s) [0]: UnpicklingError: invalid load key, "
+            "'\\x00'.); it is damaged or does not fit this model")
+    assert proc.returncode == 1 and last.startswith("error: job ") and said in last, proc.stderr[-3000:]
+    assert "without results" not in proc.stderr and f"mv {shard.parent} {shard.parent}.bad" in last
+    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    assert ended.cause == "crashed" and ended.message.startswith(said), ended
+
+
 def test_init_from_weights_of_another_shape_are_refused_before_anything_starts(tmp_path, cache_dir, init):
     """checkpoint.init_from of a gpt_tiny checkpoint into llama_tiny: one `error:` line naming the keys whose
     shapes differ (with the table of the overrides that match), exit 2, no run directory — it used to fail in
@@ -283,7 +303,9 @@ def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache
 def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, cache_dir):
     """A local CPU job's task forks its other ranks (runtime/start/forked.py). kill -9 of a forked rank (what
     the OOM killer does to the biggest process): the launcher names that rank (exit 1) instead of
-    hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it)."""
+    hanging, and every process the job recorded is gone after it (rank 0 cancelled, its forks with it).
+    jobs.jsonl and `status` name it too (they named rank 0, which recorded its "Connection closed by peer"
+    first); rank 0's error follows as a consequence."""
     import os
     import signal
     import subprocess
@@ -293,7 +315,9 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     import psutil
 
     from conftest import REPO
+    from orchestrator.ckpt import history
     from orchestrator.runtime.start.forked import read_rank_pids
+    from orchestrator.submit import status
 
     args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=oom",
                     "training.train_iters=400", "checkpoint.save_interval=null"]
@@ -315,7 +339,13 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     finally:
         proc.kill()
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
-    assert "rank(s) [1] died without a result" in err, err[-2000:]
+    assert "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?)" in err, err[-2000:]
+    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    assert ended.cause == "crashed" and ended.message.startswith(
+        "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?); "), ended
+    assert "its peers' errors followed: rank 0 (" in ended.message or "rank 0" not in ended.message, ended
+    assert status.run_status(run_dir).job.describe() == ("failed (crashed) - rank(s) [1] died without a result "
+                                                         "(exit by signal 9, SIGKILL: killed? out of memory?)")
     alive = [pid for pid in pids.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], alive
 

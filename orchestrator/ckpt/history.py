@@ -36,9 +36,10 @@ from orchestrator.io import append_jsonl, read_jsonl
 PathLike = Union[str, Path]
 
 CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "spike", "crashed",
-          "interrupted", "by request")
-"""Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``by
-request``: ``orchestrator stop`` (:mod:`orchestrator.ckpt.stop`)."""
+          "disk full", "interrupted", "by request")
+"""Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``disk
+full``: ENOSPC in a save or a write (never retried: it would recur); ``by request``: ``orchestrator stop``
+(:mod:`orchestrator.ckpt.stop`)."""
 TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})
 """Counted against ``cluster.max_num_timeout``."""
 FAILURE_CAUSES = frozenset({"hang", "node failure", "crashed"})
@@ -167,7 +168,9 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
     """Fold ``attempt_started``/``attempt_ended`` records (in file order) into one Attempt each.
 
     A submission without an ``attempt_started`` (a job that failed before training) still shows as
-    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins. A submission or start
+    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins, except that one marked ``amends`` (the
+    launcher's: the rank a signal killed, where a peer recorded its broken connection) replaces its cause and
+    message. A submission or start
     under an id whose attempt already ended is a new job that got a recycled id (local job ids are
     process ids): it starts a new Attempt.
     """
@@ -206,6 +209,8 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
         elif event == "restart_resumed":
             if a is not None and a.end is None:
                 a.recovery_s = rec.get("recovery_s")
+        elif rec.get("amends") and a is not None and a.end is not None:
+            a.cause, a.message = rec.get("cause"), rec.get("message") or ""
         elif a is None or a.end is None:
             a = a or fresh(key)
             a.end, a.cause, a.message = rec.get("time"), rec.get("cause"), rec.get("message") or ""

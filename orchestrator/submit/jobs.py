@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from orchestrator.errors import RANKS_DIED
 from orchestrator.slurm import parse_scontrol_job, restarts_of, scontrol_job
 
 STATES = ("pending", "running", "stopping", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
@@ -235,10 +236,10 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
         return
     last = max(mine, key=lambda a: (a.attempt, a.restart))  # the latest start (in-place restarts share the attempt)
     st.cause, st.message = last.cause, last.message
-    died = re.match(r"rank\(s\) \[[\d, ]+\] died without a result", last.message or "")
+    died = RANKS_DIED.match(last.message or "")
     if died and st.state == "failed":  # the rank that died first, not its peers' broken collectives
         st.detail = died.group(0)
-    if last.cause in ("nan", "spike", "hang") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
+    if last.cause in ("nan", "spike", "hang", "disk full") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"

@@ -17,14 +17,16 @@ No torch import.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 from orchestrator.ckpt import history
+from orchestrator.errors import RANKS_DIED
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
-_JOB_CAUSES = ("nan", "spike", "hang")  # a crash's record names one rank's error; its traceback says more
+_JOB_CAUSES = ("nan", "spike", "hang", "disk full")  # a crash's record names one rank's error; its traceback says more
 
 
 def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:
@@ -61,14 +63,14 @@ def disk_full(run_dir: str) -> Optional[str]:
     from pathlib import Path
 
     from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-    from orchestrator.runtime.faults.diskspace import disk_full_message, out_of_space
+    from orchestrator.runtime.faults.diskspace import disk_full_message, out_of_space, write_full_message
 
     if not out_of_space(run_dir):
         return None
     base = Path(run_dir) / CHECKPOINTS_DIR
     iters = sorted(p for p in base.glob("iter_*") if p.is_dir()) if base.is_dir() else []
     torn = [p for p in iters if not (p / "manifest.json").exists()]
-    return disk_full_message(torn[-1] if torn else base)
+    return disk_full_message(torn[-1]) if torn else write_full_message(run_dir, run_dir)
 
 
 def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
@@ -123,10 +125,21 @@ def requeued_after_failure(run_dir: str, job_id: str) -> bool:
 
 
 def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
-    """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did."""
+    """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did (a crash
+    whose line is a full disk's is recorded as ``disk full``). A crash the launcher found ranks dead for (a
+    :func:`~orchestrator.errors.ranks_died` line) amends a crash a surviving peer recorded first: the dead ranks
+    are its cause, the peer's broken connection follows."""
+    from orchestrator.runtime.faults.diskspace import DISK_FULL
+
+    cause = "disk full" if cause == "crashed" and message.startswith(DISK_FULL) else cause
     latest = _latest(run_dir, job_id)
     attempt = latest.attempt if latest is not None else 0
     if latest is not None and latest.end is not None:
+        if cause == latest.cause == "crashed" and RANKS_DIED.match(message) and not RANKS_DIED.match(latest.message):
+            with contextlib.suppress(OSError):  # bookkeeping never hides the failure itself
+                history.record_attempt_ended(run_dir, job_id, attempt, cause, iteration=latest.iteration, amends=True,
+                                             message=f"{message.splitlines()[0]}; its peers' errors followed: "
+                                                     f"{latest.message}", recorded_by="launcher")
         return
     from orchestrator.submit.status import last_metrics
 
@@ -151,6 +164,16 @@ def srun_errors(job, lines: int = 6) -> str:
         return "\n".join(found[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
+
+
+def srun_killed(job) -> List[int]:
+    """The tasks (ranks) srun reported killed by a signal: ``srun: error: node2: task 1: Killed`` (or ``tasks 2-3``)."""
+    killed: List[int] = []
+    for spec in re.findall(r"^srun: error: [^:]+: tasks? ([0-9,-]+): Killed$", srun_errors(job, lines=50), re.M):
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            killed += range(int(lo), int(hi or lo) + 1)
+    return sorted(set(killed))
 
 
 def slurm_cause(state: str) -> str:

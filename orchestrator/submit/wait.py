@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.errors import JobFailedError
+from orchestrator.errors import JobFailedError, ranks_died
 from orchestrator.slurm import restarts_of, scontrol_job
 from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
@@ -233,13 +233,12 @@ class _Wait:
         if known:
             raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",
                             "crashed", known)  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
-        # Often the root cause is a rank that died silently (SIGKILL, OOM killer) and the error
-        # above is its peers' broken collective: say so.
-        dead = _dead_ranks(job, self.world_size, self.results) if self.local else []
+        # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
+        dead = _dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
-        cause = f"rank(s) {dead} died without a result (killed? out of memory?); then " if dead else ""
+        cause = f"{ranks_died(dead, '' if self.local else 'exit by signal 9, SIGKILL, per srun')}; then " if dead else ""
         srun = "" if self.local else outcome.srun_errors(job)
         raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
                         + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
@@ -265,13 +264,12 @@ class _Wait:
         if not dead:
             return
         logs = Path(self.job.task(dead[0]).paths.stderr).parent
-        known = outcome.stopped_itself(self.run_dir, self.job_id, self.c) or outcome.known_failure(self.run_dir,
-                                                                                                  self.job_id)
-        if known:
-            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)")
-        raise self.fail(f"job {self.job.job_id}: rank(s) {dead} died without a result (killed? out of memory?); "
-                        f"the other ranks were stopped.\nlogs: {logs}/",
-                        "crashed", f"rank(s) {dead} died without a result")
+        stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)
+        errors = [r[1] for r in self.results.values() if r[0] != "success"]  # a forking rank 0 names the signal
+        if known := stopped or outcome.known_failure(self.run_dir, self.job_id, errors):
+            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)", None if stopped else "crashed", known)
+        raise self.fail(f"job {self.job.job_id}: {ranks_died(dead)}; the other ranks were stopped.\nlogs: {logs}/",
+                        "crashed", ranks_died(dead))
 
     def poll_scheduler(self) -> bool:
         """Read the job's state; report a requeue; True once the job has ended."""
@@ -303,9 +301,8 @@ class _Wait:
             self.ended_since = None
             return
         cancelled = not self.local and self.state.startswith("CANCELLED")
-        # Allow result files a moment to land after the processes exit (the state is re-read
-        # every poll, so a transient answer does not end the wait). A local task writes its result
-        # before it exits, on this machine's filesystem: a short grace is enough there.
+        # Allow result files a moment to land after the processes exit (the state is re-read every poll, so a transient
+        # answer does not end the wait). A local task writes its result before it exits, here: a short grace is enough.
         self.ended_since = self.ended_since or time.time()
         if time.time() - self.ended_since <= (3 if cancelled or self.local else 15):
             return
@@ -313,6 +310,8 @@ class _Wait:
         missing = [i for i in range(self.world_size) if i not in self.results]
         stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)  # e.g. its requeues used up: no srun lines
         if (known := stopped or outcome.known_failure(self.run_dir, self.job_id)) and not cancelled:
+            if not stopped:  # e.g. a full disk the ranks could not record (kept if they did)
+                outcome.record_end(self.run_dir, self.job_id, "crashed", known)
             raise JobFailedError(f"job {self.job_id}{'' if stopped else f' ({state})'}: {known} (logs: {logs}/)")
         outcome.record_end(self.run_dir, self.job_id, "crashed" if self.local else outcome.slurm_cause(state),
                            f"job ended ({state}) without results from rank(s) {missing}")

@@ -53,7 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from orchestrator.ckpt import history
 from orchestrator.runtime.faults import inplace
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-from orchestrator.errors import NonFiniteLossError, OrchestratorError
+from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
 from orchestrator.runtime.faults.optimizer_step import local_grads_bad, step_unless_nonfinite
 from orchestrator.runtime.faults.watchdog import Watchdog
@@ -242,7 +242,9 @@ class Guard:
         try:
             with self.phase("save", float(self.cfg.checkpoint.save_timeout_s) + 60.0):
                 yield
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # torch's CheckpointException (a failed synchronous save) is no Exception
             explained = explain_save_failure(exc, path)
             if explained is None:
                 raise
@@ -288,6 +290,8 @@ class Guard:
             self._end("interrupted", "interrupted (Ctrl-C or SIGINT)")
         elif isinstance(exc, (SystemExit, NonFiniteLossError)):
             pass  # recorded where it was raised (preempt, check)
+        elif isinstance(exc, DiskFullError):
+            self._end("disk full", f"rank {self.rank} ({self.host}): {exc}")
         elif isinstance(exc, OrchestratorError):
             self._end("crashed", f"rank {self.rank} ({self.host}): {exc}")  # user-fixable: never retried
         else:

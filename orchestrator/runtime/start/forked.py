@@ -155,8 +155,8 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
 
 
 def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
-    """The forked ranks that a signal has already ended (reaped now): ``{rank: signal name}``. Rank 0
-    calls it when a collective failed, to name the peer whose death broke it."""
+    """The forked ranks that a signal has already ended (reaped now): ``{rank: "exit by signal 9, SIGKILL"}``.
+    Rank 0 calls it when a collective failed, to name the peer whose death broke it."""
     import signal
 
     killed: Dict[int, str] = {}
@@ -166,7 +166,8 @@ def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
         except ChildProcessError:
             continue
         if got and os.WIFSIGNALED(status):
-            killed[rank] = signal.Signals(os.WTERMSIG(status)).name
+            number = os.WTERMSIG(status)
+            killed[rank] = f"exit by signal {number}, {signal.Signals(number).name}"
     return killed
 
 

@@ -123,11 +123,10 @@ class TrainJob:
         except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
             killed = forked.killed_ranks(pids)
             if killed:
-                from orchestrator.errors import RanksDiedError
+                from orchestrator.errors import RanksDiedError, ranks_died
 
-                signals = ", ".join(sorted(set(killed.values())))
-                raise RanksDiedError(f"rank(s) {sorted(killed)} died without a result ({signals}: killed? out of "
-                                     "memory?); the other ranks were stopped") from exc
+                signals = "; ".join(sorted(set(killed.values())))
+                raise RanksDiedError(f"{ranks_died(killed, signals)}; the other ranks were stopped") from exc
             raise
         forked.reap(pids)
         return summary
@@ -140,7 +139,12 @@ class TrainJob:
             from orchestrator.data.prepare import PreparedData
             from orchestrator.runtime.training.run import run
 
-            return run(cfg, PreparedData(**self.prepared))
+            try:
+                return run(cfg, PreparedData(**self.prepared))
+            except (Exception, SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:  # e.g. torch's CheckpointException: submitit (and a forked rank) catch
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc  # Exception only, and write no result
 
     def _forked_rank(self) -> None:
         """A forked rank: train, then write the result file as submitit writes a task's

@@ -25,7 +25,7 @@ from typing import Dict, List
 import torch
 
 from orchestrator.config.schema import JobConfig
-from orchestrator.errors import ManifestError
+from orchestrator.errors import CheckpointLoadError, ManifestError, OrchestratorError
 
 CHECKPOINTS = "checkpoints"
 
@@ -183,14 +183,39 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
     """Load a checkpoint into ``model`` (and optimizer/scheduler when given).
 
     With ``optimizer=None`` only model weights are loaded (``checkpoint.init_from``).
-    Returns ``{"iteration", "consumed_samples"}`` from the checkpoint.
+    Returns ``{"iteration", "consumed_samples"}`` from the checkpoint. Whatever the load raises (torch's
+    ``CheckpointException`` is no ``Exception``: it escaped submitit, which then wrote no result) becomes one
+    :class:`CheckpointLoadError` naming the checkpoint, the failing rank(s) and their error.
     """
+    if not (path / "metadata.json").exists():
+        raise ManifestError(f"{path} is not a megatron dist_checkpointing directory (no metadata.json)")
+    try:
+        return _load(path, model, optimizer, scheduler)
+    except (SystemExit, KeyboardInterrupt, OrchestratorError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reworded in one line, the traceback kept as its cause
+        raise CheckpointLoadError(f"checkpoint {path} could not be loaded ({load_failure(exc)}); it is damaged or "
+                                  f"does not fit this model: restore it, or move it aside (mv {path} {path}.bad) "
+                                  f"and rerun to resume from the checkpoint before it") from exc
+
+
+def load_failure(exc: BaseException) -> str:
+    """``rank(s) R: Type: first line`` of a failed load: the ranks and error inside torch's
+    ``CheckpointException`` (each rank's own), else this rank's exception."""
+    failures, error = getattr(exc, "failures", None), exc
+    if isinstance(failures, dict) and failures:
+        ranks, (error, _) = sorted(failures), next(iter(failures.values()))
+    else:
+        ranks = [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"rank(s) {ranks}: {type(error).__name__}: {first}"
+
+
+def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
     from megatron.core import dist_checkpointing
 
     from orchestrator.runtime.rank.model import unwrap
 
-    if not (path / "metadata.json").exists():
-        raise ManifestError(f"{path} is not a megatron dist_checkpointing directory (no metadata.json)")
     state = _model_sharded_state_dict(model)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state), is_loading=True)

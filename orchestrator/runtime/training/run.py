@@ -64,6 +64,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     from orchestrator.runtime.training import loop
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
+    from orchestrator.runtime.faults.diskspace import explain_write_failure
     from orchestrator.runtime.faults.guard import Guard
     from orchestrator.runtime.faults.links import check_links
     from orchestrator.runtime.training.metrics import Trackers
@@ -101,6 +102,11 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
         saver.finish()  # a pending asynchronous write completes (manifest, retention) before the job ends
         summary = summarize(rank, outcome, start.resumed_from)
         trackers.event(summary)
+    except OSError as exc:  # a write outside a save (metrics, history) ran out of space: say so, the guard records it
+        full = explain_write_failure(exc, cfg.run.dir)
+        if full is None:
+            raise
+        raise full from exc
     finally:
         trackers.close()
         guard.close()  # records how this attempt ended (from the exception in flight, if any)
