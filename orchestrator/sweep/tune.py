@@ -276,6 +276,8 @@ class Tuner:
             f"({sum(self.rejected.values())} combinations refused by validate), {pruned} predicted over "
             f"{self.margin:.0%} of the memory per rank, {len(rank)} to choose from")
         say(f"device profile {self.profile.summary()}")
+        say(f"the first 10 in the order tune runs them (lowest prediction less tune.explore={self.opts.explore:g} sd "
+            "first): predicted step ± sd, predicted peak per rank")
         for c in rank[:10]:
             say(f"  {c.plan.step_time_s * 1e3:8.1f} ms ± {c.spread:4.0%}  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  "
                 f"{c.label}")
