@@ -92,6 +92,26 @@ def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
     assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
 
 
+def test_a_peer_lost_during_a_load_is_a_crash_not_a_damaged_checkpoint():
+    """A rank gone while the others load (its connection closed in the collective) must stay a crash that
+    cluster.max_restarts and the SLURM requeue retry; only the bytes' own errors name the checkpoint as damaged."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from orchestrator.runtime.training.checkpoint import _peer_lost, load_failure
+
+    lost = CheckpointException("load", {1: (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                                         "[127.0.0.1]:41234"), "traceback")})
+    damaged = CheckpointException("load", {0: (pickle.UnpicklingError("invalid load key, '\\x00'."), "traceback")})
+    assert _peer_lost(lost) and not _peer_lost(damaged)
+    assert load_failure(damaged) == "rank(s) [0]: UnpicklingError: invalid load key, '\\x00'."
+    wrapped = RuntimeError("load failed")
+    wrapped.__cause__ = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 3")
+    assert _peer_lost(wrapped)
+
+
 def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history(tmp_path, cache_dir, init):
     """A shard damaged in place (same size: the manifest's size digest passes) makes torch raise its
     CheckpointException, which is no Exception: submitit wrote no result and the launcher said "ended without

@@ -194,9 +194,30 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
     except (SystemExit, KeyboardInterrupt, OrchestratorError):
         raise
     except BaseException as exc:  # noqa: BLE001 - reworded in one line, the traceback kept as its cause
+        if _peer_lost(exc):  # a peer died during the load: a crash like any other (restarted, requeued), not the file
+            raise RuntimeError(f"checkpoint {path}: a peer was lost during the load ({load_failure(exc)})") from exc
         raise CheckpointLoadError(f"checkpoint {path} could not be loaded ({load_failure(exc)}); it is damaged or "
                                   f"does not fit this model: restore it, or move it aside (mv {path} {path}.bad) "
                                   f"and rerun to resume from the checkpoint before it") from exc
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "Socket Timeout", "timed out")
+"""What gloo / NCCL / the store say when another rank is gone (torch 2.13's own messages)."""
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether a failed load (or any rank's failure inside torch's ``CheckpointException``) was a broken
+    collective -- another rank gone -- rather than this checkpoint's bytes."""
+    failures = getattr(exc, "failures", None)
+    errors = [e for e, _ in failures.values()] if isinstance(failures, dict) and failures else [exc]
+    for error in errors:
+        while error is not None:
+            if isinstance(error, getattr(torch.distributed, "DistError", ())) or any(
+                    m in str(error) for m in _PEER_LOST):
+                return True
+            error = error.__cause__ or error.__context__
+    return False
 
 
 def load_failure(exc: BaseException) -> str:
