@@ -1,7 +1,7 @@
 """What a signal to a launcher that waits on a job does: one rule, local and SLURM.
 
 =========================  ==========================================  =============================================
-signal to the launcher     local job                                   SLURM job
+signal to the launcher     local job (and a hosts job)                 SLURM job
 =========================  ==========================================  =============================================
 SIGINT (Ctrl-C), SIGTERM   the ranks finish the iteration, save (unless  detach: one line (job id, how to follow it
                            it is saved already) and exit; one line       with ``status``, how to stop it); the job
@@ -12,11 +12,12 @@ a second signal while      stop at once (SIGKILL), unsaved, said so;     (the fi
 the ranks stop             exit 128 + its number
 =========================  ==========================================  =============================================
 
-A local job is asked to stop through ``<run.dir>/stop.json`` (:mod:`orchestrator.ckpt.stop`), the same
+A local job, and a ``cluster=hosts`` job (whose SSH sessions end with their launcher: :data:`HELD`), is asked
+to stop through ``<run.dir>/stop.json`` (:mod:`orchestrator.ckpt.stop`), the same
 request ``orchestrator stop`` writes: the job's rank 0 polls it and asks the ranks' one graceful stop
 (:mod:`orchestrator.runtime.faults.preempt`, the path of the launcher watch and of SLURM's time limit).
-The handlers are installed by :func:`orchestrator.submit.wait.wait` for the duration of the wait (main
-thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
+The handlers are installed by :func:`orchestrator.submit.wait.wait` (and a hosts job's
+:meth:`orchestrator.submit.sessions.Sessions.wait`) for the duration of the wait (main thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
 running yet, or warm ranks that stop with their launcher). No torch import.
 """
 
@@ -35,6 +36,9 @@ from orchestrator.config.schema import JobConfig
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What a terminal, ``kill`` or a closed SSH session sends a launcher."""
+HELD = ("local", "hosts")
+"""Cluster kinds whose job ends with its waiting launcher: a signal to it stops the job gracefully (a SLURM job
+is left running: detached)."""
 STOPPED_BY_REQUEST_EXIT = 128 + signal.SIGTERM
 """Exit status of a launcher whose job ``orchestrator stop`` ended: as if it had been sent SIGTERM."""
 
@@ -118,11 +122,11 @@ class WaitSignals:
 
     def __init__(self, cfg: JobConfig, job_id: str):
         self.cfg, self.job_id = cfg, str(job_id)
-        self.local = cfg.cluster.kind == "local"
+        self.held = cfg.cluster.kind in HELD
         self.signum: Optional[int] = None
-        """The first signal (local): the ranks were asked to stop."""
+        """The first signal (a held job): the ranks were asked to stop."""
         self.again: Optional[int] = None
-        """A second signal (local): the job was ended at once."""
+        """A second signal (a held job): the job was ended at once."""
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "WaitSignals":
@@ -136,7 +140,7 @@ class WaitSignals:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any = None) -> None:
-        if not self.local:
+        if not self.held:
             raise Detached(detach_line(self.cfg, self.job_id, signum), signum, self.job_id)
         if self.signum is not None:
             self.again = signum
