@@ -120,6 +120,10 @@ USER_ERRORS = [
     (["training.micro_batch_size=1,2"], ["a sweep (several values) needs -m"]),
     (["run.name=${nope}"], ["run.name: Interpolation key 'nope' not found"]),
     (["cluster.env.NCCL_ALGO=Ring"], ["cluster.env.NCCL_ALGO: not in the config yet", "fix: +cluster.env.NCCL_ALGO=Ring"]),
+    # a mapping's new keys: the fix is whole and quoted for the shell (it was cut at the first space)
+    (["cluster.env={FOO: 1}"], ["cluster.env.FOO: not in the config yet", "fix: '++cluster.env={FOO: 1}'"]),
+    (["+cluster.env={FOO: 1}"], ["cluster.env is already in the config", "fix: '++cluster.env={FOO: 1}'"]),
+    (["cluster.env.FOO=a b"], ["cluster.env.FOO: not in the config yet", "fix: '+cluster.env.FOO=a b'"]),
     (["~model"], ["the model group cannot be removed"]),
     (["-m", "training.micro_batch_size=2,abc"], ["training.micro_batch_size: Value 'abc'"]),
     (["-m", "model=gpt_tiny,gpt_7b"], ["model=gpt_7b: no such model"]),
@@ -183,6 +187,23 @@ def test_every_documented_user_error_is_one_line_exit_2_and_touches_nothing(work
         assert_one_error_line(result, *expected)
     assert snapshot(cwd) == before  # byte-identical, and nothing created (no .hydra/, no __main__.log, no ../../x)
     print(f"{len(USER_ERRORS)} user errors through the CLI in {elapsed:.1f} s")
+
+
+def test_the_fix_of_a_new_key_in_a_mapping_works_as_typed_in_bash(workspace):
+    """``cluster.env={FOO: 1}`` and its variants: the fix the error line names, read by bash, composes, and
+    cluster.env then holds the new keys next to the cluster's own (``++`` merges; it does not replace)."""
+    from orchestrator.config.compose import compose_dict
+
+    cwd, root = workspace
+    typed = [["cluster.env={FOO: 1}"], ["+cluster.env={FOO: 1}"], ["cluster.env.FOO=1"],
+             ["cluster.env={FOO: 1, BAR: 'x y'}"], ["cluster=hosts_dev", "cluster.env={FOO: 1}"]]
+    for argv, result in zip(typed, run_batch([a + [f"run.root={root}"] for a in typed], cwd)):
+        fix = assert_one_error_line(result).split("; fix: ", 1)[1]
+        words = subprocess.run(["bash", "-c", f"printf '%s\\0' {fix}"], capture_output=True, text=True,
+                               check=True).stdout.split("\0")[:-1]
+        env = compose_dict(argv[:-1] + words).cluster.env
+        assert env["FOO"] == "1" and ("OMP_NUM_THREADS" in env) == (len(argv) == 2), (argv, fix, env)
+        assert env.get("BAR", "x y") == "x y", (argv, fix, env)
 
 
 def _hydra_value(value) -> str:

@@ -100,7 +100,7 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
                                   f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>")
             if o.type == OverrideType.FORCE_ADD:
                 raise ConfigError(f"{line}: ++ does not apply to a config group; fix: "
-                                  f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}")
+                                  + shlex.quote(f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}"))
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
                     best = did_you_mean(value, options[key])
@@ -111,15 +111,17 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
                                       + (" (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)"
                                          if key == "experiment" else ""))
             if key == "experiment" and o.type == OverrideType.CHANGE:
-                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: +{line}")
+                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: {shlex.quote('+' + line)}")
             if key != "experiment" and o.type == OverrideType.ADD:
                 raise ConfigError(f"{line}: {key} is already chosen by the defaults (a + adds a new entry); "
-                                  f"fix: {line.lstrip('+')}")
+                                  f"fix: {shlex.quote(line.lstrip('+'))}")
             continue
         if key not in keys and not _under_open_field(key):
             raise unknown_key_error(key, JobConfig, extra=list(options))
         if key in keys and o.type == OverrideType.ADD:
-            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: {line.lstrip('+')}")
+            merge = is_open(key, JobConfig) and isinstance(o.value(), dict)  # new keys into an open mapping: ++
+            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: "
+                              + shlex.quote(("++" if merge else "") + line.lstrip("+")))
         if key in keys and o.type == OverrideType.DEL:
             raise ConfigError(f"{line}: schema keys cannot be removed; fix: {key}=<value> (or null where allowed)")
 
@@ -199,16 +201,28 @@ def hydra_error(exc: BaseException) -> ConfigError:
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__ or cause.__context__
     lines = [s.strip() for s in str(exc).strip().splitlines() if s.strip()]
-    hint = re.search(r"use (\+\S+)|Either remove \+ prefix: '([^']+)'", str(exc))
+    hint = _hydra_hint(str(exc))
     if cause is not None and getattr(cause, "full_key", None):
         key = cause.full_key
         if hint:  # Hydra names the override to type: a new key under an open mapping (cluster.env.X)
-            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +); "
-                               f"fix: {hint.group(1) or hint.group(2)}")
+            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +, merges a mapping's new keys with ++); fix: {hint}")
         return omegaconf_error(cause, JobConfig)
     first = lines[0] if lines else type(exc).__name__
-    fix = hint.group(1) or hint.group(2) if hint else "; ".join(lines[1:3]) or "python -m orchestrator --help"
+    fix = hint or "; ".join(lines[1:3]) or "python -m orchestrator --help"
     return ConfigError(f"config: {first}; fix: {fix}")
+
+
+def _hydra_hint(message: str) -> Optional[str]:
+    """The override Hydra's message says to type, as it works in bash (shell-quoted), or None. Hydra's
+    ``use +KEY=VALUE`` for a mapping value (``cluster.env={FOO: 1}``: KEY exists, the value's keys are new) is
+    refused by the same check (KEY is in the config): ``++KEY=VALUE`` merges the new keys into it."""
+    use = re.search(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S[^\n]*)", message)
+    if use:
+        key, typed = use.group(1), use.group(2).strip()
+        merge = typed.startswith(f"{key}=") and typed[len(key) + 1:].lstrip().startswith("{")
+        return shlex.quote(("++" if merge else "+") + typed)
+    remove = re.search(r"Either remove \+ prefix: '([^']+)'", message)
+    return shlex.quote(remove.group(1)) if remove else None
 
 
 # ---------------------------------------------------------------- the composition
