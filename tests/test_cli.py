@@ -255,10 +255,14 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     tiny = (REPO / "conf" / "model" / "gpt_tiny.yaml").read_text()
     (here / "conf" / "model" / "gpt_tiny.yaml").write_text(tiny.replace("num_layers: 4", "num_layers: 2"))
     (here / "conf" / "model" / "broken.yaml").write_text("num_layers: [2\n")
+    typo = here / "conf" / "experiment" / "typo.yaml"  # a misspelt option in the user's own experiment file
+    typo.write_text(shipped.replace("override /model: gpt_tiny", "override /model: gpt_tny"))
+    (here / "conf" / "experiment" / "old.yml").write_text(shipped)  # Hydra reads .yaml only
     cases = [["+experiment=mine"], ["--config-dir", str(other), "+experiment=theirs"],
              [f"--config-dir={other}", "+experiment=theirs"], [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
              ["+experiment=theirs"], ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"], ["--config-dir"],
-             ["model=broken", "plan=true"]]
+             ["model=broken", "plan=true"], ["--config-dir", str(other), "+experiment=mien"], ["+experiment=typo"],
+             ["-m", "+experiment=typo,mine"], ["+experiment=old"]]
     results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0]
                          else c for c in cases], here)
     for result in results[:4]:
@@ -274,6 +278,13 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     assert_one_error_line(results[5], f"hydra.searchpath=file://{tmp_path / 'nope'}: no such directory")
     assert_one_error_line(results[6], "--config-dir: needs a directory")
     assert_one_error_line(results[7], f"{here / 'conf' / 'model' / 'broken.yaml'}, line 2: not valid YAML")
+    looked = f"{other / 'experiment'}/, {here / 'conf' / 'experiment'}/ or the shipped conf/experiment/"
+    assert_one_error_line(results[8], f"experiment=mien: no such experiment in {looked}; fix: did you mean "
+                          "+experiment=mine? one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32, theirs")
+    for result in results[9:11]:  # it said "no such config in conf/", naming neither the file nor where it looked
+        assert_one_error_line(result, f"model=gpt_tny: no such model in {here / 'conf' / 'model'}/ or the shipped "
+                              f"conf/model/ (named in {typo}); fix: in that file, did you mean gpt_tiny? one of ")
+    assert_one_error_line(results[11], f"fix: rename {here / 'conf' / 'experiment' / 'old.yml'} to old.yaml")
     assert not (tmp_path / "runs").exists()
 
 
