@@ -262,7 +262,9 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
              [f"--config-dir={other}", "+experiment=theirs"], [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
              ["+experiment=theirs"], ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"], ["--config-dir"],
              ["model=broken", "plan=true"], ["--config-dir", str(other), "+experiment=mien"], ["+experiment=typo"],
-             ["-m", "+experiment=typo,mine"], ["+experiment=old"]]
+             ["-m", "+experiment=typo,mine"], ["+experiment=old"],
+             ["megatron-config", "--config-dir", str(other), "+experiment=theirz"],
+             ["check", "links", "--config-dir", str(other), "+experiment=theirz"]]
     results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0]
                          else c for c in cases], here)
     for result in results[:4]:
@@ -285,6 +287,9 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
         assert_one_error_line(result, f"model=gpt_tny: no such model in {here / 'conf' / 'model'}/ or the shipped "
                               f"conf/model/ (named in {typo}); fix: in that file, did you mean gpt_tiny? one of ")
     assert_one_error_line(results[11], f"fix: rename {here / 'conf' / 'experiment' / 'old.yml'} to old.yaml")
+    for result in results[12:]:  # the sub-tools take --config-dir too (it was "not a valid override")
+        assert_one_error_line(result, f"experiment=theirz: no such experiment in {looked}; fix: did you mean "
+                              "+experiment=theirs?")
     assert not (tmp_path / "runs").exists()
 
 
