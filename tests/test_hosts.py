@@ -279,6 +279,11 @@ def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_pat
         (stopped / f"result_{rank}.pkl").write_bytes(pickle.dumps(("error", "SystemExit(76)")))
     assert job_status("hosts-2", "hosts", stopped, 2, events=read_records(tmp_path)).describe() == \
         "stopped - stopped after saving a checkpoint (not requeued)"
+    # its launcher gone, no result (a second signal stopped the ranks at once): failed, not "unknown"
+    for rank in range(2):
+        (stopped / f"result_{rank}.pkl").unlink()
+    assert job_status("hosts-2", "hosts", stopped, 2, events=[r for r in read_records(tmp_path) if r.get("event") !=
+                      "stopped"]).describe() == "failed - the hosts job ended without result files"
 
 
 def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_its_hosts(tmp_path):

@@ -226,8 +226,8 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
         st.state, st.detail = "stopped", "stopped after saving a checkpoint (not requeued)"
     elif st.state == "completed" and num_tasks and not complete and folder:
         st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
-    elif st.state == "unknown" and cluster == "local":
-        st.state, st.detail = "failed", "the local job ended without result files"
+    elif st.state == "unknown" and cluster in ("local", "hosts"):  # (a hosts job ends with its launcher)
+        st.state, st.detail = "failed", f"the {cluster} job ended without result files"
     _attach_cause(st, events)
     return st
 

@@ -134,11 +134,11 @@ class Sessions:
             with signals:
                 first, asked = self._watch(cfg, job_id, progress, signals)
         except KeyboardInterrupt:  # a second signal, or one before the handlers were in place
-            self.stop(0.0 if signals.again else STOP_WAIT_S)
-            self._finish(run_dir, job_id)
-            outcome.record_end(run_dir, job_id, "interrupted",
+            outcome.record_end(run_dir, job_id, "interrupted",  # first: ranks cut off by the stop record a crash
                                "the launcher was interrupted a second time: stopped at once, unsaved" if signals.again
                                else "the launcher was interrupted (Ctrl-C or a signal)")
+            self.stop(0.0 if signals.again else STOP_WAIT_S)
+            self._finish(run_dir, job_id)
             if signals.again:
                 raise signals.ended_at_once() from None
             raise
