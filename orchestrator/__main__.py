@@ -164,22 +164,28 @@ def _hydra(argv: List[str]) -> int:
     from orchestrator.config.schema import register_configs
     from orchestrator.sweep import driver as sweep
 
+    from orchestrator.submit.signals import Detached
+
     register_configs()
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
     sys.argv = [sys.argv[0], *argv]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
-        # An absolute path: Hydra resolves a relative one against the calling module, which differs
-        # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-        view = conf_view(user_conf_dirs([a for a in argv if not a.startswith("-")]))
-        hydra.main(config_path=str(view), config_name="config", version_base="1.3")(_entry)()
-    finally:
-        sys.argv = saved_argv
-        if saved_env is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = saved_env
-    return sweep.finish() or 0  # None after a single run; after a multirun: table printed, exit code
+        try:
+            # An absolute path: Hydra resolves a relative one against the calling module, which differs
+            # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
+            view = conf_view(user_conf_dirs([a for a in argv if not a.startswith("-")]))
+            hydra.main(config_path=str(view), config_name="config", version_base="1.3")(_entry)()
+        finally:
+            sys.argv = saved_argv
+            if saved_env is None:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+            else:
+                os.environ["HYDRA_FULL_ERROR"] = saved_env
+        return sweep.finish() or 0  # None after a single run; after a multirun: table printed, exit code
+    except Detached as exc:  # a SLURM sweep's queued points run on: one line for all of them
+        sweep.detached(exc)
+        raise
 
 
 def _multirun(argv: List[str]) -> int:

@@ -120,6 +120,10 @@ USER_ERRORS = [
     (["training.micro_batch_size=1,2"], ["a sweep (several values) needs -m"]),
     (["run.name=${nope}"], ["run.name: Interpolation key 'nope' not found"]),
     (["cluster.env.NCCL_ALGO=Ring"], ["cluster.env.NCCL_ALGO: not in the config yet", "fix: +cluster.env.NCCL_ALGO=Ring"]),
+    # a mapping's new keys: the fix is whole and quoted for the shell (it was cut at the first space)
+    (["cluster.env={FOO: 1}"], ["cluster.env.FOO: not in the config yet", "fix: '++cluster.env={FOO: 1}'"]),
+    (["+cluster.env={FOO: 1}"], ["cluster.env is already in the config", "fix: '++cluster.env={FOO: 1}'"]),
+    (["cluster.env.FOO=a b"], ["cluster.env.FOO: not in the config yet", "fix: '+cluster.env.FOO=a b'"]),
     (["~model"], ["the model group cannot be removed"]),
     (["-m", "training.micro_batch_size=2,abc"], ["training.micro_batch_size: Value 'abc'"]),
     (["-m", "model=gpt_tiny,gpt_7b"], ["model=gpt_7b: no such model"]),
@@ -185,6 +189,23 @@ def test_every_documented_user_error_is_one_line_exit_2_and_touches_nothing(work
     print(f"{len(USER_ERRORS)} user errors through the CLI in {elapsed:.1f} s")
 
 
+def test_the_fix_of_a_new_key_in_a_mapping_works_as_typed_in_bash(workspace):
+    """``cluster.env={FOO: 1}`` and its variants: the fix the error line names, read by bash, composes, and
+    cluster.env then holds the new keys next to the cluster's own (``++`` merges; it does not replace)."""
+    from orchestrator.config.compose import compose_dict
+
+    cwd, root = workspace
+    typed = [["cluster.env={FOO: 1}"], ["+cluster.env={FOO: 1}"], ["cluster.env.FOO=1"],
+             ["cluster.env={FOO: 1, BAR: 'x y'}"], ["cluster=hosts_dev", "cluster.env={FOO: 1}"]]
+    for argv, result in zip(typed, run_batch([a + [f"run.root={root}"] for a in typed], cwd)):
+        fix = assert_one_error_line(result).split("; fix: ", 1)[1]
+        words = subprocess.run(["bash", "-c", f"printf '%s\\0' {fix}"], capture_output=True, text=True,
+                               check=True).stdout.split("\0")[:-1]
+        env = compose_dict(argv[:-1] + words).cluster.env
+        assert env["FOO"] == "1" and ("OMP_NUM_THREADS" in env) == (len(argv) == 2), (argv, fix, env)
+        assert env.get("BAR", "x y") == "x y", (argv, fix, env)
+
+
 def _hydra_value(value) -> str:
     if value is None:
         return "null"
@@ -234,10 +255,16 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     tiny = (REPO / "conf" / "model" / "gpt_tiny.yaml").read_text()
     (here / "conf" / "model" / "gpt_tiny.yaml").write_text(tiny.replace("num_layers: 4", "num_layers: 2"))
     (here / "conf" / "model" / "broken.yaml").write_text("num_layers: [2\n")
+    typo = here / "conf" / "experiment" / "typo.yaml"  # a misspelt option in the user's own experiment file
+    typo.write_text(shipped.replace("override /model: gpt_tiny", "override /model: gpt_tny"))
+    (here / "conf" / "experiment" / "old.yml").write_text(shipped)  # Hydra reads .yaml only
     cases = [["+experiment=mine"], ["--config-dir", str(other), "+experiment=theirs"],
              [f"--config-dir={other}", "+experiment=theirs"], [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
              ["+experiment=theirs"], ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"], ["--config-dir"],
-             ["model=broken", "plan=true"]]
+             ["model=broken", "plan=true"], ["--config-dir", str(other), "+experiment=mien"], ["+experiment=typo"],
+             ["-m", "+experiment=typo,mine"], ["+experiment=old"],
+             ["megatron-config", "--config-dir", str(other), "+experiment=theirz"],
+             ["check", "links", "--config-dir", str(other), "+experiment=theirz"]]
     results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0]
                          else c for c in cases], here)
     for result in results[:4]:
@@ -253,6 +280,16 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     assert_one_error_line(results[5], f"hydra.searchpath=file://{tmp_path / 'nope'}: no such directory")
     assert_one_error_line(results[6], "--config-dir: needs a directory")
     assert_one_error_line(results[7], f"{here / 'conf' / 'model' / 'broken.yaml'}, line 2: not valid YAML")
+    looked = f"{other / 'experiment'}/, {here / 'conf' / 'experiment'}/ or the shipped conf/experiment/"
+    assert_one_error_line(results[8], f"experiment=mien: no such experiment in {looked}; fix: did you mean "
+                          "+experiment=mine? one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32, theirs")
+    for result in results[9:11]:  # it said "no such config in conf/", naming neither the file nor where it looked
+        assert_one_error_line(result, f"model=gpt_tny: no such model in {here / 'conf' / 'model'}/ or the shipped "
+                              f"conf/model/ (named in {typo}); fix: in that file, did you mean gpt_tiny? one of ")
+    assert_one_error_line(results[11], f"fix: rename {here / 'conf' / 'experiment' / 'old.yml'} to old.yaml")
+    for result in results[12:]:  # the sub-tools take --config-dir too (it was "not a valid override")
+        assert_one_error_line(result, f"experiment=theirz: no such experiment in {looked}; fix: did you mean "
+                              "+experiment=theirs?")
     assert not (tmp_path / "runs").exists()
 
 

@@ -220,6 +220,36 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     assert proc.returncode == 2 and "pipeline_model_parallel_size" in proc.stderr, proc.stderr[-2000:]
 
 
+@needs_hosts
+@pytest.mark.slow
+def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_path, cache_dir):
+    """SIGTERM to the launcher of a two-host job (``kill PID``) at iteration 2 of a run that saves every 1,000:
+    as for a local job (submit.signals), the ranks save the iteration they stop at and exit, the launcher exits
+    143 with one line naming that checkpoint, ``status`` says ``stopped (interrupted)`` (it said ``failed``, and
+    the launcher exited 130), and no process of the job is left on any host."""
+    import re
+    import signal
+
+    from orchestrator.submit.status import run_status
+
+    root = tmp_path / "runs"
+    launcher = Launcher(SMALL + ["cluster=hosts_dev", f"run.root={root}", "run.name=term", "training.train_iters=1000",
+                                 "checkpoint.save_interval=1000"], cache_dir, tmp_path / "term.log")
+    run_dir, deadline = root / "term", time.monotonic() + 300
+    while not any(r["iteration"] >= 2 for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
+        assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.text[-4000:]
+        time.sleep(0.2)
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait(120) == 143, launcher.text[-4000:]
+    last = launcher.text.strip().splitlines()[-1]
+    m = re.match(r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: python -m orchestrator ",
+                 last)
+    assert m and Path(m.group(1)) == run_dir / "checkpoints" / f"iter_{int(m.group(2)):07d}", launcher.text[-3000:]
+    assert (Path(m.group(1)) / "manifest.json").exists() and int(m.group(2)) >= 2
+    assert run_status(run_dir).job.describe().startswith("stopped (interrupted)"), run_status(run_dir).job
+    assert _job_processes(next(p.name for p in (run_dir / "agents").iterdir())) == []
+
+
 def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_path):
     """``status``: a hosts job is running while its launcher lives (here: this process), completed once every
     rank's result file (``result_<rank>.pkl`` beside the job file) says success."""
@@ -237,6 +267,23 @@ def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_pat
     for rank in range(2):
         (folder / f"result_{rank}.pkl").write_bytes(pickle.dumps(("success", {"status": "completed"})))
     assert job_status("hosts-1", "hosts", folder, 2, events=read_records(tmp_path)).state == "completed"
+    # ranks that stopped on the job's decision (a graceful stop: SystemExit(76)), their launcher gone: stopped
+    from orchestrator.ckpt.history import record_event
+
+    stopped = tmp_path / "agents" / "hosts-2"
+    stopped.mkdir()
+    record_submission(tmp_path, "hosts-2", "hosts", {"stdout": str(stopped / "hnode1.log")}, num_tasks=2,
+                      launcher={"pid": os.getpid(), "host": "a-host-that-is-not-this-one"})
+    record_event(tmp_path, "stopped", job_id="hosts-2", reason="stop asked (SIGTERM to the launcher)")
+    for rank in range(2):
+        (stopped / f"result_{rank}.pkl").write_bytes(pickle.dumps(("error", "SystemExit(76)")))
+    assert job_status("hosts-2", "hosts", stopped, 2, events=read_records(tmp_path)).describe() == \
+        "stopped - stopped after saving a checkpoint (not requeued)"
+    # its launcher gone, no result (a second signal stopped the ranks at once): failed, not "unknown"
+    for rank in range(2):
+        (stopped / f"result_{rank}.pkl").unlink()
+    assert job_status("hosts-2", "hosts", stopped, 2, events=[r for r in read_records(tmp_path) if r.get("event") !=
+                      "stopped"]).describe() == "failed - the hosts job ended without result files"
 
 
 def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_its_hosts(tmp_path):

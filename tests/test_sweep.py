@@ -258,3 +258,54 @@ def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cach
     for r in rows:
         summary = [x for x in metrics_records(Path(r["run_dir"])) if x.get("event") == "summary"][-1]
         assert float(r["step_time_median_s"]) == summary["step_time_median_s"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
+def test_a_signal_to_a_slurm_sweep_detaches_from_every_queued_point(tmp_path, cache_dir):
+    """SIGHUP to a SLURM sweep's launcher once point 0's job has completed (its result files are there:
+    the launcher is then in point 0's wait, between the two waits, or in point 1's, and the test does not
+    need to know which): exit 0, no traceback, one line naming point 1's job with the `status`, `summarize`
+    and `stop` commands, point 1's job left running (point.json: submitted, detached). Its `stop ... --now`
+    ends it. Before, a signal between two waits exited 130, and one in a wait named only that point's job."""
+    import signal
+    import time
+
+    args = ["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
+            "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.train_iters=4,2000", *SHORT[1:],
+            "checkpoint.save_interval=100000", "cluster.timeout_min=5", "cluster.max_num_timeout=0",
+            f"run.root={tmp_path}", "run.name=hup"]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while not (tmp_path / "sweeps" / "hup").is_dir() or not list((tmp_path / "sweeps" / "hup").glob(
+                "*/0/submitit/*_1_result.pkl")):  # point 0's two ranks have written their results
+            assert cli.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        cli.send_signal(signal.SIGHUP)
+        assert cli.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    sd = sweep_dir_of(tmp_path, "hup")
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert json.loads((sd / "0" / "point.json").read_text())["status"] == "completed"  # its results were there
+    point1 = json.loads((sd / "1" / "point.json").read_text())
+    assert point1["status"] == "submitted" and "the launcher detached (SIGHUP)" in point1["reason"], point1
+    line = [ln for ln in text.splitlines() if "detached" in ln and "point.json" not in ln]
+    assert len(line) == 1 and line[0].startswith("[orchestrator] detached (SIGHUP) from the sweep: SLURM job(s) "), text[-3000:]
+    for said in (f"{point1['job_id']} (point 1)", f"`python -m orchestrator status {sd}`",
+                 f"`python -m orchestrator.sweep summarize {sd}`", f"`python -m orchestrator stop {sd}/<point>`"):
+        assert said in line[0], (said, line[0])
+    assert "(point 0)" not in line[0], line[0]
+    queued = subprocess.run(["squeue", "-h", "-j", point1["job_id"], "-o", "%T"], capture_output=True, text=True)
+    assert queued.stdout.strip() in ("PENDING", "RUNNING"), queued  # untouched: it runs on
+    stop = subprocess.run([sys.executable, "-m", "orchestrator", "stop", str(sd / "1"), "--now"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr

@@ -100,28 +100,55 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
                                   f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>")
             if o.type == OverrideType.FORCE_ADD:
                 raise ConfigError(f"{line}: ++ does not apply to a config group; fix: "
-                                  f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}")
+                                  + shlex.quote(f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}"))
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
-                    best = did_you_mean(value, options[key])
-                    plus = "+" if key == "experiment" else ""
-                    raise ConfigError(f"{key}={value}: no such {key} in {where(key, searched)}; fix: "
-                                      + (f"did you mean {plus}{key}={best}? " if best else "")
-                                      + f"one of {', '.join(options[key])}"
-                                      + (" (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)"
-                                         if key == "experiment" else ""))
+                    raise no_such_option(key, value, options[key], searched)
             if key == "experiment" and o.type == OverrideType.CHANGE:
-                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: +{line}")
+                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: {shlex.quote('+' + line)}")
             if key != "experiment" and o.type == OverrideType.ADD:
                 raise ConfigError(f"{line}: {key} is already chosen by the defaults (a + adds a new entry); "
-                                  f"fix: {line.lstrip('+')}")
+                                  f"fix: {shlex.quote(line.lstrip('+'))}")
             continue
         if key not in keys and not _under_open_field(key):
             raise unknown_key_error(key, JobConfig, extra=list(options))
         if key in keys and o.type == OverrideType.ADD:
-            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: {line.lstrip('+')}")
+            merge = is_open(key, JobConfig) and isinstance(o.value(), dict)  # new keys into an open mapping: ++
+            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: "
+                              + shlex.quote(("++" if merge else "") + line.lstrip("+")))
         if key in keys and o.type == OverrideType.DEL:
             raise ConfigError(f"{line}: schema keys cannot be removed; fix: {key}=<value> (or null where allowed)")
+
+
+def no_such_option(group: str, value: str, known: List[str], searched: List[Path] = (),  # type: ignore[assignment]
+                   named_in: Optional[Path] = None) -> ConfigError:
+    """``GROUP=VALUE: no such GROUP in <where it looked>; fix: did you mean ...? one of ...`` (the shipped options
+    and the user's own); ``named_in``: the config file whose defaults name it; a ``VALUE.yml`` there is named
+    (Hydra reads ``.yaml`` only)."""
+    plus = "+" if group == "experiment" and named_in is None else ""
+    stem = Path(value).name[:-len(".yaml")] if value.endswith(".yaml") else Path(value).name  # a path typed
+    yml = next((d / group / f"{stem}.yml" for d in searched if (d / group / f"{stem}.yml").is_file()), None)
+    best = None if yml else stem if stem in known else did_you_mean(stem, known)
+    where_ = f"{where(group, searched)} (named in {named_in})" if named_in else where(group, searched)
+    fix = (f"rename {yml} to {stem}.yaml (Hydra reads .yaml files only); " if yml else
+           f"in that file, did you mean {best}? " if best and named_in else
+           f"did you mean {plus}{group}={best}? " if best else "")
+    own = " (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)" if group == "experiment" else ""
+    return ConfigError(f"{group}={value}: no such {group} in {where_}; fix: {fix}one of {', '.join(known)}{own}")
+
+
+def _naming_file(root: str, parsed: List[Any], option: str) -> Optional[Path]:
+    """The chosen option file (``+experiment=NAME``'s, usually) whose text names ``option``, resolved to where
+    it lives (the user's directory, not the composed view)."""
+    for o in parsed:
+        for value in _values(o) if o.value() is not None and "=" in o.input_line else []:
+            path = Path(root) / o.key_or_group / f"{value}.yaml"
+            try:
+                if path.is_file() and re.search(rf"(?<![\w.-]){re.escape(option)}(?![\w.-])", path.read_text()):
+                    return path.resolve()
+            except OSError:
+                continue
+    return None
 
 
 def _launcher_error(line: str, parsed: List[Any]) -> ConfigError:
@@ -168,8 +195,10 @@ def sweep_points(overrides: List[str]) -> Tuple[int, List[str]]:
 
 
 # ---------------------------------------------------------------- Hydra's errors, one line
-def hydra_error(exc: BaseException) -> ConfigError:
-    """One ``<key>: <what>; fix: <how>`` line for any Hydra or OmegaConf exception."""
+def hydra_error(exc: BaseException, searched: List[Path] = (), root: Optional[str] = None,  # type: ignore[assignment]
+                parsed: List[Any] = ()) -> ConfigError:  # type: ignore[assignment]
+    """One ``<key>: <what>; fix: <how>`` line for any Hydra or OmegaConf exception (``searched``, ``root``,
+    ``parsed``: the user's config directories, the composed view and the overrides, when composing)."""
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -190,25 +219,38 @@ def hydra_error(exc: BaseException) -> ConfigError:
     if isinstance(exc, MissingConfigException):
         missing = str(getattr(exc, "missing_cfg_file", "") or "")
         group, _, option = missing.rpartition("/")
-        known = group_options().get(group, [])
-        best = did_you_mean(option, known) if known else None
-        fix = (f"did you mean {'+' if group == 'experiment' else ''}{group}={best}? " if best else "") + (f"one of {', '.join(known)}" if known else
-                                                                     "check the defaults list of the config")
-        return ConfigError(f"{group or 'config'}={option or missing}: no such config in conf/; fix: {fix}")
+        known = group_options(root).get(group, [])
+        if known:  # an option named in a config file's defaults (a user's experiment, usually)
+            return no_such_option(group, option, known, searched, named_in=_naming_file(root, parsed, option)
+                                  if root else None)
+        return ConfigError(f"{group or 'config'}={option or missing}: no such config in {where(group, searched)}; "
+                           "fix: check the defaults list of the config")
     cause: Optional[BaseException] = exc
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__ or cause.__context__
     lines = [s.strip() for s in str(exc).strip().splitlines() if s.strip()]
-    hint = re.search(r"use (\+\S+)|Either remove \+ prefix: '([^']+)'", str(exc))
+    hint = _hydra_hint(str(exc))
     if cause is not None and getattr(cause, "full_key", None):
         key = cause.full_key
         if hint:  # Hydra names the override to type: a new key under an open mapping (cluster.env.X)
-            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +); "
-                               f"fix: {hint.group(1) or hint.group(2)}")
+            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +, merges a mapping's new keys with ++); fix: {hint}")
         return omegaconf_error(cause, JobConfig)
     first = lines[0] if lines else type(exc).__name__
-    fix = hint.group(1) or hint.group(2) if hint else "; ".join(lines[1:3]) or "python -m orchestrator --help"
+    fix = hint or "; ".join(lines[1:3]) or "python -m orchestrator --help"
     return ConfigError(f"config: {first}; fix: {fix}")
+
+
+def _hydra_hint(message: str) -> Optional[str]:
+    """The override Hydra's message says to type, as it works in bash (shell-quoted), or None. Hydra's
+    ``use +KEY=VALUE`` for a mapping value (``cluster.env={FOO: 1}``: KEY exists, the value's keys are new) is
+    refused by the same check (KEY is in the config): ``++KEY=VALUE`` merges the new keys into it."""
+    use = re.search(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S[^\n]*)", message)
+    if use:
+        key, typed = use.group(1), use.group(2).strip()
+        merge = typed.startswith(f"{key}=") and typed[len(key) + 1:].lstrip().startswith("{")
+        return shlex.quote(("++" if merge else "+") + typed)
+    remove = re.search(r"Either remove \+ prefix: '([^']+)'", message)
+    return shlex.quote(remove.group(1)) if remove else None
 
 
 # ---------------------------------------------------------------- the composition
@@ -245,7 +287,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
             if OmegaConf.is_interpolation(cfg.run, "dir") and "hydra:" in str(cfg.run._get_node("dir")._value()):
                 cfg.run.dir = run_dir
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
-        raise hydra_error(exc) from None
+        raise hydra_error(exc, searched, root, parsed) from None
     return cfg
 
 

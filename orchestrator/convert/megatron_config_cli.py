@@ -1,4 +1,4 @@
-"""``python -m orchestrator megatron-config OVERRIDES...``: the megatron config a job would build, as JSON.
+"""``python -m orchestrator megatron-config [--config-dir DIR] OVERRIDES...``: the megatron config a job would build, as JSON.
 
 Prints ``{"transformer", "ddp", "optimizer"}`` — what the job writes to ``<run.dir>/megatron_config.json``
 — for any job, a SLURM GPU job included, without a GPU and without writing or queueing anything: the
@@ -49,9 +49,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from orchestrator.config.checks import validate
     from orchestrator.config.compose import compose_config
+    from orchestrator.config.confdirs import with_config_dir_flags
 
-    try:
-        cfg = dataclasses.replace(compose_config(argv), plan=True)  # plan: nothing is written, nothing queued
+    try:  # --config-dir DIR: the user's configs, as for a run
+        cfg = dataclasses.replace(compose_config(with_config_dir_flags(argv)), plan=True)  # plan: nothing is written, nothing queued
         validate(cfg)
         config, device, assumed = megatron_json(cfg)
     except OrchestratorError as exc:

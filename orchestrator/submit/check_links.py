@@ -18,7 +18,7 @@ from typing import List, Optional
 from orchestrator.config.slowness import LINKS_ONLY
 from orchestrator.errors import ConfigError, OrchestratorError
 
-USAGE = "usage: python -m orchestrator check links [OVERRIDES...]"
+USAGE = "usage: python -m orchestrator check links [--config-dir DIR] [OVERRIDES...]"
 
 
 def node_count(cfg) -> int:
@@ -36,8 +36,9 @@ def check_config(overrides: List[str]):
     """(the check's job config, layout); ConfigError (exit 2) for a bad config or a one-node job."""
     from orchestrator.config.checks import validate
     from orchestrator.config.compose import compose_config
+    from orchestrator.config.confdirs import with_config_dir_flags
 
-    cfg = compose_config(overrides)
+    cfg = compose_config(with_config_dir_flags(overrides))  # --config-dir DIR: the user's configs, as for a run
     layout = validate(cfg)
     nodes = node_count(cfg)
     if nodes < 2:

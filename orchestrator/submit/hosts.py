@@ -14,7 +14,9 @@ or its network went away: ``ServerAliveInterval`` 5 s x 3) is named with its hos
 then every other session's stdin is closed, which makes its agent stop its ranks (SIGTERM, then SIGKILL
 after 30 s: torchrun's own shutdown); after :data:`STOP_WAIT_S` the SSH clients are killed, and a last
 ``pkill -f <job file>`` on every host removes whatever is left. A signal to the launcher (Ctrl-C,
-SIGTERM, SIGHUP) does the same. The launcher dying outright closes the pipes too.
+SIGTERM, SIGHUP) stops the job as a local job's (:mod:`orchestrator.submit.signals`): the ranks save at the
+next iteration and exit, the launcher exits 128 + the signal; a second signal stops them at once. The
+launcher dying outright closes the pipes: the agents stop their ranks.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ def write_job_file(cfg: JobConfig, prepared, job_dir: Path, env: Dict[str, str])
 def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
     """Start the agents on every host, wait, return the logging rank's summary; JobFailedError naming the host
     whose session or ranks failed."""
+    from orchestrator.ckpt import stop
     from orchestrator.ckpt.history import record_submission
     from orchestrator.runtime.start.agent import agent_command
 
@@ -152,6 +155,7 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     endpoint = f"{hosts[0].name}:{rendezvous_port(cfg, job_id)}"
     argv = agent_command(python_of(cfg), str(job_file), nnodes=len(hosts), nproc_per_node=procs,
                          rdzv_endpoint=endpoint, rdzv_id=job_id, watch_stdin=True)
+    stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
     record_submission(cfg.run.dir, job_id, cfg.cluster, {"stdout": str(job_dir / f"{hosts[0].name}.log")},
                       num_tasks=layout.world_size, hosts=[h.name for h in hosts], rendezvous=endpoint,
                       launcher={"pid": os.getpid(), "host": socket.gethostname()})

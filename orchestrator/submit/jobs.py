@@ -112,7 +112,11 @@ def _status_from_fields(fields: Dict[str, str], job_id: str) -> Optional[JobStat
 # ---- submitit files ------------------------------------------------------------------------------
 
 def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
-    """rank -> "success"/"error" (or "unreadable") from submitit's ``<job>_<rank>_result.pkl`` files."""
+    """rank -> "success"/"error" (or "unreadable") from submitit's ``<job>_<rank>_result.pkl`` files; "exited"
+    for a torchrun agent's rank that stopped (or left requeued) on the job's own decision (a submitit task
+    writes no file then)."""
+    from orchestrator.runtime.start.agent import exit_code_of
+
     folder = Path(folder)
     out: Dict[int, str] = {}
     if not folder.is_dir():
@@ -125,10 +129,11 @@ def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
             continue
         try:
             with open(path, "rb") as f:
-                outcome = pickle.load(f)[0]
+                read = pickle.load(f)
+            outcome = "exited" if exit_code_of(read) is not None else read[0]
         except Exception:
             outcome = "unreadable"
-        out[int(m.group(1) or m.group(2))] = outcome if outcome in ("success", "error") else "unreadable"
+        out[int(m.group(1) or m.group(2))] = outcome if outcome in ("success", "error", "exited") else "unreadable"
     return out
 
 
@@ -204,25 +209,26 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
     outcomes = result_outcomes(folder, job_id) if folder else {}
     own_events = [e for e in events if str(e.get("job_id")) == job_id]
     stopped = any(e.get("event") == "stopped" for e in own_events)
-    complete = bool(num_tasks) and len(outcomes) >= num_tasks
+    exited = [r for r, o in outcomes.items() if o == "exited"]  # ranks that stopped on the job's decision
+    complete = bool(num_tasks) and len(outcomes) - len(exited) >= num_tasks
     if st is None:
         st = JobStatus(state="unknown", job_id=job_id, cluster=cluster)
         if alive and not complete:
             st.state = "running"
     st.results = outcomes
-    errors = sorted(r for r, o in outcomes.items() if o != "success")
+    errors = sorted(r for r, o in outcomes.items() if o not in ("success", "exited"))
     if errors:
         st.state, st.detail = "failed", f"rank {errors[0]} raised an exception"
     elif complete and st.state not in ("cancelled", "failed"):
         st.state = "completed"
-    elif st.state == "unknown" and outcomes and not num_tasks:
+    elif st.state == "unknown" and len(outcomes) > len(exited) and not num_tasks:
         st.state = "completed"
     elif stopped and st.state in ("failed", "unknown"):
         st.state, st.detail = "stopped", "stopped after saving a checkpoint (not requeued)"
     elif st.state == "completed" and num_tasks and not complete and folder:
         st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
-    elif st.state == "unknown" and cluster == "local":
-        st.state, st.detail = "failed", "the local job ended without result files"
+    elif st.state == "unknown" and cluster in ("local", "hosts"):  # (a hosts job ends with its launcher)
+        st.state, st.detail = "failed", f"the {cluster} job ended without result files"
     _attach_cause(st, events)
     return st
 

@@ -117,40 +117,73 @@ class Sessions:
 
     def wait(self, cfg: JobConfig, world_size: int, job_id: str, *, show_progress: bool = True) -> List[Any]:
         """Block until every session ended; the ranks' summaries by rank. JobFailedError naming the host whose
-        session ended first with a failure (or the failed ranks)."""
-        from orchestrator.ckpt.lock import RunLock
+        session ended first with a failure (or the failed ranks). A signal to this launcher (or ``orchestrator
+        stop``) asks the ranks' graceful stop through ``stop.json``, as for a local job
+        (:mod:`orchestrator.submit.signals`): JobStopped once every session ended (a second signal: at once)."""
         from orchestrator.ckpt.rundir import METRICS_FILE
         from orchestrator.submit import outcome
         from orchestrator.submit.progress import Progress, ranks_up
+        from orchestrator.submit.signals import WaitSignals
 
         run_dir = cfg.run.dir
         progress = Progress(Path(run_dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress,
                             log=self.log(self.hosts[0]), world_size=world_size,
                             ranks_up=ranks_up(Path(run_dir), job_id), every=2.0)
-        first: Optional[str] = None
+        signals = WaitSignals(cfg, job_id)
         try:
-            while True:
-                progress.poll()
-                ended = self.ended()
-                bad = [h for h in self.hosts if ended.get(h, 0) != 0]
-                if bad:
-                    first = bad[0]
-                    print(f"[orchestrator] {first}: session ended: {_how(ended[first])}; stopping the other hosts' "
-                          "ranks", flush=True)
-                    self.stop(STOP_WAIT_S)
-                    break
-                if len(ended) == len(self.hosts):
-                    break
-                time.sleep(cfg.cluster.poll_interval_s)
-        except KeyboardInterrupt:
-            self.stop(STOP_WAIT_S)
+            with signals:
+                first, asked = self._watch(cfg, job_id, progress, signals)
+        except KeyboardInterrupt:  # a second signal, or one before the handlers were in place
+            outcome.record_end(run_dir, job_id, "interrupted",  # first: ranks cut off by the stop record a crash
+                               "the launcher was interrupted a second time: stopped at once, unsaved" if signals.again
+                               else "the launcher was interrupted (Ctrl-C or a signal)")
+            self.stop(0.0 if signals.again else STOP_WAIT_S)
             self._finish(run_dir, job_id)
-            outcome.record_end(run_dir, job_id, "interrupted", "the launcher was interrupted (Ctrl-C or a signal)")
+            if signals.again:
+                raise signals.ended_at_once() from None
             raise
         finally:
             progress.poll()
             progress.close()
         self._finish(run_dir, job_id)
+        if asked is not None:  # the ranks saved and exited on request (the job recorded why, unless they died first)
+            outcome.record_end(run_dir, job_id, str(asked.get("cause") or "interrupted"), f"stopped by {asked.get('by')}")
+            raise signals.stopped(asked)
+        return self._outcome(run_dir, world_size, job_id, first)
+
+    def _watch(self, cfg: JobConfig, job_id: str, progress, signals) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+        """Poll until every session ended: (the host whose session failed first, or None; the stop asked of the
+        job, or None). Once a stop is asked, sessions that end are the ranks stopping: the others get
+        :data:`STOP_WAIT_S` to follow before they are stopped."""
+        from orchestrator.ckpt import stop
+
+        asked: Optional[Dict[str, Any]] = None
+        since: Optional[float] = None
+        while True:
+            progress.poll()
+            ended = self.ended()
+            if asked is None and (signals.signum or stop.stop_path(cfg.run.dir).exists()):
+                asked = stop.read(cfg.run.dir, job_id)
+            if len(ended) == len(self.hosts):
+                return None, asked
+            bad = [h for h in self.hosts if ended.get(h, 0) != 0]
+            if asked is not None and ended:
+                since = since or time.monotonic()
+                if time.monotonic() - since > STOP_WAIT_S:
+                    self.stop(0.0)
+                    return None, asked
+            elif bad:
+                print(f"[orchestrator] {bad[0]}: session ended: {_how(ended[bad[0]])}; stopping the other hosts' "
+                      "ranks", flush=True)
+                self.stop(STOP_WAIT_S)
+                return bad[0], None
+            time.sleep(cfg.cluster.poll_interval_s)
+
+    def _outcome(self, run_dir: str, world_size: int, job_id: str, first: Optional[str]) -> List[Any]:
+        """The ranks' summaries when all succeeded; else record the end and raise its JobFailedError."""
+        from orchestrator.ckpt.lock import RunLock
+        from orchestrator.submit import outcome
+
         found = results(self.job_file, world_size)
         if first is None and len(found) == world_size and all(o[0] == "success" for o in found.values()):
             return [found[r][1] for r in range(world_size)]

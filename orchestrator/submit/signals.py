@@ -1,7 +1,7 @@
 """What a signal to a launcher that waits on a job does: one rule, local and SLURM.
 
 =========================  ==========================================  =============================================
-signal to the launcher     local job                                   SLURM job
+signal to the launcher     local job (and a hosts job)                 SLURM job
 =========================  ==========================================  =============================================
 SIGINT (Ctrl-C), SIGTERM   the ranks finish the iteration, save (unless  detach: one line (job id, how to follow it
                            it is saved already) and exit; one line       with ``status``, how to stop it); the job
@@ -12,11 +12,12 @@ a second signal while      stop at once (SIGKILL), unsaved, said so;     (the fi
 the ranks stop             exit 128 + its number
 =========================  ==========================================  =============================================
 
-A local job is asked to stop through ``<run.dir>/stop.json`` (:mod:`orchestrator.ckpt.stop`), the same
+A local job, and a ``cluster=hosts`` job (whose SSH sessions end with their launcher: :data:`HELD`), is asked
+to stop through ``<run.dir>/stop.json`` (:mod:`orchestrator.ckpt.stop`), the same
 request ``orchestrator stop`` writes: the job's rank 0 polls it and asks the ranks' one graceful stop
 (:mod:`orchestrator.runtime.faults.preempt`, the path of the launcher watch and of SLURM's time limit).
-The handlers are installed by :func:`orchestrator.submit.wait.wait` for the duration of the wait (main
-thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
+The handlers are installed by :func:`orchestrator.submit.wait.wait` (and a hosts job's
+:meth:`orchestrator.submit.sessions.Sessions.wait`) for the duration of the wait (main thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
 running yet, or warm ranks that stop with their launcher). No torch import.
 """
 
@@ -35,12 +36,17 @@ from orchestrator.config.schema import JobConfig
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What a terminal, ``kill`` or a closed SSH session sends a launcher."""
+HELD = ("local", "hosts")
+"""Cluster kinds whose job ends with its waiting launcher: a signal to it stops the job gracefully (a SLURM job
+is left running: detached)."""
 STOPPED_BY_REQUEST_EXIT = 128 + signal.SIGTERM
 """Exit status of a launcher whose job ``orchestrator stop`` ended: as if it had been sent SIGTERM."""
 
 
 _PENDING: Optional[int] = None
 """A stop signal that reached the launcher before any job was waited on (:func:`interrupt`)."""
+_PENDING_EXC: Optional[BaseException] = None
+"""What a handler other than :func:`interrupt` raised for it (a SLURM sweep's detach: :func:`remember`)."""
 
 
 def interrupt(signum: int, frame: Any = None) -> None:
@@ -53,8 +59,18 @@ def interrupt(signum: int, frame: Any = None) -> None:
     raise KeyboardInterrupt
 
 
+def remember(exc: BaseException) -> BaseException:
+    """Keep ``exc``, which a signal handler is about to raise, for :func:`raise_if_interrupted` (it may be lost
+    as :func:`interrupt`'s KeyboardInterrupt may); returns it."""
+    global _PENDING_EXC
+    _PENDING_EXC = exc
+    return exc
+
+
 def raise_if_interrupted() -> None:
-    """KeyboardInterrupt when a stop signal reached the launcher earlier (:func:`interrupt`)."""
+    """Raise again what a stop signal raised earlier (:func:`interrupt`: KeyboardInterrupt; :func:`remember`)."""
+    if _PENDING_EXC is not None:
+        raise _PENDING_EXC
     if _PENDING is not None:
         raise KeyboardInterrupt
 
@@ -114,19 +130,20 @@ def detach_line(cfg: JobConfig, job_id: str, signum: int) -> str:
 
 class WaitSignals:
     """The rule above, for one :func:`~orchestrator.submit.wait.wait` on ``job_id``: a context manager
-    that installs the handlers (main thread only) and puts the previous ones back."""
+    that installs the handlers (main thread only; not with ``install=False``: the caller's stay) and puts
+    the previous ones back."""
 
-    def __init__(self, cfg: JobConfig, job_id: str):
-        self.cfg, self.job_id = cfg, str(job_id)
-        self.local = cfg.cluster.kind == "local"
+    def __init__(self, cfg: JobConfig, job_id: str, install: bool = True):
+        self.cfg, self.job_id, self.install = cfg, str(job_id), install
+        self.held = cfg.cluster.kind in HELD
         self.signum: Optional[int] = None
-        """The first signal (local): the ranks were asked to stop."""
+        """The first signal (a held job): the ranks were asked to stop."""
         self.again: Optional[int] = None
-        """A second signal (local): the job was ended at once."""
+        """A second signal (a held job): the job was ended at once."""
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "WaitSignals":
-        if threading.current_thread() is threading.main_thread():
+        if self.install and threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
 
@@ -136,7 +153,7 @@ class WaitSignals:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any = None) -> None:
-        if not self.local:
+        if not self.held:
             raise Detached(detach_line(self.cfg, self.job_id, signum), signum, self.job_id)
         if self.signum is not None:
             self.again = signum
@@ -161,16 +178,45 @@ class WaitSignals:
                           128 + (self.again or signal.SIGINT))
 
 
-def say_detached(exc: Detached, cfg: JobConfig) -> None:
-    """Record the detach in the run's history (``detached``: its line) and print the line; after a SIGHUP
-    the terminal is gone: the output goes nowhere from then on instead of failing."""
+class DetachSignals:
+    """While several SLURM jobs are queued by one launcher (a sweep's points, submitted then waited on one
+    after another): a signal raises :class:`Detached` wherever it lands -- in a wait, between two waits, while
+    the next job is being submitted -- and is remembered (:func:`remember`). A handler installed for the waits
+    alone missed the gaps between them, where the entry's :func:`interrupt` raised KeyboardInterrupt (exit 130).
+    :meth:`hold` installs the handlers (main thread only), :meth:`release` puts the previous ones back and
+    returns the signal, if one came. The caller composes the line (the jobs still queued) and says it."""
+
+    def __init__(self) -> None:
+        self.held: Dict[int, Any] = {}
+        self.signum: Optional[int] = None
+
+    def hold(self) -> "DetachSignals":
+        if not self.held and threading.current_thread() is threading.main_thread():
+            self.held = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def release(self) -> Optional[int]:
+        for sig, previous in self.held.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self.held = {}
+        return self.signum
+
+    def _handle(self, signum: int, frame: Any = None) -> None:
+        self.signum = self.signum or signum
+        raise remember(Detached(f"detached ({signal.Signals(signum).name})", signum, ""))
+
+
+def say_detached(exc: Detached, runs: Dict[str, str]) -> None:
+    """Record the detach in each run's history (``runs``: run dir -> its job id; ``detached``: the line) and
+    print the line; after a SIGHUP the terminal is gone: the output goes nowhere from then on instead of failing."""
     from orchestrator.ckpt.history import record_event
 
-    try:
-        record_event(cfg.run.dir, "detached", job_id=exc.job_id, message=exc.line, signal=signal.Signals(exc.signum).name,
-                     time_local=time.strftime("%Y-%m-%d %H:%M:%S"))
-    except OSError:
-        pass
+    for run_dir, job_id in runs.items():
+        try:
+            record_event(run_dir, "detached", job_id=job_id, message=exc.line, signal=signal.Signals(exc.signum).name,
+                         time_local=time.strftime("%Y-%m-%d %H:%M:%S"))
+        except OSError:
+            pass
     tell(f"[orchestrator] {exc.line}")
     if exc.signum == signal.SIGHUP:
         import os

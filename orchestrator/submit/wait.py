@@ -340,7 +340,7 @@ class _Wait:
 
 
 def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = None,
-         tasks: Optional[int] = None) -> List[Dict[str, Any]]:
+         tasks: Optional[int] = None, own_signals: bool = True) -> List[Dict[str, Any]]:
     """Block until every task of ``job`` ends; return the per-task summaries (``tasks``: the job's number of tasks
     when it is not one per rank, e.g. one torch elastic agent a node; default ``world_size``).
 
@@ -356,11 +356,10 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
     could not record (killed ranks, a lost node, Ctrl-C) is recorded in the run's history.
     """
     from orchestrator.submit import outcome
-
     from orchestrator.submit.signals import Detached, JobStopped, WaitSignals, say_detached
 
     w = _Wait(job, cfg, world_size, tasks)
-    signals = WaitSignals(cfg, w.job_id)
+    signals = WaitSignals(cfg, w.job_id, install=own_signals)  # False: a SLURM sweep's handlers (it says the detach)
     try:
         with signals:
             while True:
@@ -378,7 +377,8 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
                 w.check_hang_and_bound(ended)
                 _pause(job, cfg)
     except Detached as exc:  # a SLURM job runs on: never cancelled by a signal to its launcher
-        say_detached(exc, cfg)
+        if own_signals:
+            say_detached(exc, {cfg.run.dir: w.job_id})
         raise
     except JobStopped:
         raise

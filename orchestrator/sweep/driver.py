@@ -62,12 +62,15 @@ from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, for
                                       measured, plan_record, short_reason, status_of_summary, write_summary)
 from orchestrator.io import write_atomic
 
-__all__ = ["COLUMNS", "Point", "current_point", "exit_code", "finish", "main", "measured", "run_point",
+__all__ = ["COLUMNS", "Point", "current_point", "detached", "exit_code", "finish", "main", "measured", "run_point",
            "write_summary"]
 
 
 def say(message: str) -> None:
-    print("\n".join(f"[sweep] {line}" for line in message.splitlines()), flush=True)
+    try:
+        print("\n".join(f"[sweep] {line}" for line in message.splitlines()), flush=True)
+    except OSError:  # the terminal is gone (a SIGHUP): the point files and the table still say it
+        pass
 
 
 def _tail(text: str, lines: int = 15) -> str:
@@ -101,6 +104,8 @@ class _Driver:
     """The warm ranks of local points (orchestrator.submit.pool.PoolLauncher), made by the first one."""
     points: Optional[int] = None
     """How many points the sweep has (:func:`announce`), for "point 2 of 3"."""
+    signals: Any = None
+    """From the first queued SLURM point to the last wait: a signal detaches from all (submit.signals.DetachSignals)."""
 
     def launcher(self, cfg: Any) -> Any:
         """How a point runs: warm ranks (local, ``sweep.warm_pool``) or None (a fresh job)."""
@@ -157,7 +162,9 @@ def _rebuild(sweep_dir: Path) -> None:
         say(f"warning: could not rebuild the summary of {sweep_dir}: {exc!r}")
 
 
-def _record(point: Point, record: Dict[str, Any], status: str, reason: str = "", **extra: Any) -> None:
+def _record(point: Point, record: Dict[str, Any], status: str, reason: str = "", quiet: bool = False,
+            **extra: Any) -> None:
+    """Write the point's status (``quiet``: no line, no table: a detach says one line for all points)."""
     record.update(status=status, reason=reason, **extra)
     if status in FINAL:
         record["ended"] = time.time()
@@ -165,6 +172,8 @@ def _record(point: Point, record: Dict[str, Any], status: str, reason: str = "",
             record["measured"] = measured(point.run_dir, record.get("training", {}).get("timing_warmup_iters", 0))
     record["job_id"] = record.get("job_id") or job_id_in(point.run_dir)
     _write_point(point, record)
+    if quiet:
+        return
     if status != "running":
         line = f"point {point.num}: {status}" + (f" -- {short_reason(reason)}" if reason else "")
         say(line)
@@ -223,8 +232,13 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     if launcher is not None and not (cfg.plan or cfg.dry_run):
         launcher.prestart(cfg, layout.world_size)  # the ranks import torch while this process prepares
     _record(point, record, "running")
+    from orchestrator.submit.signals import Detached
+
     try:
         summary = run_fn(cfg, launcher) if launcher is not None else run_fn(cfg)
+    except Detached:  # other points are queued: they run on (detached), and this one if sbatch took it already
+        _queued(point, record, cfg, layout.world_size, job_id_in(point.run_dir), detaching=True)
+        raise
     except KeyboardInterrupt:
         _record(point, record, "interrupted", "interrupted (KeyboardInterrupt) while running")
         raise
@@ -240,13 +254,27 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         return None
     job_id = str(summary.get("job_id")) if summary.get("job_id") is not None else None
     if summary.get("status") == "submitted":
-        _DRIVER.submitted.append((point, cfg, layout.world_size, job_id))
-        _record(point, record, "submitted", job_id=job_id)
+        _queued(point, record, cfg, layout.world_size, job_id)
         return None
     status, reason = status_of_summary(summary)
     _record(point, record, status, reason, job_id=job_id)
     loss = summary.get("lm_loss")
     return float(loss) if isinstance(loss, (int, float)) else None
+
+
+def _queued(point: Point, record: Dict[str, Any], cfg: Any, world_size: int, job_id: Optional[str],
+            detaching: bool = False) -> None:
+    """A SLURM point's job is queued (``job_id``; None: ``detaching`` came first): waited on at the end, detachable."""
+    from orchestrator.submit.signals import DetachSignals
+
+    if job_id:
+        _DRIVER.submitted.append((point, cfg, world_size, job_id))
+        _DRIVER.signals = _DRIVER.signals or DetachSignals().hold()
+    if detaching:
+        _record(point, record, "submitted" if job_id else "interrupted", "" if job_id else
+                "not queued: the launcher detached from the sweep's queued points before this one was", quiet=True)
+    else:
+        _record(point, record, "submitted", job_id=job_id)
 
 
 def _exception_reason(exc: BaseException, frames: int = 6, message_lines: int = 8) -> str:
@@ -274,10 +302,8 @@ def _wait_submitted(point: Point, cfg: Any, world_size: int, job_id: str) -> Non
     record = json.loads((point.run_dir / POINT_FILE).read_text())
     job = submitit.SlurmJob(folder=point.run_dir / SUBMITIT_DIR, job_id=job_id, tasks=tuple(range(world_size)))
     try:
-        summaries = wait(job, cfg, world_size, progress=None)
-    except Detached as exc:  # the launcher leaves; the job runs on (submit.signals), its point stays open
-        _record(point, record, "submitted", f"the launcher detached ({signal.Signals(exc.signum).name}); "
-                                            f"job {job_id} runs on; `python -m orchestrator sweep summarize {point.sweep_dir}` reads it")
+        summaries = wait(job, cfg, world_size, progress=None, own_signals=not (_DRIVER.signals and _DRIVER.signals.held))
+    except Detached:  # the launcher leaves; the jobs run on (submit.signals): detached() records the open points
         raise
     except KeyboardInterrupt:
         _record(point, record, "interrupted", f"interrupted while waiting for job {job_id}")
@@ -301,16 +327,53 @@ def finish() -> Optional[int]:
     if _DRIVER.pool is not None:
         _DRIVER.pool.stop()  # the warm ranks exit while the table is built
     if _DRIVER.submitted and _DRIVER.wait_at_end:
+        from orchestrator.submit.signals import raise_if_interrupted
+
         say(f"waiting for {len(_DRIVER.submitted)} SLURM job(s): "
             + ", ".join(f"point {p.num} = job {j}" for p, _, _, j in _DRIVER.submitted))
         for point, cfg, world_size, job_id in _DRIVER.submitted:
+            raise_if_interrupted()  # a detach a callee swallowed (as Python does in at-fork hooks)
             _wait_submitted(point, cfg, world_size, job_id)
+    if _DRIVER.signals is not None:
+        _DRIVER.signals.release()
     rows, swept = write_summary(sweep_dir)
     print(format_report(sweep_dir, rows, swept), flush=True)
     _DRIVER.close_pool()
     if _DRIVER.submitted and not _DRIVER.wait_at_end:
         say(f"jobs queued (cluster.wait=false); later: python -m orchestrator.sweep summarize {sweep_dir}")
     return exit_code(rows, unfinished_ok=bool(_DRIVER.submitted) and not _DRIVER.wait_at_end)
+
+
+def detached(exc: BaseException) -> None:
+    """A signal detached the launcher from a SLURM sweep (``_Driver.signals``; else nothing): an ended point is
+    recorded, the others stay ``submitted``, saying so; one line names their jobs and the commands for them."""
+    from orchestrator.ckpt.rundir import SUBMITIT_DIR
+    from orchestrator.submit.signals import Detached, say_detached
+
+    held = _DRIVER.signals
+    if held is None or held.release() is None or not isinstance(exc, Detached) or _DRIVER.sweep_dir is None:
+        return
+    name, sweep_dir = signal.Signals(held.signum).name, _DRIVER.sweep_dir
+
+    open_ = []
+    for point, cfg, world_size, job_id in _DRIVER.submitted:
+        record = json.loads((point.run_dir / POINT_FILE).read_text())
+        if record.get("status") in FINAL:
+            continue
+        if len(list((point.run_dir / SUBMITIT_DIR).glob(f"{job_id}_*_result.pkl"))) >= world_size:
+            _wait_submitted(point, cfg, world_size, job_id)  # it has ended: every rank's result is there, read now
+        else:
+            open_.append((point, job_id))
+            _record(point, record, "submitted", f"the launcher detached ({name}); job {job_id} runs on; "
+                    f"`python -m orchestrator.sweep summarize {sweep_dir}` reads it", quiet=True)
+    jobs = ", ".join(f"{job_id} (point {point.num})" for point, job_id in open_) or "none left"
+    exc.line = (f"detached ({name}) from the sweep: SLURM job(s) {jobs} run on, untouched; follow them with "
+                f"`python -m orchestrator status {sweep_dir}`; the table once they have ended: "
+                f"`python -m orchestrator.sweep summarize {sweep_dir}`; stop one with "
+                f"`python -m orchestrator stop {sweep_dir}/<point>` (saves first; --now: at once)")
+    exc.signum, exc.job_id = held.signum, ",".join(job_id for _, job_id in open_)
+    _rebuild(sweep_dir)
+    say_detached(exc, {str(point.run_dir): job_id for point, job_id in open_})
 
 
 # ====================================================================== CLI

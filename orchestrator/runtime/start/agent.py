@@ -52,6 +52,16 @@ def result_path(job_file: "str | os.PathLike", rank: int) -> Path:
     return Path(job_file).with_name(f"result_{rank}.pkl")
 
 
+def exit_code_of(outcome: Any) -> Optional[int]:
+    """The exit status of an outcome file's ``("error", "SystemExit(N)")``: a stop or requeue the job decided
+    (:mod:`orchestrator.runtime.faults.preempt`), not a failure; None for any other outcome."""
+    text = str(outcome[1]) if isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] == "error" else ""
+    if not (text.startswith("SystemExit(") and text.endswith(")")):
+        return None
+    value = text[len("SystemExit("):-1]
+    return int(value) if value.lstrip("-").isdigit() else 1
+
+
 def write_job(path: "str | os.PathLike", job: Any) -> None:
     """Pickle the job (a TrainJob of plain dicts) for the agents' ranks, atomically."""
     from orchestrator.io import write_atomic

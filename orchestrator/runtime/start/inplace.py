@@ -130,11 +130,12 @@ class NodeAgent:
 
     def _end(self, code: int, found: Dict[int, Tuple[str, Any]]) -> Dict[str, Any]:
         """This task's end from the agent's exit code and the ranks' outcomes."""
-        stops = [str(o[1]) for o in found.values() if o[0] == "error" and str(o[1]).startswith("SystemExit(")]
-        errors = {r: o[1] for r, o in sorted(found.items()) if o[0] == "error" and not str(o[1]).startswith("SystemExit(")}
+        from orchestrator.runtime.start.agent import exit_code_of
+
+        stops = [code for o in found.values() if (code := exit_code_of(o)) is not None]
+        errors = {r: o[1] for r, o in sorted(found.items()) if o[0] == "error" and exit_code_of(o) is None}
         if stops and not errors:
-            value = stops[0][len("SystemExit("):-1]
-            raise SystemExit(int(value) if value.lstrip("-").isdigit() else 1)
+            raise SystemExit(stops[0])
         if errors:
             rank, text = next(iter(errors.items()))
             raise RuntimeError(f"rank {rank} failed:\n{text}")
