@@ -132,7 +132,7 @@ class NodeAgent:
         """This task's end from the agent's exit code and the ranks' outcomes."""
         from orchestrator.runtime.start.agent import exit_code_of
 
-        stops = [code for o in found.values() if (code := exit_code_of(o)) is not None]
+        stops = [stop for stop in map(exit_code_of, found.values()) if stop is not None]
         errors = {r: o[1] for r, o in sorted(found.items()) if o[0] == "error" and exit_code_of(o) is None}
         if stops and not errors:
             raise SystemExit(stops[0])
