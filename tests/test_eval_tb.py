@@ -39,7 +39,6 @@ def _evals(run_dir: Path) -> List[dict]:
     return [r for r in map(json.loads, lines) if r.get("event") == "eval"]
 
 
-@pytest.mark.mcore_lines
 def test_validation_loss_is_logged_at_each_interval_and_decreases(run):
     run_dir, proc = run
     evals = _evals(run_dir)
@@ -70,7 +69,6 @@ def _scalars(run_dir: Path) -> Dict[str, Dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.mcore_lines
 def test_tensorboard_events_match_metrics_jsonl(run):
     run_dir, _ = run
     tb = _scalars(run_dir)

@@ -33,7 +33,6 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-@pytest.mark.mcore_lines
 def test_signal_only_sets_a_flag_and_local_run_stops(clean_env, tmp_path):
     before = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
     stop = StopRequest(max_requeues=3, run_dir=str(tmp_path)).install()
@@ -108,7 +107,6 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.mcore_lines
 def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +147,6 @@ def _job_stops():
     stop.requeue_or_exit("test")
 
 
-@pytest.mark.mcore_lines
 def test_submitit_handler_replaced_and_stop_leaves_no_result(clean_env, tmp_path):
     import submitit
 
