@@ -373,20 +373,3 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
                 f"(>= {floor * 1e3:.1f} ms allowing the model's {allowance[i]:.0%} error) vs {best * 1e3:.1f} ms "
                 "measured")
     return None
-    best, since = None, 0
-    for t in trials:
-        if t.measured_step_s and (best is None or t.measured_step_s < best * (1 - opts.min_gain)):
-            best, since = t.measured_step_s, 0
-        elif not t.exploring:
-            since += 1
-    if since >= opts.patience:
-        return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
-    best = min(t.measured_step_s for t in done)
-    errors = [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done if t.calibrated]
-    error = max([opts.model_error_floor] + [e for e, t in zip(errors, [t for t in done if t.calibrated])
-                                            if e > opts.explore * t.predicted_sd])
-    floor = min(remaining_predicted_s) * (1 - error)
-    if floor >= best:
-        return (f"model bound: the best remaining candidate is predicted at {min(remaining_predicted_s) * 1e3:.1f} ms "
-                f"(>= {floor * 1e3:.1f} ms allowing the model's {error:.0%} error) vs {best * 1e3:.1f} ms measured")
-    return None
