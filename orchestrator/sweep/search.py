@@ -362,9 +362,8 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
     if since >= opts.patience:
         return f"no step {opts.min_gain:.0%} faster than the best in the last {opts.patience} trials (tune.patience)"
     best = min(t.measured_step_s for t in done)
-    errors = [abs(t.measured_step_s / t.predicted_step_s - 1) for t in done if t.calibrated]
-    error = max([opts.model_error_floor] + [e for e, t in zip(errors, [t for t in done if t.calibrated])
-                                            if e > opts.explore * t.predicted_sd])
+    errors = [(abs(t.measured_step_s / t.predicted_step_s - 1), t.predicted_sd) for t in done if t.calibrated]
+    error = max([opts.model_error_floor] + [e for e, sd in errors if e > opts.explore * sd])  # the surprises
     spreads = list(remaining_spread) or [0.0] * len(remaining_predicted_s)
     allowance = [max(error, opts.explore * s) for s in spreads]
     floor, i = min((p * (1 - a), i) for i, (p, a) in enumerate(zip(remaining_predicted_s, allowance)))
