@@ -15,6 +15,8 @@ import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
+
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import METRICS_FILE
 from orchestrator.io import append_jsonl, write_atomic
@@ -199,3 +201,29 @@ def test_a_poll_at_1024_ranks_opens_one_file_and_still_names_the_stalled_rank(tm
     assert dog._hosts([stalled]) == "node64"
     time.sleep(0.01)
     assert watch.hung() is None  # the job's threads are writing
+
+
+def test_a_warm_pool_that_ended_before_its_next_trial_is_named_not_waited_on(tmp_path):
+    """The warm ranks' job ended between two points (CI saw it once: the next point waited 20 minutes for a trial
+    nobody would run). Its next trial -- no rank of it ever seen, no result -- raises PoolEnded, which the
+    launcher answers with fresh ranks (PoolLauncher), not a crash of the point."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from orchestrator.errors import JobFailedError
+    from orchestrator.submit.pool import PoolEnded, WarmPool
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    pool = WarmPool.__new__(WarmPool)  # its state after three trials, without starting ranks
+    pool.dir, pool.world_size, pool.forked, pool.seen_all, pool.alive = tmp_path, 4, True, False, True
+    pool.cfg = SimpleNamespace(cluster=SimpleNamespace(kind="local", timeout_min=60))
+    pool.job = SimpleNamespace(job_id="4242", _process=ended, paths=SimpleNamespace(stderr=str(tmp_path / "err")))
+    with pytest.raises(PoolEnded, match=r"^job 4242: the warm ranks' job had ended before trial 3 started$"):
+        pool._check(3, time.time(), 600.0)
+    assert issubclass(PoolEnded, JobFailedError)
+    pool.seen_all = True  # a trial whose ranks were seen and are gone is a failure of that trial, as before
+    with pytest.raises(JobFailedError, match=r"warm rank\(s\) \[0, 1, 2, 3\] died in trial 3") as err:
+        pool._check(3, time.time(), 600.0)
+    assert not isinstance(err.value, PoolEnded)

@@ -100,6 +100,9 @@ class WarmPool:
                     return dict(best, job_id=str(self.job.job_id), trial_wall_s=time.time() - started)
                 self._check(num, started, timeout_s)
                 time.sleep(0.05)
+        except PoolEnded:
+            self.alive = False
+            raise
         except BaseException as exc:
             from orchestrator.submit import outcome
 
@@ -115,7 +118,7 @@ class WarmPool:
 
     def _check(self, num: int, started: float, timeout_s: float) -> None:
         """Raise JobFailedError when trial ``num`` failed, a rank died, the job ended or time ran out."""
-        from orchestrator.runtime.start.pool import error_path
+        from orchestrator.runtime.start.pool import error_path, result_path
 
         job_id = self.job.job_id
         errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
@@ -130,6 +133,8 @@ class WarmPool:
                                  + "\n".join(tails[root][-15:]) + f"\nlogs: {Path(self.job.paths.stderr).parent}/")
         if self.cfg.cluster.kind == "local":
             alive = self._alive_ranks(num)
+            if alive is None and not self.seen_all and not result_path(self.dir, num).exists():
+                raise PoolEnded(f"job {job_id}: the warm ranks' job had ended before trial {num} started")
             self.seen_all = self.seen_all or (alive is not None and len(alive) == self.world_size)
             if self.seen_all and (alive is None or len(alive) < self.world_size):
                 dead = sorted(set(range(self.world_size)) - (alive or set()))
@@ -211,6 +216,10 @@ class WarmPool:
         self.cancel()
 
 
+class PoolEnded(JobFailedError):
+    """The warm ranks' job had ended before a trial was picked up (nothing of it ran): the trial may run again."""
+
+
 class PoolLauncher:
     """A drop-in for :func:`orchestrator.submit.executor.launch` that runs each trial on warm ranks.
 
@@ -228,13 +237,21 @@ class PoolLauncher:
         from orchestrator.ckpt.rundir import METRICS_FILE
         from orchestrator.submit.progress import Progress
 
-        self.prestart(cfg, layout.world_size)
-        progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
-        try:
-            return self.pool.run(cfg, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
-        except BaseException:
-            self.pool = None  # cancelled by run(); the next trial starts fresh ranks
-            raise
+        retried = False
+        while True:
+            self.prestart(cfg, layout.world_size)
+            progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
+            try:
+                return self.pool.run(cfg, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
+            except PoolEnded as exc:  # nothing of the trial ran: once more, on fresh ranks
+                self.pool = None
+                if retried:
+                    raise JobFailedError(str(exc)) from None
+                retried = True
+                print(f"[orchestrator] {exc}; starting fresh warm ranks for it", flush=True)
+            except BaseException:
+                self.pool = None  # cancelled by run(); the next trial starts fresh ranks
+                raise
 
     def prestart(self, cfg: JobConfig, world_size: int) -> None:
         """Have warm ranks for ``cfg`` (start them now, so that their imports overlap the launcher's own
