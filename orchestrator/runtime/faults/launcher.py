@@ -48,12 +48,6 @@ def launcher_identity() -> Dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_created": psutil.Process().create_time()}
 
 
-PID_REUSE_SLACK_S = 60.0
-"""A process with the launcher's pid that started this much later is another one (the pid reused). Not 1 s: a
-create time is the boot time plus the start ticks, and two processes that first read the boot time (``/proc/stat``
-btime, wall clock minus uptime) at different moments of a VM's clock corrections disagree by seconds."""
-
-
 def launcher_alive(owner: Dict[str, Any]) -> bool:
     """False only when the launcher ran on this host and its process is gone, or a zombie (a killed
     launcher stays one until its own parent reaps it)."""
@@ -63,7 +57,7 @@ def launcher_alive(owner: Dict[str, Any]) -> bool:
 
     try:
         process = psutil.Process(int(owner["pid"]))
-        return (process.create_time() <= float(owner["pid_created"]) + PID_REUSE_SLACK_S
+        return (process.create_time() <= float(owner["pid_created"]) + 1.0
                 and process.status() != psutil.STATUS_ZOMBIE)
     except (psutil.Error, KeyError, ValueError, TypeError):
         return False
