@@ -35,10 +35,11 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.plan import calibrate, memory as planner, suggest  # noqa: E402  (pure Python: no torch here)
+from orchestrator.config.compose import compose_config  # noqa: E402
+from orchestrator.plan import calibrate, suggest  # noqa: E402  (pure Python: no torch here)
+from orchestrator.plan import memory as planner
 from orchestrator.plan.inputs import cpu_preset  # noqa: E402
 from orchestrator.plan.profile import prior_profile, save_profile  # noqa: E402
-from orchestrator.config.compose import compose_config  # noqa: E402
 
 MiB = 2 ** 20
 # Big enough that model states and activations stand out of a ~365 MiB baseline, small enough for 2 cores.

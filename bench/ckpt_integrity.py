@@ -98,10 +98,10 @@ def main(argv=None) -> int:
 
     import torch
 
+    from orchestrator.config.checks import validate
     from orchestrator.runtime.rank import cpu as cpu_backend
     from orchestrator.runtime.rank.distributed import init_distributed, shutdown
     from orchestrator.runtime.rank.model import build_model_and_optimizer, count_parameters, initialize_parallel_state
-    from orchestrator.config.checks import validate
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_integrity_"))
     modes = args.modes.split(",")

@@ -280,10 +280,9 @@ def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
 def _bare_model(spec: dict, device: str):
     """GPTModel (+ Float16Module) with the megatron config of Megatron-LM's own parser for gpt_125m on one GPU
     in bf16 (bench/golden_bare.py: tests/golden/megatron/gpt_125m_1gpu_bf16.json), not the orchestrator's."""
+    from golden_bare import bare_configs, load_golden
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.module import Float16Module
-
-    from golden_bare import bare_configs, load_golden
 
     golden = load_golden()
     configs = bare_configs(golden, device)
@@ -421,7 +420,10 @@ def say_active(ours: Optional[dict], bare: Optional[dict]) -> None:
 
 def device_run(a: argparse.Namespace) -> int:
     deadline = time.monotonic() + TOTAL_S
-    left = lambda cap: min(cap, deadline - time.monotonic())
+
+    def left(cap):
+        return min(cap, deadline - time.monotonic())
+
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_smoke_out_"))
     work = Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", ORCHESTRATOR_CACHE=str(work / "cache"),

@@ -159,8 +159,14 @@ def bench_saves(root: Path, saves: int = 20) -> None:
 
 # ---- 3. launcher poll ------------------------------------------------------------------------------
 def bench_poll(root: Path, world: int = 1024) -> None:
-    from orchestrator.runtime.faults.watchdog import (JobWatch, heartbeat_path, read_heartbeat, slots_path,
-                                                      write_heartbeat, write_slot)
+    from orchestrator.runtime.faults.watchdog import (
+        JobWatch,
+        heartbeat_path,
+        read_heartbeat,
+        slots_path,
+        write_heartbeat,
+        write_slot,
+    )
 
     run = root / "hb"
     (run / "heartbeat").mkdir(parents=True)

@@ -45,8 +45,7 @@ def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: in
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

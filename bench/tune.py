@@ -39,9 +39,10 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.plan import calibrate, memory as planner  # noqa: E402  (pure Python: no torch here)
-from orchestrator.plan.profile import device_key, load_profile  # noqa: E402
 from orchestrator.config.compose import compose_config  # noqa: E402
+from orchestrator.plan import calibrate  # noqa: E402  (pure Python: no torch here)
+from orchestrator.plan import memory as planner
+from orchestrator.plan.profile import device_key, load_profile  # noqa: E402
 from orchestrator.sweep import search  # noqa: E402
 
 BASE = ["+experiment=gpt_pp2_dp2", "data=mock"]

@@ -39,9 +39,9 @@ import signal
 import sys
 from typing import Any, Callable, List, Optional
 
+from orchestrator.config.schema import JobConfig
 from orchestrator.errors import OrchestratorError
 from orchestrator.pipeline import _Current, run  # run: the single-run pipeline
-from orchestrator.config.schema import JobConfig
 
 TOOLS = {
     "manifest": ("orchestrator.ckpt.cli", "list a run's checkpoints; check one against a config"),
@@ -162,9 +162,8 @@ def _hydra(argv: List[str]) -> int:
 
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
     from orchestrator.config.schema import register_configs
-    from orchestrator.sweep import driver as sweep
-
     from orchestrator.submit.signals import Detached
+    from orchestrator.sweep import driver as sweep
 
     register_configs()
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
@@ -189,9 +188,14 @@ def _hydra(argv: List[str]) -> int:
 
 
 def _multirun(argv: List[str]) -> int:
-    from orchestrator.config.compose import (check_overrides, compose_config, group_options, parse_overrides,
-                                             sweep_checks, sweep_points)
-
+    from orchestrator.config.compose import (
+        check_overrides,
+        compose_config,
+        group_options,
+        parse_overrides,
+        sweep_checks,
+        sweep_points,
+    )
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
 
     overrides = [a for a in argv if not a.startswith("-")]
@@ -211,9 +215,9 @@ def help_text() -> str:
     """The tool's own ``--help``: usage, the groups and options read from ``conf/``, the sub-tools."""
     import textwrap
 
-    from orchestrator.plan.inputs import GPU_PRESETS
     from orchestrator.config.compose import group_options
     from orchestrator.config.schema import JobConfig as _J
+    from orchestrator.plan.inputs import GPU_PRESETS
 
     groups = group_options()
     width = max(len(g) for g in groups) + 2

@@ -85,8 +85,8 @@ def record_config(cfg: JobConfig) -> None:
     import yaml
 
     from orchestrator.ckpt.rundir import CONFIG_FILE
-    from orchestrator.io import write_atomic
     from orchestrator.config.schema import to_dict
+    from orchestrator.io import write_atomic
 
     header = (f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
               f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n")

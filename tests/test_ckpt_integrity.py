@@ -11,14 +11,13 @@ import os
 from pathlib import Path
 
 import pytest
+from test_manifest import BYTE_VOCAB, changed, pp2_dp2, save_checkpoint
 
 from orchestrator.ckpt import cli as manifest_cli
-from orchestrator.ckpt.manifest import (METADATA_FILES, SMALL_FILE_BYTES, build_manifest, read_manifest,
-                                        write_manifest)
+from orchestrator.ckpt.manifest import METADATA_FILES, SMALL_FILE_BYTES, build_manifest, read_manifest, write_manifest
 from orchestrator.ckpt.resume import REFUSE, WARN, blocking, compare
-from orchestrator.errors import ManifestError
 from orchestrator.config.layout import layout_from_config, padded_vocab_size
-from test_manifest import BYTE_VOCAB, changed, pp2_dp2, save_checkpoint
+from orchestrator.errors import ManifestError
 
 
 @pytest.fixture
@@ -114,9 +113,9 @@ def _hash_rank(rank: int, port: int, path: str, out) -> None:
     import torch
 
     from orchestrator.ckpt import manifest as mf
-    from orchestrator.runtime.training import checkpoint as ckpt
-    from orchestrator.runtime.rank.distributed import init_distributed
     from orchestrator.config.schema import JobConfig
+    from orchestrator.runtime.rank.distributed import init_distributed
+    from orchestrator.runtime.training import checkpoint as ckpt
 
     try:
         init_distributed(JobConfig())

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-
 from conftest import REPO
 
 # Runs many argv lists through orchestrator.__main__.main in one interpreter (Hydra and the

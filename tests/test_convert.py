@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 FIX = REPO / "tests" / "fixtures" / "megatron"
@@ -215,8 +214,8 @@ ROUND_TRIPS = [["+experiment=gpt_pp2_dp2"]] + [
 @pytest.mark.parametrize("overrides", ROUND_TRIPS, ids=lambda o: " ".join(o))
 def test_round_trip_from_megatron_of_to_megatron_composes_to_the_same_config(overrides):
     from orchestrator.convert import megatron_args as M
-    from orchestrator.convert.experiment_file import compose
     from orchestrator.convert.cli import check
+    from orchestrator.convert.experiment_file import compose
     from orchestrator.convert.from_config import export, flags, leaves, reimport
 
     cfg = compose(overrides)

@@ -34,9 +34,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                       MASTER_PORT=str(port))
     from megatron.core import parallel_state as ps
 
+    from orchestrator.config.schema import JobConfig
     from orchestrator.runtime.rank import cp
     from orchestrator.runtime.rank.distributed import init_distributed, shutdown
-    from orchestrator.config.schema import JobConfig
 
     cfg = JobConfig()
     cfg.training.device = "cpu"

@@ -19,13 +19,13 @@ from typing import List
 
 import numpy as np
 import pytest
-
 from conftest import REPO, read_metrics, run_cli
-from orchestrator.errors import DataError
+
+from orchestrator.config.schema import DataConfig
 from orchestrator.data import corpus
 from orchestrator.data.prepare import prepare
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
-from orchestrator.config.schema import DataConfig
+from orchestrator.errors import DataError
 
 SHAKESPEARE = REPO / "tests" / "fixtures" / "data" / "tinyshakespeare_300.jsonl"
 

@@ -19,8 +19,15 @@ import pytest
 import torch  # imported once here: the forked ranks of the concurrency test inherit it
 
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.runtime.rank.distributed import (LOCAL_PORT_VAR, SLURM_PORT_RANGE, check_agreement, choose_binding,
-                                              first_host, local_rendezvous_env, rendezvous_from_env)
+from orchestrator.runtime.rank.distributed import (
+    LOCAL_PORT_VAR,
+    SLURM_PORT_RANGE,
+    check_agreement,
+    choose_binding,
+    first_host,
+    local_rendezvous_env,
+    rendezvous_from_env,
+)
 
 # ---- recorded environments --------------------------------------------------------------------------
 # srun -N2 -n4 --ntasks-per-node=2 on the dev cluster (launch/), rank 3 (node2, local rank 1).
@@ -141,8 +148,8 @@ def _local_rank(job: int, rank: int, port: int, busy_port: int, out) -> None:
                        "SUBMITIT_LOCAL_GLOBALID": str(rank), "SUBMITIT_LOCAL_LOCALID": str(rank),
                        "SUBMITIT_LOCAL_JOB_ID": str(1000 + job), LOCAL_PORT_VAR: str(port),
                        "MASTER_ADDR": "10.255.255.1", "MASTER_PORT": str(busy_port)})
-    from orchestrator.runtime.rank.distributed import init_distributed
     from orchestrator.config.schema import JobConfig
+    from orchestrator.runtime.rank.distributed import init_distributed
 
     cfg = JobConfig()
     cfg.training.distributed_timeout_minutes = 2

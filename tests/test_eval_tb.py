@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
-
 from conftest import read_metrics, run_cli
 
 pytestmark = pytest.mark.slow

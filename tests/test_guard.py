@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, losses_by_iteration, mounted_tmpfs, read_metrics, run_cli
+
 from orchestrator.ckpt import history
 from orchestrator.errors import DiskFullError, NonFiniteLossError
 from orchestrator.runtime.faults import guard as guard_mod
@@ -558,7 +558,6 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
     restarts are used up, so the launcher exits 1 naming rank 1; rank 0's stacks (its main thread inside a
     collective) are in stacks/, and no process of the job is left."""
     import psutil
-
     from conftest import agent_worker
 
     timeout_s = 10

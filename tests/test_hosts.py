@@ -20,8 +20,8 @@ from typing import Dict, List
 
 import psutil
 import pytest
-
 from conftest import REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics, run_cli
+
 from orchestrator.config.hosts import Host, node_env, parse_hostfile
 from orchestrator.errors import ConfigError
 from orchestrator.runtime.start.agent import agent_command

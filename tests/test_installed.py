@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import GPT2_EOD, REPO, gpt2_args, make_gpt2_assets
 
 SCRIPT = """#!/bin/bash

@@ -6,9 +6,9 @@ sees the arithmetic before the job is queued. Plain Python: no torch, no megatro
 
 import pytest
 
+from orchestrator.config.layout import ParallelLayout, layout_from_config, world_size_of
 from orchestrator.config.schema import ClusterConfig, JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.config.layout import ParallelLayout, layout_from_config, world_size_of
 
 
 def lay(**kw) -> ParallelLayout:

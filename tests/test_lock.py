@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
-from orchestrator.errors import RunLockedError
-from orchestrator.data.prepare import prepare
-from orchestrator.runtime.start.job import decision_path
 from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
+from orchestrator.data.prepare import prepare
+from orchestrator.errors import RunLockedError
+from orchestrator.runtime.start.job import decision_path
 from orchestrator.submit import executor, jobs
 
 HOLD = ("import sys; from orchestrator.ckpt.lock import RunLock; "

@@ -13,17 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config.schema import JobConfig, from_dict
-from orchestrator.errors import ManifestError, ResumeMismatchError, RunLockedError
-from orchestrator.config.layout import layout_from_config
-from orchestrator.ckpt.manifest import (MANIFEST_NAME, SCHEMA, build_manifest, iteration_dir, latest_complete,
-                                   list_checkpoints, read_manifest, save_dir_of, write_manifest)
-from orchestrator.config.layout import padded_vocab_size
 from orchestrator.ckpt.lock import RunLock
+from orchestrator.ckpt.manifest import (
+    MANIFEST_NAME,
+    SCHEMA,
+    build_manifest,
+    iteration_dir,
+    latest_complete,
+    list_checkpoints,
+    read_manifest,
+    save_dir_of,
+    write_manifest,
+)
 from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
+from orchestrator.config.layout import layout_from_config, padded_vocab_size
+from orchestrator.config.schema import DataConfig, JobConfig, from_dict
 from orchestrator.data.prepare import PreparedData
 from orchestrator.data.tokenizer import tokenizer_identity
-from orchestrator.config.schema import DataConfig
+from orchestrator.errors import ManifestError, ResumeMismatchError, RunLockedError
 
 REPO = Path(__file__).resolve().parent.parent
 BYTE_ID = tokenizer_identity(DataConfig(tokenizer="byte"))

@@ -18,7 +18,6 @@ import sys
 from importlib.metadata import version
 
 import pytest
-
 from conftest import losses_by_iteration, run_cli
 
 MCORE19 = os.environ.get("ORCHESTRATOR_MCORE19_PYTHON", "/opt/mcore-0.19.2/bin/python")

@@ -7,8 +7,7 @@ import json
 import re
 
 import pytest
-
-from conftest import losses_by_iteration, read_metrics, run_cli
+from conftest import losses_by_iteration, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
 
-from orchestrator.plan.pipeline_schedule import (measured_costs, measured_schedule, predict, predict_like, predict_measured, schedule_table,
-                                                 shared_core_stretch, stage_order, warmup_count)
+from orchestrator.plan.pipeline_schedule import (
+    measured_costs,
+    measured_schedule,
+    predict,
+    predict_like,
+    predict_measured,
+    schedule_table,
+    shared_core_stretch,
+    stage_order,
+    warmup_count,
+)
 
 
 def test_schedule_table_is_megatrons_own_example():

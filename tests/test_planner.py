@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator.plan import memory as planner, suggest
-from orchestrator.plan.report import format_plan
-from orchestrator.config.schema import (ClusterConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelismConfig,
-                                 TrainingConfig)
-from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.schema import (
+    ClusterConfig,
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from orchestrator.errors import ConfigError, LayoutError
+from orchestrator.plan import memory as planner
+from orchestrator.plan import suggest
 from orchestrator.plan.memory import GiB, ModelShape, Recipe
+from orchestrator.plan.report import format_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SEED_VOCAB = 51200  # GPT-2's 50257 padded as Megatron did at TP 8 (128 x 8)

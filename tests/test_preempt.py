@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.runtime.faults import preempt
-from orchestrator.runtime.faults.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, StopRequest, Stopped
+from orchestrator.runtime.faults.preempt import REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, Stopped, StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,8 @@ ones, the vocabulary a preset plans with, and the A100 x 32 experiments plan and
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_cli
+
 from orchestrator.config.compose import compose_config
 from orchestrator.config.layout import layout_from_config, padded_vocab_size
 from orchestrator.plan.inputs import ModelShape, vocab_size_of

@@ -17,8 +17,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO
+
 from orchestrator.meter import Meter, phase
 
 

@@ -14,10 +14,21 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import REFERENCE_ITERS, SharedReference, agent_worker, read_metrics, run_cli
-from test_slurm_train import (_NODES, ACROSS_NODES, SMALL, Cli, assert_losses_match, iterations_done,  # noqa: F401
-                              job_nodes, needs_two_nodes, nodes_back, submitted_job, wait_until)
+from test_slurm_train import (  # noqa: F401
+    _NODES,
+    ACROSS_NODES,
+    SMALL,
+    Cli,
+    assert_losses_match,
+    iterations_done,
+    job_nodes,
+    needs_two_nodes,
+    nodes_back,
+    submitted_job,
+    wait_until,
+)
+
 from orchestrator.ckpt import history
 from orchestrator.submit import jobs
 
@@ -63,7 +74,7 @@ def drained(node: str):
 
 @needs_three_nodes
 def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_and_its_losses(
-        tmp_path, cache_dir, nodes_back):
+        tmp_path, cache_dir, nodes_back):  # noqa: F811 (the fixture, imported from conftest's helpers)
     """Acceptance of issue 28: a 2-node PP2 x DP2 job with cluster.max_restarts=1 and cluster.spare_nodes=1 (3
     nodes allocated). After iteration 10 the node of rank 2 (or 0: not the first node, which hosts the rendezvous) is
     drained and that rank killed (kill -9): the same SLURM
@@ -83,7 +94,7 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
         wait_until(lambda: iterations_done(run_dir) >= 10, 400, "iteration 10 on SLURM", cli, poll_s=0.1)
         # a rank of the node that does not host the rendezvous store (the job's first node, never replaced)
         first = job_nodes(job_id)[0]
-        rank, victim = next((r, p) for r in (2, 0) if (p := wait_until(lambda: agent_worker(run_dir, r), 30, f"rank {r}"))
+        rank, victim = next((r, p) for r in (2, 0) if (p := wait_until(lambda r=r: agent_worker(run_dir, r), 30, f"rank {r}"))
                             and p.environ()["SLURMD_NODENAME"] != first)
         node = victim.environ()["SLURMD_NODENAME"]
         with drained(node):

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, losses_by_iteration, mounted_tmpfs, run_cli
 
 from orchestrator.ckpt.manifest import CheckpointInfo, list_checkpoints, read_manifest

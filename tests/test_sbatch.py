@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.submit import sbatch
+from orchestrator.config.layout import world_size_of
 from orchestrator.config.schema import ClusterConfig, JobConfig, register_configs, to_job_config
 from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.config.layout import world_size_of
+from orchestrator.submit import sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -25,13 +25,13 @@ from typing import List
 
 import cloudpickle
 import pytest
-
 from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher
+
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
-from orchestrator.errors import RunLockedError
 from orchestrator.config.compose import compose_config
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import RunLockedError
 from orchestrator.submit import executor, jobs, sbatch, status
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value

@@ -53,9 +53,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
+from conftest import REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics, slurm_unavailable_reason
 
-from conftest import (REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics,
-                      slurm_unavailable_reason)
 from orchestrator.ckpt import history
 from orchestrator.submit import jobs, sbatch, status
 

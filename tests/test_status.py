@@ -18,11 +18,11 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-
 from conftest import losses_by_iteration, run_cli, submit_like_launcher
+
 from orchestrator.ckpt import history
-from orchestrator.errors import JobFailedError
 from orchestrator.config.compose import compose_config
+from orchestrator.errors import JobFailedError
 from orchestrator.submit import executor, jobs, status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, read_metrics, run_cli
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")

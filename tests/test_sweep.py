@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-
 from conftest import REPO, losses_by_iteration, run_cli, slurm_unavailable_reason
 
 from orchestrator.sweep import driver as sweep

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import GPT2_EOD, GPT2_VOCAB, gpt2_args, make_gpt2_assets, run_cli
+
 from orchestrator.config.schema import DataConfig
 from orchestrator.config.tokenizer import tokenizer_facts
 from orchestrator.errors import ConfigError

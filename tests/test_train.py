@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import losses_by_iteration, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
@@ -333,8 +332,8 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     import time
 
     import psutil
-
     from conftest import REPO
+
     from orchestrator.ckpt import history
     from orchestrator.runtime.start.forked import read_rank_pids
     from orchestrator.submit import status
@@ -381,6 +380,7 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     import time
 
     from conftest import REPO, agent_worker
+
     from orchestrator.ckpt import history
 
     run_dir = tmp_path / "restart"

@@ -9,21 +9,21 @@ never run, the winner's experiment file composes and validates. The rest is pure
 from __future__ import annotations
 
 import csv
-import re
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
-
 from conftest import REPO, run_cli
 
-from orchestrator.plan import calibrate, memory as planner
-from orchestrator.plan.inputs import cpu_preset
-from orchestrator.plan.profile import DeviceProfile, device_key, load_profile, prior_profile, save_profile
 from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
 from orchestrator.errors import ConfigError
+from orchestrator.plan import calibrate
+from orchestrator.plan import memory as planner
+from orchestrator.plan.inputs import cpu_preset
+from orchestrator.plan.profile import DeviceProfile, device_key, load_profile, prior_profile, save_profile
 from orchestrator.sweep import search
 from orchestrator.sweep.search import TrialOutcome, TuneConfig
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.config.checks import runs_on_cpu, validate
 from orchestrator.config.compose import compose_config
+from orchestrator.errors import ConfigError, OrchestratorError
 
 SEED = 20251201
 COUNT = 600

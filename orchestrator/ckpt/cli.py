@@ -53,7 +53,7 @@ def _deep_line(manifest: dict) -> str:
 
 
 def _parser():
-    
+
     parser = OneLineArgumentParser(prog="python -m orchestrator manifest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_show = sub.add_parser("show", help="print a checkpoint's manifest")

@@ -33,12 +33,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.megatron_fields import config_hash
 from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ManifestError
 from orchestrator.io import write_atomic
-from orchestrator.config.layout import ParallelLayout
-from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 
 SCHEMA = "orchestrator.manifest/1"
 MANIFEST_NAME = "manifest.json"

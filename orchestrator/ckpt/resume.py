@@ -47,13 +47,20 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from orchestrator.config.schema import JobConfig, to_dict
-from orchestrator.errors import ResumeMismatchError
+from orchestrator.ckpt.manifest import (
+    CHECKPOINT_FORMAT,
+    CheckpointInfo,
+    _default_warn,
+    _iter_dirs,
+    collect_versions,
+    latest_complete,
+    save_dir_of,
+)
 from orchestrator.config.layout import ParallelLayout, padded_vocab_size
 from orchestrator.config.schedule import lr_schedule
+from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.config.tokenizer import model_vocab_size
-from orchestrator.ckpt.manifest import (CHECKPOINT_FORMAT, CheckpointInfo, _default_warn, _iter_dirs, collect_versions,
-                                   latest_complete, save_dir_of)
+from orchestrator.errors import ResumeMismatchError
 
 REFUSE, RESHARD, WARN = "refuse", "reshard", "warn"
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
-from orchestrator.errors import ConfigError, LayoutError
-from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.keys import is_section, schema_keys, type_words
+from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.machine import check_device, check_local_gpus, runs_on_cpu  # noqa: F401 (re-exported)
 from orchestrator.config.model_rules import model_problems, recompute_problems  # noqa: F401 (re-exported)
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.tokenizer import tokenizer_facts
+from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.text import show
 
 CHOICES = {

@@ -40,10 +40,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import yaml
 
-from orchestrator.errors import ConfigError
 from orchestrator.config.confdirs import conf_dir, conf_view, user_conf_dirs, where  # noqa: F401 (conf_dir: re-exported)
 from orchestrator.config.keys import did_you_mean, is_open, schema_keys, unknown_key_error
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import ConfigError
 
 NOT_IN_RUN_NAME = ("experiment", "cluster")
 """Groups whose choice does not enter an experiment's run name (see the module docstring)."""

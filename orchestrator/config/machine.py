@@ -20,8 +20,8 @@ import importlib.util
 import os
 from typing import List, Optional
 
-from orchestrator.errors import ConfigError
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import ConfigError
 
 
 def runs_on_cpu(cfg: JobConfig) -> bool:

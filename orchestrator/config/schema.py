@@ -17,11 +17,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from orchestrator.errors import ConfigError
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.keys import check_keys, omegaconf_error
-from orchestrator.config.spike import SpikeConfig
 from orchestrator.config.slowness import StragglerConfig
+from orchestrator.config.spike import SpikeConfig
+from orchestrator.errors import ConfigError
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-
 LINKS_ONLY = "only"
 """``cluster.link_check.action`` of the job ``python -m orchestrator check links`` submits (never a user's value):
 the ranks rendezvous, check the links and end."""

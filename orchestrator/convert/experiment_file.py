@@ -141,9 +141,9 @@ def search_overrides(root: Path) -> List[str]:
 def compose(overrides: List[str], root: Optional[Path] = None):
     """Compose ``conf/`` (with the experiments under ``root`` ahead of it) with ``overrides`` into a
     JobConfig; any Hydra/OmegaConf error becomes one ConfigError line."""
-    from orchestrator.errors import OrchestratorError
     from orchestrator.config.compose import compose_config
     from orchestrator.config.confdirs import with_config_dir_flags
+    from orchestrator.errors import OrchestratorError
 
     words = list(overrides) + (["--config-dir", str(root)] if root is not None else [])
     try:

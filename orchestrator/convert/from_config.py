@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Dict, List
 
-from orchestrator.convert import launcher
-from orchestrator.convert import megatron_args as M
 from orchestrator.config.compose import CONFIG_GROUPS
 from orchestrator.config.tokenizer import TOKENIZER_TYPES
+from orchestrator.convert import launcher
+from orchestrator.convert import megatron_args as M
 from orchestrator.convert.experiment_file import compose, json_value, write
 
 PROGRAM = "pretrain_gpt.py"

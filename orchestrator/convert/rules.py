@@ -15,8 +15,8 @@ from pathlib import PurePosixPath
 from typing import Dict
 
 from orchestrator.convert import megatron_args as M
-from orchestrator.convert.sources import Arg
 from orchestrator.convert.conversion import Conversion, fail, number
+from orchestrator.convert.sources import Arg
 
 VPP_KEY = "parallelism.virtual_pipeline_model_parallel_size"
 

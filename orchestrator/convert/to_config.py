@@ -112,7 +112,8 @@ def _defaults_written(conv: Conversion) -> List[str]:
 
 def schema_keys() -> List[str]:
     """Every dotted leaf key of :class:`~orchestrator.config.schema.JobConfig`, in field order."""
-    from orchestrator.config.keys import is_section, schema_keys as all_keys
+    from orchestrator.config.keys import is_section
+    from orchestrator.config.keys import schema_keys as all_keys
     from orchestrator.config.schema import JobConfig
 
     return [k for k, f in all_keys(JobConfig).items() if not is_section(f)]
@@ -122,8 +123,16 @@ def convert(source: Source, name: str, nodes: Optional[int] = None, gpus_per_nod
             gpu: Optional[str] = None) -> Conversion:
     """Map ``source`` onto orchestrator settings (raises ConfigError with ``<key>: <what>; fix: <how>``)."""
     from orchestrator.convert import launcher
-    from orchestrator.convert.rules import (batches_and_schedule, checkpoints, data, data_parallel, model,
-                                            tensorboard, tokenizer, virtual_pipeline)
+    from orchestrator.convert.rules import (
+        batches_and_schedule,
+        checkpoints,
+        data,
+        data_parallel,
+        model,
+        tensorboard,
+        tokenizer,
+        virtual_pipeline,
+    )
 
     conv = Conversion(name=name, source=source)
     groups, extras = launcher.orchestrator_lines(source)

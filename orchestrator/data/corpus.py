@@ -24,10 +24,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from orchestrator.config.schema import DataConfig
 from orchestrator.errors import DataError
 from orchestrator.io import file_lock, write_atomic
 from orchestrator.meter import Meter
-from orchestrator.config.schema import DataConfig
 
 
 def stdlib_documents(max_mb: float) -> List[Path]:

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-
-from orchestrator.errors import DataError
+from orchestrator.config.schema import DataConfig, JobConfig
 from orchestrator.config.tokenizer import TokenizerFacts, tokenizer_facts
 from orchestrator.data.corpus import Encoder, fingerprint_files, prepare_source, stdlib_documents, token_dtype
-from orchestrator.meter import Meter, phase
 from orchestrator.data.tokenizer import build_tokenizer, tokenizer_identity
-from orchestrator.config.schema import DataConfig, JobConfig
+from orchestrator.errors import DataError
+from orchestrator.meter import Meter, phase
 
 Log = Callable[[str], None]
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from orchestrator.plan.inputs import BUS_EFFICIENCY, GpuPreset, ModelShape, Recipe
 from orchestrator.config.layout import ParallelLayout
+from orchestrator.plan.inputs import BUS_EFFICIENCY, GpuPreset, ModelShape, Recipe
+
 
 def bubble(pp: int, num_microbatches: int, vpp: int = 1) -> Tuple[float, float]:
     """Pipeline bubble of one flush, [N21] section 2.2, as (overhead, fraction).

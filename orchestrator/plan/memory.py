@@ -27,16 +27,32 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.errors import ConfigError
-from orchestrator.config.model_rules import recompute_problems
 from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size, vpp_no_op
+from orchestrator.config.model_rules import recompute_problems
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import ConfigError
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
-from orchestrator.plan.inputs import (BUS_EFFICIENCY, BYTE_TOKENIZER_VOCAB, CPU_PRESET, DEFAULT_MFU,  # noqa: F401
-                                     FRAMEWORK_OVERHEAD_BYTES, GPU_PRESETS, LARGE_BUBBLE, GiB, GpuPreset, ModelShape,
-                                     Recipe, _gib, gpu_preset, gpus_per_node, recipe_of, vocab_size_of,
-                                     vocab_source)
-from orchestrator.plan.params import layer_params as _layer_params, stage_params as _stage_params  # noqa: F401
+from orchestrator.plan.inputs import (  # noqa: F401
+    BUS_EFFICIENCY,
+    BYTE_TOKENIZER_VOCAB,
+    CPU_PRESET,
+    DEFAULT_MFU,
+    FRAMEWORK_OVERHEAD_BYTES,
+    GPU_PRESETS,
+    LARGE_BUBBLE,
+    GiB,
+    GpuPreset,
+    ModelShape,
+    Recipe,
+    _gib,
+    gpu_preset,
+    gpus_per_node,
+    recipe_of,
+    vocab_size_of,
+    vocab_source,
+)
+from orchestrator.plan.params import layer_params as _layer_params  # noqa: F401
+from orchestrator.plan.params import stage_params as _stage_params
 from orchestrator.plan.params import total_params as _total_params
 from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 

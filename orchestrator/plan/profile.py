@@ -31,12 +31,19 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.io import write_atomic
-from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
-from orchestrator.plan.pipeline_schedule import shared_core_stretch
-from orchestrator.plan.inputs import BUS_EFFICIENCY, DEFAULT_MFU, FRAMEWORK_OVERHEAD_BYTES, GpuPreset, ModelShape, Recipe
 from orchestrator.config.checks import runs_on_cpu
 from orchestrator.config.layout import ParallelLayout
+from orchestrator.io import write_atomic
+from orchestrator.plan.cost import CommVolume, bubble, comm_volumes, flops_per_step
+from orchestrator.plan.inputs import (
+    BUS_EFFICIENCY,
+    DEFAULT_MFU,
+    FRAMEWORK_OVERHEAD_BYTES,
+    GpuPreset,
+    ModelShape,
+    Recipe,
+)
+from orchestrator.plan.pipeline_schedule import shared_core_stretch
 
 PROFILE_VERSION = 4
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""

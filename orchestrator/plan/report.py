@@ -5,9 +5,10 @@ Pure Python; formats a :class:`orchestrator.plan.memory.Plan`.
 
 from __future__ import annotations
 
-from orchestrator.text import table
 from orchestrator.plan.memory import GiB, Plan, _gib
 from orchestrator.plan.params import active_params
+from orchestrator.text import table
+
 
 def _num(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -9,12 +9,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import ConfigError
-from orchestrator.text import table
 from orchestrator.config.layout import ParallelLayout
-from orchestrator.plan.memory import (DEFAULT_MFU, LARGE_BUBBLE, GiB, ModelShape, Plan, Recipe, gpus_per_node,
-                                  gpu_preset, layout_from_config, plan_layout, recipe_of, recipe_problems,
-                                  vocab_size_of)
+from orchestrator.errors import ConfigError
+from orchestrator.plan.memory import (
+    DEFAULT_MFU,
+    LARGE_BUBBLE,
+    GiB,
+    ModelShape,
+    Plan,
+    Recipe,
+    gpu_preset,
+    gpus_per_node,
+    layout_from_config,
+    plan_layout,
+    recipe_of,
+    recipe_problems,
+    vocab_size_of,
+)
+from orchestrator.text import table
 
 
 @dataclass

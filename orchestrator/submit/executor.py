@@ -13,14 +13,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
+from orchestrator.ckpt.rundir import METRICS_FILE, SUBMITIT_DIR
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import SubmissionError
-from orchestrator.config.layout import ParallelLayout
-from orchestrator.ckpt.rundir import METRICS_FILE, SUBMITIT_DIR
 from orchestrator.meter import HEARTBEAT_S
 from orchestrator.submit.progress import Progress, final_lines, ranks_up
 from orchestrator.submit.wait import wait
-
 
 
 def make_executor(cfg: JobConfig, world_size: int):

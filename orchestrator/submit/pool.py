@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from orchestrator.errors import JobFailedError, SubmissionError
-from orchestrator.io import write_atomic
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, from_dict, to_dict
+from orchestrator.errors import JobFailedError, SubmissionError
+from orchestrator.io import write_atomic
 
 POOL_JOB_DAYS = 7
 """A local pool job's own time limit (each trial is bounded by the launcher, :meth:`WarmPool.run`)."""

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import OneLineArgumentParser
 from orchestrator.ckpt import stop
 from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
+from orchestrator.errors import OneLineArgumentParser
 from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
 
 TAIL_BYTES = 1 << 20

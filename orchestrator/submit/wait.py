@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from orchestrator.config.schema import JobConfig
 from orchestrator.errors import JobFailedError, ranks_died
 from orchestrator.slurm import restarts_of, scontrol_job
-from orchestrator.config.schema import JobConfig
 from orchestrator.submit.progress import Progress
 from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here
 

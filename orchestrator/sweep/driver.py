@@ -57,10 +57,22 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import OneLineArgumentParser, OrchestratorError
-from orchestrator.plan.profile import device_of
-from orchestrator.sweep.table import (COLUMNS, FINAL, POINT_FILE, exit_code, format_report, job_id_in, layout_record,
-                                      measured, plan_record, short_reason, status_of_summary, write_summary)
 from orchestrator.io import write_atomic
+from orchestrator.plan.profile import device_of
+from orchestrator.sweep.table import (
+    COLUMNS,
+    FINAL,
+    POINT_FILE,
+    exit_code,
+    format_report,
+    job_id_in,
+    layout_record,
+    measured,
+    plan_record,
+    short_reason,
+    status_of_summary,
+    write_summary,
+)
 
 __all__ = ["COLUMNS", "Point", "current_point", "detached", "exit_code", "finish", "main", "measured", "run_point",
            "write_summary"]
@@ -186,9 +198,9 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     ``run_fn`` is the single-run pipeline (``orchestrator.__main__.run``): JobConfig in, the
     logging rank's summary out (None for plan/dry-run).
     """
-    from orchestrator.plan import memory as planner
-    from orchestrator.config.schema import to_job_config
     from orchestrator.config.checks import validate, validate_planned
+    from orchestrator.config.schema import to_job_config
+    from orchestrator.plan import memory as planner
 
     _DRIVER.sweep_dir = point.sweep_dir
     of = f" ({point.num + 1} of {_DRIVER.points})" if _DRIVER.points else ""

@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from orchestrator.errors import ConfigError
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import ConfigError
 
 MiB = 2 ** 20
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None), "full": ("full", "uniform", 1)}
@@ -223,8 +223,8 @@ def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict
     Each combination becomes a JobConfig (base with the knobs replaced; DP stated so a local run keeps
     its world size) and must pass :func:`~orchestrator.config.checks.validate`.
     """
-    from orchestrator.plan.memory import recipe_of, recipe_problems
     from orchestrator.config.checks import validate
+    from orchestrator.plan.memory import recipe_of, recipe_problems
 
     world = layout_from_config(base).world_size
     space = search_space(base, opts, world)

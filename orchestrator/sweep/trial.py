@@ -103,10 +103,10 @@ class TrialRunner:
         return self._warm(args, run_dir)
 
     def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
-        from orchestrator.pipeline import run
-        from orchestrator.config.compose import compose_config
-
         from submitit.core.logger import get_logger
+
+        from orchestrator.config.compose import compose_config
+        from orchestrator.pipeline import run
 
         get_logger()  # its handler binds to the real stderr now, not to this trial's log (closed after it)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -50,10 +50,17 @@ from orchestrator.io import write_atomic
 from orchestrator.plan.calibrate import fit_profile, sample_of, step_spread
 from orchestrator.sweep import search
 from orchestrator.sweep.search import Candidate, TuneConfig
+from orchestrator.sweep.table import (
+    POINT_FILE,
+    layout_record,
+    measured,
+    plan_record,
+    short_reason,
+    to_markdown,
+    write_summary,
+)
 from orchestrator.sweep.trial import TrialRunner, trial_overrides
 from orchestrator.sweep.winner import experiment_yaml, run_flags
-from orchestrator.sweep.table import (POINT_FILE, layout_record, measured, plan_record, short_reason, to_markdown,
-                                      write_summary)
 
 CANDIDATES_CSV = "candidates.csv"
 _SKIP_BASE = ("run.", "hydra.", "plan=", "dry_run=")
@@ -100,9 +107,9 @@ class Tuner:
     """One tune session: the base config, its candidates, the device profile, the trials."""
 
     def __init__(self, base, overrides: List[str], opts: TuneConfig, tune_args: Sequence[str] = ()):
+        from orchestrator.config.layout import layout_from_config
         from orchestrator.plan.inputs import gpu_preset
         from orchestrator.plan.profile import device_key, device_of, load_profile, prior_profile
-        from orchestrator.config.layout import layout_from_config
 
         self.base, self.opts, self.tune_args = base, opts, [a for a in tune_args if not a.startswith("tune.out=")]
         self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
@@ -353,9 +360,9 @@ def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
 
 def compose_base(overrides: List[str]):
     """The base JobConfig (ConfigError for anything Hydra or the schema refuses)."""
-    from orchestrator.config.compose import compose_config
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from orchestrator.config.compose import compose_config
 
     flags = [o for o in overrides if o.startswith("-")]
     try:

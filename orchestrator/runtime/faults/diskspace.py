@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
-from orchestrator.ckpt.space import disk_space as _disk_space, size_text as _size
+from orchestrator.ckpt.space import disk_space as _disk_space
+from orchestrator.ckpt.space import size_text as _size
 from orchestrator.errors import DiskFullError
-
 
 DISK_FULL = "no space left on device (ENOSPC)"
 """How every disk-full line starts (the launcher records a line that starts so as cause ``disk full``)."""

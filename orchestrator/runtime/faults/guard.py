@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.ckpt import history
-from orchestrator.runtime.faults import inplace
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
+from orchestrator.runtime.faults import inplace
 from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
 from orchestrator.runtime.faults.optimizer_step import local_grads_bad, step_unless_nonfinite
 from orchestrator.runtime.faults.watchdog import Watchdog

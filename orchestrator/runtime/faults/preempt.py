@@ -67,8 +67,21 @@ import time
 from typing import Any, Optional
 
 from orchestrator.runtime.faults.requeue import (  # noqa: F401 - re-exported: the signal path's names
-    REQUEUE_EXIT_CODE, STOP_EXIT_CODE, Requeued, Stopped, _arm_exit_watchdog, _destroy_process_groups, _flush_streams,
-    _rank, _scontrol_requeue, _slurm_job_state, _slurm_restarts, job_identity, leave_requeued, requeue_for_failure)
+    REQUEUE_EXIT_CODE,
+    STOP_EXIT_CODE,
+    Requeued,
+    Stopped,
+    _arm_exit_watchdog,
+    _destroy_process_groups,
+    _flush_streams,
+    _rank,
+    _scontrol_requeue,
+    _slurm_job_state,
+    _slurm_restarts,
+    job_identity,
+    leave_requeued,
+    requeue_for_failure,
+)
 from orchestrator.slurm import on_slurm, restart_count, slurm_job_id
 
 _REQUESTED: dict = {}

@@ -57,10 +57,18 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import STACKS_DIR
-from orchestrator.runtime.faults.heartbeat import (HEARTBEAT_DIR, SLOT_BYTES, heartbeat_path, read_heartbeat,  # noqa: F401
-                                                  read_slot_bytes, read_slots, slots_path, write_heartbeat,
-                                                  write_slot)
 from orchestrator.io import write_atomic
+from orchestrator.runtime.faults.heartbeat import (  # noqa: F401
+    HEARTBEAT_DIR,
+    SLOT_BYTES,
+    heartbeat_path,
+    read_heartbeat,
+    read_slot_bytes,
+    read_slots,
+    slots_path,
+    write_heartbeat,
+    write_slot,
+)
 
 PathLike = Union[str, Path]
 HANG_EXIT_CODE = 79

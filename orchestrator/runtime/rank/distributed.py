@@ -36,8 +36,8 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from orchestrator.errors import BackendError, ConfigError
 from orchestrator.config.schema import JobConfig
+from orchestrator.errors import BackendError, ConfigError
 
 LOCAL_PORT_VAR = "ORCHESTRATOR_MASTER_PORT"
 """The rendezvous port a local launcher reserved for its job (the only port a local run uses)."""

@@ -49,7 +49,6 @@ import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
-
 LINES = ("0.16.", "0.19.")
 """The megatron-core version prefixes the runtime is written and tested against (CPU: enforced by
 :func:`orchestrator.runtime.rank.cpu.check_supported`; CI runs both, see README "Tests")."""

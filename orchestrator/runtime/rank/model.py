@@ -13,10 +13,10 @@ from typing import List
 
 import torch
 
-from orchestrator.config.schema import JobConfig
 from orchestrator.config.layout import padded_vocab_size
-from orchestrator.runtime.rank import megatron_config
 from orchestrator.config.schedule import lr_schedule
+from orchestrator.config.schema import JobConfig
+from orchestrator.runtime.rank import megatron_config
 
 
 def stage_seed(seed: int, pipeline_rank: int) -> int:

@@ -86,8 +86,8 @@ def _watch_stdin() -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     """Run this node's ranks under torch's elastic agent; 0 when they all succeeded, 1 otherwise."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     static = args.node_rank is not None

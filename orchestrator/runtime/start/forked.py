@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from orchestrator.runtime.rank.process import die_with_parent, flush_and_exit, resident_file_pages, touch_pages
 
-
 PRELOADED = (
     "torch._dynamo",  # torch.optim's step imports it (the first step of every rank otherwise)
     "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",

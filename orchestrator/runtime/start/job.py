@@ -77,10 +77,10 @@ class TrainJob:
         if self.fork_ranks <= 1:
             self._watch_launcher()  # a forking task starts it after forking its ranks (from a thread-free process)
         if self.build_indices:  # the job's one task, before any rank trains (the launcher left it, see submit.executor)
+            from orchestrator.config.schema import from_dict
             from orchestrator.data.prepare import PreparedData, indices_cached
             from orchestrator.meter import say
             from orchestrator.runtime.rank.dataset import cache_indices
-            from orchestrator.config.schema import from_dict
 
             cfg, prepared = from_dict(self.config), PreparedData(**self.prepared)
             if not indices_cached(cfg, prepared):

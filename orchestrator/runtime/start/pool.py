@@ -150,7 +150,7 @@ class PoolJob:
             ranks_env = {LOCAL_PORT_VAR: str(reserve_local_port())}
             pages = resident_file_pages()
             pids = [fork_child(rank, self.fork_ranks, ranks_env, None if rank == 0 else str(log_dir / f"{job_id}_{rank}_log"),
-                               pages, lambda rank=rank, num=num: self._forked_trial(spec, num, rank))
+                               pages, lambda rank=rank, num=num, spec=spec: self._forked_trial(spec, num, rank))
                     for rank in range(self.fork_ranks)]
             for pid in pids:
                 os.waitpid(pid, 0)
@@ -203,11 +203,11 @@ class PoolJob:
         """Run one trial on this rank; rank 0 gets every rank's summary (others: [])."""
         import torch
 
+        from orchestrator.config.schema import from_dict
         from orchestrator.data.prepare import PreparedData
         from orchestrator.runtime.start.job import hold_run_lock
-        from orchestrator.runtime.training.summary import reset_peak_memory
         from orchestrator.runtime.training.run import run
-        from orchestrator.config.schema import from_dict
+        from orchestrator.runtime.training.summary import reset_peak_memory
 
         cfg, prepared = from_dict(spec["config"]), PreparedData(**spec["prepared"])
         _sample_indices(cfg, prepared, rank)

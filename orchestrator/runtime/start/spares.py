@@ -26,7 +26,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 BACKEND = "orchestrator-c10d"
 UNHEALTHY_STATES = ("DRAIN", "DOWN", "FAIL", "NOT_RESPONDING", "POWER")

@@ -141,8 +141,8 @@ def start_writer_queue() -> None:
     1-rank gpt_tiny save: 2.63 of 3.01 s in the queue's first ``put``). A CPU job (the CPU layer is on)
     forks it instead, with torch already imported; GPU jobs keep megatron's
     spawned process, which holds no copy of a CUDA process."""
-    from orchestrator.runtime.rank import cpu, mcore
     from orchestrator.runtime.faults.preempt import with_stop_signals_shielded
+    from orchestrator.runtime.rank import cpu, mcore
 
     start = mcore.write_results_queue_starter()
     if start is None or mcore.write_results_queue_started():

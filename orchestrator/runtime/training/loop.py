@@ -28,15 +28,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from orchestrator.plan.step_breakdown import describe as describe_breakdown
+from orchestrator.runtime.faults import spike, straggler
 from orchestrator.runtime.rank import cp
 from orchestrator.runtime.rank.build import Data, Rank
-from orchestrator.runtime.training.metrics import Trackers, perplexity
 from orchestrator.runtime.rank.model import unwrap
+from orchestrator.runtime.training import breakdown, trace
+from orchestrator.runtime.training.metrics import Trackers, perplexity
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
-from orchestrator.plan.step_breakdown import describe as describe_breakdown
-from orchestrator.runtime.training import breakdown, trace
-from orchestrator.runtime.faults import spike, straggler
 
 
 def _forward_step(data_iterator, model):
@@ -290,7 +290,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cfg, t, b = rank.cfg, rank.cfg.training, rank.built
+    cfg, t = rank.cfg, rank.cfg.training
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
     clock = breakdown.clock_for(rank)  # None when training.breakdown_interval=0

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Dict, List
 
 from orchestrator.ckpt.rundir import METRICS_FILE, TENSORBOARD_DIR
+from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
 from orchestrator.io import append_jsonl
-from orchestrator.config.schema import JobConfig
 
 PPL_CAP = 20.0
 """Perplexity is reported as exp(min(loss, 20)), as Megatron-LM does (no overflow on early losses)."""

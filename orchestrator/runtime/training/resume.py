@@ -22,11 +22,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.errors import OrchestratorError
-from orchestrator.runtime.training import checkpoint as ckpt
-from orchestrator.runtime.rank.build import Rank
-from orchestrator.runtime.training.saving import Saver, slowest  # noqa: F401  (Saver: the loop's save call)
 from orchestrator.config.schedule import lr_schedule
+from orchestrator.errors import OrchestratorError
+from orchestrator.runtime.rank.build import Rank
+from orchestrator.runtime.training import checkpoint as ckpt
+from orchestrator.runtime.training.saving import Saver, slowest  # noqa: F401  (Saver: the loop's save call)
 
 
 @dataclass
@@ -52,9 +52,8 @@ def _warn_in_job(message: str) -> None:
 def _verdict(rank: Rank, prepared):
     """Rank 0's preflight, broadcast: the CheckpointInfo to load (or None); raises its error everywhere."""
     from orchestrator.ckpt import resume as preflight
-    from orchestrator.data.tokenizer import tokenizer_identity
-
     from orchestrator.ckpt.megatron_resume import check_megatron_config
+    from orchestrator.data.tokenizer import tokenizer_identity
 
     verdict: List[object] = [None]
     if rank.rank0:

@@ -61,14 +61,14 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
         from orchestrator.runtime.faults.links import links_only
 
         return links_only(cfg)
-    from orchestrator.runtime.training import loop
-    from orchestrator.runtime.rank.build import build_data, build_rank
-    from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.faults.diskspace import explain_write_failure
     from orchestrator.runtime.faults.guard import Guard
     from orchestrator.runtime.faults.links import check_links
-    from orchestrator.runtime.training.metrics import Trackers
+    from orchestrator.runtime.rank.build import build_data, build_rank
+    from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.rank.model import count_parameters
+    from orchestrator.runtime.training import loop
+    from orchestrator.runtime.training.metrics import Trackers
     from orchestrator.runtime.training.resume import Saver, restore
     from orchestrator.runtime.training.summary import summarize
 

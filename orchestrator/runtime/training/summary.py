@@ -15,7 +15,6 @@ their machines).
 from __future__ import annotations
 
 import math
-
 import resource
 import socket
 import statistics

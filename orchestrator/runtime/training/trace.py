@@ -32,8 +32,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from orchestrator.plan.pipeline_schedule import (BACKWARD, FORWARD, Schedule, measured_costs, measured_schedule,
-                                                 predict_measured)
+from orchestrator.plan.pipeline_schedule import (
+    BACKWARD,
+    FORWARD,
+    Schedule,
+    measured_costs,
+    measured_schedule,
+    predict_measured,
+)
 
 SCHEDULE_FILE, CHROME_FILE, PICTURE_FILE = "schedule.json", "schedule_trace.json", "schedule.png"
 _P2P = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
