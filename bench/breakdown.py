@@ -53,10 +53,21 @@ def section_cost_us(n: int = 200_000) -> float:
 
 
 def run(root: Path, name: str, interval: int, iters: int) -> dict:
-    cmd = [sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", f"training.train_iters={iters}",
-           "training.eval_iters=0", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
-           "logging.tensorboard=false", "data.stdlib_max_mb=2", f"training.breakdown_interval={interval}",
-           f"run.root={root}", f"run.name={name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "+experiment=gpt_pp2_dp2",
+        f"training.train_iters={iters}",
+        "training.eval_iters=0",
+        "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false",
+        "logging.tensorboard=false",
+        "data.stdlib_max_mb=2",
+        f"training.breakdown_interval={interval}",
+        f"run.root={root}",
+        f"run.name={name}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if proc.returncode != 0:
         sys.exit(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -78,21 +89,39 @@ def main() -> int:
         for interval in (0, 10):
             s = run(root, f"b{interval}_{r}", interval, args.iters)
             got[interval].append(s)
-            print(f"  breakdown_interval={interval:<2} run {r}: median step {1e3 * s['step_time_median_s']:.1f} ms, "
-                  f"CPU {1e3 * s['step_cpu_time_median_s']:.1f} ms/step; load {load()}", flush=True)
-    med = {k: (statistics.median(s["step_time_median_s"] for s in v),
-               statistics.median(s["step_cpu_time_median_s"] for s in v)) for k, v in got.items()}
-    print(f"on / off: step {med[10][0] / med[0][0]:.3f}, CPU per step {med[10][1] / med[0][1]:.3f} "
-          f"(medians of {args.repeat} alternating runs each, the logging rank)")
+            print(
+                f"  breakdown_interval={interval:<2} run {r}: median step {1e3 * s['step_time_median_s']:.1f} ms, "
+                f"CPU {1e3 * s['step_cpu_time_median_s']:.1f} ms/step; load {load()}",
+                flush=True,
+            )
+    med = {
+        k: (
+            statistics.median(s["step_time_median_s"] for s in v),
+            statistics.median(s["step_cpu_time_median_s"] for s in v),
+        )
+        for k, v in got.items()
+    }
+    print(
+        f"on / off: step {med[10][0] / med[0][0]:.3f}, CPU per step {med[10][1] / med[0][1]:.3f} "
+        f"(medians of {args.repeat} alternating runs each, the logging rank)"
+    )
     pairs = 4 * 2 + 2 + 2 + 4 + 2  # PP2 m=2: F, B, data and p2p per micro-batch; grad syncs; optimizer; loss, sync
-    print(f"sections per step on a rank of PP2, m = 2: about {pairs} -> {pairs * cost:.0f} us, "
-          f"{pairs * cost / (1e6 * med[10][1]):.3%} of its CPU time per step")
+    print(
+        f"sections per step on a rank of PP2, m = 2: about {pairs} -> {pairs * cost:.0f} us, "
+        f"{pairs * cost / (1e6 * med[10][1]):.3%} of its CPU time per step"
+    )
     worst = max(abs(st["other"]) for s in got[10] for st in s["breakdown"]["stages"])
     for st in got[10][-1]["breakdown"]["stages"]:
-        print("  stage {stage}: ".format(**st) + " ".join(f"{k} {st[k]:.1%}" for k in
-              ("compute", "bubble", "dp_comm", "optimizer", "data", "sync", "other")))
-    print(f"largest |other| over stages and runs: {worst:.1%} ({'within' if worst <= 0.05 else 'NOT within'} 5%); "
-          f"load {load()}")
+        print(
+            "  stage {stage}: ".format(**st)
+            + " ".join(
+                f"{k} {st[k]:.1%}" for k in ("compute", "bubble", "dp_comm", "optimizer", "data", "sync", "other")
+            )
+        )
+    print(
+        f"largest |other| over stages and runs: {worst:.1%} ({'within' if worst <= 0.05 else 'NOT within'} 5%); "
+        f"load {load()}"
+    )
     return 0
 
 

@@ -45,12 +45,26 @@ from orchestrator.plan.pipeline_schedule import measured_schedule, predict_measu
 def run_sweep(root: Path, name: str, m: str, v: str, trace: int, pp: int = 4) -> Dict[Tuple[int, int], dict]:
     """One traced sweep of PP ``pp`` (DP 1: ``pp`` ranks); (v, m) -> that point's schedule.json."""
     vpp = ",".join("null" if x == "1" else x for x in v.split(","))
-    cmd = [sys.executable, "-m", "orchestrator", "-m", "parallelism=pp4", "model.num_layers=8",
-           f"parallelism.pipeline_model_parallel_size={pp}",
-           f"parallelism.virtual_pipeline_model_parallel_size={vpp}", f"training.global_batch_size={m}",
-           "training.micro_batch_size=1", f"training.train_iters={trace}", f"sweep.trace_iteration={trace}",
-           "training.eval_iters=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
-           "data.stdlib_max_mb=2", f"run.root={root}", f"run.name={name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "-m",
+        "parallelism=pp4",
+        "model.num_layers=8",
+        f"parallelism.pipeline_model_parallel_size={pp}",
+        f"parallelism.virtual_pipeline_model_parallel_size={vpp}",
+        f"training.global_batch_size={m}",
+        "training.micro_batch_size=1",
+        f"training.train_iters={trace}",
+        f"sweep.trace_iteration={trace}",
+        "training.eval_iters=0",
+        "checkpoint.save_at_end=false",
+        "logging.tensorboard=false",
+        "data.stdlib_max_mb=2",
+        f"run.root={root}",
+        f"run.name={name}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if proc.returncode != 0:
         sys.exit(f"sweep failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -64,8 +78,12 @@ def main() -> int:
     ap.add_argument("--m", default="4,8,16", help="num_microbatches values (global batch sizes at MBS 1, DP 1)")
     ap.add_argument("--v", default="1,2", help="virtual pipeline sizes")
     ap.add_argument("--trace", type=int, default=3, help="the iteration traced (and the last one trained)")
-    ap.add_argument("--repeat", type=int, default=1, help="sweeps; per point the least disturbed (shortest) "
-                                                          "traced iteration is reported")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="sweeps; per point the least disturbed (shortest) traced iteration is reported",
+    )
     ap.add_argument("--pp", type=int, default=4, help="pipeline stages (DP 1): 2 puts one rank on each of 2 cores")
     ap.add_argument("--root", default=None)
     args = ap.parse_args()
@@ -75,10 +93,14 @@ def main() -> int:
         for key, doc in run_sweep(root, f"bubble{r}", args.m, args.v, args.trace, args.pp).items():
             if key not in best or doc["bubble"]["iteration_s"] < best[key]["bubble"]["iteration_s"]:
                 best[key] = doc
-    print(f"PP{args.pp}, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced, best of {args.repeat} sweep(s) "
-          f"({time.time() - start:.0f} s), {os.cpu_count()} CPUs; {root}")
-    print(f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'from ops':>8} {'measured idle/busy':>26} {'ops err':>7} "
-          f"{'formula err':>11} | {'iteration ms':>12} {'from ops':>8}")
+    print(
+        f"PP{args.pp}, gpt_tiny 8 layers, MBS 1, iteration {args.trace} traced, best of {args.repeat} sweep(s) "
+        f"({time.time() - start:.0f} s), {os.cpu_count()} CPUs; {root}"
+    )
+    print(
+        f"{'v':>2} {'m':>3} | {'(p-1)/(vm)':>10} {'from ops':>8} {'measured idle/busy':>26} {'ops err':>7} "
+        f"{'formula err':>11} | {'iteration ms':>12} {'from ops':>8}"
+    )
     rows, errors = [], []
     for (v, m), doc in sorted(best.items()):
         b = doc["bubble"]
@@ -87,14 +109,18 @@ def main() -> int:
         mean_over, mean_pred = sum(over) / len(over), sum(pred.bubble_overhead()) / b["pp"]
         rows.append((v, m, mean_over))
         errors.append(mean_pred / mean_over - 1)
-        print(f"{v:>2} {m:>3} | {b['predicted_bubble_overhead']:>10.1%} {mean_pred:>8.1%} "
-              f"{mean_over:>8.1%} ({min(over):.0%}..{max(over):.0%}){'':>7} {errors[-1]:>+7.0%} "
-              f"{b['predicted_bubble_overhead'] / mean_over - 1:>+11.0%} | {1e3 * b['iteration_s']:>12.1f} "
-              f"{1e3 * (pred.window[1] - pred.window[0]):>8.1f}")
+        print(
+            f"{v:>2} {m:>3} | {b['predicted_bubble_overhead']:>10.1%} {mean_pred:>8.1%} "
+            f"{mean_over:>8.1%} ({min(over):.0%}..{max(over):.0%}){'':>7} {errors[-1]:>+7.0%} "
+            f"{b['predicted_bubble_overhead'] / mean_over - 1:>+11.0%} | {1e3 * b['iteration_s']:>12.1f} "
+            f"{1e3 * (pred.window[1] - pred.window[0]):>8.1f}"
+        )
     within = sum(abs(e) <= 0.2 for e in errors)
-    print(f"bubble predicted from the measured operations vs measured: {within} of {len(errors)} points within 20% "
-          f"(mean |error| {sum(abs(e) for e in errors) / len(errors):.0%}, max {max(abs(e) for e in errors):.0%}); "
-          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"bubble predicted from the measured operations vs measured: {within} of {len(errors)} points within 20% "
+        f"(mean |error| {sum(abs(e) for e in errors) / len(errors):.0%}, max {max(abs(e) for e in errors):.0%}); "
+        f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     for v in sorted({r[0] for r in rows}):
         series = [o for vv, _, o in rows if vv == v]
         print(f"v={v}: measured bubble falls as m grows: {all(a > b for a, b in zip(series, series[1:]))}")

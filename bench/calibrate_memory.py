@@ -41,35 +41,92 @@ from orchestrator.plan import memory as planner
 from orchestrator.plan.inputs import cpu_preset  # noqa: E402
 from orchestrator.plan.profile import prior_profile, save_profile  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 # Big enough that model states and activations stand out of a ~365 MiB baseline, small enough for 2 cores.
 MODEL = ["model.num_layers=8", "model.hidden_size=512", "model.num_attention_heads=8"]
 
 CONFIGS: Dict[str, List[str]] = {
     # name: overrides on top of +experiment=gpt_pp2_dp2
-    "pp2_mbs2": ["parallelism=pp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                 "training.micro_batch_size=2", "training.global_batch_size=8"],
-    "pp2_mbs8": ["parallelism=pp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                 "training.micro_batch_size=8", "training.global_batch_size=32"],
-    "tp2_pp2_mbs4": ["parallelism=tp2_pp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                     "training.micro_batch_size=4", "training.global_batch_size=16"],
-    "vpp2_mbs4": ["parallelism=pp2_vpp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                  "training.micro_batch_size=4", "training.global_batch_size=16"],
-    "none_mbs4": ["parallelism=none", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                  "training.micro_batch_size=4", "training.global_batch_size=8"],
-    "pp4_mbs2": ["parallelism=pp4", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                 "training.micro_batch_size=2", "training.global_batch_size=8"],
+    "pp2_mbs2": [
+        "parallelism=pp2_dp2",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=8",
+    ],
+    "pp2_mbs8": [
+        "parallelism=pp2_dp2",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=8",
+        "training.global_batch_size=32",
+    ],
+    "tp2_pp2_mbs4": [
+        "parallelism=tp2_pp2",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=16",
+    ],
+    "vpp2_mbs4": [
+        "parallelism=pp2_vpp2_dp2",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=16",
+    ],
+    "none_mbs4": [
+        "parallelism=none",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=8",
+    ],
+    "pp4_mbs2": [
+        "parallelism=pp4",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=8",
+    ],
     # MoE: 4 SwiGLU experts, top-2, split over EP 2 (each rank: 2 experts of its stage's layers)
-    "moe_ep2_mbs4": ["parallelism=pp2_dp2", *MODEL, "model.seq_length=128", "model.max_position_embeddings=128",
-                     "model.num_moe_experts=4", "model.activation=swiglu", "model.add_bias_linear=false",
-                     "parallelism.expert_model_parallel_size=2", "training.micro_batch_size=4",
-                     "training.global_batch_size=16"],
-    "pp2_seq512": ["parallelism=pp2_dp2", "model.num_layers=4", "model.hidden_size=256",
-                   "model.num_attention_heads=8", "model.seq_length=512", "model.max_position_embeddings=512",
-                   "training.micro_batch_size=4", "training.global_batch_size=16"],
+    "moe_ep2_mbs4": [
+        "parallelism=pp2_dp2",
+        *MODEL,
+        "model.seq_length=128",
+        "model.max_position_embeddings=128",
+        "model.num_moe_experts=4",
+        "model.activation=swiglu",
+        "model.add_bias_linear=false",
+        "parallelism.expert_model_parallel_size=2",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=16",
+    ],
+    "pp2_seq512": [
+        "parallelism=pp2_dp2",
+        "model.num_layers=4",
+        "model.hidden_size=256",
+        "model.num_attention_heads=8",
+        "model.seq_length=512",
+        "model.max_position_embeddings=512",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=16",
+    ],
 }
-COMMON = ["+experiment=gpt_pp2_dp2", "data=mock", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
-          "checkpoint.auto_resume=false", "cluster.timeout_min=30"]
+COMMON = [
+    "+experiment=gpt_pp2_dp2",
+    "data=mock",
+    "checkpoint.save_interval=null",
+    "checkpoint.save_at_end=false",
+    "checkpoint.auto_resume=false",
+    "cluster.timeout_min=30",
+]
 
 
 def compose(overrides: List[str], run_dir: Path):
@@ -79,8 +136,16 @@ def compose(overrides: List[str], run_dir: Path):
 
 def launch(name: str, overrides: List[str], root: Path, iters: int) -> Optional[dict]:
     """Run one training; return its summary line (None when it failed)."""
-    args = [sys.executable, "-m", "orchestrator", *overrides, f"run.root={root}", f"run.name={name}",
-            f"training.train_iters={iters}", "training.timing_warmup_iters=1"]
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        *overrides,
+        f"run.root={root}",
+        f"run.name={name}",
+        f"training.train_iters={iters}",
+        "training.timing_warmup_iters=1",
+    ]
     start = time.time()
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
     metrics = root / name / "metrics.jsonl"
@@ -101,25 +166,57 @@ def plan_speed() -> None:
     """Time a 100-point grid of plans and one suggest() for the 6.7B model on 128 GPUs (pure Python)."""
     from orchestrator.config.layout import ParallelLayout
 
-    shape = planner.ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
-                               max_position_embeddings=2048, vocab_size=50257)
-    grid = [ParallelLayout(world_size=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                           micro_batch_size=mbs, global_batch_size=2048, sequence_parallel=tp > 1, num_layers=32,
-                           num_attention_heads=32, seq_length=2048, max_position_embeddings=2048)
-            for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16) for mbs in (1, 2, 4, 8, 16)]
+    shape = planner.ModelShape(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        seq_length=2048,
+        max_position_embeddings=2048,
+        vocab_size=50257,
+    )
+    grid = [
+        ParallelLayout(
+            world_size=128,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            micro_batch_size=mbs,
+            global_batch_size=2048,
+            sequence_parallel=tp > 1,
+            num_layers=32,
+            num_attention_heads=32,
+            seq_length=2048,
+            max_position_embeddings=2048,
+        )
+        for tp in (1, 2, 4, 8)
+        for pp in (1, 2, 4, 8, 16)
+        for mbs in (1, 2, 4, 8, 16)
+    ]
     gpu = planner.gpu_preset("H100")
     start = time.perf_counter()
     plans = [planner.plan_layout(lay, shape, planner.Recipe(), gpu) for lay in grid]
     grid_s = time.perf_counter() - start
     print(f"planned {len(plans)} layouts in {grid_s * 1000:.0f} ms ({grid_s / len(plans) * 1e6:.0f} us each)")
     # The seed's job: gpt_6.7b, TP1 PP2 on 4 x 8 A100-40GB, MBS 4, GBS 256, bf16.
-    cfg = compose(["model=gpt_6.7b", "cluster.kind=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
-                   "parallelism.pipeline_model_parallel_size=2", "training.micro_batch_size=4",
-                   "training.global_batch_size=256", "training.precision=bf16", "gpu=A100-40GB"], REPO / "runs" / "x")
+    cfg = compose(
+        [
+            "model=gpt_6.7b",
+            "cluster.kind=slurm",
+            "cluster.nodes=4",
+            "cluster.gpus_per_node=8",
+            "parallelism.pipeline_model_parallel_size=2",
+            "training.micro_batch_size=4",
+            "training.global_batch_size=256",
+            "training.precision=bf16",
+            "gpu=A100-40GB",
+        ],
+        REPO / "runs" / "x",
+    )
     start = time.perf_counter()
     found = suggest.suggest(cfg)
-    print(f"suggest() for the seed's job, every candidate layout planned: "
-          f"{(time.perf_counter() - start) * 1000:.0f} ms, {len(found)} suggestions")
+    print(
+        f"suggest() for the seed's job, every candidate layout planned: "
+        f"{(time.perf_counter() - start) * 1000:.0f} ms, {len(found)} suggestions"
+    )
 
 
 def cpu_plan(cfg, profile=None):
@@ -129,22 +226,31 @@ def cpu_plan(cfg, profile=None):
 
 def print_memory(samples: Dict[str, dict], prior) -> None:
     fitted = calibrate.fit_profile(prior, list(samples.values()))
-    print("\npeak memory per rank, MiB (pred = calibrated overhead + factors x (states, activations); "
-          "LOO = fitted without this config)")
-    print(f"{'config':<16}{'rank':>5}{'stage':>6}{'states':>9}{'activ':>9}{'RSS':>9}{'pred':>9}{'error':>8}"
-          f"{'LOO pred':>10}{'LOO err':>9}")
+    print(
+        "\npeak memory per rank, MiB (pred = calibrated overhead + factors x (states, activations); "
+        "LOO = fitted without this config)"
+    )
+    print(
+        f"{'config':<16}{'rank':>5}{'stage':>6}{'states':>9}{'activ':>9}{'RSS':>9}{'pred':>9}{'error':>8}"
+        f"{'LOO pred':>10}{'LOO err':>9}"
+    )
     loo_errors = []
     for name, sample in samples.items():
         loo = calibrate.fit_profile(prior, [s for n, s in samples.items() if n != name])
-        for rank, (r, err, lerr) in enumerate(zip(sample["ranks"], calibrate.memory_errors(fitted, sample),
-                                                  calibrate.memory_errors(loo, sample))):
+        for rank, (r, err, lerr) in enumerate(
+            zip(sample["ranks"], calibrate.memory_errors(fitted, sample), calibrate.memory_errors(loo, sample))
+        ):
             loo_errors.append(abs(lerr))
-            print(f"{name:<16}{rank:>5}{r['stage']:>6}{r['states'] / MiB:>9.1f}{r['activations'] / MiB:>9.1f}"
-                  f"{r['measured'] / MiB:>9.1f}{r['measured'] * (1 + err) / MiB:>9.1f}{err:>+8.1%}"
-                  f"{r['measured'] * (1 + lerr) / MiB:>10.1f}{lerr:>+9.1%}")
+            print(
+                f"{name:<16}{rank:>5}{r['stage']:>6}{r['states'] / MiB:>9.1f}{r['activations'] / MiB:>9.1f}"
+                f"{r['measured'] / MiB:>9.1f}{r['measured'] * (1 + err) / MiB:>9.1f}{err:>+8.1%}"
+                f"{r['measured'] * (1 + lerr) / MiB:>10.1f}{lerr:>+9.1%}"
+            )
     stats = fitted.fit
-    print(f"in-sample |error| max {stats['memory_error_max_pct']:.1f}%, mean {stats['memory_error_mean_pct']:.1f}% "
-          f"over {stats['memory_samples']} ranks; leave-one-config-out max {100 * max(loo_errors):.1f}%")
+    print(
+        f"in-sample |error| max {stats['memory_error_max_pct']:.1f}%, mean {stats['memory_error_mean_pct']:.1f}% "
+        f"over {stats['memory_samples']} ranks; leave-one-config-out max {100 * max(loo_errors):.1f}%"
+    )
     print(f"fitted: {fitted.summary()}")
 
 

@@ -33,14 +33,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(root: Path, name: str, iters: int, extra: List[str]) -> List[dict]:
-    args = ["model=gpt_125m", "parallelism=none", "data=mock", "model.make_vocab_size_divisible_by=50304",
-            "model.seq_length=128", "training.micro_batch_size=1", "training.global_batch_size=1",
-            f"training.train_iters={iters}", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
-            "training.eval_iters=0", "training.log_interval=1", "logging.tensorboard=false",
-            f"run.root={root}", f"run.name={name}", *extra]
+    args = [
+        "model=gpt_125m",
+        "parallelism=none",
+        "data=mock",
+        "model.make_vocab_size_divisible_by=50304",
+        "model.seq_length=128",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=1",
+        f"training.train_iters={iters}",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=2",
+        "training.eval_iters=0",
+        "training.log_interval=1",
+        "logging.tensorboard=false",
+        f"run.root={root}",
+        f"run.name={name}",
+        *extra,
+    ]
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(root / "cache"), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"  {name} {' '.join(extra)}: {time.perf_counter() - t0:.0f} s wall", flush=True)
@@ -67,14 +82,18 @@ def main() -> None:
         resumed = _run(root, "sync", args.iters + 1, [])
         print(f"{'save':>6} {'GB':>6} {'sync blocked s':>15} {'async blocked s':>16} {'async written s':>16}")
         for s, a in zip(_saves(sync), _saves(asyn)):
-            print(f"{s['iteration']:>6} {s['bytes'] / 1e9:>6.2f} {s['blocking_s']:>15.3f} {a['blocking_s']:>16.3f} "
-                  f"{a['write_s']:>16.3f}")
+            print(
+                f"{s['iteration']:>6} {s['bytes'] / 1e9:>6.2f} {s['blocking_s']:>15.3f} {a['blocking_s']:>16.3f} "
+                f"{a['write_s']:>16.3f}"
+            )
         sync_b = statistics.median(r["blocking_s"] for r in _saves(sync))
         async_b = statistics.median(r["blocking_s"] for r in _saves(asyn))
         load_s = [r for r in resumed if r.get("event") == "start"][-1]["load_s"]
         same = _losses(sync) == _losses(asyn)
-        print(f"median blocking: sync {sync_b:.3f} s, async {async_b:.3f} s; blocking ratio async/sync = "
-              f"{async_b / sync_b:.3f} (target <= 0.2)")
+        print(
+            f"median blocking: sync {sync_b:.3f} s, async {async_b:.3f} s; blocking ratio async/sync = "
+            f"{async_b / sync_b:.3f} (target <= 0.2)"
+        )
         print(f"load of a {_saves(sync)[-1]['bytes'] / 1e9:.2f} GB checkpoint (resume, slowest rank): {load_s:.2f} s")
         print(f"losses identical with and without async: {same}")
     finally:

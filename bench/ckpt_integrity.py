@@ -35,8 +35,16 @@ sys.path.insert(0, str(REPO))
 def _config(run_dir: Path, digest: str):
     from orchestrator.config.compose import compose_config
 
-    cfg = compose_config(["model=gpt_125m", "parallelism=none", "optimizer=adam", f"run.dir={run_dir}",
-                          "training.device=cpu", f"data.cache_dir={run_dir / 'cache'}"])
+    cfg = compose_config(
+        [
+            "model=gpt_125m",
+            "parallelism=none",
+            "optimizer=adam",
+            f"run.dir={run_dir}",
+            "training.device=cpu",
+            f"data.cache_dir={run_dir / 'cache'}",
+        ]
+    )
     cfg.checkpoint.digest = digest
     return cfg
 
@@ -50,11 +58,18 @@ def _save_once(cfg, built, layout, vocab: int) -> dict:
 
     def write_manifest(path: Path) -> None:
         t0 = time.perf_counter()
-        manifest = mf.build_manifest(cfg, layout, iteration=1, consumed_samples=cfg.training.global_batch_size,
-                                     checkpoint_dir=str(path), vocab_size=vocab,
-                                     padded_vocab_size=built.padded_vocab_size,
-                                     tokenizer={"type": "bench", "vocab_size": vocab}, data={"fingerprint": "bench"},
-                                     hosts=[os.uname().nodename])
+        manifest = mf.build_manifest(
+            cfg,
+            layout,
+            iteration=1,
+            consumed_samples=cfg.training.global_batch_size,
+            checkpoint_dir=str(path),
+            vocab_size=vocab,
+            padded_vocab_size=built.padded_vocab_size,
+            tokenizer={"type": "bench", "vocab_size": vocab},
+            data={"fingerprint": "bench"},
+            hosts=[os.uname().nodename],
+        )
         mf.write_manifest(str(path), manifest)
         timings["manifest"] = time.perf_counter() - t0
 
@@ -69,8 +84,15 @@ def _save_once(cfg, built, layout, vocab: int) -> dict:
     timings["hash"] = 0.0
     t0 = time.perf_counter()
     try:
-        path = ckpt.save(cfg, built.model, built.optimizer, built.scheduler, iteration=1,
-                         consumed_samples=cfg.training.global_batch_size, manifest_fn=write_manifest)
+        path = ckpt.save(
+            cfg,
+            built.model,
+            built.optimizer,
+            built.scheduler,
+            iteration=1,
+            consumed_samples=cfg.training.global_batch_size,
+            manifest_fn=write_manifest,
+        )
     finally:
         ckpt._hash_in_parallel = hash_in_parallel
     total = time.perf_counter() - t0
@@ -118,16 +140,21 @@ def main(argv=None) -> int:
     print(f"gpt_125m: {count_parameters(built.model):,} parameters, Adam; saving into {root}", flush=True)
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs", flush=True)
-    print(f"{'digest':<7} {'GB':>6} {'files':>5} {'save s':>8} {'manifest s':>10} {'verify s':>9} "
-          f"{'ratio':>7} {'deep s':>7}")
+    print(
+        f"{'digest':<7} {'GB':>6} {'files':>5} {'save s':>8} {'manifest s':>10} {'verify s':>9} "
+        f"{'ratio':>7} {'deep s':>7}"
+    )
     deep = save = None
     try:
         for mode in modes:
             run_cfg = _config(root / mode, mode)
             t = _save_once(run_cfg, built, layout, args.vocab)
             ratio = (t["manifest"] + t["verify"]) / t["save"]
-            print(f"{mode:<7} {t['bytes'] / 1e9:6.2f} {t['files']:5d} {t['save']:8.2f} {t['manifest']:10.3f} "
-                  f"{t['verify']:9.3f} {ratio:7.4f} {t['deep']:7.2f}", flush=True)
+            print(
+                f"{mode:<7} {t['bytes'] / 1e9:6.2f} {t['files']:5d} {t['save']:8.2f} {t['manifest']:10.3f} "
+                f"{t['verify']:9.3f} {ratio:7.4f} {t['deep']:7.2f}",
+                flush=True,
+            )
             if mode == "sha256":
                 deep, save = t["deep"], t["save"]
     finally:
@@ -136,8 +163,10 @@ def main(argv=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print("ratio = (manifest + verify) / save; target <= 0.05 (checkpoint.digest=size, the default)")
     if deep is not None:
-        print(f"before (whole-checkpoint sha256 on rank 0 at save and again at resume, ~2 x deep): "
-              f"{2 * deep:.2f} s, ratio {2 * deep / save:.3f}")
+        print(
+            f"before (whole-checkpoint sha256 on rank 0 at save and again at resume, ~2 x deep): "
+            f"{2 * deep:.2f} s, ratio {2 * deep / save:.3f}"
+        )
     return 0
 
 

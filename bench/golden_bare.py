@@ -23,11 +23,27 @@ from typing import Dict, List, Tuple
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "megatron" / "gpt_125m_1gpu_bf16.json"
 _SKIP = object()
-CPU_OFF = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm",
-           "apply_rope_fusion", "deallocate_pipeline_outputs", "bf16")
-ACTIVE = {"transformer": ("bias_activation_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
-                          "bias_dropout_fusion", "persist_layer_norm", "apply_rope_fusion", "overlap_p2p_comm"),
-          "ddp": ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_fp32", "check_for_nan_in_grad")}
+CPU_OFF = (
+    "gradient_accumulation_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "deallocate_pipeline_outputs",
+    "bf16",
+)
+ACTIVE = {
+    "transformer": (
+        "bias_activation_fusion",
+        "gradient_accumulation_fusion",
+        "masked_softmax_fusion",
+        "bias_dropout_fusion",
+        "persist_layer_norm",
+        "apply_rope_fusion",
+        "overlap_p2p_comm",
+    ),
+    "ddp": ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_fp32", "check_for_nan_in_grad"),
+}
 
 
 def load_golden(path: Path = GOLDEN) -> dict:
@@ -99,10 +115,17 @@ def bare_configs(golden: dict, device: str) -> dict:
     opt_off = {"bf16": False, "params_dtype": torch.float32} if device == "cpu" else {}
     ddp, d2 = _from_fields(DistributedDataParallelConfig, "ddp", golden["ddp"], {})
     opt, d3 = _from_fields(OptimizerConfig, "optimizer", golden["optimizer"], opt_off)
-    active = {s: [k for k in names if getattr({"transformer": tf, "ddp": ddp}[s], k, False)]
-              for s, names in ACTIVE.items()}
-    return {"transformer": tf, "ddp": ddp, "optimizer": opt, "dropped": d1 + d2 + d3,
-            "turned_off": sorted(k for k in off if k in CPU_OFF or k.endswith("fusion")), "active": active}
+    active = {
+        s: [k for k in names if getattr({"transformer": tf, "ddp": ddp}[s], k, False)] for s, names in ACTIVE.items()
+    }
+    return {
+        "transformer": tf,
+        "ddp": ddp,
+        "optimizer": opt,
+        "dropped": d1 + d2 + d3,
+        "turned_off": sorted(k for k in off if k in CPU_OFF or k.endswith("fusion")),
+        "active": active,
+    }
 
 
 def active_of(config_json: dict) -> Dict[str, List[str]]:

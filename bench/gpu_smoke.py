@@ -59,12 +59,29 @@ PEAK_BF16 = 989e12  # H200 SXM dense BF16 (NVIDIA datasheet); the planner's "H20
 TOTAL_S = 480  # the whole device run: 8 minutes
 BUDGET_S = {"install": 45, "orchestrator": 150, "bare": 120, "cycle": 150}
 CYCLE_TOL = 1e-5  # relative: the resumed losses vs the uninterrupted run's
-PINS = {"megatron-core": "0.19.2", "hydra-core": "1.3.8", "omegaconf": "2.3.1",
-        "antlr4-python3-runtime": "4.9.3", "submitit": "1.5.4", "packaging": "26.2"}
+PINS = {
+    "megatron-core": "0.19.2",
+    "hydra-core": "1.3.8",
+    "omegaconf": "2.3.1",
+    "antlr4-python3-runtime": "4.9.3",
+    "submitit": "1.5.4",
+    "packaging": "26.2",
+}
 SDIST_ONLY = {"antlr4-python3-runtime"}  # PyPI has no wheel of 4.9.3: built here by `pip wheel` (pure Python)
 ONLY_IF_OLDER = {"packaging": "24.2"}  # megatron-core 0.19 needs packaging>=24.2; the GPU image has one
-ON_THE_BOX = ["torch", "triton", "numpy", "psutil", "rich", "matplotlib", "filelock", "yaml", "cloudpickle",
-              "typing_extensions", "einops"]  # imported by megatron-core / orchestrator; in the GPU image already
+ON_THE_BOX = [
+    "torch",
+    "triton",
+    "numpy",
+    "psutil",
+    "rich",
+    "matplotlib",
+    "filelock",
+    "yaml",
+    "cloudpickle",
+    "typing_extensions",
+    "einops",
+]  # imported by megatron-core / orchestrator; in the GPU image already
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 
@@ -81,8 +98,9 @@ def find_wheels() -> Dict[str, Optional[Path]]:
     files = list(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
     found: Dict[str, Optional[Path]] = {}
     for name, ver in PINS.items():
-        found[name] = next((f for f in files if _norm(f.name.split("-")[0]) == _norm(name)
-                            and f.name.split("-")[1] == ver), None)
+        found[name] = next(
+            (f for f in files if _norm(f.name.split("-")[0]) == _norm(name) and f.name.split("-")[1] == ver), None
+        )
     return found
 
 
@@ -99,8 +117,23 @@ def _older(dist: str, minimum: str) -> bool:
 
 def install_command() -> List[str]:
     names = [f"{n}=={v}" for n, v in PINS.items() if n not in ONLY_IF_OLDER or _older(n, ONLY_IF_OLDER[n])]
-    return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(WHEELS), "--no-deps",
-            "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(SITE), *names]
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--find-links",
+        str(WHEELS),
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(SITE),
+        *names,
+    ]
 
 
 def fetch() -> int:
@@ -108,9 +141,29 @@ def fetch() -> int:
     WHEELS.mkdir(parents=True, exist_ok=True)
     binary = [f"{n}=={v}" for n, v in PINS.items() if n not in SDIST_ONLY]
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    cmds = [[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-             "--implementation", "cp", "--abi", "cp312", *plat, "-d", str(WHEELS), *binary]]
-    cmds += [[sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(WHEELS), f"{n}=={PINS[n]}"] for n in SDIST_ONLY]
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "--abi",
+            "cp312",
+            *plat,
+            "-d",
+            str(WHEELS),
+            *binary,
+        ]
+    ]
+    cmds += [
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(WHEELS), f"{n}=={PINS[n]}"] for n in SDIST_ONLY
+    ]
     for cmd in cmds:
         say("$ " + shlex.join(cmd))
         if subprocess.run(cmd).returncode != 0:
@@ -130,8 +183,10 @@ def report_wheels() -> int:
         note = f" (installed only if the box's {name} < {ONLY_IF_OLDER[name]})" if name in ONLY_IF_OLDER else ""
         say(f"  {name}=={PINS[name]}: " + (f"{f.name} {f.stat().st_size / 2**20:.2f} MiB{note}" if f else "MISSING"))
     missing = [n for n, f in found.items() if not f]
-    say(f"wheels in {WHEELS.relative_to(REPO)}: {total / 2**20:.2f} MiB in all (carry limit 64 MiB)"
-        + (f"; missing: {', '.join(missing)} (run --fetch here first)" if missing else ""))
+    say(
+        f"wheels in {WHEELS.relative_to(REPO)}: {total / 2**20:.2f} MiB in all (carry limit 64 MiB)"
+        + (f"; missing: {', '.join(missing)} (run --fetch here first)" if missing else "")
+    )
     return 1 if missing else 0
 
 
@@ -146,7 +201,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log: Path) -> Tuple[Optional[int], List[str]]:
+def run_step(
+    name: str, cmd: List[str], timeout: float, env: Dict[str, str], log: Path
+) -> Tuple[Optional[int], List[str]]:
     """Run ``cmd`` in its own process group, echoing and logging its output; rc None on timeout."""
     say(f"{name}: $ {shlex.join(cmd)}  (timeout {timeout:.0f} s)")
     if timeout < 15:
@@ -155,8 +212,16 @@ def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log
     lines: List[str] = []
     t0 = time.monotonic()
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
 
         def pump() -> None:
             for line in proc.stdout:  # type: ignore[union-attr]
@@ -181,7 +246,15 @@ def run_step(name: str, cmd: List[str], timeout: float, env: Dict[str, str], log
     return rc, lines
 
 
-RUN_IMPORTS = [n for n in ON_THE_BOX if n != "einops"] + ["megatron.core", "hydra", "omegaconf", "antlr4", "submitit", "packaging", "orchestrator"]
+RUN_IMPORTS = [n for n in ON_THE_BOX if n != "einops"] + [
+    "megatron.core",
+    "hydra",
+    "omegaconf",
+    "antlr4",
+    "submitit",
+    "packaging",
+    "orchestrator",
+]
 """Every top-level module the device run imports (the box's own, then the carried wheels, then this checkout);
 not einops: megatron-core imports it optionally (this machine trains without it)."""
 
@@ -210,13 +283,28 @@ def _import_first(*names: str):
 
 
 def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
-    return [f"model={a.model}", "parallelism=none", "data=mock", "cluster=local", "cluster.gpus_per_node=1",
-            "cluster.timeout_min=7", "training.device=cuda", "training.precision=bf16",
-            f"training.train_iters={a.iters}", f"training.timing_warmup_iters={a.warmup}",
-            f"training.micro_batch_size={a.mbs}", f"training.global_batch_size={a.gbs}", "training.log_interval=1",
-            "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0",
-            "logging.tensorboard=false",  # needs the tensorboard package, which the box may lack
-            f"run.root={root}", "run.name=gpu_smoke", "gpu=H200"]
+    return [
+        f"model={a.model}",
+        "parallelism=none",
+        "data=mock",
+        "cluster=local",
+        "cluster.gpus_per_node=1",
+        "cluster.timeout_min=7",
+        "training.device=cuda",
+        "training.precision=bf16",
+        f"training.train_iters={a.iters}",
+        f"training.timing_warmup_iters={a.warmup}",
+        f"training.micro_batch_size={a.mbs}",
+        f"training.global_batch_size={a.gbs}",
+        "training.log_interval=1",
+        "checkpoint.save_at_end=false",
+        "checkpoint.save_interval=null",
+        "optimizer.lr_warmup_iters=0",
+        "logging.tensorboard=false",  # needs the tensorboard package, which the box may lack
+        f"run.root={root}",
+        "run.name=gpu_smoke",
+        "gpu=H200",
+    ]
 
 
 def cycle_steps(a: argparse.Namespace, root: str) -> List[Tuple[str, List[str]]]:
@@ -264,18 +352,33 @@ def plan_and_spec(a: argparse.Namespace, root: str) -> Tuple[dict, dict]:
     memory = _import_first("orchestrator.plan.memory", "orchestrator.planner")
     p = memory.plan(cfg, gpu="H200")
     tokens = p.layout.tokens_per_step
-    numbers = {"gpu_preset": p.gpu.name, "peak_flops": p.gpu.peak_flops("bf16"), "params_total": p.params_total,
-               "padded_vocab_size": p.padded_vocab_size, "tokens_per_step": tokens,
-               "model_flops_per_step": p.model_flops, "model_flops_per_token": p.model_flops / tokens,
-               "predicted_peak_mb": p.peak_bytes / 2**20, "predicted_overhead_mb": p.worst.overhead / 2**20,
-               "predicted_tokens_per_s_at_mfu_0.4": p.tokens_per_s}
-    spec = {"model": dataclasses.asdict(cfg.model), "optimizer": dataclasses.asdict(cfg.optimizer),
-            "padded_vocab_size": p.padded_vocab_size, "mbs": cfg.training.micro_batch_size,
-            "gbs": cfg.training.global_batch_size, "iters": a.iters, "warmup": a.warmup, "seed": cfg.training.seed}
+    numbers = {
+        "gpu_preset": p.gpu.name,
+        "peak_flops": p.gpu.peak_flops("bf16"),
+        "params_total": p.params_total,
+        "padded_vocab_size": p.padded_vocab_size,
+        "tokens_per_step": tokens,
+        "model_flops_per_step": p.model_flops,
+        "model_flops_per_token": p.model_flops / tokens,
+        "predicted_peak_mb": p.peak_bytes / 2**20,
+        "predicted_overhead_mb": p.worst.overhead / 2**20,
+        "predicted_tokens_per_s_at_mfu_0.4": p.tokens_per_s,
+    }
+    spec = {
+        "model": dataclasses.asdict(cfg.model),
+        "optimizer": dataclasses.asdict(cfg.optimizer),
+        "padded_vocab_size": p.padded_vocab_size,
+        "mbs": cfg.training.micro_batch_size,
+        "gbs": cfg.training.global_batch_size,
+        "iters": a.iters,
+        "warmup": a.warmup,
+        "seed": cfg.training.seed,
+    }
     return numbers, spec
 
 
 # ---- the bare megatron-core loop (a subprocess: its own CUDA context, peak memory and timeout) -------
+
 
 def _bare_model(spec: dict, device: str):
     """GPTModel (+ Float16Module) with the megatron config of Megatron-LM's own parser for gpt_125m on one GPU
@@ -290,12 +393,19 @@ def _bare_model(spec: dict, device: str):
     impl = "local"
     if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
         impl = "transformer_engine"  # Megatron-LM's --transformer-impl default
-    layer = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if impl == "transformer_engine"
-             else gpt_layer_specs.get_gpt_layer_local_spec(normalization=m["normalization"]))
-    model = GPTModel(config=config, transformer_layer_spec=layer, vocab_size=golden["gpt_model"]["vocab_size"],
-                     max_sequence_length=m["max_position_embeddings"],
-                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
-                     position_embedding_type=m["position_embedding_type"])
+    layer = (
+        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        if impl == "transformer_engine"
+        else gpt_layer_specs.get_gpt_layer_local_spec(normalization=m["normalization"])
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer,
+        vocab_size=golden["gpt_model"]["vocab_size"],
+        max_sequence_length=m["max_position_embeddings"],
+        share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
+        position_embedding_type=m["position_embedding_type"],
+    )
     if device == "cuda":
         model = Float16Module(config, model.cuda())
     return configs, model, impl
@@ -303,8 +413,9 @@ def _bare_model(spec: dict, device: str):
 
 def bare_worker(spec: dict, out: Path, device: str) -> None:
     """One rank: nccl (gloo on CPU), DDP, megatron Adam, get_forward_backward_func, fixed token batches."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -342,25 +453,46 @@ def bare_worker(spec: dict, out: Path, device: str) -> None:
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        fb(forward_step_func=step, data_iterator=iter([None] * n_micro), model=[ddp], num_microbatches=n_micro,
-           seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        fb(
+            forward_step_func=step,
+            data_iterator=iter([None] * n_micro),
+            model=[ddp],
+            num_microbatches=n_micro,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
-    out.write_text(json.dumps({"step_time_median_s": statistics.median(times), "timed_iterations": len(times),
-                               "tokens_per_step": spec["gbs"] * seq, "peak_gpu_mem_mb": peak, "transformer_impl": impl,
-                               "megatron_config": {"source": "Megatron-LM golden", "active": configs["active"],
-                                                   "turned_off_here": configs["turned_off"],
-                                                   "golden_fields_not_in_this_line": len(configs["dropped"])},
-                               "torch": torch.__version__, "device_name": torch.cuda.get_device_name(0) if peak else "cpu"}))
+    out.write_text(
+        json.dumps(
+            {
+                "step_time_median_s": statistics.median(times),
+                "timed_iterations": len(times),
+                "tokens_per_step": spec["gbs"] * seq,
+                "peak_gpu_mem_mb": peak,
+                "transformer_impl": impl,
+                "megatron_config": {
+                    "source": "Megatron-LM golden",
+                    "active": configs["active"],
+                    "turned_off_here": configs["turned_off"],
+                    "golden_fields_not_in_this_line": len(configs["dropped"]),
+                },
+                "torch": torch.__version__,
+                "device_name": torch.cuda.get_device_name(0) if peak else "cpu",
+            }
+        )
+    )
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
 # ---- the device run ----------------------------------------------------------------------------------
+
 
 def read_summary(run_dir: Path) -> Optional[dict]:
     path = run_dir / "metrics.jsonl"
@@ -378,16 +510,24 @@ def print_rank_logs(run_dir: Path) -> None:
 
 def table(plan: dict, orch: Optional[dict], bare: Optional[dict]) -> dict:
     """Print the comparison; returns the derived numbers."""
+
     def derive(r: Optional[dict], mem_key: str) -> Optional[dict]:
         if not r or not r.get("step_time_median_s"):
             return None
         tps = r["tokens_per_step"] / r["step_time_median_s"]
         mem = r.get(mem_key)
         mem = mem[0] if isinstance(mem, list) else mem
-        return {"tokens_per_s": tps, "step_time_ms": 1e3 * r["step_time_median_s"], "peak_gpu_mem_mb": mem,
-                "mfu": tps * plan["model_flops_per_token"] / PEAK_BF16}
+        return {
+            "tokens_per_s": tps,
+            "step_time_ms": 1e3 * r["step_time_median_s"],
+            "peak_gpu_mem_mb": mem,
+            "mfu": tps * plan["model_flops_per_token"] / PEAK_BF16,
+        }
 
-    rows = {"orchestrator": derive(orch, "peak_gpu_mem_mb_per_rank"), "bare megatron-core": derive(bare, "peak_gpu_mem_mb")}
+    rows = {
+        "orchestrator": derive(orch, "peak_gpu_mem_mb_per_rank"),
+        "bare megatron-core": derive(bare, "peak_gpu_mem_mb"),
+    }
     pred, pred_no_ovh = plan["predicted_peak_mb"], plan["predicted_peak_mb"] - plan["predicted_overhead_mb"]
     say(f"{'':<22}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'peak MiB':>11}{'/planner':>10}")
     for name, d in rows.items():
@@ -395,12 +535,16 @@ def table(plan: dict, orch: Optional[dict], bare: Optional[dict]) -> dict:
             say(f"{name:<22}{'(no result)':>12}")
             continue
         ratio = f"{d['peak_gpu_mem_mb'] / pred_no_ovh:.2f}" if d["peak_gpu_mem_mb"] else "-"
-        say(f"{name:<22}{d['tokens_per_s']:>12,.0f}{d['step_time_ms']:>10.1f}{d['mfu']:>8.1%}"
-            f"{d['peak_gpu_mem_mb'] or 0:>11,.0f}{ratio:>10}")
-    say(f"planner (H200 preset): peak {pred:,.0f} MiB = {pred_no_ovh:,.0f} weights+grads+optimizer+activations "
+        say(
+            f"{name:<22}{d['tokens_per_s']:>12,.0f}{d['step_time_ms']:>10.1f}{d['mfu']:>8.1%}"
+            f"{d['peak_gpu_mem_mb'] or 0:>11,.0f}{ratio:>10}"
+        )
+    say(
+        f"planner (H200 preset): peak {pred:,.0f} MiB = {pred_no_ovh:,.0f} weights+grads+optimizer+activations "
         f"+ {plan['predicted_overhead_mb']:,.0f} assumed framework overhead ('/planner' divides by the former: "
         "max_memory_allocated excludes the CUDA context); model FLOPs/token "
-        f"{plan['model_flops_per_token']:.4g}; MFU against {PEAK_BF16 / 1e12:g} TFLOP/s (H200 datasheet, dense bf16)")
+        f"{plan['model_flops_per_token']:.4g}; MFU against {PEAK_BF16 / 1e12:g} TFLOP/s (H200 datasheet, dense bf16)"
+    )
     o, b = rows["orchestrator"], rows["bare megatron-core"]
     ratio = o["tokens_per_s"] / b["tokens_per_s"] if o and b else None
     say("ratio orchestrator/bare (tokens/s): " + (f"{ratio:.3f}" if ratio else "n/a"))
@@ -412,8 +556,10 @@ def say_active(ours: Optional[dict], bare: Optional[dict]) -> None:
     """Which fusions and overlaps each side ran with (ours: its megatron_config.json; bare: the golden's)."""
     say(f"fusions/overlaps on, orchestrator (megatron_config.json): {ours if ours else 'n/a'}")
     if bare:
-        say(f"fusions/overlaps on, bare (Megatron-LM's own config): {bare['active']}; turned off on this machine "
-            f"(Megatron-LM would refuse them here): {bare['turned_off_here'] or 'none'}")
+        say(
+            f"fusions/overlaps on, bare (Megatron-LM's own config): {bare['active']}; turned off on this machine "
+            f"(Megatron-LM would refuse them here): {bare['turned_off_here'] or 'none'}"
+        )
     else:
         say("fusions/overlaps on, bare: n/a")
 
@@ -426,8 +572,12 @@ def device_run(a: argparse.Namespace) -> int:
 
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_smoke_out_"))
     work = Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ORCHESTRATOR_CACHE=str(work / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), str(SITE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        ORCHESTRATOR_CACHE=str(work / "cache"),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(SITE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     result: dict = {"ok": False, "python": sys.version.split()[0], "pins": PINS, "args": vars(a)}
 
     def finish(code: int) -> int:
@@ -486,7 +636,9 @@ def dry_run(a: argparse.Namespace) -> int:
     wheels_missing = report_wheels()
     say("        $ " + shlex.join(install_command()))
     say(f"        then PYTHONPATH={REPO}:{SITE}; expected in the GPU image already: {', '.join(ON_THE_BOX)}")
-    say(f"        import check (find_spec, before anything runs; stops naming what is missing): {', '.join(RUN_IMPORTS)}")
+    say(
+        f"        import check (find_spec, before anything runs; stops naming what is missing): {', '.join(RUN_IMPORTS)}"
+    )
     here = missing_imports([str(REPO)])
     say("        of those, missing on this machine: " + (", ".join(here) if here else "none"))
     say("step 2: compose + plan (torch-free), checked here with plan=true:")
@@ -497,28 +649,43 @@ def dry_run(a: argparse.Namespace) -> int:
             plan, spec = plan_and_spec(a, d)
             say(f"        planner: {json.dumps(plan)}")
             m = spec["model"]
-            say(f"        bare-loop spec: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} "
-                f"heads, seq {m['seq_length']}, vocab {spec['padded_vocab_size']}, MBS {spec['mbs']}, GBS {spec['gbs']}")
+            say(
+                f"        bare-loop spec: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} "
+                f"heads, seq {m['seq_length']}, vocab {spec['padded_vocab_size']}, MBS {spec['mbs']}, GBS {spec['gbs']}"
+            )
         except Exception as exc:  # noqa: BLE001
             say(f"        FAILED in-process compose/plan: {type(exc).__name__}: {exc}")
             rc = rc or 1
-    say(f"step 3 (<= {BUDGET_S['orchestrator']} s): $ " + shlex.join([sys.executable, "-m", "orchestrator",
-                                                                   *orchestrator_overrides(a, root)]))
-    say(f"        then reads {root}/gpu_smoke/metrics.jsonl (last {{'event': 'summary'}}: step_time_median_s, "
-        "tokens_per_step, peak_gpu_mem_mb_per_rank)")
-    say(f"step 4 (<= {BUDGET_S['bare']} s): $ {sys.executable} {Path(__file__).resolve()} --bare "
+    say(
+        f"step 3 (<= {BUDGET_S['orchestrator']} s): $ "
+        + shlex.join([sys.executable, "-m", "orchestrator", *orchestrator_overrides(a, root)])
+    )
+    say(
+        f"        then reads {root}/gpu_smoke/metrics.jsonl (last {{'event': 'summary'}}: step_time_median_s, "
+        "tokens_per_step, peak_gpu_mem_mb_per_rank)"
+    )
+    say(
+        f"step 4 (<= {BUDGET_S['bare']} s): $ {sys.executable} {Path(__file__).resolve()} --bare "
         f"{root}/bare_spec.json --bare-out {root}/bare.json   (megatron config: Megatron-LM's own, "
         f"tests/golden/megatron/gpt_125m_1gpu_bf16.json; MBS {a.mbs}, GBS {a.gbs}, {a.iters} iterations, "
-        f"{a.warmup} warm-up)")
+        f"{a.warmup} warm-up)"
+    )
     rc = dry_run_configs(a, root) or rc
-    say(f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
-        f"step 3's (relative {CYCLE_TOL}):")
+    say(
+        f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
+        f"step 3's (relative {CYCLE_TOL}):"
+    )
     for name, cmd in cycle_steps(a, root):
         say(f"        {name}: $ " + shlex.join(cmd))
-    say("step 6: table (tokens/s and MFU orchestrator vs bare and their ratio; peak torch.cuda.max_memory_allocated "
-        "vs the planner) + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare,cycle-save,cycle-resume}.log")
-    say("dry run: " + ("config and plan OK" if rc == 0 else "config/plan check FAILED")
-        + ("; wheels missing (python bench/gpu_smoke.py --fetch)" if wheels_missing else "; wheels present"))
+    say(
+        "step 6: table (tokens/s and MFU orchestrator vs bare and their ratio; peak torch.cuda.max_memory_allocated "
+        "vs the planner) + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare,cycle-save,cycle-resume}.log"
+    )
+    say(
+        "dry run: "
+        + ("config and plan OK" if rc == 0 else "config/plan check FAILED")
+        + ("; wheels missing (python bench/gpu_smoke.py --fetch)" if wheels_missing else "; wheels present")
+    )
     return 0 if rc == 0 else 1
 
 
@@ -535,10 +702,12 @@ def dry_run_configs(a: argparse.Namespace, root: str) -> int:
         golden = load_golden()
         bare = bare_configs(golden, "cuda")
         say(f"        megatron config, orchestrator (device={device}, this machine's packages): on {active_of(ours)}")
-        say(f"        megatron config, bare: Megatron-LM {golden['megatron_lm']['commit'][:7]}'s own "
+        say(
+            f"        megatron config, bare: Megatron-LM {golden['megatron_lm']['commit'][:7]}'s own "
             f"(megatron-core {golden['megatron_lm']['megatron_core']}): on {bare['active']}; turned off here "
             f"(kernels missing): {bare['turned_off'] or 'none'}; {len(bare['dropped'])} golden fields not in this "
-            "megatron-core line")
+            "megatron-core line"
+        )
         return 0
     except Exception as exc:  # noqa: BLE001 - the dry run reports, it does not crash
         say(f"        FAILED building the megatron configs: {type(exc).__name__}: {exc}")

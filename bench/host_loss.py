@@ -43,14 +43,25 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="host_loss-"))
     log = root / "launcher.log"
-    cmd = [sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", "cluster=hosts_dev", "data.stdlib_max_mb=2",
-           "training.eval_iters=0", f"run.root={root}", "run.name=job", "training.train_iters=12",
-           "checkpoint.save_interval=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "+experiment=gpt_pp2_dp2",
+        "cluster=hosts_dev",
+        "data.stdlib_max_mb=2",
+        "training.eval_iters=0",
+        f"run.root={root}",
+        "run.name=job",
+        "training.train_iters=12",
+        "checkpoint.save_interval=3",
+    ]
     load = os.getloadavg()[0]
     start = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
     metrics = root / "job" / "metrics.jsonl"
     while _iteration(metrics) < 1:
         if proc.poll() is not None:
@@ -64,18 +75,24 @@ def main() -> int:
         proc.send_signal(getattr(signal, f"SIG{args.signal.upper()}"))
         killed = time.monotonic()
     else:
-        ssh = next(c for c in psutil.Process(proc.pid).children() if c.cmdline()[:1] == ["ssh"] and args.host in c.cmdline())
+        ssh = next(
+            c for c in psutil.Process(proc.pid).children() if c.cmdline()[:1] == ["ssh"] and args.host in c.cmdline()
+        )
         ssh.kill()
         killed = time.monotonic()
         while f"{args.host}: session ended" not in log.read_text() and proc.poll() is None:
             time.sleep(0.05)
         print(f"{args.host} named {time.monotonic() - killed:.1f} s after kill -9 of its SSH client")
     code = proc.wait()
-    print(f"launcher exited {code}, {time.monotonic() - killed:.1f} s after the {args.signal or 'kill'}; "
-          f"checkpoints: {sorted(p.name for p in (root / 'job' / 'checkpoints').glob('iter_*'))}")
+    print(
+        f"launcher exited {code}, {time.monotonic() - killed:.1f} s after the {args.signal or 'kill'}; "
+        f"checkpoints: {sorted(p.name for p in (root / 'job' / 'checkpoints').glob('iter_*'))}"
+    )
     job = next((root / "job" / "agents").iterdir()).name
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if job in " ".join(p.info["cmdline"] or [])]
-    print(f"processes of job {job} left: {left or 'none'}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(
+        f"processes of job {job} left: {left or 'none'}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
     return 0 if not left else 1
 
 

@@ -44,9 +44,11 @@ sys.path.insert(0, str(REPO))
 from orchestrator.ckpt import history  # noqa: E402
 from orchestrator.io import append_jsonl  # noqa: E402
 
-RECORD = ('{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
-          '"max_gpu_mem_mb": null, "max_rss_mb": 1630.2, "skipped": false, "step_time_s": 0.5, '
-          '"throughput_tflops": 0.012, "time": {t:.3f}, "tokens_per_s": 8192.0}}\n')
+RECORD = (
+    '{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
+    '"max_gpu_mem_mb": null, "max_rss_mb": 1630.2, "skipped": false, "step_time_s": 0.5, '
+    '"throughput_tflops": 0.012, "time": {t:.3f}, "tokens_per_s": 8192.0}}\n'
+)
 
 
 # ---- 1. status ---------------------------------------------------------------------------------------
@@ -55,8 +57,17 @@ def bench_status(root: Path, iterations: int = 100_000) -> None:
 
     run = root / "runs" / "long"
     run.mkdir(parents=True)
-    append_jsonl(run / "metrics.jsonl", {"event": "start", "iteration": 0, "train_iters": 2 * iterations,
-                                         "resumed_from": None, "load_s": None, "time": time.time()})
+    append_jsonl(
+        run / "metrics.jsonl",
+        {
+            "event": "start",
+            "iteration": 0,
+            "train_iters": 2 * iterations,
+            "resumed_from": None,
+            "load_s": None,
+            "time": time.time(),
+        },
+    )
     with open(run / "metrics.jsonl", "a") as f:
         f.writelines(RECORD.format(s=8 * i, i=i, loss=10 - i * 1e-5, t=1.7e9 + i) for i in range(1, iterations + 1))
     job_id = str(os.getpid())  # a live local job: this process
@@ -68,34 +79,63 @@ def bench_status(root: Path, iterations: int = 100_000) -> None:
         table = status.format_table([status.run_status(d) for d in status.find_runs(root / "runs")], root / "runs")
         walls.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    cli = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root / "runs")], cwd=REPO,
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(root / "runs")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     cli_s = time.perf_counter() - t0
     row = table.splitlines()[1].split()
-    size = (run / "metrics.jsonl").stat().st_size / 2 ** 20
+    size = (run / "metrics.jsonl").stat().st_size / 2**20
     print(f"1. status of a run with {iterations:,} iteration records ({size:.1f} MiB metrics.jsonl):")
     print(f"   {table.splitlines()[0]}\n   {table.splitlines()[1]}")
     print(f"   total shown: {'/' in row[5]}, tokens/s shown: {row[7] != '-'}, ETA shown: {row[8] != '-'}")
-    print(f"   in process: {statistics.median(walls) * 1000:.1f} ms median of 5 (target <= 500 ms); "
-          f"`python -m orchestrator status` command: {cli_s:.2f} s wall (exit {cli.returncode})")
+    print(
+        f"   in process: {statistics.median(walls) * 1000:.1f} ms median of 5 (target <= 500 ms); "
+        f"`python -m orchestrator status` command: {cli_s:.2f} s wall (exit {cli.returncode})"
+    )
 
 
 # ---- 2. saves --------------------------------------------------------------------------------------
 def _job(root: Path, name: str, iters: int) -> List[dict]:
     """The real CLI: gpt_tiny, one rank, mock data, a save after every iteration, every checkpoint kept."""
-    args = ["model=gpt_tiny", "parallelism=none", "data=mock", "training.micro_batch_size=1",
-            "training.global_batch_size=1", f"training.train_iters={iters}", "checkpoint.save_interval=1",
-            "checkpoint.keep_last=3", "checkpoint.keep_every=1", "training.eval_iters=0", "training.log_interval=50",
-            "logging.tensorboard=false", f"run.root={root}", f"run.name={name}"]
-    env = dict(os.environ, ORCHESTRATOR_CACHE=str(root / "cache"), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    args = [
+        "model=gpt_tiny",
+        "parallelism=none",
+        "data=mock",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=1",
+        f"training.train_iters={iters}",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=3",
+        "checkpoint.keep_every=1",
+        "training.eval_iters=0",
+        "training.log_interval=50",
+        "logging.tensorboard=false",
+        f"run.root={root}",
+        f"run.name={name}",
+    ]
+    env = dict(
+        os.environ,
+        ORCHESTRATOR_CACHE=str(root / "cache"),
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         sys.exit(f"the job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"   {name} to iteration {iters}: {time.perf_counter() - t0:.0f} s wall", flush=True)
-    return [r for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())
-            if r.get("event") == "saved" and r["iteration"] > iters - saves_of(iters)]
+    return [
+        r
+        for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())
+        if r.get("event") == "saved" and r["iteration"] > iters - saves_of(iters)
+    ]
 
 
 def saves_of(iters: int) -> int:
@@ -125,8 +165,9 @@ def faithful_copy(source: Path, iteration: int) -> Path:
 def bench_saves(root: Path, saves: int = 20) -> None:
     from orchestrator.ckpt.manifest import list_checkpoints
 
-    print(f"2. saves (gpt_tiny, 1 rank, a save per iteration, every checkpoint kept; {saves} saves per job):",
-          flush=True)
+    print(
+        f"2. saves (gpt_tiny, 1 rank, a save per iteration, every checkpoint kept; {saves} saves per job):", flush=True
+    )
     _job(root, "long", 1)
     save_dir = root / "long" / "checkpoints"
     for it in range(2, 200):
@@ -141,20 +182,30 @@ def bench_saves(root: Path, saves: int = 20) -> None:
 
     base_first = statistics.mean([fresh[0]["blocking_s"], again[0]["blocking_s"]])
     base_rest = statistics.mean([med(fresh[1:]), med(again[1:])])
-    print(f"   first save of the job: checkpoint 1 {fresh[0]['blocking_s']:.3f} / {again[0]['blocking_s']:.3f} s, "
-          f"checkpoint 200 {long[0]['blocking_s']:.3f} s -> ratio {long[0]['blocking_s'] / base_first:.2f}")
-    print(f"   later saves (median): checkpoints 2-{saves} {med(fresh[1:]):.3f} / {med(again[1:]):.3f} s, "
-          f"checkpoints 201-{199 + saves} {med(long[1:]):.3f} s -> ratio {med(long[1:]) / base_rest:.2f} (target <= 1.1)")
+    print(
+        f"   first save of the job: checkpoint 1 {fresh[0]['blocking_s']:.3f} / {again[0]['blocking_s']:.3f} s, "
+        f"checkpoint 200 {long[0]['blocking_s']:.3f} s -> ratio {long[0]['blocking_s'] / base_first:.2f}"
+    )
+    print(
+        f"   later saves (median): checkpoints 2-{saves} {med(fresh[1:]):.3f} / {med(again[1:]):.3f} s, "
+        f"checkpoints 201-{199 + saves} {med(long[1:]):.3f} s -> ratio {med(long[1:]) / base_rest:.2f} (target <= 1.1)"
+    )
     scanning = [r["iteration"] for r in long if r["prune_s"] == 0.0]  # after_save returns at once while it runs
-    print(f"   saves made while the job's start-up check of the {n - saves} checkpoints on disk still ran (a thread; "
-          f"they pay its share of the interpreter): {scanning}, blocking "
-          f"{[round(r['blocking_s'], 3) for r in long if r['iteration'] in scanning]} s")
-    print(f"   retention's part (prune_s, median): {statistics.median(r['prune_s'] for r in fresh) * 1000:.1f} ms with "
-          f"1-{saves} on disk, {statistics.median(r['prune_s'] for r in long) * 1000:.1f} ms with {n}")
+    print(
+        f"   saves made while the job's start-up check of the {n - saves} checkpoints on disk still ran (a thread; "
+        f"they pay its share of the interpreter): {scanning}, blocking "
+        f"{[round(r['blocking_s'], 3) for r in long if r['iteration'] in scanning]} s"
+    )
+    print(
+        f"   retention's part (prune_s, median): {statistics.median(r['prune_s'] for r in fresh) * 1000:.1f} ms with "
+        f"1-{saves} on disk, {statistics.median(r['prune_s'] for r in long) * 1000:.1f} ms with {n}"
+    )
     t0 = time.perf_counter()
     infos = list_checkpoints(save_dir, verify=True)
-    print(f"   re-verifying all {len(infos)} kept checkpoints (what each save used to add): "
-          f"{time.perf_counter() - t0:.3f} s")
+    print(
+        f"   re-verifying all {len(infos)} kept checkpoints (what each save used to add): "
+        f"{time.perf_counter() - t0:.3f} s"
+    )
 
 
 # ---- 3. launcher poll ------------------------------------------------------------------------------
@@ -171,9 +222,19 @@ def bench_poll(root: Path, world: int = 1024) -> None:
     run = root / "hb"
     (run / "heartbeat").mkdir(parents=True)
     for r in range(world):
-        rec = {"rank": r, "host": f"node{r // 8:03d}", "pid": 10_000 + r, "job_id": "4711", "attempt": 0,
-               "iteration": 99_999, "beats": 99_999, "phase": "train", "allowance_s": 300.0, "alive": 20_000,
-               "time": time.time()}
+        rec = {
+            "rank": r,
+            "host": f"node{r // 8:03d}",
+            "pid": 10_000 + r,
+            "job_id": "4711",
+            "attempt": 0,
+            "iteration": 99_999,
+            "beats": 99_999,
+            "phase": "train",
+            "allowance_s": 300.0,
+            "alive": 20_000,
+            "time": time.time(),
+        }
         write_heartbeat(heartbeat_path(run, r), rec)
         write_slot(slots_path(run), r, rec)
     opened: List[str] = []
@@ -198,8 +259,10 @@ def bench_poll(root: Path, world: int = 1024) -> None:
     now_ms, now_opens = measure(watch.silent_for)
     assert len(watch.last) == world and watch.hung() is None, len(watch.last)
     old_ms, old_opens = measure(lambda: [read_heartbeat(heartbeat_path(run, r)) for r in range(world)])
-    print(f"3. the launcher's poll at {world:,} ranks: {now_ms:.1f} ms, {now_opens} file open(s) per poll "
-          f"(target <= 50 ms, constant); one file per rank (before): {old_ms:.1f} ms, {old_opens} opens")
+    print(
+        f"3. the launcher's poll at {world:,} ranks: {now_ms:.1f} ms, {now_opens} file open(s) per poll "
+        f"(target <= 50 ms, constant); one file per rank (before): {old_ms:.1f} ms, {old_opens} opens"
+    )
 
 
 def main() -> None:

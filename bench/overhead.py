@@ -38,10 +38,16 @@ REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
 
 
-def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: int, mbs: int, gbs: int,
-                 port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+def _bare_worker(
+    rank: int, world: int, tp: int, pp: int, iters: int, warmup: int, mbs: int, gbs: int, port: int, out: str
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
+    )
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -61,25 +67,46 @@ def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: in
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     seq, vocab = 128, 384 if tp == 1 else 512
-    config = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
-                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                               pipeline_dtype=torch.float32, bias_activation_fusion=False,
-                               masked_softmax_fusion=False, bias_dropout_fusion=False,
-                               gradient_accumulation_fusion=False, persist_layer_norm=False,
-                               deallocate_pipeline_outputs=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-                     max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  module=model)
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 256, (mbs, seq), generator=gen)
-    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
-             "position_ids": torch.arange(seq).expand(mbs, seq), "loss_mask": torch.ones(mbs, seq)}
+    batch = {
+        "tokens": tokens,
+        "labels": torch.roll(tokens, -1, 1),
+        "position_ids": torch.arange(seq).expand(mbs, seq),
+        "loss_mask": torch.ones(mbs, seq),
+    }
 
     def step(it, m):
         out = m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -93,8 +120,15 @@ def _bare_worker(rank: int, world: int, tp: int, pp: int, iters: int, warmup: in
         t0, c0 = time.perf_counter(), time.process_time()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        fb(forward_step_func=step, data_iterator=iter([None] * m), model=[ddp], num_microbatches=m,
-           seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        fb(
+            forward_step_func=step,
+            data_iterator=iter([None] * m),
+            model=[ddp],
+            num_microbatches=m,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -112,24 +146,42 @@ def bare(tp, pp, dp, iters, warmup, mbs, gbs) -> Tuple[float, float]:
     world = tp * pp * dp
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bare.json")
-        mp.spawn(_bare_worker, args=(world, tp, pp, iters, warmup, mbs, gbs, 29000 + os.getpid() % 1000, out),
-                 nprocs=world)
+        mp.spawn(
+            _bare_worker, args=(world, tp, pp, iters, warmup, mbs, gbs, 29000 + os.getpid() % 1000, out), nprocs=world
+        )
         result = json.loads(Path(out).read_text())
         return result["median_s"], result["cpu_median_s"]
 
 
 def _orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root: Path, tag: str) -> List[str]:
-    return [sys.executable, "-m", "orchestrator", f"parallelism={parallelism}", f"run.root={root}",
-            f"run.name=bench_{tag}", f"training.train_iters={iters}", f"training.timing_warmup_iters={warmup}",
-            f"training.micro_batch_size={mbs}", f"training.global_batch_size={gbs}",
-            f"training.log_interval={log_interval}", "training.eval_iters=0", "data.stdlib_max_mb=2",
-            "checkpoint.save_at_end=false", "checkpoint.save_interval=null", "optimizer.lr_warmup_iters=0"]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        f"parallelism={parallelism}",
+        f"run.root={root}",
+        f"run.name=bench_{tag}",
+        f"training.train_iters={iters}",
+        f"training.timing_warmup_iters={warmup}",
+        f"training.micro_batch_size={mbs}",
+        f"training.global_batch_size={gbs}",
+        f"training.log_interval={log_interval}",
+        "training.eval_iters=0",
+        "data.stdlib_max_mb=2",
+        "checkpoint.save_at_end=false",
+        "checkpoint.save_interval=null",
+        "optimizer.lr_warmup_iters=0",
+    ]
 
 
 def orchestrated(parallelism, iters, warmup, mbs, gbs, log_interval, root: Path, tag: str) -> Tuple[float, float]:
     """(median wall, median CPU) seconds per step the orchestrator's summary reports (logging rank)."""
-    subprocess.run(_orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root, tag),
-                   cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        _orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root, tag),
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     lines = (root / f"bench_{tag}" / "metrics.jsonl").read_text().splitlines()
     summary = [json.loads(l) for l in lines if '"summary"' in l][-1]
     return summary["step_time_median_s"], summary["step_cpu_time_median_s"]
@@ -157,8 +209,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--gbs", type=int, default=16)
-    ap.add_argument("--log-interval", type=int, default=10,
-                    help="orchestrator training.log_interval (records, TensorBoard and the loss sync happen there)")
+    ap.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="orchestrator training.log_interval (records, TensorBoard and the loss sync happen there)",
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-steps", action="store_true", help="only the 1-iteration job comparison")
     ap.add_argument("--skip-job", action="store_true", help="only the steady-state step comparison")
@@ -176,42 +232,77 @@ def main() -> None:
         if not args.skip_steps:
             bares, orchs = [], []
             for r in range(args.repeats):  # alternate which goes first: the machine's load drifts
-                for which in (("bare", "orch") if r % 2 == 0 else ("orch", "bare")):
+                for which in ("bare", "orch") if r % 2 == 0 else ("orch", "bare"):
                     if which == "bare":
                         bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs))
                     else:
-                        orchs.append(orchestrated(args.parallelism, args.iters, args.warmup, args.mbs, args.gbs,
-                                                  args.log_interval, root, str(r)))
-                print(f"repeat {r}: bare {bares[-1][0] * 1e3:.1f} ms/step ({bares[-1][1] * 1e3:.1f} ms CPU), "
-                      f"orchestrator {orchs[-1][0] * 1e3:.1f} ms/step ({orchs[-1][1] * 1e3:.1f} ms CPU)", flush=True)
+                        orchs.append(
+                            orchestrated(
+                                args.parallelism,
+                                args.iters,
+                                args.warmup,
+                                args.mbs,
+                                args.gbs,
+                                args.log_interval,
+                                root,
+                                str(r),
+                            )
+                        )
+                print(
+                    f"repeat {r}: bare {bares[-1][0] * 1e3:.1f} ms/step ({bares[-1][1] * 1e3:.1f} ms CPU), "
+                    f"orchestrator {orchs[-1][0] * 1e3:.1f} ms/step ({orchs[-1][1] * 1e3:.1f} ms CPU)",
+                    flush=True,
+                )
         if not args.skip_job:
             bare_jobs, orch_jobs = [], []
-            bare_job = [sys.executable, str(Path(__file__).resolve()), "--bare-job", "--parallelism",
-                        args.parallelism, "--mbs", str(args.mbs), "--gbs", str(args.gbs)]
+            bare_job = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--bare-job",
+                "--parallelism",
+                args.parallelism,
+                "--mbs",
+                str(args.mbs),
+                "--gbs",
+                str(args.gbs),
+            ]
             for r in range(args.repeats):
-                for which in (("bare", "orch") if r % 2 == 0 else ("orch", "bare")):
+                for which in ("bare", "orch") if r % 2 == 0 else ("orch", "bare"):
                     if which == "bare":
                         bare_jobs.append(job_seconds(bare_job))
                     else:
-                        orch_jobs.append(job_seconds(_orchestrator_args(args.parallelism, 1, 0, args.mbs, args.gbs,
-                                                                        1, root, f"job{r}")))
-                print(f"repeat {r}: 1-iteration job: bare {bare_jobs[-1]:.2f} s, orchestrator {orch_jobs[-1]:.2f} s",
-                      flush=True)
-    print(f"gpt_tiny {args.parallelism} (TP{tp} PP{pp} DP{dp}), MBS {args.mbs}, GBS {args.gbs}, "
-          f"{args.iters} iterations ({args.warmup} warm-up, log_interval {args.log_interval}) x {args.repeats} repeats")
+                        orch_jobs.append(
+                            job_seconds(
+                                _orchestrator_args(args.parallelism, 1, 0, args.mbs, args.gbs, 1, root, f"job{r}")
+                            )
+                        )
+                print(
+                    f"repeat {r}: 1-iteration job: bare {bare_jobs[-1]:.2f} s, orchestrator {orch_jobs[-1]:.2f} s",
+                    flush=True,
+                )
+    print(
+        f"gpt_tiny {args.parallelism} (TP{tp} PP{pp} DP{dp}), MBS {args.mbs}, GBS {args.gbs}, "
+        f"{args.iters} iterations ({args.warmup} warm-up, log_interval {args.log_interval}) x {args.repeats} repeats"
+    )
     if not args.skip_steps:
         for what, i in (("wall", 0), ("CPU", 1)):
             b, o = [x[i] for x in bares], [x[i] for x in orchs]
             print(f"step {what} time: bare {_ms(b)}, orchestrator {_ms(o)}")
-            print(f"step ratio orchestrator/bare ({what}): {statistics.median(o) / statistics.median(b):.3f} "
-                  f"of medians, {min(o) / min(b):.3f} of minima (target <= 1.02)")
+            print(
+                f"step ratio orchestrator/bare ({what}): {statistics.median(o) / statistics.median(b):.3f} "
+                f"of medians, {min(o) / min(b):.3f} of minima (target <= 1.02)"
+            )
     if not args.skip_job:
         bj, oj = statistics.median(bare_jobs), statistics.median(orch_jobs)
-        print(f"1-iteration job: bare {bj:.2f} s, orchestrator {oj:.2f} s (medians; minima {min(bare_jobs):.2f} s, "
-              f"{min(orch_jobs):.2f} s; the orchestrator's includes composing, validating, the data cache check, "
-              "submission and the launcher's wait)")
-        print(f"1-iteration job ratio orchestrator/bare: {oj / bj:.3f} of medians, "
-              f"{min(orch_jobs) / min(bare_jobs):.3f} of minima (target <= 1.10)")
+        print(
+            f"1-iteration job: bare {bj:.2f} s, orchestrator {oj:.2f} s (medians; minima {min(bare_jobs):.2f} s, "
+            f"{min(orch_jobs):.2f} s; the orchestrator's includes composing, validating, the data cache check, "
+            "submission and the launcher's wait)"
+        )
+        print(
+            f"1-iteration job ratio orchestrator/bare: {oj / bj:.3f} of medians, "
+            f"{min(orch_jobs) / min(bare_jobs):.3f} of minima (target <= 1.10)"
+        )
     print(f"after: {_load()}", flush=True)
 
 

@@ -24,18 +24,33 @@ from pathlib import Path
 from typing import List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-SEED = ["model=gpt_6.7b", "parallelism=pp4", "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
-        "training.precision=bf16", "training.micro_batch_size=4", "training.global_batch_size=256", "gpu=A100-40GB",
-        "model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1",
-        "parallelism.virtual_pipeline_model_parallel_size=2"]
+SEED = [
+    "model=gpt_6.7b",
+    "parallelism=pp4",
+    "parallelism.data_parallel_size=null",
+    "cluster=slurm_a100_4x8",
+    "training.precision=bf16",
+    "training.micro_batch_size=4",
+    "training.global_batch_size=256",
+    "gpu=A100-40GB",
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
+    "parallelism.virtual_pipeline_model_parallel_size=2",
+]
 
 
 def timed(args: List[str], cwd: Path) -> Tuple[float, float]:
     """(wall s, CPU s) of one ``python -m orchestrator ARGS`` (exits 0 or the bench stops)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -57,12 +72,16 @@ def main() -> int:
             drawn.append(timed(base + [f"plan_picture={png}"], cwd))
         size = png.stat().st_size
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
-    print(f"plan=true, median of {args.repeat}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}: "
-          f"{' '.join(base[:-1])}")
+    print(
+        f"plan=true, median of {args.repeat}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}: "
+        f"{' '.join(base[:-1])}"
+    )
     print(f"  plan alone:         {med(plain, 0):.2f} s wall, {med(plain, 1):.2f} s CPU")
     print(f"  with plan_picture:  {med(drawn, 0):.2f} s wall, {med(drawn, 1):.2f} s CPU ({size / 1024:.0f} KiB PNG)")
-    print(f"  the picture adds:   {med(drawn, 0) - med(plain, 0):+.2f} s wall, {med(drawn, 1) - med(plain, 1):+.2f} s CPU"
-          f" (goal: under 1 s)")
+    print(
+        f"  the picture adds:   {med(drawn, 0) - med(plain, 0):+.2f} s wall, {med(drawn, 1) - med(plain, 1):+.2f} s CPU"
+        f" (goal: under 1 s)"
+    )
     return 0
 
 

@@ -70,8 +70,12 @@ def train_bpe(corpus_file: Path, vocab_size: int, out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     with corpus_file.open(encoding="utf-8") as f:
         texts = (json.loads(line)["text"] for line in f)
-        tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.train_from_iterator(
+            texts,
+            trainers.BpeTrainer(
+                vocab_size=vocab_size - 1, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            ),
+        )
     tok.add_special_tokens(["<|endoftext|>"])  # last id, as in GPT-2
     vocab, merges = tok.model.save(str(out), "bench")
     vocab_file = Path(vocab)
@@ -84,19 +88,44 @@ def train_bpe(corpus_file: Path, vocab_size: int, out: Path):
 def run_upstream(args, vocab: Path, merges: Path, work: Path) -> tuple:
     prefix = work / "upstream"
     if args.upstream_tokenizer == "legacy":
-        tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab), "--merge-file", str(merges),
-               "--legacy-tokenizer"]
+        tok = [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            str(vocab),
+            "--merge-file",
+            str(merges),
+            "--legacy-tokenizer",
+        ]
     else:
         hf = work / "hf-gpt2"
         hf.mkdir(exist_ok=True)
         (hf / "vocab.json").write_bytes(vocab.read_bytes())
         (hf / "merges.txt").write_bytes(merges.read_bytes())
-        (hf / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
-             "unk_token": "<|endoftext|>", "model_max_length": 1 << 30}))
+        (hf / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "GPT2Tokenizer",
+                    "eos_token": "<|endoftext|>",
+                    "bos_token": "<|endoftext|>",
+                    "unk_token": "<|endoftext|>",
+                    "model_max_length": 1 << 30,
+                }
+            )
+        )
         tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf)]
-    cmd = [sys.executable, str(Path(args.megatron_lm) / "tools" / "preprocess_data.py"), "--input", str(args.input),
-           "--output-prefix", str(prefix), "--append-eod", "--workers", str(args.workers), *tok]
+    cmd = [
+        sys.executable,
+        str(Path(args.megatron_lm) / "tools" / "preprocess_data.py"),
+        "--input",
+        str(args.input),
+        "--output-prefix",
+        str(prefix),
+        "--append-eod",
+        "--workers",
+        str(args.workers),
+        *tok,
+    ]
     env = dict(os.environ, PYTHONPATH=str(Path(args.megatron_lm).resolve()), TOKENIZERS_PARALLELISM="false")
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -107,8 +136,15 @@ def run_upstream(args, vocab: Path, merges: Path, work: Path) -> tuple:
 
 
 def run_ours(args, vocab: Path, merges: Path, work: Path) -> tuple:
-    spec = json.dumps({"input": str(args.input), "vocab": str(vocab), "merges": str(merges),
-                       "workers": args.workers, "cache": tempfile.mkdtemp(prefix="cache-", dir=work)})  # cold
+    spec = json.dumps(
+        {
+            "input": str(args.input),
+            "vocab": str(vocab),
+            "merges": str(merges),
+            "workers": args.workers,
+            "cache": tempfile.mkdtemp(prefix="cache-", dir=work),
+        }
+    )  # cold
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", OURS, spec], env=env, capture_output=True, text=True)
@@ -156,8 +192,11 @@ def main() -> int:
     if vocab is None or merges is None:
         vocab, merges = train_bpe(args.input, args.vocab_size, work)
     size_mb = args.input.stat().st_size / 1e6
-    print(f"corpus {args.input} ({size_mb:.1f} MB), GPT-2 BPE {vocab} ({len(json.loads(vocab.read_text()))} ids), "
-          f"{args.workers} workers, upstream tokenizer: {args.upstream_tokenizer}", flush=True)
+    print(
+        f"corpus {args.input} ({size_mb:.1f} MB), GPT-2 BPE {vocab} ({len(json.loads(vocab.read_text()))} ids), "
+        f"{args.workers} workers, upstream tokenizer: {args.upstream_tokenizer}",
+        flush=True,
+    )
     up_prefix, up_s = run_upstream(args, vocab, merges, work)
     our_prefix, our_s = run_ours(args, vocab, merges, work)
     docs, tokens, diff, dtypes = compare(our_prefix, up_prefix)
@@ -165,8 +204,10 @@ def main() -> int:
     print(f"orchestrator:       {our_s:.1f} s, {tokens / our_s:,.0f} tokens/s")
     print(f"ours / preprocess_data.py: {up_s / our_s:.2f} (tokens/s)")
     same = diff is None and dtypes[0] == dtypes[1]
-    print(f"same token ids: {'yes' if same else 'NO'} ({docs:,} documents, {tokens:,} tokens, dtype {dtypes[0]} "
-          f"vs {dtypes[1]}{'' if diff is None else f'; first difference: document {diff}'})")
+    print(
+        f"same token ids: {'yes' if same else 'NO'} ({docs:,} documents, {tokens:,} tokens, dtype {dtypes[0]} "
+        f"vs {dtypes[1]}{'' if diff is None else f'; first difference: document {diff}'})"
+    )
     return 0 if same else 1
 
 

@@ -46,9 +46,21 @@ def _records(run_dir: Path) -> List[Dict]:
 def one(kind: str, at: int, rank: int) -> Dict[str, object]:
     root = Path(tempfile.mkdtemp(prefix=f"restart-{kind}-"))
     run_dir = root / "job"
-    cmd = [sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.eval_iters=0",
-           "training.log_interval=1", f"run.root={root}", "run.name=job", f"training.train_iters={at + 6}",
-           "checkpoint.save_interval=4", "cluster.max_restarts=1", *CLUSTERS[kind]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "+experiment=gpt_pp2_dp2",
+        "data.stdlib_max_mb=2",
+        "training.eval_iters=0",
+        "training.log_interval=1",
+        f"run.root={root}",
+        "run.name=job",
+        f"training.train_iters={at + 6}",
+        "checkpoint.save_interval=4",
+        "cluster.max_restarts=1",
+        *CLUSTERS[kind],
+    ]
     launched = time.time()
     with open(root / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -79,10 +91,19 @@ def one(kind: str, at: int, rank: int) -> Dict[str, object]:
         requeues = next((f.split("=", 1)[1] for f in out.split() if f.startswith("Restarts=")), "?")
     load_s = float(starts[-1].get("load_s") or 0.0)
     start_up = first - launched
-    return {"cluster": kind, "exit": code, "start_up_s": round(start_up, 1), "load_s": round(load_s, 2),
-            "kill_to_new_iteration_s": round(new_iteration - killed, 1), "recorded_recovery_s": resumed.get("recovery_s"),
-            "goal_s": round(start_up + load_s + 15, 1), "within_goal": new_iteration - killed <= start_up + load_s + 15,
-            "slurm_requeues": requeues, "job": job_id, "run_dir": str(run_dir)}
+    return {
+        "cluster": kind,
+        "exit": code,
+        "start_up_s": round(start_up, 1),
+        "load_s": round(load_s, 2),
+        "kill_to_new_iteration_s": round(new_iteration - killed, 1),
+        "recorded_recovery_s": resumed.get("recovery_s"),
+        "goal_s": round(start_up + load_s + 15, 1),
+        "within_goal": new_iteration - killed <= start_up + load_s + 15,
+        "slurm_requeues": requeues,
+        "job": job_id,
+        "run_dir": str(run_dir),
+    }
 
 
 def main() -> int:

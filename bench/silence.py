@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 def stamped_run(argv: List[str], env: dict, cwd: str) -> Tuple[int, List[Tuple[float, str]], float]:
     """(exit code, [(seconds since start, line)], total seconds) of ``argv``, stdout and stderr merged."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     lines: List[Tuple[float, str]] = []
 
     def read() -> None:
@@ -65,8 +66,14 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     if args.cold:
         env["ORCHESTRATOR_CACHE"] = str(Path(work) / "cache")
-    argv = [sys.executable, "-m", "orchestrator", f"+experiment={args.experiment}", f"run.root={work}/runs",
-            *args.overrides]
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        f"+experiment={args.experiment}",
+        f"run.root={work}/runs",
+        *args.overrides,
+    ]
     load_before = os.getloadavg()
     code, lines, total = stamped_run(argv, env, work)
     load_after = os.getloadavg()
@@ -76,15 +83,19 @@ def main() -> int:
     if args.show:
         print("\n".join(f"{t:7.2f}  {line}" for t, line in lines))
     print(f"command: {' '.join(argv[2:])}{' (cold data cache)' if args.cold else ''}")
-    print(f"exit {code} after {total:.1f} s, {len(lines)} lines; first line after {lines[0][0] if lines else total:.2f} s")
+    print(
+        f"exit {code} after {total:.1f} s, {len(lines)} lines; first line after {lines[0][0] if lines else total:.2f} s"
+    )
     before = text[at - 1] if at > 0 else "(start)"
     after = text[at] if at < len(text) else "(exit)"
     print(f"longest silence: {longest:.2f} s, between\n  {before!r}\n  {after!r}")
     over = [(g, i) for g, i in ranked if g > args.goal]
     for g, i in over[1:6]:
         print(f"  also {g:.2f} s before {text[i] if i < len(text) else '(exit)'!r}")
-    print(f"silences over {args.goal:g} s: {len(over)}; load average before {load_before[0]:.1f}, "
-          f"after {load_after[0]:.1f} ({os.cpu_count()} cores)")
+    print(
+        f"silences over {args.goal:g} s: {len(over)}; load average before {load_before[0]:.1f}, "
+        f"after {load_after[0]:.1f} ({os.cpu_count()} cores)"
+    )
     if code != 0:
         print("\n".join(text[-20:]))
     return 0 if longest <= args.goal and code == 0 else 1

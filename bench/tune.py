@@ -46,10 +46,20 @@ from orchestrator.plan.profile import device_key, load_profile  # noqa: E402
 from orchestrator.sweep import search  # noqa: E402
 
 BASE = ["+experiment=gpt_pp2_dp2", "data=mock"]
-SPACE = ["tune.tp=1,2,4", "tune.pp=1,2,4", "tune.vpp=null,2", "tune.mbs=1,2,4", "tune.recompute=none",
-         "tune.sequence_parallel=false", "tune.distributed_optimizer=false"]
+SPACE = [
+    "tune.tp=1,2,4",
+    "tune.pp=1,2,4",
+    "tune.vpp=null,2",
+    "tune.mbs=1,2,4",
+    "tune.recompute=none",
+    "tune.sequence_parallel=false",
+    "tune.distributed_optimizer=false",
+]
 SHIPPED = {  # shipped parallelism option -> (TP, PP, VPP, DP)
-    "none": (1, 1, None, 1), "pp2_dp2": (1, 2, None, 2), "pp2_vpp2_dp2": (1, 2, 2, 2), "pp4": (1, 4, None, 1),
+    "none": (1, 1, None, 1),
+    "pp2_dp2": (1, 2, None, 2),
+    "pp2_vpp2_dp2": (1, 2, 2, 2),
+    "pp4": (1, 4, None, 1),
     "tp2_pp2": (2, 2, None, 1),
 }
 
@@ -63,10 +73,18 @@ def tune_cli(args: List[str], cache: Path, log: Path) -> float:
     start = time.time()
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
     with log.open("w") as fh:
-        rc = subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], cwd=REPO, env=env, stdout=fh,
-                            stderr=subprocess.STDOUT).returncode
-    print(f"  {' '.join(a for a in args if a.startswith('tune.name'))}: exit {rc}, {time.time() - start:.0f} s "
-          f"(log {log}); load {load()}", flush=True)
+        rc = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "tune", *args],
+            cwd=REPO,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    print(
+        f"  {' '.join(a for a in args if a.startswith('tune.name'))}: exit {rc}, {time.time() - start:.0f} s "
+        f"(log {log}); load {load()}",
+        flush=True,
+    )
     return time.time() - start
 
 
@@ -77,7 +95,11 @@ def points(tune_dir: Path) -> List[dict]:
         return out
     for d in sorted((p for p in tune_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
         point = json.loads((d / "point.json").read_text())
-        records = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] if (d / "metrics.jsonl").exists() else []
+        records = (
+            [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+            if (d / "metrics.jsonl").exists()
+            else []
+        )
         point["summary"] = next((r for r in reversed(records) if r.get("event") == "summary"), None)
         point["training_s"] = sum(r["step_time_s"] for r in records if "step_time_s" in r and "event" not in r)
         out.append(point)
@@ -86,8 +108,13 @@ def points(tune_dir: Path) -> List[dict]:
 
 def key_of(point: dict) -> tuple:
     lay = point["layout"]
-    return (lay["tensor_model_parallel_size"], lay["pipeline_model_parallel_size"],
-            lay["virtual_pipeline_model_parallel_size"], lay["data_parallel_size"], lay["micro_batch_size"])
+    return (
+        lay["tensor_model_parallel_size"],
+        lay["pipeline_model_parallel_size"],
+        lay["virtual_pipeline_model_parallel_size"],
+        lay["data_parallel_size"],
+        lay["micro_batch_size"],
+    )
 
 
 def tokens_per_s(point: dict) -> Optional[float]:
@@ -112,19 +139,25 @@ def report(root: Path) -> int:
     winner = max(done, key=tokens_per_s)
     in_grid = grid_speed.get(key_of(winner))
     third = len(grid) / 3
-    print(f"\ntune: {len(tuned)} trials (grid {len(grid)}: {'<=' if len(tuned) <= third else '>'} 1/3 = {third:.1f}); "
-          f"winner {winner['tune']['label']}: {tokens_per_s(winner):,.0f} tokens/s in its trial, "
-          f"{in_grid or 0:,.0f} in the grid")
+    print(
+        f"\ntune: {len(tuned)} trials (grid {len(grid)}: {'<=' if len(tuned) <= third else '>'} 1/3 = {third:.1f}); "
+        f"winner {winner['tune']['label']}: {tokens_per_s(winner):,.0f} tokens/s in its trial, "
+        f"{in_grid or 0:,.0f} in the grid"
+    )
     ratio = (in_grid or 0) / measured[best_key]
     best_label = next(p["tune"]["label"] for p in grid if key_of(p) == best_key)
-    print(f"grid best {best_label}: {measured[best_key]:,.0f} tokens/s; "
-          f"tune's winner reaches {ratio:.1%} of it in the grid ({'within' if ratio >= 0.95 else 'NOT within'} 5%); "
-          f"its own trial: {tokens_per_s(winner) / measured[best_key]:.1%}")
+    print(
+        f"grid best {best_label}: {measured[best_key]:,.0f} tokens/s; "
+        f"tune's winner reaches {ratio:.1%} of it in the grid ({'within' if ratio >= 0.95 else 'NOT within'} 5%); "
+        f"its own trial: {tokens_per_s(winner) / measured[best_key]:.1%}"
+    )
     again = [(tokens_per_s(p), grid_speed.get(key_of(p))) for p in done if grid_speed.get(key_of(p))]
     if again:
         diffs = [abs(a / b - 1) for a, b in again]
-        print(f"run to run: tune's {len(again)} trials vs the same layouts in the grid: |difference| mean "
-              f"{sum(diffs) / len(diffs):.1%}, max {max(diffs):.1%} (the noise under every error below)")
+        print(
+            f"run to run: tune's {len(again)} trials vs the same layouts in the grid: |difference| mean "
+            f"{sum(diffs) / len(diffs):.1%}, max {max(diffs):.1%} (the noise under every error below)"
+        )
     confirm_dir = root / "confirm"
     if key_of(winner) != best_key and confirm_dir.is_dir():
         print_confirmation(confirm_dir, winner, next(p for p in grid if key_of(p) == best_key))
@@ -154,10 +187,12 @@ def print_startup(pts: List[dict]) -> None:
     if warm or first:
         import statistics
 
-        print(f"\ntrials: {len(warm) + len(first)}, training {train:.0f} s of {wall:.0f} s ({train / wall:.0%}); "
-              f"start-up per trial on warm ranks: median {statistics.median(warm) if warm else float('nan'):.2f} s, "
-              f"max {max(warm) if warm else float('nan'):.2f} s (target <= 3 s); a pool's first trial: "
-              f"median {statistics.median(first):.1f} s ({len(first)} pools)")
+        print(
+            f"\ntrials: {len(warm) + len(first)}, training {train:.0f} s of {wall:.0f} s ({train / wall:.0%}); "
+            f"start-up per trial on warm ranks: median {statistics.median(warm) if warm else float('nan'):.2f} s, "
+            f"max {max(warm) if warm else float('nan'):.2f} s (target <= 3 s); a pool's first trial: "
+            f"median {statistics.median(first):.1f} s ({len(first)} pools)"
+        )
 
 
 def confirm(root: Path, a: dict, b: dict, iters: int, rounds: int = 2) -> None:
@@ -171,8 +206,7 @@ def confirm(root: Path, a: dict, b: dict, iters: int, rounds: int = 2) -> None:
         for tag, p in (("winner", a), ("grid_best", b)):
             num = f"{tag}_{i}"
             common = [o for o in trial_overrides(opts, root / "confirm", 0) if not o.startswith("run.name=")]
-            run_cli([*BASE, *p["overrides"], *common, f"run.name={num}"],
-                    root / "confirm" / f"{num}.log", 900)
+            run_cli([*BASE, *p["overrides"], *common, f"run.name={num}"], root / "confirm" / f"{num}.log", 900)
             print(f"  confirm {num}: {p['tune']['label']}; load {load()}", flush=True)
 
 
@@ -190,9 +224,11 @@ def print_confirmation(confirm_dir: Path, winner: dict, best: dict) -> None:
     w, g = speeds("winner", winner), speeds("grid_best", best)
     if w and g:
         ratio = statistics.median(w) / statistics.median(g)
-        print(f"re-measured back to back ({len(w)} + {len(g)} runs, alternating): winner "
-              f"{', '.join(f'{x:,.0f}' for x in w)} vs grid best {', '.join(f'{x:,.0f}' for x in g)} tokens/s: "
-              f"{ratio:.1%} ({'within' if ratio >= 0.95 else 'NOT within'} 5%)")
+        print(
+            f"re-measured back to back ({len(w)} + {len(g)} runs, alternating): winner "
+            f"{', '.join(f'{x:,.0f}' for x in w)} vs grid best {', '.join(f'{x:,.0f}' for x in g)} tokens/s: "
+            f"{ratio:.1%} ({'within' if ratio >= 0.95 else 'NOT within'} 5%)"
+        )
 
 
 def _cfg_of(point: dict):
@@ -214,7 +250,9 @@ def print_memory(pts: List[dict], profile) -> None:
         worst[name] = max([worst.get(name, 0.0)] + [abs(e) for e in errors])
     for name in SHIPPED:
         e = worst.get(name)
-        print(f"  {name:<14} " + (f"{e:6.1%}  {'ok' if e <= 0.10 else 'OVER 10%'}" if e is not None else "not measured"))
+        print(
+            f"  {name:<14} " + (f"{e:6.1%}  {'ok' if e <= 0.10 else 'OVER 10%'}" if e is not None else "not measured")
+        )
 
 
 def print_tau(grid: List[dict], profile, tried: set) -> None:
@@ -224,23 +262,37 @@ def print_tau(grid: List[dict], profile, tried: set) -> None:
     for p in grid:
         s = p.get("summary")
         if s and s.get("step_time_median_s"):
-            rows.append((planner.plan(_cfg_of(p), gpu="cpu", profile=profile).step_time_s, s["step_time_median_s"],
-                         key_of(p) in tried))
+            rows.append(
+                (
+                    planner.plan(_cfg_of(p), gpu="cpu", profile=profile).step_time_s,
+                    s["step_time_median_s"],
+                    key_of(p) in tried,
+                )
+            )
     for name, sel in (("the grid", rows), ("out of sample (not tune's trials)", [r for r in rows if not r[2]])):
         pred, meas = [r[0] for r in sel], [r[1] for r in sel]
         tau = calibrate.kendall_tau(pred, meas)
         errs = [abs(a - b) / b for a, b in zip(pred, meas)]
         mean = sum(errs) / len(errs)
-        print(f"step time, {name} ({len(meas)} points), calibrated on tune's trials: Kendall tau {tau:.3f} "
-              f"({'>=' if tau >= 0.95 else '<'} 0.95); |error| mean {mean:.1%} ({'<=' if mean <= 0.10 else '>'} 10%), "
-              f"max {max(errs):.0%}")
+        print(
+            f"step time, {name} ({len(meas)} points), calibrated on tune's trials: Kendall tau {tau:.3f} "
+            f"({'>=' if tau >= 0.95 else '<'} 0.95); |error| mean {mean:.1%} ({'<=' if mean <= 0.10 else '>'} 10%), "
+            f"max {max(errs):.0%}"
+        )
     prior = calibrate_prior()
-    everything = calibrate.fit_profile(prior, [calibrate.sample_of(
-        planner.plan(_cfg_of(p), gpu="cpu", profile=None), p["summary"], cores=prior.cores)
-        for p in grid if p.get("summary")])
-    print(f"in-sample, fitted on the whole grid: tau {everything.fit['kendall_tau']:.2f}, step |error| mean "
-          f"{everything.fit['step_error_mean_pct']:.0f}% max {everything.fit['step_error_max_pct']:.0f}%, memory "
-          f"|error| max {everything.fit['memory_error_max_pct']:.1f}%")
+    everything = calibrate.fit_profile(
+        prior,
+        [
+            calibrate.sample_of(planner.plan(_cfg_of(p), gpu="cpu", profile=None), p["summary"], cores=prior.cores)
+            for p in grid
+            if p.get("summary")
+        ],
+    )
+    print(
+        f"in-sample, fitted on the whole grid: tau {everything.fit['kendall_tau']:.2f}, step |error| mean "
+        f"{everything.fit['step_error_mean_pct']:.0f}% max {everything.fit['step_error_max_pct']:.0f}%, memory "
+        f"|error| max {everything.fit['memory_error_max_pct']:.1f}%"
+    )
 
 
 def calibrate_prior():
@@ -254,11 +306,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--iters", type=int, default=8, help="training iterations per trial (<= 10)")
-    ap.add_argument("--grid-iters", type=int, default=None,
-                    help="iterations per grid point (default --iters; more: a less noisy reference for the model)")
+    ap.add_argument(
+        "--grid-iters",
+        type=int,
+        default=None,
+        help="iterations per grid point (default --iters; more: a less noisy reference for the model)",
+    )
     ap.add_argument("--report", default=None, help="only print the report of an earlier run's directory")
-    ap.add_argument("--only", choices=("tuned", "grid", "single", "confirm"), action="append",
-                    help="run only these parts")
+    ap.add_argument(
+        "--only", choices=("tuned", "grid", "single", "confirm"), action="append", help="run only these parts"
+    )
     args = ap.parse_args()
     if args.report:
         return report(Path(args.report))
@@ -271,17 +328,38 @@ def main() -> int:
     parts = set(args.only or ("tuned", "grid", "single"))
     runs = {
         "tuned": [*common, f"run.root={root / 'tuned'}", "tune.name=tuned", f"tune.max_trials={grid_size // 3}"],
-        "grid": [*common, f"run.root={root / 'grid'}", "tune.name=grid", f"tune.max_trials={grid_size}",
-                 f"tune.min_trials={grid_size}", f"tune.patience={grid_size}", "tune.calibrate=false"],
-        "single": ["+experiment=gpt_pp2_dp2", "data=mock", "parallelism=none", "tune.tp=1", "tune.pp=1", "tune.mbs=4",
-                   "tune.recompute=none", "tune.sequence_parallel=false", "tune.distributed_optimizer=false",
-                   "tune.warmup_iters=2", "tune.calibrate=false",
-                   f"run.root={root / 'single'}", "tune.name=single"],
+        "grid": [
+            *common,
+            f"run.root={root / 'grid'}",
+            "tune.name=grid",
+            f"tune.max_trials={grid_size}",
+            f"tune.min_trials={grid_size}",
+            f"tune.patience={grid_size}",
+            "tune.calibrate=false",
+        ],
+        "single": [
+            "+experiment=gpt_pp2_dp2",
+            "data=mock",
+            "parallelism=none",
+            "tune.tp=1",
+            "tune.pp=1",
+            "tune.mbs=4",
+            "tune.recompute=none",
+            "tune.sequence_parallel=false",
+            "tune.distributed_optimizer=false",
+            "tune.warmup_iters=2",
+            "tune.calibrate=false",
+            f"run.root={root / 'single'}",
+            "tune.name=single",
+        ],
     }
     for name in ("tuned", "grid", "single"):  # tune first: it starts from an empty profile cache
         if name in parts:
-            tune_cli([*runs[name], f"tune.iters={iters[name]}", f"tune.out={root / (name + '.yaml')}"],
-                     root / f"cache_{name}", root / f"{name}.log")
+            tune_cli(
+                [*runs[name], f"tune.iters={iters[name]}", f"tune.out={root / (name + '.yaml')}"],
+                root / f"cache_{name}",
+                root / f"{name}.log",
+            )
     grid = points(root / "grid" / "tune" / "grid")
     tuned = [p for p in points(root / "tuned" / "tune" / "tuned") if tokens_per_s(p)]
     if ("confirm" in parts or not args.only) and grid and tuned:

@@ -50,9 +50,14 @@ TOOLS = {
     "sweep": ("orchestrator.sweep.driver", "summarize <sweep dir>: rebuild a sweep's results table"),
     "convert": ("orchestrator.convert.cli", "Megatron-LM arguments <-> orchestrator experiments"),
     "tune": ("orchestrator.sweep.tune", "planner-guided search for the fastest layout that fits"),
-    "check": ("orchestrator.submit.check_links", "links OVERRIDES: measure a multi-node job's cross-node links, nothing trained"),
-    "megatron-config": ("orchestrator.convert.megatron_config_cli",
-                        "the megatron config a job builds (JSON), without a GPU or queueing anything"),
+    "check": (
+        "orchestrator.submit.check_links",
+        "links OVERRIDES: measure a multi-node job's cross-node links, nothing trained",
+    ),
+    "megatron-config": (
+        "orchestrator.convert.megatron_config_cli",
+        "the megatron config a job builds (JSON), without a GPU or queueing anything",
+    ),
 }
 """Sub-tools: ``python -m orchestrator <tool> ...`` runs ``<module>.main(argv)``."""
 
@@ -97,7 +102,7 @@ def interrupted(cfg: Optional[JobConfig]) -> str:
         latest = None
     if latest is None:
         return f"{line}; no checkpoint in {cfg.run.dir}, so running the same command again starts from scratch"
-    return (f"{line}; run the same command again to resume from {latest.path} (iteration {latest.iteration})")
+    return f"{line}; run the same command again to resume from {latest.path} (iteration {latest.iteration})"
 
 
 def guarded(body: Callable[[], int]) -> int:
@@ -200,8 +205,9 @@ def _multirun(argv: List[str]) -> int:
 
     overrides = [a for a in argv if not a.startswith("-")]
     searched = user_conf_dirs(overrides)
-    check_overrides(parse_overrides(overrides), group_options(str(conf_view(searched))), multirun=True,
-                    searched=searched)
+    check_overrides(
+        parse_overrides(overrides), group_options(str(conf_view(searched))), multirun=True, searched=searched
+    )
     announce_conf_dirs(overrides)
     for point in sweep_checks(overrides):
         cfg = compose_config(point)  # composition errors only: a point's invalid layout is recorded, not fatal
@@ -236,8 +242,9 @@ def help_text() -> str:
         "config groups (GROUP=OPTION; experiments with +experiment=NAME):",
     ]
     for group, options in groups.items():
-        lines += textwrap.wrap(", ".join(options), 100, initial_indent=f"  {group:<{width}}",
-                               subsequent_indent=" " * (width + 2))
+        lines += textwrap.wrap(
+            ", ".join(options), 100, initial_indent=f"  {group:<{width}}", subsequent_indent=" " * (width + 2)
+        )
     lines += [
         "",
         "top-level keys:",
@@ -245,7 +252,7 @@ def help_text() -> str:
         "                 (would resume / start fresh, or refused with exit 2 as the run would), and stop (no torch)",
         "  dry_run=true   plan, then print the submission (the sbatch script on SLURM), and stop",
         "  plan_picture=FILE.png  with plan=true: draw the predicted schedule and the memory per stage",
-        "  plan_headroom=0.85  share of device memory a plan may use and say \"fits\"; above it \"tight\", with suggestions",
+        '  plan_headroom=0.85  share of device memory a plan may use and say "fits"; above it "tight", with suggestions',
         "  gpu=NAME       the planner's GPU preset: " + ", ".join(GPU_PRESETS),
         "  run.name=NAME  the run directory is run.root/run.name (run.root=runs); an experiment's run is",
         "                 named by the experiment plus the groups chosen on the command line",
@@ -258,8 +265,9 @@ def help_text() -> str:
         sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
         if dataclasses.is_dataclass(sub):
             names = ", ".join(x.name for x in dataclasses.fields(sub) if not (x.name == "name" and f.name in groups))
-            lines += textwrap.wrap(names, 100, initial_indent=f"  {f.name:<{width + 2}}",
-                                   subsequent_indent=" " * (width + 4))
+            lines += textwrap.wrap(
+                names, 100, initial_indent=f"  {f.name:<{width + 2}}", subsequent_indent=" " * (width + 4)
+            )
     lines += ["", "sub-tools (python -m orchestrator TOOL --help):"]
     lines += [f"  {name:<10} {description}" for name, (_, description) in TOOLS.items()]
     lines += [
@@ -302,8 +310,11 @@ def _tool(name: str, argv: List[str]) -> int:
     except ModuleNotFoundError as exc:
         if not (exc.name and module.startswith(exc.name)):
             raise
-        print(f"error: {name}: not available in this version of orchestrator ({module} is missing); "
-              f"fix: python -m orchestrator --help lists the sub-tools", file=sys.stderr)
+        print(
+            f"error: {name}: not available in this version of orchestrator ({module} is missing); "
+            f"fix: python -m orchestrator --help lists the sub-tools",
+            file=sys.stderr,
+        )
         return 2
     try:
         return tool.main(argv) or 0
@@ -346,8 +357,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not unknown and any(f in WITH_CFG for f in flags) and not {"--cfg", "-c"} & set(flags):
         unknown = [next(f for f in flags if f in WITH_CFG) + " (only with --cfg)"]
     if unknown:
-        print(f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
-              "(overrides are KEY=VALUE; -m sweeps)", file=sys.stderr)
+        print(
+            f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
+            "(overrides are KEY=VALUE; -m sweeps)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     if _cfg_kind(argv) == "job" and not {"-m", "--multirun", "--package", "-p"} & set(flags):
         code = guarded(lambda: _show_job_config(argv))

@@ -80,8 +80,14 @@ class Meter:
     ``{"documents": 12, "tokens": 3400}``; a ``tokens`` count is also shown as a rate.
     """
 
-    def __init__(self, label: str, total: int, counts: Optional[Callable[[], Dict[str, int]]] = None,
-                 log: Log = say, every: float = HEARTBEAT_S):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        counts: Optional[Callable[[], Dict[str, int]]] = None,
+        log: Log = say,
+        every: float = HEARTBEAT_S,
+    ):
         self.label, self.total, self.counts, self.log, self.every = label, max(1, int(total)), counts, log, every
         self.done = 0
         self.start = self.last = time.monotonic()

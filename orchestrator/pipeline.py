@@ -88,8 +88,10 @@ def record_config(cfg: JobConfig) -> None:
     from orchestrator.config.schema import to_dict
     from orchestrator.io import write_atomic
 
-    header = (f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-              f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n")
+    header = (
+        f"# the resolved config of the run started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        f"# command: python -m orchestrator {shlex.join(sys.argv[1:])}\n"
+    )
     write_atomic(os.path.join(cfg.run.dir, CONFIG_FILE), header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
@@ -118,9 +120,13 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
             raise ResumeMismatchError(refusal)
     held = _has_checkpoints(cfg)  # nothing to compare with otherwise (a plan's data may live elsewhere)
     fingerprint = data_fingerprint(cfg.data) if held else None  # hashes, never tokenizes
-    latest = resume.preflight(cfg, layout, data_fingerprint=fingerprint,
-                              tokenizer=tokenizer_identity(cfg.data) if held else None,
-                              warn=lambda m: say(f"warning: {m}"))
+    latest = resume.preflight(
+        cfg,
+        layout,
+        data_fingerprint=fingerprint,
+        tokenizer=tokenizer_identity(cfg.data) if held else None,
+        warn=lambda m: say(f"warning: {m}"),
+    )
     RunLock(cfg.run.dir).probe()  # a live holder: refuse now; the job's rank 0 takes the lock itself
     return latest
 
@@ -128,8 +134,10 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
 def verdict(cfg: JobConfig, latest, *, dry: bool) -> str:
     """What the preflight decided, in one line (``dry``: as a plan or dry run says it)."""
     if latest is not None and latest.iteration >= cfg.training.train_iters:
-        return (f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
-                f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)")
+        return (
+            f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
+            f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)"
+        )
     if latest is not None:
         return f"{'would' if dry else 'will'} resume from {latest.path} (iteration {latest.iteration})"
     from orchestrator.ckpt.manifest import save_dir_of
@@ -155,8 +163,10 @@ def _check_writable(cfg: JobConfig) -> None:
         existing = existing.parent
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
-        raise ConfigError(f"run.root={cfg.run.root}: cannot write the run directory {cfg.run.dir} ({existing}: {why}); "
-                          f"fix: set run.root to a directory you can write, e.g. run.root=runs")
+        raise ConfigError(
+            f"run.root={cfg.run.root}: cannot write the run directory {cfg.run.dir} ({existing}: {why}); "
+            f"fix: set run.root to a directory you can write, e.g. run.root=runs"
+        )
 
 
 def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
@@ -216,8 +226,10 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             from orchestrator.plan.step_breakdown import describe
 
             say(describe(summary["breakdown"], f"over {summary.get('timed_iterations')} timed iterations"))
-        say(f"{summary['status']}: iteration {summary.get('iteration')}"
+        say(
+            f"{summary['status']}: iteration {summary.get('iteration')}"
             + (f" | lm loss {loss:.4f}" if loss is not None else "")
             + (f" | median step {step * 1000:.1f} ms | {layout.tokens_per_step / step:.0f} tokens/s" if step else "")
-            + f" | job {summary.get('job_id')}")
+            + f" | job {summary.get('job_id')}"
+        )
     return summary

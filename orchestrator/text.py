@@ -10,8 +10,14 @@ import io
 from typing import Any, Iterable, Optional, Sequence
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: Optional[str] = None,
-          right: Sequence[int] = (), width: int = 200) -> str:
+def table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[object]],
+    *,
+    title: Optional[str] = None,
+    right: Sequence[int] = (),
+    width: int = 200,
+) -> str:
     """Render ``rows`` under ``headers`` as a plain-text table.
 
     ``right``: indexes of right-aligned (numeric) columns. Cells are ``str()``-ed; ``None`` shows
@@ -27,8 +33,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: Op
     for row in rows:
         t.add_row(*("-" if c is None else str(c) for c in row))
     buf = io.StringIO()
-    Console(file=buf, width=width, no_color=True, color_system=None, highlight=False,
-            emoji=False, markup=False).print(t)
+    Console(file=buf, width=width, no_color=True, color_system=None, highlight=False, emoji=False, markup=False).print(
+        t
+    )
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines() if line.strip())
 
 

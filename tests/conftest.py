@@ -39,16 +39,45 @@ def slurm_unavailable_reason() -> str:
     return ""
 
 
-SLURM_ORDER = ("test_four_ranks_", "test_a_nan_is_never", "test_scancel_", "test_signals_to_a_slurm_",
-               "test_killed_rank_", "test_slow_link_",
-               "test_slurm_run_across_nodes", "test_time_limit_", "test_slurm_sweep_", "test_two_detached_",
-               "test_node_loss_", "test_in_place_restart_")
+SLURM_ORDER = (
+    "test_four_ranks_",
+    "test_a_nan_is_never",
+    "test_scancel_",
+    "test_signals_to_a_slurm_",
+    "test_killed_rank_",
+    "test_slow_link_",
+    "test_slurm_run_across_nodes",
+    "test_time_limit_",
+    "test_slurm_sweep_",
+    "test_two_detached_",
+    "test_node_loss_",
+    "test_in_place_restart_",
+)
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
 first (the suite's first minutes, when every worker starts at once, are the most loaded)."""
 
-LONGEST_FIRST = ("test_train", "test_slurm_train", "test_hosts", "test_pipeline_schedule", "test_guard", "test_cli",
-                 "test_sweep", "test_retention", "test_straggler", "test_status", "test_installed", "test_tokenizers", "test_mcore_upgrade",
-                 "test_slurm", "test_data", "test_cp", "test_eval_tb", "test_tune", "test_validate", "test_convert")
+LONGEST_FIRST = (
+    "test_train",
+    "test_slurm_train",
+    "test_hosts",
+    "test_pipeline_schedule",
+    "test_guard",
+    "test_cli",
+    "test_sweep",
+    "test_retention",
+    "test_straggler",
+    "test_status",
+    "test_installed",
+    "test_tokenizers",
+    "test_mcore_upgrade",
+    "test_slurm",
+    "test_data",
+    "test_cp",
+    "test_eval_tb",
+    "test_tune",
+    "test_validate",
+    "test_convert",
+)
 """Modules by their wall time in the suite (measured with --durations), longest first: xdist takes the
 groups in this order (``--no-loadscope-reorder``), so no long module starts last."""
 
@@ -59,6 +88,7 @@ def pytest_collection_modifyitems(config, items):
     tests, first in the queue, on one of them, one after another (they mostly wait on the dev cluster's
     timers), while the other modules, a module at a time (its module-scoped reference runs are built
     once), fill both workers longest first."""
+
     def order(item) -> tuple:
         if item.get_closest_marker("slurm"):
             at = next((i for i, p in enumerate(SLURM_ORDER) if item.name.startswith(p)), len(SLURM_ORDER))
@@ -86,16 +116,26 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def run_cli(args: List[str], *, cache: Path, timeout: int = 600, check: bool = True,
-            env: Dict[str, str] | None = None, python: str = sys.executable) -> subprocess.CompletedProcess:
+def run_cli(
+    args: List[str],
+    *,
+    cache: Path,
+    timeout: int = 600,
+    check: bool = True,
+    env: Dict[str, str] | None = None,
+    python: str = sys.executable,
+) -> subprocess.CompletedProcess:
     """``python -m orchestrator ARGS`` in the repo, with the shared data cache (``python``: this one)."""
     full_env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
     full_env.update(env or {})
-    proc = subprocess.run([python, "-m", "orchestrator", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [python, "-m", "orchestrator", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"orchestrator {' '.join(args)} exited {proc.returncode}\n"
-                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"orchestrator {' '.join(args)} exited {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -120,8 +160,13 @@ def agent_worker(run_dir: Path, rank: int):
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = p.info["cmdline"] or []
-            if len(cmd) >= 2 and cmd[-2] == "rank" and str(run_dir) in cmd[-1] and p.environ().get("RANK") == str(rank) \
-                    and p.parent().cmdline()[-2:-1] != ["rank"]:
+            if (
+                len(cmd) >= 2
+                and cmd[-2] == "rank"
+                and str(run_dir) in cmd[-1]
+                and p.environ().get("RANK") == str(rank)
+                and p.parent().cmdline()[-2:-1] != ["rank"]
+            ):
                 return p
         except psutil.Error:
             continue
@@ -161,9 +206,22 @@ class SharedReference:
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, ORCHESTRATOR_CACHE=str(self.cache), PYTHONUNBUFFERED="1")
         with open(self.root / "log.txt", "w") as log:
-            return subprocess.Popen([sys.executable, "-m", "orchestrator", *self.args, f"run.root={self.root}",
-                                     "run.name=ref", "checkpoint.save_interval=null", "checkpoint.save_at_end=false"],
-                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "orchestrator",
+                    *self.args,
+                    f"run.root={self.root}",
+                    "run.name=ref",
+                    "checkpoint.save_interval=null",
+                    "checkpoint.save_at_end=false",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def losses(self, timeout: float = 600) -> Dict[int, float]:
         """Iteration -> lm loss of the reference (waits for it; makes it here if its maker failed)."""
@@ -201,16 +259,22 @@ def submit_like_launcher(cfg, fn, *args, world_size: int):
     from orchestrator.submit import executor
 
     job = executor.make_executor(cfg, world_size).submit(fn, *args)
-    history.record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
-                              {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
-                              num_tasks=world_size)
+    history.record_submission(
+        cfg.run.dir,
+        str(job.job_id),
+        cfg.cluster,
+        {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
+        num_tasks=world_size,
+    )
     return job
 
 
 def mounted_tmpfs(mnt: Path, mib: int):
     """Yield ``mnt``, a fresh tmpfs of ``mib`` MiB (skips without root); unmounted afterwards."""
     mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}M", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if out.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()[:200]}")
     try:
@@ -222,6 +286,7 @@ def mounted_tmpfs(mnt: Path, mib: int):
             time.sleep(0.5)
         else:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
 
 # ---------------------------------------------------------------- a Megatron-LM user's data: GPT-2 BPE, .bin/.idx
 GPT2_VOCAB, GPT2_EOD = 50257, 50256
@@ -263,5 +328,10 @@ def make_gpt2_assets(root: Path):
 
 def gpt2_args(gpt2, prefix):
     _, vocab, merges, _, _ = gpt2
-    return ["data=indexed", f"data.paths=[{prefix}]", "data.tokenizer=GPT2BPETokenizer",
-            f"data.vocab_file={vocab}", f"data.merge_file={merges}"]
+    return [
+        "data=indexed",
+        f"data.paths=[{prefix}]",
+        "data.tokenizer=GPT2BPETokenizer",
+        f"data.vocab_file={vocab}",
+        f"data.merge_file={merges}",
+    ]

@@ -54,10 +54,21 @@ def test_sha256_digest_is_rechecked_in_full_only_by_deep(cfg):
     path = save_checkpoint(cfg, 50, manifest=False)
     shard = _big_shard(path)
     layout = layout_from_config(cfg).validate()
-    write_manifest(path, build_manifest(
-        cfg, layout, iteration=50, consumed_samples=800, checkpoint_dir=str(path), vocab_size=BYTE_VOCAB,
-        padded_vocab_size=padded_vocab_size(BYTE_VOCAB, cfg.model.make_vocab_size_divisible_by, 1),
-        tokenizer={"type": "byte", "vocab_size": BYTE_VOCAB}, data={"fingerprint": "fp-1"}, digest="sha256"))
+    write_manifest(
+        path,
+        build_manifest(
+            cfg,
+            layout,
+            iteration=50,
+            consumed_samples=800,
+            checkpoint_dir=str(path),
+            vocab_size=BYTE_VOCAB,
+            padded_vocab_size=padded_vocab_size(BYTE_VOCAB, cfg.model.make_vocab_size_divisible_by, 1),
+            tokenizer={"type": "byte", "vocab_size": BYTE_VOCAB},
+            data={"fingerprint": "fp-1"},
+            digest="sha256",
+        ),
+    )
     assert all("sha256" in e for e in read_manifest(path, deep=True)["files"]["entries"])
     _flip_a_byte(shard)  # same size: a bit rot in a large shard
     read_manifest(path)  # the cheap check (every resume) does not read large shards
@@ -87,7 +98,12 @@ def test_manifest_records_the_resolved_layer_spec_and_refuses_a_resume_across(cf
     assert compare(local, cfg, layout, data_fingerprint=None, tokenizer=None) == []  # auto on CPU is local
     te = changed(cfg, model={"transformer_impl": "transformer_engine"})
     [m] = compare(local, te, layout, data_fingerprint=None, tokenizer=None)
-    assert (m.key, m.checkpoint, m.requested, m.kind) == ("model.transformer_impl", "local", "transformer_engine", REFUSE)
+    assert (m.key, m.checkpoint, m.requested, m.kind) == (
+        "model.transformer_impl",
+        "local",
+        "transformer_engine",
+        REFUSE,
+    )
     assert m.override == "model.transformer_impl=local"
     assert blocking([m], allow_reshard=True) == [m]  # no opt-in carries it
 
@@ -99,17 +115,24 @@ def test_auto_on_a_gpu_cluster_is_judged_by_the_job(cfg, tmp_path):
     assert compare(te_ckpt, gpu, layout, data_fingerprint=None, tokenizer=None) == []  # undecided on the login node
     [m] = compare(te_ckpt, cfg, layout, data_fingerprint=None, tokenizer=None)  # a CPU run resolves to local
     assert (m.checkpoint, m.requested, m.kind) == ("transformer_engine", "local", REFUSE)
-    old = dict(te_ckpt, model={k: v for k, v in te_ckpt["model"].items() if k != "transformer_impl"},
-               config=dict(te_ckpt["config"], cluster=dict(te_ckpt["config"]["cluster"], gpus_per_node=8),
-                           model=dict(te_ckpt["config"]["model"], transformer_impl="auto")))
+    old = dict(
+        te_ckpt,
+        model={k: v for k, v in te_ckpt["model"].items() if k != "transformer_impl"},
+        config=dict(
+            te_ckpt["config"],
+            cluster=dict(te_ckpt["config"]["cluster"], gpus_per_node=8),
+            model=dict(te_ckpt["config"]["model"], transformer_impl="auto"),
+        ),
+    )
     [w] = compare(old, cfg, layout, data_fingerprint=None, tokenizer=None)  # an older GPU checkpoint: unknown
     assert (w.checkpoint, w.kind) == ("unrecorded", WARN)
 
 
 # ---- sha256 mode: the ranks hash in parallel ------------------------------------------------------
 def _hash_rank(rank: int, port: int, path: str, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import torch
 
     from orchestrator.ckpt import manifest as mf

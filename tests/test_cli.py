@@ -56,8 +56,14 @@ def run_batch(cases: List[List[str]], cwd: Path, env: Dict[str, str] | None = No
     """Every case through the real entry point in one fresh interpreter (cwd = ``cwd``); asserts torch-free."""
     src, dst = cwd / "cases.json", cwd / "results.json"
     src.write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, "-c", BATCH, str(src), str(dst)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+    proc = subprocess.run(
+        [sys.executable, "-c", BATCH, str(src), str(dst)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]  # nothing bypassed sys.stderr (e.g. Hydra's own report)
     data = json.loads(dst.read_text())
@@ -110,15 +116,20 @@ USER_ERRORS = [
     # Hydra's and OmegaConf's own errors
     (["experiment=gpt_pp2_dp2"], ["experiment is an optional group", "fix: +experiment=gpt_pp2_dp2"]),
     (["+parallelism=tp2_pp2"], ["already chosen by the defaults", "fix: parallelism=tp2_pp2"]),
-    (["+training.micro_batch_size=2"], ["training.micro_batch_size is already in the config",
-                                        "fix: training.micro_batch_size=2"]),
+    (
+        ["+training.micro_batch_size=2"],
+        ["training.micro_batch_size is already in the config", "fix: training.micro_batch_size=2"],
+    ),
     (["training.micro_batch_size=abc"], ["training.micro_batch_size: Value 'abc'", "an integer"]),
     (["training.micro_batch_size=null"], ["training.micro_batch_size: field", "not Optional"]),
     (["plan=maybe"], ["plan: Value 'maybe' is not a valid bool"]),
     (["training.micro_batch_size=["], ["training.micro_batch_size=[: not a valid override"]),
     (["training.micro_batch_size=1,2"], ["a sweep (several values) needs -m"]),
     (["run.name=${nope}"], ["run.name: Interpolation key 'nope' not found"]),
-    (["cluster.env.NCCL_ALGO=Ring"], ["cluster.env.NCCL_ALGO: not in the config yet", "fix: +cluster.env.NCCL_ALGO=Ring"]),
+    (
+        ["cluster.env.NCCL_ALGO=Ring"],
+        ["cluster.env.NCCL_ALGO: not in the config yet", "fix: +cluster.env.NCCL_ALGO=Ring"],
+    ),
     # a mapping's new keys: the fix is whole and quoted for the shell (it was cut at the first space)
     (["cluster.env={FOO: 1}"], ["cluster.env.FOO: not in the config yet", "fix: '++cluster.env={FOO: 1}'"]),
     (["+cluster.env={FOO: 1}"], ["cluster.env is already in the config", "fix: '++cluster.env={FOO: 1}'"]),
@@ -130,16 +141,26 @@ USER_ERRORS = [
     (["--frobnicate"], ["--frobnicate: unknown option"]),
     # what used to die inside the ranks (or with a traceback under plan=true)
     (["model.recompute_granularity=full"], ["model.recompute_method=null: recompute_granularity=full needs"]),
-    (["+experiment=gpt_pp2_dp2", "model.recompute_granularity=full", "model.recompute_method=block",
-      "model.recompute_num_layers=3"], ["model.recompute_num_layers=3: must be between 1 and the layers per "
-                                        "pipeline rank (2)"]),
-    (["model.recompute_granularity=selective", "model.recompute_num_layers=1"],
-     ["must be null with recompute_granularity=selective"]),
+    (
+        [
+            "+experiment=gpt_pp2_dp2",
+            "model.recompute_granularity=full",
+            "model.recompute_method=block",
+            "model.recompute_num_layers=3",
+        ],
+        ["model.recompute_num_layers=3: must be between 1 and the layers per pipeline rank (2)"],
+    ),
+    (
+        ["model.recompute_granularity=selective", "model.recompute_num_layers=1"],
+        ["must be null with recompute_granularity=selective"],
+    ),
     (["model.transformer_impl=transformer_engine"], ["model.transformer_impl=transformer_engine", "GPUs only"]),
     (["training.log_interval=0"], ["training.log_interval=0: must be a positive integer"]),
     (["model.num_query_groups=0", "plan=true"], ["model.num_query_groups=0: must be a positive integer"]),
-    (["+experiment=gpt_pp2_dp2", "parallelism.data_parallel_size=-2"],
-     ["parallelism.data_parallel_size=-2: must be a positive integer"]),
+    (
+        ["+experiment=gpt_pp2_dp2", "parallelism.data_parallel_size=-2"],
+        ["parallelism.data_parallel_size=-2: must be a positive integer"],
+    ),
     (["cluster.tasks_per_node=0"], ["cluster.tasks_per_node=0: must be a positive integer"]),
     (["model.hidden_dropout=1.5"], ["model.hidden_dropout=1.5: must be a finite number in [0, 1)"]),
     (["model.attention_dropout=-0.1"], ["model.attention_dropout=-0.1: must be a finite number in [0, 1)"]),
@@ -156,8 +177,10 @@ USER_ERRORS = [
     (["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3"], ["model.num_layers=4"]),
     (["optimizer.name=lamb"], ["optimizer.name='lamb': not one of 'adam', 'sgd'"]),
     (["gpu=B200", "plan=true"], ["gpu='B200' is not a known GPU preset"]),
-    (["checkpoint.init_from=/nonexistent/iter_0000001"], ["checkpoint.init_from='/nonexistent/iter_0000001': "
-                                                          "no such directory"]),
+    (
+        ["checkpoint.init_from=/nonexistent/iter_0000001"],
+        ["checkpoint.init_from='/nonexistent/iter_0000001': no such directory"],
+    ),
     # bad data options
     (["data=jsonl"], ["data.paths=[]: data=jsonl needs at least one JSONL file"]),
     (["data=jsonl", "data.paths=[a.jsonl,missing.jsonl]"], ["data.paths[1]='missing.jsonl': no such file"]),
@@ -194,12 +217,18 @@ def test_the_fix_of_a_new_key_in_a_mapping_works_as_typed_in_bash(workspace):
     from orchestrator.config.compose import compose_dict
 
     cwd, root = workspace
-    typed = [["cluster.env={FOO: 1}"], ["+cluster.env={FOO: 1}"], ["cluster.env.FOO=1"],
-             ["cluster.env={FOO: 1, BAR: 'x y'}"], ["cluster=hosts_dev", "cluster.env={FOO: 1}"]]
+    typed = [
+        ["cluster.env={FOO: 1}"],
+        ["+cluster.env={FOO: 1}"],
+        ["cluster.env.FOO=1"],
+        ["cluster.env={FOO: 1, BAR: 'x y'}"],
+        ["cluster=hosts_dev", "cluster.env={FOO: 1}"],
+    ]
     for argv, result in zip(typed, run_batch([a + [f"run.root={root}"] for a in typed], cwd)):
         fix = assert_one_error_line(result).split("; fix: ", 1)[1]
-        words = subprocess.run(["bash", "-c", f"printf '%s\\0' {fix}"], capture_output=True, text=True,
-                               check=True).stdout.split("\0")[:-1]
+        words = subprocess.run(
+            ["bash", "-c", f"printf '%s\\0' {fix}"], capture_output=True, text=True, check=True
+        ).stdout.split("\0")[:-1]
         env = compose_dict(argv[:-1] + words).cluster.env
         assert env["FOO"] == "1" and ("OMP_NUM_THREADS" in env) == (len(argv) == 2), (argv, fix, env)
         assert env.get("BAR", "x y") == "x y", (argv, fix, env)
@@ -221,8 +250,12 @@ def test_random_configs_through_the_cli_are_planned_or_refused_in_one_line(works
     from test_validate import BASES, PERTURB
 
     cwd, root = workspace
-    files = {"jsonl": str(cwd / "a.jsonl"), "jsonl2": str(cwd / "a.jsonl"), "prefix": str(cwd / "nope"),
-             "tokenizer": str(cwd / "tokenizer.json")}
+    files = {
+        "jsonl": str(cwd / "a.jsonl"),
+        "jsonl2": str(cwd / "a.jsonl"),
+        "prefix": str(cwd / "nope"),
+        "tokenizer": str(cwd / "tokenizer.json"),
+    }
     rng = random.Random(9)
     cases = []
     for _ in range(40):
@@ -257,15 +290,29 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     typo = here / "conf" / "experiment" / "typo.yaml"  # a misspelt option in the user's own experiment file
     typo.write_text(shipped.replace("override /model: gpt_tiny", "override /model: gpt_tny"))
     (here / "conf" / "experiment" / "old.yml").write_text(shipped)  # Hydra reads .yaml only
-    cases = [["+experiment=mine"], ["--config-dir", str(other), "+experiment=theirs"],
-             [f"--config-dir={other}", "+experiment=theirs"], [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
-             ["+experiment=theirs"], ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"], ["--config-dir"],
-             ["model=broken", "plan=true"], ["--config-dir", str(other), "+experiment=mien"], ["+experiment=typo"],
-             ["-m", "+experiment=typo,mine"], ["+experiment=old"],
-             ["megatron-config", "--config-dir", str(other), "+experiment=theirz"],
-             ["check", "links", "--config-dir", str(other), "+experiment=theirz"]]
-    results = run_batch([c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0]
-                         else c for c in cases], here)
+    cases = [
+        ["+experiment=mine"],
+        ["--config-dir", str(other), "+experiment=theirs"],
+        [f"--config-dir={other}", "+experiment=theirs"],
+        [f"hydra.searchpath=[file://{other}]", "+experiment=theirs"],
+        ["+experiment=theirs"],
+        ["--config-dir", str(tmp_path / "nope"), "+experiment=mine"],
+        ["--config-dir"],
+        ["model=broken", "plan=true"],
+        ["--config-dir", str(other), "+experiment=mien"],
+        ["+experiment=typo"],
+        ["-m", "+experiment=typo,mine"],
+        ["+experiment=old"],
+        ["megatron-config", "--config-dir", str(other), "+experiment=theirz"],
+        ["check", "links", "--config-dir", str(other), "+experiment=theirz"],
+    ]
+    results = run_batch(
+        [
+            c + ["plan=true", f"run.root={tmp_path}/runs", "parallelism=none"] if len(c) > 1 or "=" in c[0] else c
+            for c in cases
+        ],
+        here,
+    )
     for result in results[:4]:
         assert result["code"] == 0, result
         said = [line for line in result["stdout"].splitlines() if "  ... composing" not in line]  # a slow compose
@@ -274,46 +321,80 @@ def test_own_configs_from_conf_config_dir_and_searchpath_ahead_of_the_shipped_on
     assert f"configs: {other}, {here / 'conf'}, ahead" in results[1]["stdout"]
     assert "run mine-parallelism=none: gpt_tiny x none" in results[0]["stdout"]
     assert "layers per stage = 2 / 1 = 2" in results[0]["stdout"]  # ./conf/model/gpt_tiny.yaml, not the shipped 4
-    assert_one_error_line(results[4], "experiment=theirs: no such experiment in "
-                          f"{here / 'conf' / 'experiment'}/ or the shipped conf/experiment/", "one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32")
+    assert_one_error_line(
+        results[4],
+        f"experiment=theirs: no such experiment in {here / 'conf' / 'experiment'}/ or the shipped conf/experiment/",
+        "one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32",
+    )
     assert_one_error_line(results[5], f"hydra.searchpath=file://{tmp_path / 'nope'}: no such directory")
     assert_one_error_line(results[6], "--config-dir: needs a directory")
     assert_one_error_line(results[7], f"{here / 'conf' / 'model' / 'broken.yaml'}, line 2: not valid YAML")
     looked = f"{other / 'experiment'}/, {here / 'conf' / 'experiment'}/ or the shipped conf/experiment/"
-    assert_one_error_line(results[8], f"experiment=mien: no such experiment in {looked}; fix: did you mean "
-                          "+experiment=mine? one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32, theirs")
+    assert_one_error_line(
+        results[8],
+        f"experiment=mien: no such experiment in {looked}; fix: did you mean "
+        "+experiment=mine? one of gpt_pp2_dp2, llama3_8b_a100x32, mine, mixtral_8x7b_a100x32, theirs",
+    )
     for result in results[9:11]:  # it said "no such config in conf/", naming neither the file nor where it looked
-        assert_one_error_line(result, f"model=gpt_tny: no such model in {here / 'conf' / 'model'}/ or the shipped "
-                              f"conf/model/ (named in {typo}); fix: in that file, did you mean gpt_tiny? one of ")
+        assert_one_error_line(
+            result,
+            f"model=gpt_tny: no such model in {here / 'conf' / 'model'}/ or the shipped "
+            f"conf/model/ (named in {typo}); fix: in that file, did you mean gpt_tiny? one of ",
+        )
     assert_one_error_line(results[11], f"fix: rename {here / 'conf' / 'experiment' / 'old.yml'} to old.yaml")
     for result in results[12:]:  # the sub-tools take --config-dir too (it was "not a valid override")
-        assert_one_error_line(result, f"experiment=theirz: no such experiment in {looked}; fix: did you mean "
-                              "+experiment=theirs?")
+        assert_one_error_line(
+            result, f"experiment=theirz: no such experiment in {looked}; fix: did you mean +experiment=theirs?"
+        )
     assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------- the real entry point
-def _cli(args: List[str], cwd: Path, timeout: int = 120, env: Dict[str, str] | None = None
-         ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+def _cli(
+    args: List[str], cwd: Path, timeout: int = 120, env: Dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
+    )
 
 
 def test_the_console_entry_point_from_another_directory(workspace):
     cwd, root = workspace
     before = snapshot(cwd)
-    for args, expected in [(["+paralelism=tp2_pp2"], "did you mean parallelism?"),
-                           (["model=gpt_7b"], "model=gpt_7b: no such model"),
-                           (["-m", "training.micro_batch_size=1,x"], "training.micro_batch_size: Value 'x'")]:
+    for args, expected in [
+        (["+paralelism=tp2_pp2"], "did you mean parallelism?"),
+        (["model=gpt_7b"], "model=gpt_7b: no such model"),
+        (["-m", "training.micro_batch_size=1,x"], "training.micro_batch_size: Value 'x'"),
+    ]:
         proc = _cli(args + [f"run.root={root}"], cwd)
-        assert_one_error_line({"argv": args, "code": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout},
-                              expected)
+        assert_one_error_line(
+            {"argv": args, "code": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout}, expected
+        )
         assert "HYDRA_FULL_ERROR" not in proc.stdout + proc.stderr
     assert snapshot(cwd) == before
     help_text = _cli(["--help"], cwd)
     assert help_text.returncode == 0 and help_text.stderr == ""
-    for text in ("parallelism", "pp2_vpp2_dp2", "gpt_6.7b", "slurm_a100_4x8", "experiment", "gpt_pp2_dp2",
-                 "plan=true", "dry_run=true", "gpu=", "manifest", "status", "sweep", "convert", "tune"):
+    for text in (
+        "parallelism",
+        "pp2_vpp2_dp2",
+        "gpt_6.7b",
+        "slurm_a100_4x8",
+        "experiment",
+        "gpt_pp2_dp2",
+        "plan=true",
+        "dry_run=true",
+        "gpu=",
+        "manifest",
+        "status",
+        "sweep",
+        "convert",
+        "tune",
+    ):
         assert text in help_text.stdout, text
     assert "Hydra" not in help_text.stdout.splitlines()[0] and "== Config ==" not in help_text.stdout
     import orchestrator
@@ -324,12 +405,22 @@ def test_the_console_entry_point_from_another_directory(workspace):
 
 def test_plan_and_dry_run_write_nothing_and_stay_torch_free(tmp_path):
     root = tmp_path / "runs"
-    cases = [["+experiment=gpt_pp2_dp2", "plan=true"],
-             ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "dry_run=true"],
-             ["+experiment=gpt_pp2_dp2", "parallelism=tp2_pp2", "dry_run=true"],
-             ["model=gpt_6.7b", "parallelism=pp2_dp2", "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
-              "plan=true", "gpu=A100-40GB", "training.precision=bf16", "training.micro_batch_size=4",
-              "training.global_batch_size=256"]]
+    cases = [
+        ["+experiment=gpt_pp2_dp2", "plan=true"],
+        ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", "dry_run=true"],
+        ["+experiment=gpt_pp2_dp2", "parallelism=tp2_pp2", "dry_run=true"],
+        [
+            "model=gpt_6.7b",
+            "parallelism=pp2_dp2",
+            "parallelism.data_parallel_size=null",
+            "cluster=slurm_a100_4x8",
+            "plan=true",
+            "gpu=A100-40GB",
+            "training.precision=bf16",
+            "training.micro_batch_size=4",
+            "training.global_batch_size=256",
+        ],
+    ]
     results = run_batch([c + [f"run.root={root}"] for c in cases], tmp_path)
     for result in results:
         assert result["code"] == 0 and result["stderr"] == "", result
@@ -342,8 +433,12 @@ def test_plan_and_dry_run_write_nothing_and_stay_torch_free(tmp_path):
 
 
 # ---------------------------------------------------------------- a run that starts, Ctrl-C, refused resumes
-TINY = ["training.global_batch_size=4", "training.eval_iters=0", "model.transformer_impl=local",
-        "checkpoint.save_interval=1"]
+TINY = [
+    "training.global_batch_size=4",
+    "training.eval_iters=0",
+    "model.transformer_impl=local",
+    "checkpoint.save_interval=1",
+]
 
 
 def _sigint_default() -> None:
@@ -352,17 +447,31 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def interrupt(args: List[str], cwd: Path, env: Dict[str, str], wait_for: str,
-              sig: signal.Signals = signal.SIGINT, group: bool = True, watch: Path | None = None,
-              again: signal.Signals | None = None):
+def interrupt(
+    args: List[str],
+    cwd: Path,
+    env: Dict[str, str],
+    wait_for: str,
+    sig: signal.Signals = signal.SIGINT,
+    group: bool = True,
+    watch: Path | None = None,
+    again: signal.Signals | None = None,
+):
     """Start the CLI, and once ``wait_for`` is printed send ``sig``: to its whole process group (a
     terminal's Ctrl-C reaches the launcher, submitit's controller and the ranks alike), or, with
     ``group=False``, to the launcher process alone (``kill PID``, a closed terminal's SIGHUP): then
     the launcher must stop the ranks itself. ``watch``: a run directory whose job processes are listed
     just before the signal (``.before`` of the result). ``again``: a second signal, to the launcher, 0.5 s later."""
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
-                            env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_sigint_default,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+    )
     seen, before = [], []
     for line in proc.stdout:
         seen.append(line)
@@ -424,25 +533,56 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_signal_stops_at_once(interrupte
     assert "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     saved = max(int(m.parent.name[5:]) for m in (run_dir / "checkpoints").glob("iter_*/manifest.json"))
-    assert last.startswith("stopped after saving (SIGINT); resume from "
-                           f"{run_dir}/checkpoints/iter_{saved:07d} (iteration {saved}) with: python -m orchestrator "), last
+    assert last.startswith(
+        "stopped after saving (SIGINT); resume from "
+        f"{run_dir}/checkpoints/iter_{saved:07d} (iteration {saved}) with: python -m orchestrator "
+    ), last
     assert saved >= 2 and not no_rank_left(run_dir)
-    fresh = interrupt([*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"], cwd, env,
-                      "ranks up (", sig=signal.SIGHUP, group=False, watch=tmp_path / "fresh", again=signal.SIGINT)
+    fresh = interrupt(
+        [*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"],
+        cwd,
+        env,
+        "ranks up (",
+        sig=signal.SIGHUP,
+        group=False,
+        watch=tmp_path / "fresh",
+        again=signal.SIGINT,
+    )
     assert fresh.returncode == 130 and "Traceback" not in fresh.stderr, fresh.stderr
     assert "stopped at once (SIGINT a second time), unsaved; " in fresh.stderr, fresh.stderr
     assert fresh.before and not no_rank_left(tmp_path / "fresh"), fresh.before  # the job was there, then gone
 
 
 def _manifest_check(ckpt: Path, args: List[str], cwd: Path, env: Dict[str, str], deep: bool):
-    return subprocess.run([sys.executable, "-m", "orchestrator", "manifest", "check", str(ckpt),
-                           *(["--deep"] if deep else []), "--", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "manifest",
+            "check",
+            str(ckpt),
+            *(["--deep"] if deep else []),
+            "--",
+            *args,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+    )
 
 
 def _stop(args: List[str], cwd: Path, env: Dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "stop", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "stop", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+    )
 
 
 def _files(run_dir: Path) -> Dict[str, tuple]:
@@ -450,8 +590,9 @@ def _files(run_dir: Path) -> Dict[str, tuple]:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_catches_a_flipped_byte(tmp_path,
-                                                                                                   cache_dir):
+def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_catches_a_flipped_byte(
+    tmp_path, cache_dir
+):
     """SIGTERM to the launcher alone (``kill PID``) at iteration 20 of a run that saves every 1,000: the
     ranks save the iteration they stop at (a complete checkpoint), exit 143, no process of the job 15 s
     later, one line naming that checkpoint. The same command, detached (cluster.wait=false), resumes;
@@ -463,23 +604,38 @@ def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_ca
     import re
 
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    args = [*TINY[:-1], "checkpoint.save_interval=1000", "training.train_iters=1000", f"run.root={tmp_path}",
-            "run.name=term", "checkpoint.digest=sha256"]  # 1000: the sample indices of the interrupted fixture
+    args = [
+        *TINY[:-1],
+        "checkpoint.save_interval=1000",
+        "training.train_iters=1000",
+        f"run.root={tmp_path}",
+        "run.name=term",
+        "checkpoint.digest=sha256",
+    ]  # 1000: the sample indices of the interrupted fixture
     run_dir = tmp_path / "term"
     proc = interrupt(args, tmp_path, env, "iteration 20/", sig=signal.SIGTERM, group=False, watch=run_dir)
     assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr
     assert "Traceback" not in proc.stderr and proc.before, proc.stderr
     assert not no_rank_left(run_dir, within_s=15), proc.before
-    m = re.search(r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: "
-                  r"python -m orchestrator ", proc.stderr)
+    m = re.search(
+        r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: "
+        r"python -m orchestrator ",
+        proc.stderr,
+    )
     assert m and Path(m.group(1)).parent == run_dir / "checkpoints", proc.stderr
     ckpt, stop_at = Path(m.group(1)), int(m.group(2))
     assert stop_at >= 20 and sorted(run_dir.glob("checkpoints/iter_*/manifest.json")) == [ckpt / "manifest.json"]
 
     # the same command, detached, resumes; `orchestrator stop` ends it after a save
-    subprocess.run([sys.executable, "-m", "orchestrator", *args, "cluster.wait=false"], cwd=tmp_path, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(REPO), **env),
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args, "cluster.wait=false"],
+        cwd=tmp_path,
+        timeout=300,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+        check=True,
+    )
     from orchestrator.submit import status
 
     deadline = time.monotonic() + 120
@@ -530,8 +686,14 @@ def test_a_refused_resume_leaves_the_run_directory_byte_identical(interrupted):
     cwd, run_dir, env, _ = interrupted
     before = snapshot(run_dir)
     root = f"run.root={run_dir.parent}"
-    results = run_batch([[*TINY, "training.train_iters=1000", "model.hidden_size=64", root],
-                         [*TINY, "training.train_iters=1000", "checkpoint.auto_resume=false", root]], cwd, env)
+    results = run_batch(
+        [
+            [*TINY, "training.train_iters=1000", "model.hidden_size=64", root],
+            [*TINY, "training.train_iters=1000", "checkpoint.auto_resume=false", root],
+        ],
+        cwd,
+        env,
+    )
     mismatch, lines = results[0], results[0]["stderr"].strip().splitlines()
     assert mismatch["code"] == 2 and lines[0].startswith("error: cannot resume from "), mismatch
     assert sum(line.startswith("error:") for line in lines) == 1
@@ -548,19 +710,33 @@ def test_a_dry_run_tells_the_resume_verdict_and_a_refusal_exits_2(interrupted):
     before = snapshot(run_dir)
     base = [*TINY, "training.train_iters=1000", f"run.root={run_dir.parent}"]
     slurm = ["cluster=slurm_dev", "cluster.tasks_per_node=1"]
-    results = run_batch([[*base, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
-                         [*base, *slurm, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
-                         [*base, "model.make_vocab_size_divisible_by=64", "plan=true"],
-                         [*base, *slurm, "dry_run=true"],
-                         [*base, "cluster=slurm_a100_4x8", "cluster.nodes=1", "cluster.tasks_per_node=2",
-                          "parallelism.context_parallel_size=2", "dry_run=true"]], cwd, env)
+    results = run_batch(
+        [
+            [*base, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
+            [*base, *slurm, "model.make_vocab_size_divisible_by=64", "dry_run=true"],
+            [*base, "model.make_vocab_size_divisible_by=64", "plan=true"],
+            [*base, *slurm, "dry_run=true"],
+            [
+                *base,
+                "cluster=slurm_a100_4x8",
+                "cluster.nodes=1",
+                "cluster.tasks_per_node=2",
+                "parallelism.context_parallel_size=2",
+                "dry_run=true",
+            ],
+        ],
+        cwd,
+        env,
+    )
     cp = results[4]  # CP=2 on the CP=1 checkpoint, for a GPU cluster (validate refuses CP on CPU ranks)
     assert cp["code"] == 2 and cp["stderr"].startswith("error: cannot resume from "), cp
     rows = [[cell.strip() for cell in line.split("|")] for line in cp["stderr"].splitlines()]
     assert ["parallelism.context_parallel_size", "1", "2", "refused"] in rows, cp["stderr"]
     for refused in results[:3]:
         lines = refused["stderr"].strip().splitlines()
-        assert refused["code"] == 2 and lines[0].startswith(f"error: cannot resume from {run_dir}/checkpoints/iter_"), refused
+        assert refused["code"] == 2 and lines[0].startswith(f"error: cannot resume from {run_dir}/checkpoints/iter_"), (
+            refused
+        )
         assert sum(line.startswith("error:") for line in lines) == 1
         assert any(line.startswith("model.padded_vocab_size") and "refused" in line for line in lines[1:]), lines
         assert "model.make_vocab_size_divisible_by=128" in lines[-1]  # the override that matches
@@ -580,12 +756,23 @@ def test_kill_9_of_a_waiting_launcher_ends_its_local_job_and_the_rerun_resumes(t
     lock is released, the attempt is recorded; rerunning resumes, printing the change table once."""
     import psutil
 
-    args = [*TINY, "training.micro_batch_size=2", "parallelism.data_parallel_size=2", f"run.root={tmp_path}",
-            "run.name=orphan"]
+    args = [
+        *TINY,
+        "training.micro_batch_size=2",
+        "parallelism.data_parallel_size=2",
+        f"run.root={tmp_path}",
+        "run.name=orphan",
+    ]
     run_dir = tmp_path / "orphan"
     env = dict(os.environ, PYTHONPATH=str(REPO), ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
-    launcher = subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "training.train_iters=1000"], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args, "training.train_iters=1000"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         seen = []
         for line in launcher.stdout:
@@ -612,8 +799,14 @@ def test_kill_9_of_a_waiting_launcher_ends_its_local_job_and_the_rerun_resumes(t
     latest = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))
     assert latest >= attempt.iteration >= 3, (latest, attempt)  # the stop saved the iteration it reached
 
-    rerun = subprocess.run([sys.executable, "-m", "orchestrator", *args, f"training.train_iters={latest + 1}"],
-                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args, f"training.train_iters={latest + 1}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"will resume from {run_dir}/checkpoints/iter_{latest:07d}" in rerun.stdout
     assert rerun.stdout.count("with changes:") == 1 and rerun.stdout.count("training.train_iters |") == 1, rerun.stdout
@@ -625,8 +818,17 @@ def test_config_surface_is_frozen():
     groups = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in (REPO / "conf").iterdir() if d.is_dir()}
     assert groups == {
         "parallelism": ["none", "pp2_dp2", "pp2_vpp2_dp2", "pp4", "tp2_pp2"],
-        "model": ["gpt_1.3b", "gpt_125m", "gpt_6.7b", "gpt_tiny", "llama3_70b", "llama3_8b", "llama_tiny",
-                  "mixtral_8x7b", "moe_tiny"],
+        "model": [
+            "gpt_1.3b",
+            "gpt_125m",
+            "gpt_6.7b",
+            "gpt_tiny",
+            "llama3_70b",
+            "llama3_8b",
+            "llama_tiny",
+            "mixtral_8x7b",
+            "moe_tiny",
+        ],
         "optimizer": ["adam", "sgd"],
         "data": ["indexed", "jsonl", "mock", "stdlib"],
         "training": ["default"],
@@ -638,7 +840,6 @@ def test_config_surface_is_frozen():
         assert f"`{group}`" in readme
         for option in options:
             assert f"`{option}`" in readme, (group, option)
-
 
 
 def test_a_signal_that_python_ignores_in_a_fork_hook_still_stops_the_launcher():
@@ -663,7 +864,11 @@ except KeyboardInterrupt:
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr, proc.stderr  # Python's own
-    assert proc.stdout.strip() == "fork returned" and proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.strip() == "fork returned" and proc.returncode == 130, (
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
+    )
 
 
 def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
@@ -675,13 +880,20 @@ def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
     subprocess.run(["mount", "--bind", str(source), str(mount)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
-        proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", f"run.root={mount}/runs"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "+experiment=gpt_pp2_dp2", f"run.root={mount}/runs"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         subprocess.run(["umount", str(mount)], check=True)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
+    assert (
+        lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
+    )
     assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
 
 
@@ -689,11 +901,25 @@ def test_a_users_model_file_without_a_name_is_named_after_its_option(tmp_path):
     """``conf/model/mymodel.yaml`` without ``name:`` used to be labelled ``gpt_tiny`` (the schema's default):
     its runs went to ``runs/gpt_tiny_none``, where a real gpt_tiny run was then refused as a resume of it."""
     (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "mymodel.yaml").write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n")
+    (tmp_path / "conf" / "model" / "mymodel.yaml").write_text(
+        "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    mine = subprocess.run([sys.executable, "-m", "orchestrator", "model=mymodel", "plan=true"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    mine = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "model=mymodel", "plan=true"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert mine.returncode == 0 and "run mymodel_none: mymodel x none" in mine.stdout, mine.stdout + mine.stderr
-    shipped = subprocess.run([sys.executable, "-m", "orchestrator", "model=gpt_tiny", "plan=true"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=120)
+    shipped = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "model=gpt_tiny", "plan=true"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "run gpt_tiny_none: gpt_tiny x none" in shipped.stdout, shipped.stdout + shipped.stderr

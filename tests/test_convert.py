@@ -39,6 +39,7 @@ def section(text: str, title: str) -> str:
 
 # ---- the seed article -----------------------------------------------------------------------
 
+
 def test_seed_first_run_with_1f1b_flags_plans_pp4_dp8_vpp2_and_flags_the_split_rank(capsys, tmp_path):
     code, out, err, yaml_text = from_megatron(capsys, tmp_path, "seed_1f1b.sh", *SEED_GPUS, "--gpu", "A100-40GB")
     assert code == 0, err
@@ -88,8 +89,13 @@ def test_seed_yaml_config_converts(capsys, tmp_path):
 def test_seed_checkpoint_flags_and_resume_command(capsys, tmp_path):
     code, out, err, yaml_text = from_megatron(capsys, tmp_path, "seed_checkpoint.sh")
     assert code == 0, err
-    for line in ("save_interval: 2000  # --save-interval 2000", "auto_resume: true  # --load (same directory)",
-                 "save_at_end: true  # --save given", "root: '/path'", "name: 'to'  # --save /path/to/checkpoints"):
+    for line in (
+        "save_interval: 2000  # --save-interval 2000",
+        "auto_resume: true  # --load (same directory)",
+        "save_at_end: true  # --save given",
+        "root: '/path'",
+        "name: 'to'  # --save /path/to/checkpoints",
+    ):
         assert line in yaml_text
     code, out, err, yaml_text = from_megatron(capsys, tmp_path, "seed_resume.sh", *SEED_GPUS)
     assert code == 2 and "32 / (1 × 2) = 16" in out  # the same --data-parallel-size mistake
@@ -98,6 +104,7 @@ def test_seed_checkpoint_flags_and_resume_command(capsys, tmp_path):
 
 
 # ---- a public multi-node example --------------------------------------------------------------
+
 
 def _array_flags(text: str):
     """Every ``--flag`` inside the script's ``*_ARGS=( ... )`` arrays except the launcher's."""
@@ -130,10 +137,20 @@ def test_multinode_example_converts_with_no_flag_dropped_silently(capsys, tmp_pa
     assert "world size 16 = TP 4 x PP 2 x CP 1 x DP 2" in out
     assert "vocab 50257 -> padded 50688 (multiple of 128 x TP 4)" in out
     assert "0.01 x 200000 = 2000" in out  # --lr-warmup-fraction
-    for line in ("weights: [0.7, 0.3]", "nodes: 2  # torchrun --nnodes 2", "cpus_per_task: 12",
-                 "timeout_min: 2880", "additional_parameters: {'exclusive': true}", "srun_args: ['--cpu-bind=none']",
-                 "CUDA_DEVICE_MAX_CONNECTIONS", "root: '/lustre/llm'", "name: 'gpt13b'", "split: '969,30,1'",
-                 "eval_interval: 1000  # --eval-interval 1000", "tensorboard: true  # --tensorboard-dir"):
+    for line in (
+        "weights: [0.7, 0.3]",
+        "nodes: 2  # torchrun --nnodes 2",
+        "cpus_per_task: 12",
+        "timeout_min: 2880",
+        "additional_parameters: {'exclusive': true}",
+        "srun_args: ['--cpu-bind=none']",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "root: '/lustre/llm'",
+        "name: 'gpt13b'",
+        "split: '969,30,1'",
+        "eval_interval: 1000  # --eval-interval 1000",
+        "tensorboard: true  # --tensorboard-dir",
+    ):
         assert line in yaml_text, line
 
 
@@ -143,10 +160,11 @@ def test_shell_reading_variables_arrays_arithmetic_and_vars(tmp_path):
     script = tmp_path / "launch.sh"
     script.write_text(
         "#!/bin/bash\n#SBATCH -N 2\nexport NCCL_IB_DISABLE=0\nG=4\nN=$((G*2))\nCKPT=${1:-/ckpt/x}\n"
-        "ARGS=(\n  --num-layers $N  # eight ( layers )\n  --save \"$CKPT\"\n)\n"
+        'ARGS=(\n  --num-layers $N  # eight ( layers )\n  --save "$CKPT"\n)\n'
         "python -m torch.distributed.run --nproc_per_node=$G --nnodes 2 \\\n"
-        "  pretrain_gpt.py \"${ARGS[@]}\" --lr=1e-4 \\\n"
-        "  --data-path $DATA\n")
+        '  pretrain_gpt.py "${ARGS[@]}" --lr=1e-4 \\\n'
+        "  --data-path $DATA\n"
+    )
     src = read_source(str(script), {"1": "/given"})
     assert [a.text for a in src.args] == ["--num-layers 8", "--save /given", "--lr 1e-4", "--data-path $DATA"]
     assert src.launcher.option("nproc-per-node")[0] == "4" and src.launcher.option("nodes")[0] == "2"
@@ -159,8 +177,10 @@ def test_json_args_with_underscored_names(tmp_path):
     from orchestrator.convert.to_config import convert
 
     path = tmp_path / "args.json"
-    path.write_text('{"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "swiglu": true,'
-                    ' "fp16": false, "tokenizer_type": "NullTokenizer", "vocab_size": 256, "data_path": ["/d/x"]}')
+    path.write_text(
+        '{"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "swiglu": true,'
+        ' "fp16": false, "tokenizer_type": "NullTokenizer", "vocab_size": 256, "data_path": ["/d/x"]}'
+    )
     conv = convert(read_source(str(path)), "args")
     got = {k: s.value for k, s in conv.settings.items()}
     assert got["model.num_layers"] == 24 and got["model.activation"] == "swiglu"
@@ -196,19 +216,45 @@ def test_user_errors(capsys, tmp_path, monkeypatch):
 
 # ---- export and round trip ----------------------------------------------------------------
 
-ROUND_TRIPS = [["+experiment=gpt_pp2_dp2"]] + [
-    [f"parallelism={p}"] for p in ("none", "pp2_dp2", "pp2_vpp2_dp2", "pp4", "tp2_pp2")
-] + [
-    ["model=gpt_6.7b", "parallelism=pp2_vpp2_dp2", "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
-     "training.precision=bf16", "training.micro_batch_size=4", "training.global_batch_size=256"],
-    ["+experiment=gpt_pp2_dp2", "data=indexed", "data.paths=[/d/a,/d/b]", "data.weights=[0.3,0.7]",
-     "optimizer=sgd", "cluster=slurm_dev"],
-    ["data=mock", "model.activation=swiglu", "model.ffn_hidden_size=256", "model.num_query_groups=2",
-     "model.normalization=RMSNorm", "model.position_embedding_type=rope", "model.recompute_granularity=selective"],
-    ["model=moe_tiny", "parallelism.data_parallel_size=2", "parallelism.expert_model_parallel_size=2",
-     "training.spike.factor=null"],
-    ["+experiment=mixtral_8x7b_a100x32"],
-]
+ROUND_TRIPS = (
+    [["+experiment=gpt_pp2_dp2"]]
+    + [[f"parallelism={p}"] for p in ("none", "pp2_dp2", "pp2_vpp2_dp2", "pp4", "tp2_pp2")]
+    + [
+        [
+            "model=gpt_6.7b",
+            "parallelism=pp2_vpp2_dp2",
+            "parallelism.data_parallel_size=null",
+            "cluster=slurm_a100_4x8",
+            "training.precision=bf16",
+            "training.micro_batch_size=4",
+            "training.global_batch_size=256",
+        ],
+        [
+            "+experiment=gpt_pp2_dp2",
+            "data=indexed",
+            "data.paths=[/d/a,/d/b]",
+            "data.weights=[0.3,0.7]",
+            "optimizer=sgd",
+            "cluster=slurm_dev",
+        ],
+        [
+            "data=mock",
+            "model.activation=swiglu",
+            "model.ffn_hidden_size=256",
+            "model.num_query_groups=2",
+            "model.normalization=RMSNorm",
+            "model.position_embedding_type=rope",
+            "model.recompute_granularity=selective",
+        ],
+        [
+            "model=moe_tiny",
+            "parallelism.data_parallel_size=2",
+            "parallelism.expert_model_parallel_size=2",
+            "training.spike.factor=null",
+        ],
+        ["+experiment=mixtral_8x7b_a100x32"],
+    ]
+)
 
 
 @pytest.mark.parametrize("overrides", ROUND_TRIPS, ids=lambda o: " ".join(o))
@@ -225,8 +271,11 @@ def test_round_trip_from_megatron_of_to_megatron_composes_to_the_same_config(ove
     # Megatron-LM flags carry every key they can say; `# orchestrator:` lines only the rest
     printed = {group[0] for group in flags(cfg)}
     said = {r.key for r in M.TABLE if r.export and r.key and r.flag in printed}
-    extras = [line.split(":", 1)[1].split("=")[0].strip() for line in text.splitlines()
-              if line.startswith("# orchestrator:") and not line.startswith("# orchestrator: defaults")]
+    extras = [
+        line.split(":", 1)[1].split("=")[0].strip()
+        for line in text.splitlines()
+        if line.startswith("# orchestrator:") and not line.startswith("# orchestrator: defaults")
+    ]
     # (a null the job derives — overlaps on a GPU, save at the end only — is printed as its value and said null)
     assert not {k for k in said & set(extras) if leaves(cfg)[k] is not None}, text
 
@@ -237,8 +286,13 @@ def test_to_megatron_prints_the_launch(capsys):
     assert main(["to-megatron", "+experiment=gpt_pp2_dp2"]) == 0
     out = capsys.readouterr().out
     assert "torchrun --nnodes 1 --nproc-per-node 4 pretrain_gpt.py \\\n" in out
-    for flag in ("--pipeline-model-parallel-size 2", "--global-batch-size 16", "--save-interval 50",
-                 "--save runs/gpt_pp2_dp2/checkpoints", "--tokenizer-type NullTokenizer"):
+    for flag in (
+        "--pipeline-model-parallel-size 2",
+        "--global-batch-size 16",
+        "--save-interval 50",
+        "--save runs/gpt_pp2_dp2/checkpoints",
+        "--tokenizer-type NullTokenizer",
+    ):
         assert f"    {flag} \\\n" in out or out.rstrip().endswith(flag), flag
 
 
@@ -269,18 +323,20 @@ def test_megatron_name_for_virtual_stages_in_the_schema():
 
 
 def test_neither_direction_imports_torch(tmp_path):
-    code = "\n".join([
-        "import runpy, sys",
-        "from orchestrator.convert.cli import main",
-        f"assert main(['from-megatron', {str(FIX / 'seed_1f1b.sh')!r}, '--out', {str(tmp_path)!r}, '--nodes', '4',"
-        " '--gpus-per-node', '8']) == 0",
-        "sys.argv = ['orchestrator.convert', 'to-megatron', 'parallelism=pp4']",
-        "try:",
-        "    runpy.run_module('orchestrator.convert', run_name='__main__')",
-        "except SystemExit as exc:",
-        "    assert exc.code == 0, exc.code",
-        "print('IMPORTED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))",
-    ])
+    code = "\n".join(
+        [
+            "import runpy, sys",
+            "from orchestrator.convert.cli import main",
+            f"assert main(['from-megatron', {str(FIX / 'seed_1f1b.sh')!r}, '--out', {str(tmp_path)!r}, '--nodes', '4',"
+            " '--gpus-per-node', '8']) == 0",
+            "sys.argv = ['orchestrator.convert', 'to-megatron', 'parallelism=pp4']",
+            "try:",
+            "    runpy.run_module('orchestrator.convert', run_name='__main__')",
+            "except SystemExit as exc:",
+            "    assert exc.code == 0, exc.code",
+            "print('IMPORTED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))",
+        ]
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "IMPORTED []" in proc.stdout and "--pipeline-model-parallel-size 4" in proc.stdout

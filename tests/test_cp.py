@@ -25,13 +25,19 @@ WORLD = CP * DP
 
 def _full_batch(dp_rank: int) -> dict:
     tokens = torch.arange(B * S, dtype=torch.int64).reshape(B, S) + 100 * dp_rank
-    return {"tokens": tokens, "labels": tokens + 1000, "position_ids": torch.arange(S).repeat(B, 1),
-            "loss_mask": torch.tensor([[1.0] * S, [1.0] * (S - 3) + [0.0] * 3]), "attention_mask": None}
+    return {
+        "tokens": tokens,
+        "labels": tokens + 1000,
+        "position_ids": torch.arange(S).repeat(B, 1),
+        "loss_mask": torch.tensor([[1.0] * S, [1.0] * (S - 3) + [0.0] * 3]),
+        "attention_mask": None,
+    }
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     from megatron.core import parallel_state as ps
 
     from orchestrator.config.schema import JobConfig
@@ -54,9 +60,18 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         grad = w.grad.detach().reshape(1)
         torch.distributed.all_reduce(grad, group=cp.loss_group())
         grad /= torch.distributed.get_world_size(cp.loss_group())  # DDP averages over DP x CP
-        torch.save({"part": part, "report": report["lm loss"], "grad": grad, "hosts": info.hosts, "dp": dp_rank,
-                    "cp": cp_rank, "cp_group": torch.distributed.get_process_group_ranks(ps.get_context_parallel_group())},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "part": part,
+                "report": report["lm loss"],
+                "grad": grad,
+                "hosts": info.hosts,
+                "dp": dp_rank,
+                "cp": cp_rank,
+                "cp_group": torch.distributed.get_process_group_ranks(ps.get_context_parallel_group()),
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
     finally:
         shutdown()
 
@@ -72,7 +87,11 @@ def test_each_cp_rank_keeps_chunks_i_and_2cp_minus_1_minus_i(ranks):
     """Against a hand split: CP rank r of DP rank d keeps positions [2r, 2r+1, 6-2r, 7-2r] of batch d."""
     chunk = S // (2 * CP)
     assert [(got["dp"], got["cp"], got["cp_group"]) for got in ranks] == [
-        (0, 0, [0, 1]), (0, 1, [0, 1]), (1, 0, [2, 3]), (1, 1, [2, 3])]
+        (0, 0, [0, 1]),
+        (0, 1, [0, 1]),
+        (1, 0, [2, 3]),
+        (1, 1, [2, 3]),
+    ]
     for got in ranks:
         full, r = _full_batch(got["dp"]), got["cp"]
         keep = [*range(r * chunk, (r + 1) * chunk), *range((2 * CP - 1 - r) * chunk, (2 * CP - r) * chunk)]

@@ -58,9 +58,14 @@ def test_distributed_timeout_reaches_every_megatron_group():
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         initialize_parallel_state(cfg, seed=1234, device="cpu")
-        groups = {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-                  "dp": ps.get_data_parallel_group(), "cp": ps.get_context_parallel_group(),
-                  "dp_cp": ps.get_data_parallel_group(with_context_parallel=True), "mp": ps.get_model_parallel_group()}
+        groups = {
+            "tp": ps.get_tensor_model_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(),
+            "cp": ps.get_context_parallel_group(),
+            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+            "mp": ps.get_model_parallel_group(),
+        }
         timeouts = {name: g._get_backend(torch.device("cpu")).options._timeout for name, g in groups.items()}
         assert timeouts == {name: datetime.timedelta(minutes=3) for name in groups}, timeouts
     finally:
@@ -73,7 +78,9 @@ def test_cuda_allocations_in_patched_modules_land_on_cpu():
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
-    assert p2p_communication.torch.empty((3,), device=p2p_communication.torch.cuda.current_device()).device.type == "cpu"
+    assert (
+        p2p_communication.torch.empty((3,), device=p2p_communication.torch.cuda.current_device()).device.type == "cpu"
+    )
     schedules.torch.cuda.synchronize()  # a no-op, not an error
     assert schedules.torch.float32 is torch.float32  # everything else is the real torch
 
@@ -94,7 +101,9 @@ def test_clip_grad_matches_torch_reference(single_rank_group):
     assert total == pytest.approx(float(expected), rel=1e-5)
     for p, r in zip(params, reference):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
-    assert float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))) == pytest.approx(1.0, rel=1e-4)
+    assert float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))) == pytest.approx(
+        1.0, rel=1e-4
+    )
 
 
 def test_rng_tracker_forks_reproducibly_on_cpu(single_rank_group):
@@ -126,7 +135,7 @@ def test_deactivate_restores_megatron():
         cpu.activate()
 
 
-_LIGHT_RANK = r'''
+_LIGHT_RANK = r"""
 import sys
 from orchestrator.runtime.rank import startup
 startup.keep_out(wandb=True)
@@ -142,7 +151,7 @@ cfg = compose_config(["data.tokenizer=GPT2BPETokenizer", "data.vocab_file=" + sy
 validate(cfg)  # the job's own validate still knows transformers is installed
 print("byte eod", dataset_tokenizer(compose_config(["run.dir=" + sys.argv[3]]).data).eod)
 print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is None)
-'''
+"""
 
 
 @pytest.mark.mcore_lines
@@ -160,7 +169,12 @@ def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validat
     vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
     vocab.write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": GPT2_EOD}))
     merges.write_text("#version: 0.2\na b\n")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _LIGHT_RANK, str(vocab), str(merges), str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _LIGHT_RANK, str(vocab), str(merges), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["fuser True function", "byte eod 256", "kept out True True"], out.stdout

@@ -57,31 +57,38 @@ def test_identity_is_megatrons_byte_tokenizer(byte_tokenizer):
 def test_bad_lines_are_skipped_counted_and_reported(tmp_path, byte_tokenizer, workers):
     """In this process or in two tokenizing processes (data.workers=2): the same counts, lines and ids."""
     good = speeches(0, 3)
-    lines = [good[0].encode(),                       # 1 document
-             b'{"text": "caf\xe9 au lait"}',           # 2 invalid UTF-8 (latin-1 byte)
-             b'{"text": "unterminated',                # 3 not JSON
-             b'{"id": 7, "body": "no text key"}',      # 4 without the text key
-             b'{"text": ""}',                          # 5 empty document
-             b'',                                      # 6 blank
-             b'{"text": "\\ud800 lone surrogate"}',     # 7 text the tokenizer rejects
-             b'["text", "not an object"]',             # 8 without the text key (not an object)
-             good[1].encode(), b'{"text": 42}',        # 9 document, 10 text not a string
-             good[2].encode()]                         # 11 document
+    lines = [
+        good[0].encode(),  # 1 document
+        b'{"text": "caf\xe9 au lait"}',  # 2 invalid UTF-8 (latin-1 byte)
+        b'{"text": "unterminated',  # 3 not JSON
+        b'{"id": 7, "body": "no text key"}',  # 4 without the text key
+        b'{"text": ""}',  # 5 empty document
+        b"",  # 6 blank
+        b'{"text": "\\ud800 lone surrogate"}',  # 7 text the tokenizer rejects
+        b'["text", "not an object"]',  # 8 without the text key (not an object)
+        good[1].encode(),
+        b'{"text": 42}',  # 9 document, 10 text not a string
+        good[2].encode(),
+    ]  # 11 document
     path = tmp_path / "corpus.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     cache = tmp_path / "cache"
     said: List[str] = []
-    prepared = prepare(DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache), workers=workers),
-                       log=said.append)
+    prepared = prepare(
+        DataConfig(kind="jsonl", paths=[str(path)], cache_dir=str(cache), workers=workers), log=said.append
+    )
     texts = [json.loads(g)["text"] for g in good]
     tokens = sum(len(t.encode()) + 1 for t in texts)  # UTF-8 bytes + one <eod> each
     summary = [s for s in said if s.startswith("data corpus: ")]
     assert summary and summary[0].startswith(
-        f"data corpus: 3 documents, {tokens:,} tokens, 7 skipped lines, 1 empty documents"), said
-    warning, = [s for s in said if s.startswith("warning: ")]
-    assert warning == (f"warning: {path}: skipped 7 lines: 1 invalid UTF-8 (first: line 2), 1 not JSON (first: "
-                       "line 3), 3 without a string 'text' field (first: line 4), 1 blank (first: line 6), "
-                       "1 text the tokenizer rejects (first: line 7)"), warning
+        f"data corpus: 3 documents, {tokens:,} tokens, 7 skipped lines, 1 empty documents"
+    ), said
+    (warning,) = [s for s in said if s.startswith("warning: ")]
+    assert warning == (
+        f"warning: {path}: skipped 7 lines: 1 invalid UTF-8 (first: line 2), 1 not JSON (first: "
+        "line 3), 3 without a string 'text' field (first: line 4), 1 blank (first: line 6), "
+        "1 text the tokenizer rejects (first: line 7)"
+    ), warning
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prepared.prefixes[0], mmap=True)
@@ -126,9 +133,17 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     b.write_text("\n".join(speeches(150, 150)) + "\n")
     cache = tmp_path / "cache"  # cold
     run_dir = tmp_path / "run"
-    common = ["parallelism=none", "data=jsonl", f"data.paths=[{a},{b}]", f"run.dir={run_dir}",
-              "training.train_iters=4", "checkpoint.save_interval=2", "training.global_batch_size=8",
-              "training.micro_batch_size=4", "training.eval_iters=0"]
+    common = [
+        "parallelism=none",
+        "data=jsonl",
+        f"data.paths=[{a},{b}]",
+        f"run.dir={run_dir}",
+        "training.train_iters=4",
+        "checkpoint.save_interval=2",
+        "training.global_batch_size=8",
+        "training.micro_batch_size=4",
+        "training.eval_iters=0",
+    ]
     first = run_cli(common + ["data.weights=[0.5,0.5]"], cache=cache, timeout=400)
     assert "data a: 150 documents" in first.stdout and "data b: 150 documents" in first.stdout
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
@@ -136,8 +151,11 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     assert manifest["data"]["weights"] == [0.5, 0.5] and manifest["config"]["data"]["weights"] == [0.5, 0.5]
     # A job of one task builds the indices itself, once, before its first iteration (the launcher, which
     # would import torch and megatron-core for them, does not); none was rebuilt by the resume below.
-    submitted = min(r["time"] for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
-                    if r["event"] == "submitted")
+    submitted = min(
+        r["time"]
+        for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
+        if r["event"] == "submitted"
+    )
     first_step = min(r["time"] for r in read_metrics(run_dir))
     indices = sorted((cache / "indices").iterdir())
     built = {p.name: p.stat().st_mtime for p in indices}
@@ -148,7 +166,7 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
     assert refused.returncode == 2, refused.stdout + refused.stderr
     err = refused.stderr.strip().splitlines()
     assert err[0].startswith("error: ") and "Traceback" not in refused.stderr
-    row, = [line for line in err if line.startswith("data.weights ")]
+    (row,) = [line for line in err if line.startswith("data.weights ")]
     assert "[0.5,0.5]" in row and "[0.7,0.3]" in row and "refused" in row
     assert "data.weights=[0.5,0.5]" in refused.stderr  # the override that matches the checkpoint
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]  # nothing trained

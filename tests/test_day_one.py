@@ -33,22 +33,39 @@ def _convert(tmp_path: Path, *args: str):
 
 
 def _given(tmp_path: Path) -> list:
-    return ["--var", f"1={tmp_path / 'ckpt' / 'g175'}", "--var", "3=/data/gpt2-vocab.json", "--var",
-            "4=/data/gpt2-merges.txt", "--var", "5=/data/my_text_document", "--var", "NUM_NODES=16", "--gpu",
-            "A100-80GB"]
+    return [
+        "--var",
+        f"1={tmp_path / 'ckpt' / 'g175'}",
+        "--var",
+        "3=/data/gpt2-vocab.json",
+        "--var",
+        "4=/data/gpt2-merges.txt",
+        "--var",
+        "5=/data/my_text_document",
+        "--var",
+        "NUM_NODES=16",
+        "--gpu",
+        "A100-80GB",
+    ]
 
 
 def test_every_undefined_variable_is_named_in_one_error_with_the_command_that_defines_them(tmp_path, capsys):
     assert _convert(tmp_path, "--gpu", "A100-80GB") == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: --var: ")
-    for said in ("$1 (CHECKPOINT_PATH: --save, --load)", "$3 (VOCAB_FILE: --vocab-file)",
-                 "$4 (MERGE_FILE: --merge-file)", "$5 (DATA_PATH: --data-path)"):
+    for said in (
+        "$1 (CHECKPOINT_PATH: --save, --load)",
+        "$3 (VOCAB_FILE: --vocab-file)",
+        "$4 (MERGE_FILE: --merge-file)",
+        "$5 (DATA_PATH: --data-path)",
+    ):
         assert said in err, err
     assert "$2" not in err  # --tensorboard-dir's value is never read: events go to <run dir>/tensorboard
     fix = err.split("; fix: ", 1)[1].strip()
-    assert fix.endswith("--gpu A100-80GB --var '1=<CHECKPOINT_PATH>' --var '3=<VOCAB_FILE>' "
-                        "--var '4=<MERGE_FILE>' --var '5=<DATA_PATH>'"), fix
+    assert fix.endswith(
+        "--gpu A100-80GB --var '1=<CHECKPOINT_PATH>' --var '3=<VOCAB_FILE>' "
+        "--var '4=<MERGE_FILE>' --var '5=<DATA_PATH>'"
+    ), fix
     assert not (tmp_path / "conf").exists()  # nothing written
 
 
@@ -60,13 +77,16 @@ def test_the_175b_example_converts_in_one_run_and_its_next_command_exits_0(tmp_p
     assert nxt[-2:] == ["+experiment=g175", "plan=true"], nxt
     planned, roomy = run_batch([nxt, nxt + ["plan_headroom=1.0"]], tmp_path)
     assert planned["code"] == 0, planned["stderr"] + planned["stdout"][-2000:]
-    assert "warning: data.paths[0]='/data/my_text_document': /data/my_text_document.bin and .idx not found" \
-        in planned["stdout"]  # a warning, as convert's own plan says it
+    assert (
+        "warning: data.paths[0]='/data/my_text_document': /data/my_text_document.bin and .idx not found"
+        in planned["stdout"]
+    )  # a warning, as convert's own plan says it
     assert f"would start fresh: no checkpoint in {tmp_path / 'ckpt' / 'g175' / 'checkpoints'}" in planned["stdout"]
     for text in (out, planned["stdout"]):
         verdict = re.search(r"^verdict: (.*)$", text, re.M).group(1)
-        assert verdict.startswith("tight: stage 0 needs 79.2 GiB of 80.0 GiB on A100-80GB (99%), above "
-                                  "plan_headroom=0.85 (68.0 GiB"), verdict
+        assert verdict.startswith(
+            "tight: stage 0 needs 79.2 GiB of 80.0 GiB on A100-80GB (99%), above plan_headroom=0.85 (68.0 GiB"
+        ), verdict
         rows = re.findall(r"^  #\d+: (.*)$", text, re.M)
         assert rows and "suggestions (fastest first; each fits within plan_headroom)" in text
     assert re.search(r"^verdict: fits: stage 0 needs 79.2 GiB <= 80.0 GiB", roomy["stdout"], re.M)
@@ -77,18 +97,22 @@ def test_the_175b_example_converts_in_one_run_and_its_next_command_exits_0(tmp_p
     # every "not converted" line has its reason after the flag
     lines = re.search(r"^not converted[^\n]*:\n((?:  .*\n)*)", out, re.M).group(1).splitlines()
     assert len(lines) == 3 and all(re.match(r"  \S.*?: \w.{20,}", line) for line in lines), lines
-    assert "vocab 50257 -> padded 51200 (multiple of 128 x TP 8); from data.vocab_size=50257 " \
-           "(data.tokenizer=GPT2BPETokenizer's files are not on this machine)" in planned["stdout"]
+    assert (
+        "vocab 50257 -> padded 51200 (multiple of 128 x TP 8); from data.vocab_size=50257 "
+        "(data.tokenizer=GPT2BPETokenizer's files are not on this machine)" in planned["stdout"]
+    )
 
 
 def test_mock_data_needs_no_vocabulary_file_and_unknown_flags_say_why(tmp_path, capsys):
     script = tmp_path / "mock.sh"
-    script.write_text("VOCAB_FILE=$1\nMERGE_FILE=$2\n"
-                      "torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
-                      "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 "
-                      "--global-batch-size 4 --train-iters 3 --lr 1e-3 --mock-data --vocab-file $VOCAB_FILE "
-                      "--merge-file $MERGE_FILE --step-batch-size-schedule '0:2 100:4' --frobnicate-level 3 "
-                      "--num-layers-per-virtual-pipeline-stage 2\n")
+    script.write_text(
+        "VOCAB_FILE=$1\nMERGE_FILE=$2\n"
+        "torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
+        "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 "
+        "--global-batch-size 4 --train-iters 3 --lr 1e-3 --mock-data --vocab-file $VOCAB_FILE "
+        "--merge-file $MERGE_FILE --step-batch-size-schedule '0:2 100:4' --frobnicate-level 3 "
+        "--num-layers-per-virtual-pipeline-stage 2\n"
+    )
     from orchestrator.convert.cli import main
 
     code = main(["from-megatron", str(script), "--out", str(tmp_path / "conf")])
@@ -114,14 +138,29 @@ def test_plan_says_a_no_op_vpp_its_vocabulary_and_never_suggests_a_distributed_o
 
     cfg = compose_config(["parallelism=pp2_dp2", "parallelism.num_layers_per_virtual_pipeline_stage=2"])
     notes = planner.plan(cfg).notes
-    assert ("parallelism.num_layers_per_virtual_pipeline_stage=2 leaves VPP = num_layers / (PP x 2) = 4 / (2 x 2) "
-            "= 1: one model chunk per rank, no interleaving (a no-op; fix: one of [1] for VPP > 1, or null)") in notes
-    big = compose_config(["model=gpt_6.7b", "cluster=slurm_a100_4x8", "training.precision=bf16", "gpu=A100-40GB",
-                          "cluster.nodes=1", "cluster.gpus_per_node=4", "cluster.tasks_per_node=4", "parallelism.data_parallel_size=null",
-                          "training.micro_batch_size=1", "training.global_batch_size=64"])
+    assert (
+        "parallelism.num_layers_per_virtual_pipeline_stage=2 leaves VPP = num_layers / (PP x 2) = 4 / (2 x 2) "
+        "= 1: one model chunk per rank, no interleaving (a no-op; fix: one of [1] for VPP > 1, or null)"
+    ) in notes
+    big = compose_config(
+        [
+            "model=gpt_6.7b",
+            "cluster=slurm_a100_4x8",
+            "training.precision=bf16",
+            "gpu=A100-40GB",
+            "cluster.nodes=1",
+            "cluster.gpus_per_node=4",
+            "cluster.tasks_per_node=4",
+            "parallelism.data_parallel_size=null",
+            "training.micro_batch_size=1",
+            "training.global_batch_size=64",
+        ]
+    )
     text = format_plan(planner.plan(big))
-    assert ("vocab 258 -> padded 384 (multiple of 128 x TP 1); from data.tokenizer=byte of data=stdlib: 256 byte "
-            "ids + eod + pad, not a model's tokenizer") in text
+    assert (
+        "vocab 258 -> padded 384 (multiple of 128 x TP 1); from data.tokenizer=byte of data=stdlib: 256 byte "
+        "ids + eod + pad, not a model's tokenizer"
+    ) in text
     found = suggest.suggest(big, limit=50, always=True)
     assert found and all(s.plan.layout.data_parallel_size > 1 for s in found if s.plan.recipe.use_distributed_optimizer)
     assert any(s.plan.layout.data_parallel_size == 1 for s in found)  # DP 1 layouts are offered, without it
@@ -133,15 +172,27 @@ def test_plan_says_a_no_op_vpp_its_vocabulary_and_never_suggests_a_distributed_o
 
 def test_hydra_habits_get_the_override_that_works_and_the_sweep_says_its_own_progress(tmp_path):
     (tmp_path / "empty").mkdir()
-    launcher, typo, status, sweep = run_batch([
-        ["-m", "+experiment=gpt_pp2_dp2", "hydra/launcher=submitit_slurm", "training.micro_batch_size=1,2"],
-        ["+experiment=gpt_pp2", "plan=true"],
-        ["status", "runs"],
-        ["-m", "+experiment=gpt_pp2_dp2", "training.micro_batch_size=1,2", "plan=true", f"run.root={tmp_path}/runs"],
-    ], tmp_path)
-    assert_one_error_line(launcher, "hydra/launcher=submitit_slurm: Hydra's launcher plugins are not used here",
-                          "cluster=slurm", "fix: python -m orchestrator -m +experiment=gpt_pp2_dp2 "
-                          "training.micro_batch_size=1,2 cluster=slurm")
+    launcher, typo, status, sweep = run_batch(
+        [
+            ["-m", "+experiment=gpt_pp2_dp2", "hydra/launcher=submitit_slurm", "training.micro_batch_size=1,2"],
+            ["+experiment=gpt_pp2", "plan=true"],
+            ["status", "runs"],
+            [
+                "-m",
+                "+experiment=gpt_pp2_dp2",
+                "training.micro_batch_size=1,2",
+                "plan=true",
+                f"run.root={tmp_path}/runs",
+            ],
+        ],
+        tmp_path,
+    )
+    assert_one_error_line(
+        launcher,
+        "hydra/launcher=submitit_slurm: Hydra's launcher plugins are not used here",
+        "cluster=slurm",
+        "fix: python -m orchestrator -m +experiment=gpt_pp2_dp2 training.micro_batch_size=1,2 cluster=slurm",
+    )
     assert_one_error_line(typo, "did you mean +experiment=gpt_pp2_dp2?")
     assert status["code"] == 0 and status["stdout"].startswith("no runs under runs: no such directory yet")
     assert sweep["code"] == 0, sweep["stderr"] + sweep["stdout"][-2000:]

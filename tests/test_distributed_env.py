@@ -32,43 +32,93 @@ from orchestrator.runtime.rank.distributed import (
 # ---- recorded environments --------------------------------------------------------------------------
 # srun -N2 -n4 --ntasks-per-node=2 on the dev cluster (launch/), rank 3 (node2, local rank 1).
 SLURM_2X2_RANK3 = {
-    "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "28", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
-    "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
-    "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_STEP_NODELIST": "node[1-2]",
-    "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SUBMITIT_EXECUTOR": "slurm",
+    "SLURM_JOB_ID": "28",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
     "MASTER_ADDR": "10.0.0.99",  # what a submitting shell may have left: never used on SLURM
 }
 DEV_HOSTS = {"node1": "10.77.0.11", "node2": "10.77.0.12"}
 
 # 8 tasks per 8-GPU node; each env is the one of local rank 5 (global rank 13 on the second node).
-_GPU_TASK = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NODEID": "1",
-             "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
-GPUS_PER_TASK_1 = {**_GPU_TASK, "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_GPUS": "5",  # --gpus-per-task=1
-                   "CUDA_VISIBLE_DEVICES": "5", "GPU_DEVICE_ORDINAL": "5"}
-GPUS_PER_TASK_1_CGROUP = {**_GPU_TASK, "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_GPUS": "3",  # ConstrainDevices=yes
-                          "CUDA_VISIBLE_DEVICES": "0"}
-WHOLE_NODE = {**_GPU_TASK, "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7",  # --gpus-per-node=8
-              "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-BIND_CLOSEST = {**_GPU_TASK, "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7",  # --gpu-bind=closest
-                "CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # the socket's 4 GPUs
-PARTIAL_NODE = {**_GPU_TASK, "SLURM_LOCALID": "2", "SLURM_GPUS_ON_NODE": "4",  # --gpus-per-node=4 of 8
-                "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_GPUS": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+_GPU_TASK = {
+    "SUBMITIT_EXECUTOR": "slurm",
+    "SLURM_PROCID": "13",
+    "SLURM_LOCALID": "5",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "16",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+}
+GPUS_PER_TASK_1 = {
+    **_GPU_TASK,
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_STEP_GPUS": "5",  # --gpus-per-task=1
+    "CUDA_VISIBLE_DEVICES": "5",
+    "GPU_DEVICE_ORDINAL": "5",
+}
+GPUS_PER_TASK_1_CGROUP = {
+    **_GPU_TASK,
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_STEP_GPUS": "3",  # ConstrainDevices=yes
+    "CUDA_VISIBLE_DEVICES": "0",
+}
+WHOLE_NODE = {
+    **_GPU_TASK,
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7",  # --gpus-per-node=8
+    "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+}
+BIND_CLOSEST = {
+    **_GPU_TASK,
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7",  # --gpu-bind=closest
+    "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+}  # the socket's 4 GPUs
+PARTIAL_NODE = {
+    **_GPU_TASK,
+    "SLURM_LOCALID": "2",
+    "SLURM_GPUS_ON_NODE": "4",  # --gpus-per-node=4 of 8
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    "SLURM_STEP_GPUS": "4,5,6,7",
+    "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+}
 NO_GPUS = {**_GPU_TASK, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def bind(env, device_count, want="auto", backend="auto", gpus_per_node=8):
-    return choose_binding(env, want=want, backend=backend, device_count=device_count, gpus_per_node=gpus_per_node,
-                          local_rank=int(env.get("SLURM_LOCALID", 0)), rank=int(env.get("SLURM_PROCID", 0)))
+    return choose_binding(
+        env,
+        want=want,
+        backend=backend,
+        device_count=device_count,
+        gpus_per_node=gpus_per_node,
+        local_rank=int(env.get("SLURM_LOCALID", 0)),
+        rank=int(env.get("SLURM_PROCID", 0)),
+    )
 
 
 # ---- binding ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("env, count, index, gpu", [
-    (GPUS_PER_TASK_1, 1, 0, "5"),            # one GPU bound: it is ours, whatever its number
-    (GPUS_PER_TASK_1_CGROUP, 1, 0, "0"),
-    (WHOLE_NODE, 8, 5, "5"),                 # all 8 visible: pick by local rank
-    (PARTIAL_NODE, 4, 2, "6"),               # the job's 4 GPUs of the node: local rank 2 -> 3rd of them
-    ({**BIND_CLOSEST, "CUDA_VISIBLE_DEVICES": "5"}, 1, 0, "5"),  # closest + one GPU per task
-])
+@pytest.mark.parametrize(
+    "env, count, index, gpu",
+    [
+        (GPUS_PER_TASK_1, 1, 0, "5"),  # one GPU bound: it is ours, whatever its number
+        (GPUS_PER_TASK_1_CGROUP, 1, 0, "0"),
+        (WHOLE_NODE, 8, 5, "5"),  # all 8 visible: pick by local rank
+        (PARTIAL_NODE, 4, 2, "6"),  # the job's 4 GPUs of the node: local rank 2 -> 3rd of them
+        ({**BIND_CLOSEST, "CUDA_VISIBLE_DEVICES": "5"}, 1, 0, "5"),  # closest + one GPU per task
+    ],
+)
 def test_binding_follows_slurm_and_never_rewrites_cuda_visible_devices(env, count, index, gpu):
     before = dict(env)
     b = bind(env, count)
@@ -103,8 +153,13 @@ def test_no_gpus_runs_on_cpu_with_gloo_unless_gpus_were_asked_for():
 
 # ---- agreement ------------------------------------------------------------------------------------------
 def _rec(host, device, gpu=None, visible=None):
-    return {"host": host, "device": device, "backend": "nccl" if device == "cuda" else "gloo", "gpu": gpu,
-            "visible": visible}
+    return {
+        "host": host,
+        "device": device,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "gpu": gpu,
+        "visible": visible,
+    }
 
 
 def test_ranks_that_differ_in_device_or_share_a_gpu_are_named():
@@ -133,9 +188,16 @@ def test_slurm_rendezvous_is_the_first_node_of_the_step_resolved():
 
 
 def test_local_rendezvous_ignores_the_callers_master_addr_and_port():
-    env = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_GLOBALID": "2",
-           "SUBMITIT_LOCAL_LOCALID": "2", "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_ADDR": "10.9.9.9",
-           "MASTER_PORT": "29500", **local_rendezvous_env()}
+    env = {
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_NTASKS": "4",
+        "SUBMITIT_LOCAL_GLOBALID": "2",
+        "SUBMITIT_LOCAL_LOCALID": "2",
+        "SUBMITIT_LOCAL_JOB_ID": "4242",
+        "MASTER_ADDR": "10.9.9.9",
+        "MASTER_PORT": "29500",
+        **local_rendezvous_env(),
+    }
     rv = rendezvous_from_env(env)
     assert (rv.rank, rv.world_size, rv.master_addr) == (2, 4, "127.0.0.1")
     assert rv.master_port == int(env[LOCAL_PORT_VAR]) != 29500
@@ -144,10 +206,18 @@ def test_local_rendezvous_ignores_the_callers_master_addr_and_port():
 def _local_rank(job: int, rank: int, port: int, busy_port: int, out) -> None:
     """One rank of local job ``job``: the environment submitit's LocalExecutor and our launcher give it,
     plus a caller's MASTER_ADDR/MASTER_PORT pointing at a port that is taken."""
-    os.environ.update({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2",
-                       "SUBMITIT_LOCAL_GLOBALID": str(rank), "SUBMITIT_LOCAL_LOCALID": str(rank),
-                       "SUBMITIT_LOCAL_JOB_ID": str(1000 + job), LOCAL_PORT_VAR: str(port),
-                       "MASTER_ADDR": "10.255.255.1", "MASTER_PORT": str(busy_port)})
+    os.environ.update(
+        {
+            "SUBMITIT_EXECUTOR": "local",
+            "SUBMITIT_LOCAL_NTASKS": "2",
+            "SUBMITIT_LOCAL_GLOBALID": str(rank),
+            "SUBMITIT_LOCAL_LOCALID": str(rank),
+            "SUBMITIT_LOCAL_JOB_ID": str(1000 + job),
+            LOCAL_PORT_VAR: str(port),
+            "MASTER_ADDR": "10.255.255.1",
+            "MASTER_PORT": str(busy_port),
+        }
+    )
     from orchestrator.config.schema import JobConfig
     from orchestrator.runtime.rank.distributed import init_distributed
 
@@ -171,8 +241,11 @@ def test_ten_local_runs_started_at_once_all_find_a_free_port():
         assert len(set(ports)) == 10
         ctx = multiprocessing.get_context("fork")
         out = ctx.Queue()
-        procs = [ctx.Process(target=_local_rank, args=(job, rank, ports[job], busy.getsockname()[1], out))
-                 for job in range(10) for rank in range(2)]
+        procs = [
+            ctx.Process(target=_local_rank, args=(job, rank, ports[job], busy.getsockname()[1], out))
+            for job in range(10)
+            for rank in range(2)
+        ]
         for p in procs:
             p.start()
         results = [out.get(timeout=240) for _ in procs]
@@ -186,9 +259,11 @@ def test_ten_local_runs_started_at_once_all_find_a_free_port():
 
 def test_gpu_path_modules_do_not_import_the_cpu_layer():
     """runtime/rank/cpu.py (megatron-core 0.16.x only) is for CPU jobs: what a GPU rank needs never imports it."""
-    code = ("import sys; import orchestrator.runtime.rank.distributed, orchestrator.runtime.rank.model, "
-            "orchestrator.runtime.training.checkpoint, orchestrator.runtime.rank.cp; "
-            "assert 'orchestrator.runtime.rank.cpu' not in sys.modules, 'cpu layer imported'")
+    code = (
+        "import sys; import orchestrator.runtime.rank.distributed, orchestrator.runtime.rank.model, "
+        "orchestrator.runtime.training.checkpoint, orchestrator.runtime.rank.cp; "
+        "assert 'orchestrator.runtime.rank.cpu' not in sys.modules, 'cpu layer imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

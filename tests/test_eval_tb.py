@@ -25,9 +25,18 @@ ITERS, EVAL_INTERVAL, EVAL_ITERS = 20, 5, 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("evaltb")
-    args = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", f"training.train_iters={ITERS}",
-            "training.log_interval=1", f"training.eval_interval={EVAL_INTERVAL}", f"training.eval_iters={EVAL_ITERS}",
-            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", f"run.root={root}", "run.name=evaltb"]
+    args = [
+        "+experiment=gpt_pp2_dp2",
+        "data.stdlib_max_mb=2",
+        f"training.train_iters={ITERS}",
+        "training.log_interval=1",
+        f"training.eval_interval={EVAL_INTERVAL}",
+        f"training.eval_iters={EVAL_ITERS}",
+        "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false",
+        f"run.root={root}",
+        "run.name=evaltb",
+    ]
     args += ["logging.wandb.project=orchestrator-tests", "logging.wandb.mode=offline"]  # wandb: the test extra
     proc = run_cli(args, cache=cache_dir, env={"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"})
     return root / "evaltb", proc
@@ -73,18 +82,26 @@ def test_tensorboard_events_match_metrics_jsonl(run):
     tb = _scalars(run_dir)
     records = read_metrics(run_dir)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
-    pairs = {"lm loss": "lm_loss", "learning-rate": "lr", "grad-norm": "grad_norm",
-             "iteration-time": "step_time_s", "tokens-per-sec": "tokens_per_s", "throughput": "throughput_tflops"}
+    pairs = {
+        "lm loss": "lm_loss",
+        "learning-rate": "lr",
+        "grad-norm": "grad_norm",
+        "iteration-time": "step_time_s",
+        "tokens-per-sec": "tokens_per_s",
+        "throughput": "throughput_tflops",
+    }
     for tag, key in pairs.items():
         assert tb[tag] == {r["iteration"]: pytest.approx(r[key], rel=1e-6) for r in records}, tag  # float32 events
         assert tb[f"{tag} vs samples"] == {r["consumed_samples"]: pytest.approx(r[key], rel=1e-6) for r in records}
-    assert tb["mem-max-rss-bytes"] == {r["iteration"]: pytest.approx(r["max_rss_mb"] * 2 ** 20, rel=1e-6)
-                                       for r in records}
+    assert tb["mem-max-rss-bytes"] == {
+        r["iteration"]: pytest.approx(r["max_rss_mb"] * 2**20, rel=1e-6) for r in records
+    }
     evals = _evals(run_dir)
     assert tb["lm loss validation"] == {e["iteration"]: pytest.approx(e["lm_loss"], rel=1e-6) for e in evals}
     assert tb["lm loss validation ppl"] == {e["iteration"]: pytest.approx(e["ppl"], rel=1e-6) for e in evals}
-    assert tb["lm loss validation vs samples"] == {e["consumed_samples"]: pytest.approx(e["lm_loss"], rel=1e-6)
-                                                   for e in evals}
+    assert tb["lm loss validation vs samples"] == {
+        e["consumed_samples"]: pytest.approx(e["lm_loss"], rel=1e-6) for e in evals
+    }
 
 
 def _wandb_records(path: Path) -> Iterator[bytes]:
@@ -97,11 +114,11 @@ def _wandb_records(path: Path) -> Iterator[bytes]:
         if left < 7:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
         if length == 0 and kind == 0:  # zero padding to the end of the block
             pos += left
             continue
-        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             yield data
         elif kind == 2:

@@ -48,6 +48,7 @@ def clean_env(monkeypatch):
 
 # ---- attempt history -----------------------------------------------------------------------------
 
+
 def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     run = tmp_path / "run"
     history.record_submission(run, "7", "slurm", {"stdout": str(run / "s" / "7_0_log.out")}, num_tasks=4)
@@ -61,7 +62,10 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     records = history.read_records(run)
     items = history.attempts(records)
     assert [(a.attempt, a.cause, a.iteration, a.start_iteration, a.host) for a in items] == [
-        (0, "timeout", 131, 0, "n1"), (1, "hang", 150, 131, "n2"), (2, None, 150, 150, "n2")]
+        (0, "timeout", 131, 0, "n1"),
+        (1, "hang", 150, 131, "n2"),
+        (2, None, 150, 150, "n2"),
+    ]
     assert items[0].requeued and items[1].end is not None and items[2].end is None
     assert history.count_ended(records, "7", history.TIMEOUT_CAUSES) == 1
     assert history.count_ended(records, "7", history.FAILURE_CAUSES) == 1
@@ -74,16 +78,21 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     # a later local job that got the same (process) id is a new attempt, not a second end of the old one
     history.record_attempt_ended(run, "7", 2, "completed", iteration=200)
     assert history.claim_attempt_end(run, "7", 0) is False  # the old job's marker ...
-    history.clear_attempt_markers(run, "7", 0)               # ... cleared by the new job's rank 0
+    history.clear_attempt_markers(run, "7", 0)  # ... cleared by the new job's rank 0
     history.record_submission(run, "7", "local", {}, num_tasks=1)
     history.record_attempt_started(run, "7", 0, iteration=200, host="n3")
     history.record_attempt_ended(run, "7", 0, "completed", iteration=210)
     items = history.attempts(history.read_records(run))
     assert [(a.attempt, a.cause, a.iteration) for a in items] == [
-        (0, "timeout", 131), (1, "hang", 150), (2, "completed", 200), (0, "completed", 210)]
+        (0, "timeout", 131),
+        (1, "hang", 150),
+        (2, "completed", 200),
+        (0, "completed", 210),
+    ]
 
 
 # ---- NaN guard (no process group: every decision is local) --------------------------------------
+
 
 def _cfg(tmp_path, **training):
     from orchestrator.config.schema import JobConfig
@@ -110,8 +119,10 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     assert msg.startswith("non-finite gradient norm nan at iteration 7; lm loss non-finite on rank(s) 0")
     assert "the latest checkpoint stays iter_0000004" in msg and "\n" not in msg
     # tighter clipping is a *smaller* clip_grad: never suggest raising it
-    assert msg.endswith("fix: lower optimizer.lr=0.001 (or raise optimizer.lr_warmup_iters=0, or clip harder "
-                        "with optimizer.clip_grad below 1) and rerun to resume"), msg
+    assert msg.endswith(
+        "fix: lower optimizer.lr=0.001 (or raise optimizer.lr_warmup_iters=0, or clip harder "
+        "with optimizer.clip_grad below 1) and rerun to resume"
+    ), msg
     try:
         raise info.value
     except NonFiniteLossError:
@@ -183,7 +194,9 @@ def test_a_host_whose_every_rank_is_gone_is_a_node_failure_one_rank_a_crash(tmp_
     lost.report_alive(str(tmp_path), "7", 0, 0)
     t0 = time.monotonic()
     assert lost.crash_cause(str(tmp_path), "7", 0, 4, "rank 0 (node1) crashed", wait_s=0.5) == (
-        "node failure", "node node2 lost (ranks 2,3): rank 0 (node1) crashed")
+        "node failure",
+        "node node2 lost (ranks 2,3): rank 0 (node1) crashed",
+    )
     assert time.monotonic() - t0 >= 0.5  # it waited for the others
     lost.report_alive(str(tmp_path), "7", 0, 3)
     assert lost.crash_cause(str(tmp_path), "7", 0, 4, "x", wait_s=0.1) == ("crashed", "x")  # node2 still had rank 3
@@ -191,6 +204,7 @@ def test_a_host_whose_every_rank_is_gone_is_a_node_failure_one_rank_a_crash(tmp_
 
 
 # ---- disk full ------------------------------------------------------------------------------------
+
 
 def test_explain_save_failure(tmp_path):
     path = tmp_path / "checkpoints" / "iter_0000004"
@@ -232,8 +246,9 @@ def test_enospc_outside_a_save_is_a_full_disk_in_the_line_and_the_history(tmp_pa
     assert isinstance(err, DiskFullError)
     assert str(err).startswith(f"no space left on device (ENOSPC) writing {run_dir}: ") and " free of " in str(err)
     assert "no complete checkpoint yet; fix: free space there (or set run.root" in str(err)
-    named = explain_write_failure(OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl")),
-                                  run_dir)
+    named = explain_write_failure(
+        OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl")), run_dir
+    )
     assert str(named).startswith(f"no space left on device (ENOSPC) writing {run_dir / 'metrics.jsonl'}: ")
     assert explain_write_failure(OSError(errno.EACCES, "Permission denied"), run_dir) is None
     history.record_attempt_started(str(run_dir), "9", 0, host="h", world_size=1, iteration=0, train_iters=4)
@@ -243,6 +258,7 @@ def test_enospc_outside_a_save_is_a_full_disk_in_the_line_and_the_history(tmp_pa
 
 
 # ---- hang watchdog (two ranks as two watchdogs in this process) ---------------------------------
+
 
 class _Exit(SystemExit):
     pass
@@ -255,11 +271,15 @@ def _watchdogs(run_dir: Path, iterations, timeout_s=1.0, on_hang=None):
         def _exit(code):
             exits[rank] = code
             raise _Exit(code)  # ends the watchdog thread like os._exit ends the process
+
         return _exit
 
-    dogs = [Watchdog(run_dir, r, len(iterations), f"host{r}", "job9", 0, timeout_s, on_hang=on_hang, poll_s=0.1,
-                     exit=exit_for(r))
-            for r in range(len(iterations))]
+    dogs = [
+        Watchdog(
+            run_dir, r, len(iterations), f"host{r}", "job9", 0, timeout_s, on_hang=on_hang, poll_s=0.1, exit=exit_for(r)
+        )
+        for r in range(len(iterations))
+    ]
     for dog, it in zip(dogs, iterations):
         dog.start()
         dog.progress(it)
@@ -332,17 +352,21 @@ def test_a_stopped_rank_is_named_within_hang_timeout_while_its_peers_save_or_loa
         assert _wait(lambda: 0 in exits, 10), "rank 0 never declared the hang inside the save"
     elapsed = time.monotonic() - t0
     hang = json.loads(hang_path(tmp_path / "save", "job9", 0).read_text())
-    assert hang["stalled"] == [1] and "not responding" in hang["message"] and "after iteration 3 (save)" in hang["message"]
+    assert (
+        hang["stalled"] == [1] and "not responding" in hang["message"] and "after iteration 3 (save)" in hang["message"]
+    )
     assert 1.0 <= elapsed < 4.0, elapsed  # hang_timeout_s (1 s) + polls, not the save's 60 s
 
     run_dir = tmp_path / "load"
     exits.clear()
+
     def exit_0(code):
         exits[0] = code
         raise _Exit(code)
 
-    dogs = [Watchdog(run_dir, r, 3, f"host{r}", "job9", 0, 1.0, poll_s=0.1, exit=exit_0)
-            for r in range(2)]  # rank 2 never starts its watchdog
+    dogs = [
+        Watchdog(run_dir, r, 3, f"host{r}", "job9", 0, 1.0, poll_s=0.1, exit=exit_0) for r in range(2)
+    ]  # rank 2 never starts its watchdog
     for dog in dogs:
         dog.start()
     with dogs[0].phase_of("load", 1.0):
@@ -367,13 +391,19 @@ def test_launcher_backstop_sees_every_rank_silent(tmp_path):
 
 # ---- end to end: real local jobs through the CLI -------------------------------------------------
 
+
 def _error_lines(stderr: str):
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 def _manifest_list(run_dir: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "manifest", "list", str(run_dir)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "manifest", "list", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -383,8 +413,13 @@ def _listed_iterations(listing: str):
 
 
 def _status(root: Path):
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return {Path(d["run_dir"]).name: d for d in map(json.loads, out.stdout.splitlines())}
 
@@ -398,8 +433,14 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     run_dir = tmp_path / "nan"
     # the spike stop (test_a_loss_spike_stops_...) would end it first, and the rerun from its blown-up
     # checkpoint: opted out, the NaN guard's turn
-    common = SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=nan", "training.train_iters=14",
-                      "checkpoint.save_interval=4", "training.spike.factor=null"]
+    common = SMALL + [
+        "parallelism=none",
+        f"run.root={tmp_path}",
+        "run.name=nan",
+        "training.train_iters=14",
+        "checkpoint.save_interval=4",
+        "training.spike.factor=null",
+    ]
     proc = run_cli(common + ["optimizer.lr=1000"], cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
@@ -407,8 +448,9 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     import re
 
     # one rank: the loss or (a step later in the blow-up) only the gradients name rank 0
-    m = re.search(r"non-finite gradient norm (nan|inf) at iteration (\d+); (lm loss|gradients) non-finite on rank\(s\) 0",
-                  line)
+    m = re.search(
+        r"non-finite gradient norm (nan|inf) at iteration (\d+); (lm loss|gradients) non-finite on rank\(s\) 0", line
+    )
     assert m, line
     bad = int(m.group(2))
     good = {r["iteration"]: r["lm_loss"] for r in read_metrics(run_dir)}
@@ -437,14 +479,29 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     iteration whose loss exceeds 10 x the median of the earlier ones, long before any NaN; no checkpoint
     at or after it exists; the attempt ends as ``spike``."""
     run_dir = tmp_path / "spike"
-    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=spike", "training.train_iters=8",
-                            "checkpoint.save_interval=1", "checkpoint.keep_last=null", "optimizer.lr=1000"],
-                   cache=cache_dir, check=False, timeout=900)
+    proc = run_cli(
+        SMALL
+        + [
+            "parallelism=none",
+            f"run.root={tmp_path}",
+            "run.name=spike",
+            "training.train_iters=8",
+            "checkpoint.save_interval=1",
+            "checkpoint.keep_last=null",
+            "optimizer.lr=1000",
+        ],
+        cache=cache_dir,
+        check=False,
+        timeout=900,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr
-    m = re.search(r"(lm loss|grad norm) spike at iteration (\d+): (\S+) > training.spike.factor=10 x "
-                  r"(median|max) (\S+) ", line)
+    m = re.search(
+        r"(lm loss|grad norm) spike at iteration (\d+): (\S+) > training.spike.factor=10 x "
+        r"(median|max) (\S+) ",
+        line,
+    )
     assert m, line
     spiked, value, reference = int(m.group(2)), float(m.group(3)), float(m.group(5))
     assert "optimizer.lr=1000 -> optimizer.lr=100" in line and "training.spike.factor=null" in line
@@ -509,11 +566,24 @@ def test_skip_policy_leaves_updates_unapplied_continues_and_stops_after_too_many
     from orchestrator.runtime.training.loop import NONFINITE_GRAD_ENV
 
     run_dir = tmp_path / "skip"
-    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=skip", "training.train_iters=10",
-                            "checkpoint.save_interval=1", "checkpoint.keep_last=null", "training.nan_policy=skip",
-                            "training.max_skipped_steps=2",
-                            "optimizer.lr_warmup_iters=0"],
-                   cache=cache_dir, check=False, timeout=900, env={NONFINITE_GRAD_ENV: "3,5,6,7"})
+    proc = run_cli(
+        SMALL
+        + [
+            "parallelism=none",
+            f"run.root={tmp_path}",
+            "run.name=skip",
+            "training.train_iters=10",
+            "checkpoint.save_interval=1",
+            "checkpoint.keep_last=null",
+            "training.nan_policy=skip",
+            "training.max_skipped_steps=2",
+            "optimizer.lr_warmup_iters=0",
+        ],
+        cache=cache_dir,
+        check=False,
+        timeout=900,
+        env={NONFINITE_GRAD_ENV: "3,5,6,7"},
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
     assert re.match(r"error: job \S+: non-finite gradient norm inf at iteration 7; ", line), line
@@ -562,9 +632,17 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
 
     timeout_s = 10
     run_dir = tmp_path / "hang"
-    args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=hang",
-                    "training.train_iters=2000", f"training.hang_timeout_s={timeout_s}", "checkpoint.save_interval=1",
-                    "checkpoint.keep_last=2", "cluster.max_restarts=1"]
+    args = SMALL + [
+        "parallelism=none",
+        "parallelism.data_parallel_size=2",
+        f"run.root={tmp_path}",
+        "run.name=hang",
+        "training.train_iters=2000",
+        f"training.hang_timeout_s={timeout_s}",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=2",
+        "cluster.max_restarts=1",
+    ]
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out, stderr=err)
@@ -585,7 +663,9 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
         stop_rank_1_after(3)
         t0 = time.monotonic()
         while not hangs():
-            assert cli.poll() is None and time.monotonic() - t0 < timeout_s + 30, (tmp_path / "err.txt").read_text()[-3000:]
+            assert cli.poll() is None and time.monotonic() - t0 < timeout_s + 30, (tmp_path / "err.txt").read_text()[
+                -3000:
+            ]
             time.sleep(0.2)
         named_after.append(time.monotonic() - t0)
         resumed_at = [r for r in history.read_records(run_dir) if r["event"] == "attempt_started"]
@@ -603,8 +683,10 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
             except psutil.NoSuchProcess:
                 pass
     stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
-    print(f"hang declared {named_after[0]:.1f} s after the first SIGSTOP (hang_timeout_s={timeout_s}); "
-          f"launcher ended {named_after[1]} s after the second")
+    print(
+        f"hang declared {named_after[0]:.1f} s after the first SIGSTOP (hang_timeout_s={timeout_s}); "
+        f"launcher ended {named_after[1]} s after the second"
+    )
     assert named_after[0] <= timeout_s + 30 and len(resumed_at) >= 1
     assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in stdout + stderr, stdout[-3000:]
     assert [h["stalled"] for h in hangs()] == [[1], [1]], hangs()
@@ -627,8 +709,14 @@ def small_tmpfs(tmp_path):
 @pytest.mark.slow
 def test_disk_full_during_a_save_names_enospc_and_the_previous_checkpoint_resumes(small_tmpfs, cache_dir):
     run_dir = small_tmpfs / "full"
-    common = SMALL + ["parallelism=none", f"run.root={small_tmpfs}", "run.name=full", "training.train_iters=4",
-                      "checkpoint.save_interval=2", "checkpoint.space_check=false"]  # the ENOSPC fallback
+    common = SMALL + [
+        "parallelism=none",
+        f"run.root={small_tmpfs}",
+        "run.name=full",
+        "training.train_iters=4",
+        "checkpoint.save_interval=2",
+        "checkpoint.space_check=false",
+    ]  # the ENOSPC fallback
     proc = run_cli(common, cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
@@ -637,8 +725,13 @@ def test_disk_full_during_a_save_names_enospc_and_the_previous_checkpoint_resume
     assert f"free of 16.0 MiB on {small_tmpfs}" in line and "latest complete checkpoint is iter_0000002" in line
     assert "Traceback" not in proc.stderr and not (torn / "manifest.json").exists()
     ended = history.attempts(history.read_records(str(run_dir)))[-1]  # the save's CheckpointException: recorded
-    assert ended.cause == "disk full" and ended.message == line[len(f"error: job {ended.job_id}: "):].split(" (logs:")[0]
-    assert (_status(small_tmpfs)["full"]["state"], _status(small_tmpfs)["full"]["job"]["cause"]) == ("failed", "disk full")
+    assert (
+        ended.cause == "disk full" and ended.message == line[len(f"error: job {ended.job_id}: ") :].split(" (logs:")[0]
+    )
+    assert (_status(small_tmpfs)["full"]["state"], _status(small_tmpfs)["full"]["job"]["cause"]) == (
+        "failed",
+        "disk full",
+    )
     subprocess.run(["mount", "-o", "remount,size=64M", str(small_tmpfs)], check=True)
     resumed = run_cli(common, cache=cache_dir, timeout=900)
     assert f"skipping torn checkpoint {torn}" in resumed.stdout + resumed.stderr

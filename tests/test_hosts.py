@@ -27,8 +27,17 @@ from orchestrator.errors import ConfigError
 from orchestrator.runtime.start.agent import agent_command
 
 KEY_DIR = Path("/etc/orchestrator-hosts-dev")
-SSH = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", f"UserKnownHostsFile={KEY_DIR}/known_hosts",
-       "-i", str(KEY_DIR / "id_ed25519")]
+SSH = [
+    "ssh",
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "ConnectTimeout=5",
+    "-o",
+    f"UserKnownHostsFile={KEY_DIR}/known_hosts",
+    "-i",
+    str(KEY_DIR / "id_ed25519"),
+]
 SMALL = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters=0"]
 REL = 1e-5
 
@@ -71,8 +80,15 @@ def test_platform_variables_torchrun_kubeflow_skypilot_and_disagreements():
 
 
 def test_agent_command_is_one_command_for_ssh_platforms_and_srun():
-    argv = agent_command("/py", "/runs/a/agents/j/job.pkl", nnodes=4, nproc_per_node=8, rdzv_endpoint="gpu1:29500",
-                         rdzv_id="j", watch_stdin=True)
+    argv = agent_command(
+        "/py",
+        "/runs/a/agents/j/job.pkl",
+        nnodes=4,
+        nproc_per_node=8,
+        rdzv_endpoint="gpu1:29500",
+        rdzv_id="j",
+        watch_stdin=True,
+    )
     assert argv[:4] == ["/py", "-m", "orchestrator.runtime.start.agent", "node"]
     assert "--node-rank" not in argv and argv[-2:] == ["--watch-stdin", "/runs/a/agents/j/job.pkl"]
     static = agent_command("/py", "job.pkl", nnodes=2, nproc_per_node=2, rdzv_endpoint="m:1", rdzv_id="j", node_rank=1)
@@ -112,17 +128,43 @@ def test_bad_hosts_are_refused_in_one_line_before_anything_starts(tmp_path, cach
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     pidfile = tmp_path / "sshd.pid"
-    subprocess.run(["nsenter", "--net=/run/netns/host-node2", "unshare", "--mount", "--propagation", "private", "--",
-                    "sh", "-c", f"mount -t tmpfs none {hidden} && exec /usr/sbin/sshd -f {KEY_DIR}/sshd_config "
-                    f"-o PidFile={pidfile} -o ListenAddress=10.78.0.12 -p 2222"], check=True, timeout=30)
+    subprocess.run(
+        [
+            "nsenter",
+            "--net=/run/netns/host-node2",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            f"mount -t tmpfs none {hidden} && exec /usr/sbin/sshd -f {KEY_DIR}/sshd_config "
+            f"-o PidFile={pidfile} -o ListenAddress=10.78.0.12 -p 2222",
+        ],
+        check=True,
+        timeout=30,
+    )
     try:
         for _ in range(50):
             if pidfile.exists():
                 break
             time.sleep(0.1)
-        proc = run_cli(SMALL + ["cluster=hosts_dev", "cluster.hosts=[hnode2]", "cluster.ssh.port=2222",
-                                "parallelism.data_parallel_size=1", f"run.root={hidden}", "run.name=bad",
-                                "training.train_iters=2"], cache=cache_dir, check=False, timeout=120)
+        proc = run_cli(
+            SMALL
+            + [
+                "cluster=hosts_dev",
+                "cluster.hosts=[hnode2]",
+                "cluster.ssh.port=2222",
+                "parallelism.data_parallel_size=1",
+                f"run.root={hidden}",
+                "run.name=bad",
+                "training.train_iters=2",
+            ],
+            cache=cache_dir,
+            check=False,
+            timeout=120,
+        )
         _one_error_line(proc, f"run.root={hidden}: host hnode2 cannot see {hidden}")
     finally:
         if pidfile.exists():
@@ -133,13 +175,25 @@ def test_bad_hosts_are_refused_in_one_line_before_anything_starts(tmp_path, cach
 class Launcher:
     """``python -m orchestrator ARGS`` in the background, output to a file."""
 
-    def __init__(self, args: List[str], cache: Path, log: Path, env: Dict[str, str] | None = None,
-                 prefix: List[str] | None = None):
+    def __init__(
+        self,
+        args: List[str],
+        cache: Path,
+        log: Path,
+        env: Dict[str, str] | None = None,
+        prefix: List[str] | None = None,
+    ):
         self.log = log
         full = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1", **(env or {}))
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "orchestrator", *args], cwd=REPO,
-                                         env=full, stdout=out, stderr=subprocess.STDOUT, text=True)
+            self.proc = subprocess.Popen(
+                [*(prefix or []), sys.executable, "-m", "orchestrator", *args],
+                cwd=REPO,
+                env=full,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -201,22 +255,49 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     manifest = json.loads((run_dir / "checkpoints" / "iter_0000003" / "manifest.json").read_text())
     assert manifest["hosts"] == ["hnode1", "hnode1", "hnode2", "hnode2"], manifest["hosts"]
 
-    tr = common + ["cluster=torchrun", "cluster.gpus_per_node=0", "cluster.tasks_per_node=2", "+cluster.env.OMP_NUM_THREADS=1"]
-    bad = run_cli(tr, cache=cache_dir, check=False, timeout=120, env={"MASTER_ADDR": "hnode1", "NNODES": "3", "NODE_RANK": "0"})
+    tr = common + [
+        "cluster=torchrun",
+        "cluster.gpus_per_node=0",
+        "cluster.tasks_per_node=2",
+        "+cluster.env.OMP_NUM_THREADS=1",
+    ]
+    bad = run_cli(
+        tr, cache=cache_dir, check=False, timeout=120, env={"MASTER_ADDR": "hnode1", "NNODES": "3", "NODE_RANK": "0"}
+    )
     _one_error_line(bad, "NNODES=3 nodes x 2 processes per node = 6 ranks", "needs TP x PP x CP x DP = 4")
-    nodes = [Launcher(tr, cache_dir, tmp_path / f"torchrun{i}.log",
-                      env={"MASTER_ADDR": "hnode1", "MASTER_PORT": "29617", "NNODES": "2", "NODE_RANK": str(i)},
-                      prefix=["nsenter", f"--net=/run/netns/host-node{i + 1}", "unshare", "--uts", "--", "sh", "-c",
-                              f'hostname hnode{i + 1} && exec "$@"', "sh"])
-             for i in range(2)]
+    nodes = [
+        Launcher(
+            tr,
+            cache_dir,
+            tmp_path / f"torchrun{i}.log",
+            env={"MASTER_ADDR": "hnode1", "MASTER_PORT": "29617", "NNODES": "2", "NODE_RANK": str(i)},
+            prefix=[
+                "nsenter",
+                f"--net=/run/netns/host-node{i + 1}",
+                "unshare",
+                "--uts",
+                "--",
+                "sh",
+                "-c",
+                f'hostname hnode{i + 1} && exec "$@"',
+                "sh",
+            ],
+        )
+        for i in range(2)
+    ]
     for node in nodes:
         assert node.wait(300) == 0, node.text[-4000:]
     assert "will resume from" in nodes[0].text and "iter_0000003 (iteration 3)" in nodes[0].text, nodes[0].text[-3000:]
     _assert_losses_match(losses_by_iteration(run_dir), local, range(1, n + 1))
     manifest = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
     assert sorted(set(manifest["hosts"])) == ["hnode1", "hnode2"], manifest["hosts"]
-    proc = run_cli(common + ["cluster=hosts_dev", "parallelism.pipeline_model_parallel_size=1",
-                             "parallelism.data_parallel_size=null"], cache=cache_dir, check=False, timeout=120)
+    proc = run_cli(
+        common
+        + ["cluster=hosts_dev", "parallelism.pipeline_model_parallel_size=1", "parallelism.data_parallel_size=null"],
+        cache=cache_dir,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "pipeline_model_parallel_size" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -233,8 +314,18 @@ def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_pat
     from orchestrator.submit.status import run_status
 
     root = tmp_path / "runs"
-    launcher = Launcher(SMALL + ["cluster=hosts_dev", f"run.root={root}", "run.name=term", "training.train_iters=1000",
-                                 "checkpoint.save_interval=1000"], cache_dir, tmp_path / "term.log")
+    launcher = Launcher(
+        SMALL
+        + [
+            "cluster=hosts_dev",
+            f"run.root={root}",
+            "run.name=term",
+            "training.train_iters=1000",
+            "checkpoint.save_interval=1000",
+        ],
+        cache_dir,
+        tmp_path / "term.log",
+    )
     run_dir, deadline = root / "term", time.monotonic() + 300
     while not any(r["iteration"] >= 2 for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
         assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.text[-4000:]
@@ -242,8 +333,9 @@ def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_pat
     launcher.proc.send_signal(signal.SIGTERM)
     assert launcher.wait(120) == 143, launcher.text[-4000:]
     last = launcher.text.strip().splitlines()[-1]
-    m = re.match(r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: python -m orchestrator ",
-                 last)
+    m = re.match(
+        r"stopped after saving \(SIGTERM\); resume from (\S+) \(iteration (\d+)\) with: python -m orchestrator ", last
+    )
     assert m and Path(m.group(1)) == run_dir / "checkpoints" / f"iter_{int(m.group(2)):07d}", launcher.text[-3000:]
     assert (Path(m.group(1)) / "manifest.json").exists() and int(m.group(2)) >= 2
     assert run_status(run_dir).job.describe().startswith("stopped (interrupted)"), run_status(run_dir).job
@@ -261,8 +353,14 @@ def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_pat
 
     folder = tmp_path / "agents" / "hosts-1"
     folder.mkdir(parents=True)
-    record_submission(tmp_path, "hosts-1", "hosts", {"stdout": str(folder / "hnode1.log")}, num_tasks=2,
-                      launcher={"pid": os.getpid(), "host": socket.gethostname()})
+    record_submission(
+        tmp_path,
+        "hosts-1",
+        "hosts",
+        {"stdout": str(folder / "hnode1.log")},
+        num_tasks=2,
+        launcher={"pid": os.getpid(), "host": socket.gethostname()},
+    )
     assert job_status("hosts-1", "hosts", folder, 2, events=read_records(tmp_path)).state == "running"
     for rank in range(2):
         (folder / f"result_{rank}.pkl").write_bytes(pickle.dumps(("success", {"status": "completed"})))
@@ -272,18 +370,30 @@ def test_status_of_a_hosts_job_follows_its_launcher_and_its_rank_results(tmp_pat
 
     stopped = tmp_path / "agents" / "hosts-2"
     stopped.mkdir()
-    record_submission(tmp_path, "hosts-2", "hosts", {"stdout": str(stopped / "hnode1.log")}, num_tasks=2,
-                      launcher={"pid": os.getpid(), "host": "a-host-that-is-not-this-one"})
+    record_submission(
+        tmp_path,
+        "hosts-2",
+        "hosts",
+        {"stdout": str(stopped / "hnode1.log")},
+        num_tasks=2,
+        launcher={"pid": os.getpid(), "host": "a-host-that-is-not-this-one"},
+    )
     record_event(tmp_path, "stopped", job_id="hosts-2", reason="stop asked (SIGTERM to the launcher)")
     for rank in range(2):
         (stopped / f"result_{rank}.pkl").write_bytes(pickle.dumps(("error", "SystemExit(76)")))
-    assert job_status("hosts-2", "hosts", stopped, 2, events=read_records(tmp_path)).describe() == \
-        "stopped - stopped after saving a checkpoint (not requeued)"
+    assert (
+        job_status("hosts-2", "hosts", stopped, 2, events=read_records(tmp_path)).describe()
+        == "stopped - stopped after saving a checkpoint (not requeued)"
+    )
     # its launcher gone, no result (a second signal stopped the ranks at once): failed, not "unknown"
     for rank in range(2):
         (stopped / f"result_{rank}.pkl").unlink()
-    assert job_status("hosts-2", "hosts", stopped, 2, events=[r for r in read_records(tmp_path) if r.get("event") !=
-                      "stopped"]).describe() == "failed - the hosts job ended without result files"
+    assert (
+        job_status(
+            "hosts-2", "hosts", stopped, 2, events=[r for r in read_records(tmp_path) if r.get("event") != "stopped"]
+        ).describe()
+        == "failed - the hosts job ended without result files"
+    )
 
 
 def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_its_hosts(tmp_path):
@@ -299,8 +409,11 @@ def test_world_size_of_a_hostfile_is_hosts_times_slots_and_a_short_list_names_it
     cfg.cluster.hostfile = str(hostfile)
     assert world_size_of(cfg) == (4, "2 hosts x 2 processes per node")
     hostfile.write_text("hnode1 slots=2\n")
-    with pytest.raises(LayoutError, match=r"^cluster.hosts=\[hnode1\]: 1 host\(s\) x 2 processes = 2 ranks, but the "
-                                          r"layout needs TP x PP x CP x DP = 4; fix: list 2 hosts"):
+    with pytest.raises(
+        LayoutError,
+        match=r"^cluster.hosts=\[hnode1\]: 1 host\(s\) x 2 processes = 2 ranks, but the "
+        r"layout needs TP x PP x CP x DP = 4; fix: list 2 hosts",
+    ):
         world_size_of(cfg)
     hostfile.write_text("hnode1 slots=2\nhnode2 slots=4\n")
     with pytest.raises(ConfigError, match=r"hosts have different slots \(\[2, 4\]\)"):
@@ -312,9 +425,25 @@ def test_a_worker_of_the_agent_takes_torchruns_variables_even_inside_a_slurm_ste
     and rendezvous are torchrun's."""
     from orchestrator.runtime.rank.distributed import rendezvous_from_env
 
-    env = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
-           "TORCHELASTIC_RUN_ID": "7", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-           "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "TORCHELASTIC_RUN_ID": "7",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "29400",
+    }
     rv = rendezvous_from_env(env, resolve=lambda h: h)
-    assert (rv.rank, rv.world_size, rv.local_rank, rv.master_addr, rv.master_port, rv.source) == \
-        (5, 8, 1, "node1", 29400, "env")
+    assert (rv.rank, rv.world_size, rv.local_rank, rv.master_addr, rv.master_port, rv.source) == (
+        5,
+        8,
+        1,
+        "node1",
+        29400,
+        "env",
+    )

@@ -18,8 +18,11 @@ MAX_FUNCTION_LINES = 80
 
 def function_lines(src: str) -> dict:
     """Each function of ``src`` -> its lines, ``def`` line to last line, both included."""
-    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(src))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
 
 
 def _offenders() -> list:
@@ -45,8 +48,14 @@ def test_no_module_over_400_lines_and_no_function_over_80():
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    return subprocess.run([lint, "--config", str(root / "pyproject.toml")], cwd=root, capture_output=True,
-                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    return subprocess.run(
+        [lint, "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)},
+    )
 
 
 def test_import_contracts_hold_and_fail_on_an_added_cycle(tmp_path):
@@ -57,8 +66,12 @@ def test_import_contracts_hold_and_fail_on_an_added_cycle(tmp_path):
     assert "0 broken" in ok.stdout and "4 kept" in ok.stdout
 
     copy = tmp_path / "tree"
-    shutil.copytree(REPO / "orchestrator", copy / "orchestrator", symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "conf"))
+    shutil.copytree(
+        REPO / "orchestrator",
+        copy / "orchestrator",
+        symlinks=True,
+        ignore=shutil.ignore_patterns("__pycache__", "conf"),
+    )
     shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
     rundir = copy / "orchestrator" / "ckpt" / "rundir.py"  # manifest imports rundir: rundir -> manifest closes a cycle
     rundir.write_text(rundir.read_text() + "\nimport orchestrator.ckpt.manifest  # noqa: E402,F401\n")

@@ -41,30 +41,50 @@ def installed(tmp_path_factory) -> Path:
     """``bin/`` of a venv holding the wheel built from a copy of this checkout (never its build/)."""
     root = tmp_path_factory.mktemp("installed")
     source = root / "source"
-    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", "build", "*.egg-info", "runs", "tests", "__pycache__", ".pytest_cache", "wheels", ".venv", "*.whl"))
+    shutil.copytree(
+        REPO,
+        source,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git", "build", "*.egg-info", "runs", "tests", "__pycache__", ".pytest_cache", "wheels", ".venv", "*.whl"
+        ),
+    )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "wheel"), str(source)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "wheel"), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     wheel = next((root / "wheel").glob("orchestrator-*.whl"))
-    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-compile",
-                    str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-compile", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return venv / "bin"
 
 
 def _orchestrator(bin_dir: Path, args, cwd: Path, cache: Path, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
-    return subprocess.run([str(bin_dir / "orchestrator"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(bin_dir / "orchestrator"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
 def test_convert_plan_train_from_an_installed_wheel(installed, tmp_path, cache_dir):
-    where = subprocess.run([str(installed / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    where = subprocess.run(
+        [str(installed / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert str(installed.parent) in where.stdout, where  # the wheel runs, not this checkout
     (tmp_path / "train_gpt.sh").write_text(SCRIPT)
 
@@ -86,8 +106,12 @@ def test_convert_plan_train_from_an_installed_wheel(installed, tmp_path, cache_d
     refused = _orchestrator(installed, ["+experiment=train_gpt"], tmp_path, cache_dir)
     if local_gpu_count() == 0:
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-        assert refused.stderr.startswith("error: cluster.gpus_per_node=2: cluster=local runs the job on this "
-                                         "machine, which has no GPU") and "fix: training.device=cpu " in refused.stderr
+        assert (
+            refused.stderr.startswith(
+                "error: cluster.gpus_per_node=2: cluster=local runs the job on this machine, which has no GPU"
+            )
+            and "fix: training.device=cpu " in refused.stderr
+        )
     assert not (tmp_path / "runs").exists()  # refused before anything was created
 
     trained = _orchestrator(installed, ["+experiment=train_gpt", "training.device=cpu"], tmp_path, cache_dir, 400)
@@ -110,11 +134,16 @@ def test_gpt2_bpe_and_indexed_data_train_from_the_installed_wheel(installed, tmp
         f"error: data.paths[0]={gpt2[4]}: largest token id 50304 (uint16) does not fit the vocabulary of "
         "data.tokenizer=GPT2BPETokenizer (50257 ids); fix: the tokenizer that made this data (e.g. "
         "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
-        "data.tokenizer=NullTokenizer data.vocab_size=50305")
+        "data.tokenizer=NullTokenizer data.vocab_size=50305"
+    )
     assert list(tmp_path.iterdir()) == [] and not cache.exists()  # nothing queued, nothing written
 
-    args = gpt2_args(gpt2, gpt2[3]) + ["+experiment=gpt_pp2_dp2", "training.train_iters=2", "training.eval_iters=0",
-                                       "checkpoint.save_interval=null"]
+    args = gpt2_args(gpt2, gpt2[3]) + [
+        "+experiment=gpt_pp2_dp2",
+        "training.train_iters=2",
+        "training.eval_iters=0",
+        "checkpoint.save_interval=null",
+    ]
     trained = _orchestrator(installed, args, tmp_path, cache, timeout=600)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     params = int(re.search(r"params on rank 0: ([\d,]+)", trained.stdout).group(1).replace(",", ""))

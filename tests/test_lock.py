@@ -26,16 +26,19 @@ from orchestrator.errors import RunLockedError
 from orchestrator.runtime.start.job import decision_path
 from orchestrator.submit import executor, jobs
 
-HOLD = ("import sys; from orchestrator.ckpt.lock import RunLock; "
-        "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()")
+HOLD = (
+    "import sys; from orchestrator.ckpt.lock import RunLock; "
+    "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()"
+)
 
 
 @pytest.fixture
 def holder(tmp_path):
     """A live process holding the run lock of ``tmp_path / 'run'``."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "held"
         yield proc, run_dir
@@ -49,8 +52,9 @@ def test_job_is_refused_on_every_rank_and_trains_nothing(holder, tmp_path):
     the lock: rank 0 refuses naming the holder, rank 1 stops with the same error instead of waiting
     in a collective, nothing is trained, the holder's lock is untouched."""
     proc, run_dir = holder
-    cfg = compose_config(["parallelism.data_parallel_size=2", f"run.dir={run_dir}", "data=mock",
-                          f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = compose_config(
+        ["parallelism.data_parallel_size=2", f"run.dir={run_dir}", "data=mock", f"data.cache_dir={tmp_path / 'cache'}"]
+    )
     layout = validate(cfg)
     lock_before = (run_dir / RunLock.NAME).read_text()
     job = executor.submit(cfg, layout, prepare(cfg.data))
@@ -74,8 +78,12 @@ def test_job_is_refused_on_every_rank_and_trains_nothing(holder, tmp_path):
 
 def test_launcher_probe_refuses_in_one_line_before_submitting(holder, tmp_path):
     proc, run_dir = holder
-    out = run_cli(["data=mock", f"run.dir={run_dir}", "training.train_iters=2"], cache=tmp_path / "cache",
-                  check=False, timeout=300)
+    out = run_cli(
+        ["data=mock", f"run.dir={run_dir}", "training.train_iters=2"],
+        cache=tmp_path / "cache",
+        check=False,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: run.dir: ") and f"pid {proc.pid}" in lines[0], lines
@@ -83,11 +91,18 @@ def test_launcher_probe_refuses_in_one_line_before_submitting(holder, tmp_path):
 
 
 def _take(run_dir: Path, env: dict) -> subprocess.CompletedProcess:
-    code = ("import sys; from orchestrator.ckpt.lock import RunLock; from orchestrator.errors import RunLockedError\n"
-            "try:\n    RunLock(sys.argv[1]).acquire(); print('taken')\n"
-            "except RunLockedError as e:\n    print('refused', e)")
-    return subprocess.run([sys.executable, "-c", code, str(run_dir)], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from orchestrator.ckpt.lock import RunLock; from orchestrator.errors import RunLockedError\n"
+        "try:\n    RunLock(sys.argv[1]).acquire(); print('taken')\n"
+        "except RunLockedError as e:\n    print('refused', e)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(run_dir)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_requeued_attempt_takes_over_its_own_lock(tmp_path):

@@ -22,17 +22,28 @@ from orchestrator.ckpt.rundir import METRICS_FILE
 from orchestrator.io import append_jsonl, write_atomic
 from orchestrator.submit import outcome, status
 
-RECORD = ('{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
-          '"max_gpu_mem_mb": null, "max_rss_mb": 1630.2, "skipped": false, "step_time_s": 0.5, '
-          '"throughput_tflops": 0.012, "time": {t:.3f}, "tokens_per_s": 8192.0}}\n')
+RECORD = (
+    '{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
+    '"max_gpu_mem_mb": null, "max_rss_mb": 1630.2, "skipped": false, "step_time_s": 0.5, '
+    '"throughput_tflops": 0.012, "time": {t:.3f}, "tokens_per_s": 8192.0}}\n'
+)
 """A training record as the logging rank writes it (sorted keys, ~280 B)."""
 
 
 def long_metrics(run_dir: Path, iterations: int, train_iters: int) -> None:
     """``metrics.jsonl`` of one job that started at iteration 0 and logged every iteration up to ``iterations``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    append_jsonl(run_dir / METRICS_FILE, {"event": "start", "iteration": 0, "train_iters": train_iters,
-                                          "resumed_from": None, "load_s": None, "time": time.time()})
+    append_jsonl(
+        run_dir / METRICS_FILE,
+        {
+            "event": "start",
+            "iteration": 0,
+            "train_iters": train_iters,
+            "resumed_from": None,
+            "load_s": None,
+            "time": time.time(),
+        },
+    )
     with open(run_dir / METRICS_FILE, "a") as f:
         f.writelines(RECORD.format(s=8 * i, i=i, loss=10.0 - i * 1e-4, t=1.7e9 + i) for i in range(1, iterations + 1))
 
@@ -60,8 +71,15 @@ def test_status_of_a_long_run_shows_total_eta_and_tokens_per_s(tmp_path):
 def _point(sweep: Path, num: int, job_id: str, pool: Path, trial: int) -> Path:
     """A sweep point on warm ranks as the launcher records it (:meth:`orchestrator.submit.pool.WarmPool.run`)."""
     run = sweep / str(num)
-    history.record_submission(run, job_id, "local", {"stdout": str(pool / "submitit" / f"{job_id}_0_log.out")},
-                              num_tasks=3, warm_pool=str(pool), trial=trial)
+    history.record_submission(
+        run,
+        job_id,
+        "local",
+        {"stdout": str(pool / "submitit" / f"{job_id}_0_log.out")},
+        num_tasks=3,
+        warm_pool=str(pool),
+        trial=trial,
+    )
     long_metrics(run, 3, 10)
     return run
 
@@ -72,17 +90,23 @@ def test_status_of_a_sweep_whose_point_lost_a_rank_prints_a_table(tmp_path):
     ``status`` printed ``ValueError: too many values to unpack`` here."""
     from orchestrator.runtime.start.pool import error_path, result_path
 
-    sweep, pool = tmp_path / "sweeps" / "s" / "2026-01-01_00-00-00", tmp_path / "sweeps" / "s" / "t" / ".pool" / "pool_0"
+    sweep, pool = (
+        tmp_path / "sweeps" / "s" / "2026-01-01_00-00-00",
+        tmp_path / "sweeps" / "s" / "t" / ".pool" / "pool_0",
+    )
     pool.mkdir(parents=True)
     ok = _point(sweep, 0, "4242", pool, 0)
     write_atomic(result_path(pool, 0), json.dumps({"summaries": [{"status": "completed", "logging_rank": True}]}))
     bad = _point(sweep, 1, "4242", pool, 1)
-    broken = ("Traceback (most recent call last):\n  File \"loop.py\", line 80, in train\n"
-              "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer\n")
+    broken = (
+        'Traceback (most recent call last):\n  File "loop.py", line 80, in train\n'
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer\n"
+    )
     for rank in (2, 0):
         write_atomic(error_path(pool, 1, rank), broken)
-    outcome.record_end(str(bad), "4242", "crashed",
-                       "job 4242: rank 0 failed in warm trial 1:\n" + broken + f"logs: {pool}/submitit/")
+    outcome.record_end(
+        str(bad), "4242", "crashed", "job 4242: rank 0 failed in warm trial 1:\n" + broken + f"logs: {pool}/submitit/"
+    )
     buf = io.StringIO()
     with redirect_stdout(buf):
         assert status.main([str(tmp_path)]) == 0
@@ -142,16 +166,25 @@ def test_the_pruner_verifies_only_the_new_checkpoint_and_deletes_off_the_callers
     pruner = Pruner(save_dir, keep_last=3, keep_every=50, settle_s=600)
     pruner._scan.join()  # the job's start: what is on disk is verified once, in the pruner's thread
     verified = []
-    monkeypatch.setattr("orchestrator.ckpt.retention.inspect_checkpoint",
-                        lambda path, verify=True: verified.append(Path(path).name) or mf.inspect_checkpoint(path, verify))
+    monkeypatch.setattr(
+        "orchestrator.ckpt.retention.inspect_checkpoint",
+        lambda path, verify=True: verified.append(Path(path).name) or mf.inspect_checkpoint(path, verify),
+    )
     save_checkpoint(cfg, 130, digest="size")
     removed = pruner.after_save(130)
     assert verified == ["iter_0000130"]  # only what was just written
     assert [p.name for p in removed] == [f"iter_{i:07d}" for i in (10, 20, 30, 40, 60, 70, 80, 90)]
     assert pruner.close(timeout_s=60)
     names = sorted(p.name for p in save_dir.iterdir())
-    assert names == ["iter_0000030.replaced.20260102_000000", "iter_0000050", "iter_0000100", "iter_0000110", "iter_0000120",
-                     "iter_0000125", "iter_0000130"]  # the newest set-aside one kept; the torn save untouched
+    assert names == [
+        "iter_0000030.replaced.20260102_000000",
+        "iter_0000050",
+        "iter_0000100",
+        "iter_0000110",
+        "iter_0000120",
+        "iter_0000125",
+        "iter_0000130",
+    ]  # the newest set-aside one kept; the torn save untouched
     assert torn.is_dir() and not any(n.startswith(TRASH_PREFIX) for n in names)
 
 
@@ -178,8 +211,18 @@ def test_a_poll_at_1024_ranks_opens_one_file_and_still_names_the_stalled_rank(tm
 
     def beat(alive: int) -> None:
         for r in range(world):
-            write_slot(slots_path(tmp_path), r, {"rank": r, "host": f"node{r // 8}", "job_id": "77", "attempt": 0,
-                                                 "iteration": 41, "alive": 1 if r == stalled else alive})
+            write_slot(
+                slots_path(tmp_path),
+                r,
+                {
+                    "rank": r,
+                    "host": f"node{r // 8}",
+                    "job_id": "77",
+                    "attempt": 0,
+                    "iteration": 41,
+                    "alive": 1 if r == stalled else alive,
+                },
+            )
 
     beat(1)
     watch = JobWatch(tmp_path, "77", world, timeout_s=0.0, grace_s=0.0, every_s=0.0)

@@ -41,8 +41,9 @@ BYTE_VOCAB = BYTE_ID["vocab_size"]  # 258: 256 byte ids + <eod> + <pad>
 def pp2_dp2(run_dir: Path) -> JobConfig:
     """The gpt_pp2_dp2 experiment as a typed config (4 local ranks: TP 1 x PP 2 x DP 2)."""
     cfg = JobConfig()
-    cfg.parallelism = dataclasses.replace(cfg.parallelism, name="pp2_dp2", pipeline_model_parallel_size=2,
-                                          data_parallel_size=2)
+    cfg.parallelism = dataclasses.replace(
+        cfg.parallelism, name="pp2_dp2", pipeline_model_parallel_size=2, data_parallel_size=2
+    )
     cfg.run = dataclasses.replace(cfg.run, dir=str(run_dir), name="gpt_pp2_dp2")
     cfg.data = dataclasses.replace(cfg.data, cache_dir=str(run_dir / "cache"))
     return cfg
@@ -56,8 +57,15 @@ def changed(cfg: JobConfig, **sections) -> JobConfig:
     return out
 
 
-def save_checkpoint(cfg: JobConfig, iteration: int, *, manifest: bool = True, digest: str = "sha256",
-                    fingerprint: str = "fp-1", tokenizer: dict | None = None) -> Path:
+def save_checkpoint(
+    cfg: JobConfig,
+    iteration: int,
+    *,
+    manifest: bool = True,
+    digest: str = "sha256",
+    fingerprint: str = "fp-1",
+    tokenizer: dict | None = None,
+) -> Path:
     """What the runtime does (runtime/training/run.py write_manifest): dist_checkpointing files first, then the
     manifest with the tokenizer identity, the data identity and the versions it records."""
     layout = layout_from_config(cfg).validate()
@@ -68,13 +76,20 @@ def save_checkpoint(cfg: JobConfig, iteration: int, *, manifest: bool = True, di
     (path / ".metadata").write_bytes(b"metadata" * 10)
     (path / "common.pt").write_bytes(b"common-state")
     if manifest:
-        m = build_manifest(cfg, layout, iteration=iteration, consumed_samples=iteration * 16,
-                           checkpoint_dir=str(path), vocab_size=BYTE_VOCAB,
-                           padded_vocab_size=padded_vocab_size(BYTE_VOCAB, cfg.model.make_vocab_size_divisible_by,
-                                                               layout.tensor_model_parallel_size),
-                           tokenizer=tokenizer or BYTE_ID,
-                           data=PreparedData([], None, fingerprint, str(cfg.data.cache_dir)).identity(cfg.data),
-                           digest=digest)
+        m = build_manifest(
+            cfg,
+            layout,
+            iteration=iteration,
+            consumed_samples=iteration * 16,
+            checkpoint_dir=str(path),
+            vocab_size=BYTE_VOCAB,
+            padded_vocab_size=padded_vocab_size(
+                BYTE_VOCAB, cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
+            ),
+            tokenizer=tokenizer or BYTE_ID,
+            data=PreparedData([], None, fingerprint, str(cfg.data.cache_dir)).identity(cfg.data),
+            digest=digest,
+        )
         write_manifest(path, m)
     return path
 
@@ -116,13 +131,16 @@ def test_write_is_atomic_and_a_failed_write_leaves_the_old_manifest(cfg):
 
 
 # ---- bad manifests ------------------------------------------------------------------------
-@pytest.mark.parametrize("damage, phrase", [
-    (lambda text: text[: len(text) // 2], "truncated"),
-    (lambda text: "", "empty"),
-    (lambda text: text.replace('"iteration": 50', '"iteration": 60'), "hand-edited"),
-    (lambda text: json.dumps({"schema": "someone.else/3"}), "foreign"),
-    (lambda text: "[1, 2]", "foreign"),
-])
+@pytest.mark.parametrize(
+    "damage, phrase",
+    [
+        (lambda text: text[: len(text) // 2], "truncated"),
+        (lambda text: "", "empty"),
+        (lambda text: text.replace('"iteration": 50', '"iteration": 60'), "hand-edited"),
+        (lambda text: json.dumps({"schema": "someone.else/3"}), "foreign"),
+        (lambda text: "[1, 2]", "foreign"),
+    ],
+)
 def test_damaged_manifest_errors_name_the_file(cfg, damage, phrase):
     path = save_checkpoint(cfg, 50)
     f = path / MANIFEST_NAME
@@ -130,7 +148,7 @@ def test_damaged_manifest_errors_name_the_file(cfg, damage, phrase):
     with pytest.raises(ManifestError) as err:
         read_manifest(path)
     assert str(f) in str(err.value) and phrase in str(err.value)
-    info, = list_checkpoints(save_dir_of(cfg))
+    (info,) = list_checkpoints(save_dir_of(cfg))
     assert info.status == "corrupt" and str(f) in info.reason
 
 
@@ -198,27 +216,58 @@ def test_no_checkpoints_means_a_fresh_start(cfg):
 # ---- compare -------------------------------------------------------------------------------------
 CASES = {
     # name: (changes, key, override, kind)
-    "TP": (dict(parallelism={"tensor_model_parallel_size": 2}),
-           "parallelism.tensor_model_parallel_size", "parallelism.tensor_model_parallel_size=1", "reshard"),
-    "PP": (dict(parallelism={"pipeline_model_parallel_size": 1}),
-           "parallelism.pipeline_model_parallel_size", "parallelism.pipeline_model_parallel_size=2", "reshard"),
-    "VPP": (dict(parallelism={"virtual_pipeline_model_parallel_size": 2}),
-            "parallelism.virtual_pipeline_model_parallel_size", "parallelism.virtual_pipeline_model_parallel_size=null",
-            "reshard"),
-    "DP": (dict(parallelism={"data_parallel_size": 1}),
-           "parallelism.data_parallel_size", "parallelism.data_parallel_size=2", "reshard"),
-    "CP": (dict(parallelism={"context_parallel_size": 2}),
-           "parallelism.context_parallel_size", "parallelism.context_parallel_size=1", "refuse"),
-    "EP": (dict(parallelism={"expert_model_parallel_size": 2}),
-           "parallelism.expert_model_parallel_size", "parallelism.expert_model_parallel_size=1", "refuse"),
+    "TP": (
+        dict(parallelism={"tensor_model_parallel_size": 2}),
+        "parallelism.tensor_model_parallel_size",
+        "parallelism.tensor_model_parallel_size=1",
+        "reshard",
+    ),
+    "PP": (
+        dict(parallelism={"pipeline_model_parallel_size": 1}),
+        "parallelism.pipeline_model_parallel_size",
+        "parallelism.pipeline_model_parallel_size=2",
+        "reshard",
+    ),
+    "VPP": (
+        dict(parallelism={"virtual_pipeline_model_parallel_size": 2}),
+        "parallelism.virtual_pipeline_model_parallel_size",
+        "parallelism.virtual_pipeline_model_parallel_size=null",
+        "reshard",
+    ),
+    "DP": (
+        dict(parallelism={"data_parallel_size": 1}),
+        "parallelism.data_parallel_size",
+        "parallelism.data_parallel_size=2",
+        "reshard",
+    ),
+    "CP": (
+        dict(parallelism={"context_parallel_size": 2}),
+        "parallelism.context_parallel_size",
+        "parallelism.context_parallel_size=1",
+        "refuse",
+    ),
+    "EP": (
+        dict(parallelism={"expert_model_parallel_size": 2}),
+        "parallelism.expert_model_parallel_size",
+        "parallelism.expert_model_parallel_size=1",
+        "refuse",
+    ),
     "seq_length": (dict(model={"seq_length": 64}), "model.seq_length", "model.seq_length=128", "refuse"),
-    "vocab_padding": (dict(model={"make_vocab_size_divisible_by": 64}),
-                      "model.make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by=128", "refuse"),
+    "vocab_padding": (
+        dict(model={"make_vocab_size_divisible_by": 64}),
+        "model.make_vocab_size_divisible_by",
+        "model.make_vocab_size_divisible_by=128",
+        "refuse",
+    ),
     "tokenizer": (dict(data={"tokenizer": "/tok/tokenizer.json"}), "data.tokenizer", "data.tokenizer=byte", "refuse"),
     "data": (dict(data={"kind": "jsonl", "paths": ["/corpus/a.jsonl"]}), "data.paths", "data.paths=[]", "refuse"),
     "hidden": (dict(model={"hidden_size": 256}), "model.hidden_size", "model.hidden_size=128", "refuse"),
-    "GBS": (dict(training={"global_batch_size": 32}),
-            "training.global_batch_size", "training.global_batch_size=16", "reshard"),
+    "GBS": (
+        dict(training={"global_batch_size": 32}),
+        "training.global_batch_size",
+        "training.global_batch_size=16",
+        "reshard",
+    ),
 }
 
 
@@ -227,8 +276,7 @@ def test_compare_names_each_changed_key_and_its_override(cfg, name):
     changes, key, override, kind = CASES[name]
     manifest = read_manifest(save_checkpoint(cfg, 50))
     new = changed(cfg, **changes)
-    mismatches = compare(manifest, new, layout_from_config(new), data_fingerprint="fp-1",
-                         tokenizer=BYTE_ID)
+    mismatches = compare(manifest, new, layout_from_config(new), data_fingerprint="fp-1", tokenizer=BYTE_ID)
     by_key = {m.key: m for m in mismatches}
     assert key in by_key, format_mismatch_table(mismatches)
     assert by_key[key].override == override and by_key[key].kind == kind
@@ -239,8 +287,7 @@ def test_compare_names_each_changed_key_and_its_override(cfg, name):
 
 def test_same_config_matches(cfg):
     manifest = read_manifest(save_checkpoint(cfg, 50))
-    assert compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-1",
-                   tokenizer=BYTE_ID) == []
+    assert compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-1", tokenizer=BYTE_ID) == []
 
 
 def test_tp_change_also_changes_the_padded_vocab(cfg):
@@ -251,11 +298,13 @@ def test_tp_change_also_changes_the_padded_vocab(cfg):
     assert (m.checkpoint, m.requested, m.kind) == (384, 512, "refuse")
     assert "make_vocab_size_divisible_by=192" in m.note  # ceil(258/384) x 384 = 384 at TP=2
     keep = changed(new, model={"make_vocab_size_divisible_by": 192})
-    kinds = {m.key: m.kind for m in compare(manifest, keep, layout_from_config(keep), data_fingerprint=None,
-                                             tokenizer=None)}
+    kinds = {
+        m.key: m.kind for m in compare(manifest, keep, layout_from_config(keep), data_fingerprint=None, tokenizer=None)
+    }
     assert kinds["model.make_vocab_size_divisible_by"] == "warn" and "model.padded_vocab_size" not in kinds
-    assert not blocking(compare(manifest, keep, layout_from_config(keep), data_fingerprint=None, tokenizer=None),
-                        allow_reshard=True)
+    assert not blocking(
+        compare(manifest, keep, layout_from_config(keep), data_fingerprint=None, tokenizer=None), allow_reshard=True
+    )
 
 
 def test_data_content_and_tokenizer_identity(cfg, tmp_path):
@@ -299,8 +348,12 @@ def test_a_software_upgrade_resumes_with_one_line_and_the_origin_keeps_the_old_v
     assert warnings == [f"versions changed since iter_0000050: megatron-core 0.15.0 -> {version('megatron-core')}"]
     origin = origin_of(info)
     assert origin["from_versions"]["megatron-core"] == "0.15.0" and origin["from_layout"] is None
-    assert origin_of(preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append)) \
-        ["from_versions"]["megatron-core"] == "0.15.0"  # still the checkpoint's (a preflight writes nothing)
+    assert (
+        origin_of(preflight(cfg, layout_from_config(cfg), data_fingerprint="fp-1", warn=warnings.append))[
+            "from_versions"
+        ]["megatron-core"]
+        == "0.15.0"
+    )  # still the checkpoint's (a preflight writes nothing)
 
 
 @pytest.mark.mcore_lines
@@ -364,14 +417,17 @@ def test_preflight_refuses_to_overwrite_without_auto_resume(cfg):
 
 
 # ---- run lock -------------------------------------------------------------------------------------------
-HOLD = ("import sys; from orchestrator.ckpt.lock import RunLock; "
-        "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()")
+HOLD = (
+    "import sys; from orchestrator.ckpt.lock import RunLock; "
+    "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()"
+)
 
 
 def test_second_run_is_refused_and_the_first_is_not_disturbed(tmp_path):
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         lock_file = run_dir / RunLock.NAME
@@ -402,8 +458,9 @@ def test_clean_release_lets_the_next_run_in(tmp_path):
 
 # ---- CLI and purity -----------------------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "manifest", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "manifest", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 def test_cli_show_and_list(cfg):
@@ -443,6 +500,8 @@ def test_data_cache_dir_default_composes(tmp_path, monkeypatch):
 
 
 def test_manifest_modules_do_not_import_torch():
-    code = ("import sys, orchestrator.ckpt.cli, orchestrator.ckpt.resume, orchestrator.ckpt.lock; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; assert not bad, bad")
+    code = (
+        "import sys, orchestrator.ckpt.cli, orchestrator.ckpt.resume, orchestrator.ckpt.lock; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -36,8 +36,14 @@ for name, prefix in tables.DROPPED_NOTICES.items():
 
 @pytest.mark.mcore_lines
 def test_the_runtime_drops_megatrons_expected_notices_and_only_those():
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     bare, quiet = (next(line for line in done.stdout.splitlines() if line.startswith(k)) for k in ("bare:", "quiet:"))
     assert "Transformer Engine and Apex are not installed" in bare  # megatron says it (the test can fail)

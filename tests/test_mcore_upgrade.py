@@ -25,8 +25,10 @@ MCORE19 = os.environ.get("ORCHESTRATOR_MCORE19_PYTHON", "/opt/mcore-0.19.2/bin/p
 
 def _skip_reason() -> str:
     if not version("megatron-core").startswith("0.16."):
-        return (f"saves under megatron-core 0.16.x (this Python has {version('megatron-core')}): run it with the "
-                "system Python, the main CI leg")
+        return (
+            f"saves under megatron-core 0.16.x (this Python has {version('megatron-core')}): run it with the "
+            "system Python, the main CI leg"
+        )
     if not os.access(MCORE19, os.X_OK):
         return f"{MCORE19} not found: bash launch/mcore-env.sh 0.19.2 /opt/mcore-0.19.2 builds it"
     return ""
@@ -34,8 +36,16 @@ def _skip_reason() -> str:
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason())]
 
-ARGS = ["model=gpt_tiny", "parallelism=none", "data.stdlib_max_mb=2", "training.log_interval=1",
-        "training.eval_iters=0", "training.train_iters=8", "checkpoint.save_interval=4", "run.name=r"]
+ARGS = [
+    "model=gpt_tiny",
+    "parallelism=none",
+    "data.stdlib_max_mb=2",
+    "training.log_interval=1",
+    "training.eval_iters=0",
+    "training.train_iters=8",
+    "checkpoint.save_interval=4",
+    "run.name=r",
+]
 
 
 def test_a_0_16_checkpoint_resumes_under_0_19_with_the_same_losses(tmp_path, cache_dir):
@@ -64,5 +74,7 @@ def test_a_0_16_checkpoint_resumes_under_0_19_with_the_same_losses(tmp_path, cac
     assert back.stderr.startswith(f"error: cannot resume from {new_dir}/checkpoints/iter_0000008"), back.stderr
     row = [line for line in back.stderr.splitlines() if line.startswith("versions.megatron-core")]
     assert [c.strip() for c in row[0].split("|")] == ["versions.megatron-core", "0.19.2", "0.16.1", "refused"], row
-    assert sorted(p.name for p in (new_dir / "checkpoints").iterdir() if p.name.startswith("iter_")) == \
-        ["iter_0000004", "iter_0000008"]
+    assert sorted(p.name for p in (new_dir / "checkpoints").iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000004",
+        "iter_0000008",
+    ]

@@ -36,8 +36,11 @@ def _ours(overrides, device="cuda", te=True):
 
 
 def test_three_goldens_are_there():
-    assert {p.stem for p in GOLDEN} == {"gpt_125m_1gpu_bf16", "gpt_6.7b_pp2_vpp2_dp16_a100_4x8",
-                                        "llama_8b_tp2_distopt_a100_4x8"}
+    assert {p.stem for p in GOLDEN} == {
+        "gpt_125m_1gpu_bf16",
+        "gpt_6.7b_pp2_vpp2_dp16_a100_4x8",
+        "llama_8b_tp2_distopt_a100_4x8",
+    }
 
 
 @pytest.mark.mcore_lines
@@ -56,26 +59,41 @@ def test_gpu_config_equals_megatron_lm_field_by_field(path):
     # the same embedding: Megatron-LM's tokenizer from the exported flags, padded as pretrain_gpt.py pads it
     facts = tokenizer_facts(cfg.data)
     assert golden["gpt_model"]["vocab_size"] == padded_vocab_size(
-        facts.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallelism.tensor_model_parallel_size)
+        facts.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallelism.tensor_model_parallel_size
+    )
     assert golden["gpt_model"]["eod"] == facts.eod
 
 
 def test_cpu_math_is_megatron_lm_s_and_speed_fields_stay_cpu():
     golden = json.loads((Path(__file__).parent / "golden" / "megatron" / "gpt_125m_1gpu_bf16.json").read_text())
-    _, cpu = _ours([o for o in golden["overrides"] if not o.startswith(("cluster.gpus", "training.device",
-                                                                         "training.precision"))]
-                   + ["training.device=cpu"], device="cpu", te=False)
+    _, cpu = _ours(
+        [o for o in golden["overrides"] if not o.startswith(("cluster.gpus", "training.device", "training.precision"))]
+        + ["training.device=cpu"],
+        device="cpu",
+        te=False,
+    )
     _, gpu = _ours(golden["overrides"])
     perf, math = split_diff(gpu, cpu)
-    precision = {"transformer.bf16", "transformer.autocast_dtype", "transformer.params_dtype", "transformer.pipeline_dtype",
-                 "ddp.grad_reduce_in_fp32"}  # and the optimizer's (a carried section: precision is the layout check's)
+    precision = {
+        "transformer.bf16",
+        "transformer.autocast_dtype",
+        "transformer.params_dtype",
+        "transformer.pipeline_dtype",
+        "ddp.grad_reduce_in_fp32",
+    }  # and the optimizer's (a carried section: precision is the layout check's)
     assert {k for k, _, _ in math} == precision  # fp32 on CPU; every other math field as on the GPU
     assert cpu["transformer"]["bias_activation_fusion"] is True  # the tanh GELU of the fused bias-GELU
     assert cpu["transformer"]["attention_softmax_in_fp32"] is False
     assert {k for k, _, _ in perf} == {
-        "transformer.gradient_accumulation_fusion", "transformer.masked_softmax_fusion",
-        "transformer.bias_dropout_fusion", "transformer.persist_layer_norm", "transformer.use_cpu_initialization",
-        "transformer.deallocate_pipeline_outputs", "optimizer.bf16", "optimizer.params_dtype"}
+        "transformer.gradient_accumulation_fusion",
+        "transformer.masked_softmax_fusion",
+        "transformer.bias_dropout_fusion",
+        "transformer.persist_layer_norm",
+        "transformer.use_cpu_initialization",
+        "transformer.deallocate_pipeline_outputs",
+        "optimizer.bf16",
+        "optimizer.params_dtype",
+    }
 
 
 def _cli(capsys, *overrides):
@@ -88,13 +106,25 @@ def _cli(capsys, *overrides):
 
 def test_megatron_config_tool_slurm_gpu_and_local_cpu(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, err = _cli(capsys, "+experiment=gpt_pp2_dp2", "cluster=slurm_a100_4x8",
-                          "parallelism.data_parallel_size=null", "training.precision=bf16",
-                          "training.global_batch_size=64")
+    code, out, err = _cli(
+        capsys,
+        "+experiment=gpt_pp2_dp2",
+        "cluster=slurm_a100_4x8",
+        "parallelism.data_parallel_size=null",
+        "training.precision=bf16",
+        "training.global_batch_size=64",
+    )
     assert code == 0, err
     gpu = json.loads(out)
-    assert all(gpu["transformer"][k] for k in ("bias_activation_fusion", "masked_softmax_fusion",
-                                               "bias_dropout_fusion", "gradient_accumulation_fusion"))
+    assert all(
+        gpu["transformer"][k]
+        for k in (
+            "bias_activation_fusion",
+            "masked_softmax_fusion",
+            "bias_dropout_fusion",
+            "gradient_accumulation_fusion",
+        )
+    )
     assert gpu["ddp"]["overlap_grad_reduce"] is True and "assumed on the GPU nodes" in err
     code, out, err = _cli(capsys, "+experiment=gpt_pp2_dp2")
     cpu = json.loads(out)
@@ -110,8 +140,9 @@ def test_a_broken_transformer_engine_is_one_line_before_anything(capsys, tmp_pat
     """A TE whose import raises RuntimeError (a broken install: a real package on sys.path, not a mock)."""
     fake = tmp_path / "site" / "transformer_engine"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise RuntimeError('libtransformer_engine.so: undefined symbol: nvte_x\\n"
-                                      "more detail')\n")
+    (fake / "__init__.py").write_text(
+        "raise RuntimeError('libtransformer_engine.so: undefined symbol: nvte_x\\nmore detail')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{Path(__file__).parents[1]}")
     monkeypatch.chdir(tmp_path)
@@ -120,9 +151,15 @@ def test_a_broken_transformer_engine_is_one_line_before_anything(capsys, tmp_pat
     assert err.strip().splitlines() == [
         "error: model.transformer_impl=auto: Transformer Engine is installed but its import fails (RuntimeError: "
         "libtransformer_engine.so: undefined symbol: nvte_x); fix: repair it (pip install --force-reinstall "
-        "transformer-engine[pytorch]) or model.transformer_impl=local"]
-    code, _, err = _cli(capsys, "cluster.gpus_per_node=1", "training.device=cuda", "training.precision=bf16",
-                        "model.transformer_impl=local")
+        "transformer-engine[pytorch]) or model.transformer_impl=local"
+    ]
+    code, _, err = _cli(
+        capsys,
+        "cluster.gpus_per_node=1",
+        "training.device=cuda",
+        "training.precision=bf16",
+        "model.transformer_impl=local",
+    )
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
 
@@ -131,8 +168,14 @@ def test_resume_carries_speed_changes_and_refuses_math_changes():
     from orchestrator.ckpt.megatron_resume import check_megatron_config
     from orchestrator.errors import ResumeMismatchError
 
-    _, saved = _ours(["+experiment=gpt_pp2_dp2", "cluster=slurm_a100_4x8", "parallelism.data_parallel_size=null",
-                      "training.precision=bf16"])
+    _, saved = _ours(
+        [
+            "+experiment=gpt_pp2_dp2",
+            "cluster=slurm_a100_4x8",
+            "parallelism.data_parallel_size=null",
+            "training.precision=bf16",
+        ]
+    )
     manifest = {"megatron_config": saved}
     said = []
     assert check_megatron_config(manifest, saved, "ckpt", said.append) is None and said == []
@@ -152,6 +195,8 @@ def test_resume_carries_speed_changes_and_refuses_math_changes():
         check_megatron_config(manifest, other, "ckpt", said.append)
     text = str(exc.value)
     assert "apply_residual_connection_post_layernorm" in text.splitlines()[0]
-    assert any(line.startswith("megatron.transformer.apply_residual_connection_post_layernorm") and "| refused" in line
-               for line in text.splitlines())
+    assert any(
+        line.startswith("megatron.transformer.apply_residual_connection_post_layernorm") and "| refused" in line
+        for line in text.splitlines()
+    )
     assert "apply_residual_connection_post_layernorm" not in PERFORMANCE_FIELDS["transformer"]

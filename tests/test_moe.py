@@ -11,9 +11,16 @@ from conftest import losses_by_iteration, run_cli
 
 pytestmark = pytest.mark.slow
 
-MOE = ["model=moe_tiny", "parallelism.data_parallel_size=2", "data.stdlib_max_mb=2", "training.eval_iters=0",
-       "training.micro_batch_size=2", "training.global_batch_size=4", "training.train_iters=3",
-       "optimizer.lr_warmup_iters=0"]
+MOE = [
+    "model=moe_tiny",
+    "parallelism.data_parallel_size=2",
+    "data.stdlib_max_mb=2",
+    "training.eval_iters=0",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=4",
+    "training.train_iters=3",
+    "optimizer.lr_warmup_iters=0",
+]
 
 
 def _planned_params_per_gpu(overrides) -> int:
@@ -28,8 +35,10 @@ def _planned_params_per_gpu(overrides) -> int:
 def init(tmp_path_factory, cache_dir):
     """moe_tiny's iteration-0 weights (one rank, EP=1, nothing trained): both layouts start from them."""
     root = tmp_path_factory.mktemp("moe_init")
-    run_cli(MOE + ["parallelism.data_parallel_size=1", f"run.root={root}", "run.name=init", "training.train_iters=0"],
-            cache=cache_dir)
+    run_cli(
+        MOE + ["parallelism.data_parallel_size=1", f"run.root={root}", "run.name=init", "training.train_iters=0"],
+        cache=cache_dir,
+    )
     return root / "init" / "checkpoints" / "iter_0000000"
 
 
@@ -66,12 +75,18 @@ def test_moe_tiny_trains_at_ep2_with_ep1s_losses_and_an_ep_change_is_refused(tmp
     a = ep1[0]
     for it in (1, 2, 3):
         assert abs(a[it] - b[it]) <= 1e-5 * abs(a[it]), (it, a[it], b[it])
-    assert _params_on_rank0(ep2.stdout) == _planned_params_per_gpu(MOE + ["parallelism.expert_model_parallel_size=2"]) \
-        < _planned_params_per_gpu(MOE)  # half the experts per rank
+    assert (
+        _params_on_rank0(ep2.stdout)
+        == _planned_params_per_gpu(MOE + ["parallelism.expert_model_parallel_size=2"])
+        < _planned_params_per_gpu(MOE)
+    )  # half the experts per rank
     manifest = json.loads((tmp_path / "ep2" / "checkpoints" / "iter_0000003" / "manifest.json").read_text())
     assert manifest["layout"]["expert_model_parallel_size"] == 2
-    refused = run_cli(MOE + [f"run.root={tmp_path}", "run.name=ep2", "checkpoint.allow_reshard=true",
-                             "training.train_iters=4"], cache=cache_dir, check=False)
+    refused = run_cli(
+        MOE + [f"run.root={tmp_path}", "run.name=ep2", "checkpoint.allow_reshard=true", "training.train_iters=4"],
+        cache=cache_dir,
+        check=False,
+    )
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "parallelism.expert_model_parallel_size" in refused.stderr
     assert "parallelism.expert_model_parallel_size=2" in refused.stderr  # the override that matches

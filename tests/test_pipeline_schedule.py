@@ -43,14 +43,31 @@ def test_orders_by_schedule():
     assert stage_order(1, 0, 3) == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0), ("F", 2, 0), ("B", 2, 0)]
     # 1F1B, PP4 m=8: rank 1 warms up with 2 forwards, steady F/B pairs, cools down with 2 backwards
     order = stage_order(4, 1, 8)
-    assert order[:4] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0)] and order[-2:] == [("B", 6, 0), ("B", 7, 0)]
+    assert order[:4] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0)] and order[-2:] == [
+        ("B", 6, 0),
+        ("B", 7, 0),
+    ]
     assert [warmup_count(4, r, 2) for r in range(4)] == [2, 2, 1, 0]  # capped at m
     # interleaved PP2 v=2 m=4 on rank 0: warm-up (2-0-1)*2 + (2-1)*2 = 4 forwards: mb 0,1 chunk 0, then chunk 1
     assert stage_order(2, 0, 4, 2)[:6] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1), ("F", 2, 0), ("B", 0, 1)]
 
 
-@pytest.mark.parametrize("pp,m,v", [(2, 1, 1), (2, 4, 1), (4, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1),
-                                    (2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4)])
+@pytest.mark.parametrize(
+    "pp,m,v",
+    [
+        (2, 1, 1),
+        (2, 4, 1),
+        (4, 2, 1),
+        (4, 4, 1),
+        (4, 8, 1),
+        (4, 16, 1),
+        (2, 2, 2),
+        (2, 4, 2),
+        (4, 8, 2),
+        (4, 16, 2),
+        (4, 8, 4),
+    ],
+)
 def test_predicted_bubble_is_the_formula_without_communication(pp, m, v):
     """Equal stages, backward = 2 x forward, free transfers: every stage idles (p-1)/(v m) of its busy time."""
     s = predict(pp, m, v)
@@ -87,10 +104,14 @@ def test_a_trace_reads_back_as_its_schedule():
     ranks = []
     for dp in (0, 1):
         for r in range(4):
-            events = [{"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start, "end": st.end}
-                      for st in s.on(r)]
-            events += [{"kind": "recv_forward", "microbatch": -1, "chunk": -1, "start": 0.0, "end": 0.5},
-                       {"kind": "iteration", "microbatch": -1, "chunk": -1, "start": 0.0, "end": s.window[1]}]
+            events = [
+                {"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start, "end": st.end}
+                for st in s.on(r)
+            ]
+            events += [
+                {"kind": "recv_forward", "microbatch": -1, "chunk": -1, "start": 0.0, "end": 0.5},
+                {"kind": "iteration", "microbatch": -1, "chunk": -1, "start": 0.0, "end": s.window[1]},
+            ]
             ranks.append({"rank": dp * 4 + r, "pp_rank": r, "dp_rank": dp, "tp_rank": 0, "events": events})
     measured = measured_schedule(ranks, 4, 2, 8)
     assert len(measured.steps) == len(s.steps) and len(measured.extra["waits"]) == 4
@@ -109,9 +130,19 @@ def test_the_measured_operations_predict_the_bubble_they_came_from(pp, m, v):
     backward = [0.021 + 0.003 * r for r in range(pp)]
     gap = [0.0004 + 0.0001 * r for r in range(pp)]
     truth = predict(pp, m, v, forward=forward, backward=backward, comm=0.002, gap=gap)
-    ranks = [{"rank": r, "pp_rank": r, "dp_rank": 0, "tp_rank": 0,
-              "events": [{"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start,
-                          "end": st.end} for st in truth.on(r)]} for r in range(pp)]
+    ranks = [
+        {
+            "rank": r,
+            "pp_rank": r,
+            "dp_rank": 0,
+            "tp_rank": 0,
+            "events": [
+                {"kind": st.kind, "microbatch": st.microbatch, "chunk": st.chunk, "start": st.start, "end": st.end}
+                for st in truth.on(r)
+            ],
+        }
+        for r in range(pp)
+    ]
     measured = measured_schedule(ranks, pp, v, m)
     costs = measured_costs(measured)
     assert costs["forward"] == pytest.approx(forward) and costs["backward"] == pytest.approx(backward)
@@ -125,16 +156,33 @@ def test_the_measured_operations_predict_the_bubble_they_came_from(pp, m, v):
 def test_plan_picture_is_written_without_torch(tmp_path):
     """plan=true plan_picture=FILE.png: the PNG, no torch/megatron import, nothing else written."""
     png = tmp_path / "pp4.png"
-    code = ("import sys, time; from orchestrator.__main__ import main\n"
-            "t = time.perf_counter()\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('imported', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))")
-    args = ["parallelism=pp4", "model=gpt_6.7b", "cluster=slurm_a100_4x8", "parallelism.data_parallel_size=null",
-            "training.precision=bf16", "training.micro_batch_size=1", "training.global_batch_size=64",
-            "parallelism.virtual_pipeline_model_parallel_size=2", "plan=true", f"run.root={tmp_path / 'runs'}"]
+    code = (
+        "import sys, time; from orchestrator.__main__ import main\n"
+        "t = time.perf_counter()\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('imported', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))"
+    )
+    args = [
+        "parallelism=pp4",
+        "model=gpt_6.7b",
+        "cluster=slurm_a100_4x8",
+        "parallelism.data_parallel_size=null",
+        "training.precision=bf16",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=64",
+        "parallelism.virtual_pipeline_model_parallel_size=2",
+        "plan=true",
+        f"run.root={tmp_path / 'runs'}",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", code, *args, f"plan_picture={png}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args, f"plan_picture={png}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "imported []" in proc.stdout and f"wrote {png}" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.iterdir()) == ["pp4.png"]
@@ -147,14 +195,19 @@ def test_predicted_orders_equal_megatrons_recorded_ones():
     golden = json.loads((REPO / "tests" / "golden" / "megatron_schedule_orders.json").read_text())["orders"]
     assert len(golden) == 7
     for key, ranks in golden.items():
-        pp, vpp, m = (int(part[len(name):]) for part, name in zip(key.split("_"), ("pp", "vpp", "m")))
+        pp, vpp, m = (int(part[len(name) :]) for part, name in zip(key.split("_"), ("pp", "vpp", "m")))
         for rank, recorded in ranks.items():
             predicted = " ".join(f"{kind}{mb}.{chunk}" for kind, mb, chunk in stage_order(pp, int(rank), m, vpp))
             assert predicted == recorded, (key, rank)
 
 
-LAYOUTS = {("pp4", 2): (4, 1, 2), ("pp4", 4): (4, 1, 4), ("pp4", 8): (4, 1, 8),
-           ("pp2_vpp2_dp2", 4): (2, 2, 2), ("pp2_vpp2_dp2", 8): (2, 2, 4)}
+LAYOUTS = {
+    ("pp4", 2): (4, 1, 2),
+    ("pp4", 4): (4, 1, 4),
+    ("pp4", 8): (4, 1, 8),
+    ("pp2_vpp2_dp2", 4): (2, 2, 2),
+    ("pp2_vpp2_dp2", 8): (2, 2, 4),
+}
 """(parallelism, global batch size) -> (PP, VPP, num_microbatches) at micro-batch size 1."""
 
 
@@ -163,11 +216,26 @@ def test_megatron_runs_the_predicted_order_on_every_rank(tmp_path, cache_dir):
     """One sweep on 4 warm ranks: pp4 (1F1B) and pp2_vpp2 x dp2 (interleaved) with m < PP, = PP, > PP
     (interleaving with m = 1 < PP is refused by validate, as megatron-core would); every rank of every
     replica, step for step. (pp2 x dp2, the same 1F1B on fewer stages, is in the recorded orders above.)"""
-    proc = run_cli(["-m", "parallelism=pp4,pp2_vpp2_dp2", "training.global_batch_size=2,4,8",
-                    "training.micro_batch_size=1", "training.train_iters=1", "sweep.trace_iteration=1",
-                    "training.eval_iters=0", "data.stdlib_max_mb=2", "checkpoint.save_at_end=false",
-                    "logging.tensorboard=false", "training.timing_warmup_iters=0", f"run.root={tmp_path}",
-                    "run.name=orders"], cache=cache_dir, timeout=1200, check=False)
+    proc = run_cli(
+        [
+            "-m",
+            "parallelism=pp4,pp2_vpp2_dp2",
+            "training.global_batch_size=2,4,8",
+            "training.micro_batch_size=1",
+            "training.train_iters=1",
+            "sweep.trace_iteration=1",
+            "training.eval_iters=0",
+            "data.stdlib_max_mb=2",
+            "checkpoint.save_at_end=false",
+            "logging.tensorboard=false",
+            "training.timing_warmup_iters=0",
+            f"run.root={tmp_path}",
+            "run.name=orders",
+        ],
+        cache=cache_dir,
+        timeout=1200,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # the one invalid point
     sweep_dir = next((tmp_path / "sweeps" / "orders").iterdir())
     with (sweep_dir / "summary.csv").open(newline="") as f:

@@ -114,8 +114,16 @@ def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     init = f"tcp://127.0.0.1:{port}"
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), init], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), init],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [STOP_EXIT_CODE, STOP_EXIT_CODE], outs
     assert "rank 0 stops after iteration 3 local=peer" in outs[0]
@@ -181,8 +189,9 @@ def test_a_dead_launcher_asks_the_graceful_stop_then_ends_the_process(clean_env)
         assert launcher.launcher_alive(owner)
         assert launcher.launcher_alive({**owner, "host": "elsewhere"})
         assert not launcher.launcher_alive({**owner, "pid_created": owner["pid_created"] - 60})  # pid reused since
-        watch = launcher.watch_launcher(owner, asked.append, poll_s=0.05, grace_s=0.5,
-                                        exit=lambda code: (codes.append(code), ended.set()))
+        watch = launcher.watch_launcher(
+            owner, asked.append, poll_s=0.05, grace_s=0.5, exit=lambda code: (codes.append(code), ended.set())
+        )
         time.sleep(0.3)
         assert asked == [] and watch.is_alive()
         proc.kill()  # not reaped: a zombie until proc.wait()

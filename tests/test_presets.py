@@ -12,7 +12,10 @@ from orchestrator.plan.inputs import ModelShape, vocab_size_of
 from orchestrator.plan.params import active_params, total_params
 
 PUBLISHED = {  # model: (total, active per token), parameters (Meta 2024; Jiang et al. 2024)
-    "llama3_8b": (8.03e9, 8.03e9), "llama3_70b": (70.6e9, 70.6e9), "mixtral_8x7b": (46.7e9, 12.9e9)}
+    "llama3_8b": (8.03e9, 8.03e9),
+    "llama3_70b": (70.6e9, 70.6e9),
+    "mixtral_8x7b": (46.7e9, 12.9e9),
+}
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
@@ -41,14 +44,21 @@ def test_the_datas_tokenizer_wins_over_the_presets_vocabulary(tmp_path):
 @pytest.mark.parametrize("model", ["llama_tiny", "moe_tiny"])
 def test_tiny_presets_have_the_real_layer_shapes(model):
     m = compose_config([f"model={model}"]).model
-    assert (m.position_embedding_type, m.normalization, m.activation, m.add_bias_linear,
-            m.untie_embeddings_and_output_weights) == ("rope", "RMSNorm", "swiglu", False, True)
+    assert (
+        m.position_embedding_type,
+        m.normalization,
+        m.activation,
+        m.add_bias_linear,
+        m.untie_embeddings_and_output_weights,
+    ) == ("rope", "RMSNorm", "swiglu", False, True)
     assert m.num_query_groups < m.num_attention_heads and m.vocab_size is None
     assert (m.num_moe_experts, m.moe_router_topk) == ((4, 2) if model == "moe_tiny" else (None, 2))
 
 
-@pytest.mark.parametrize("experiment,line", [
-    ("llama3_8b_a100x32", "total 8.03 B"), ("mixtral_8x7b_a100x32", "active per token 12.88 B (top-2 of 8 experts)")])
+@pytest.mark.parametrize(
+    "experiment,line",
+    [("llama3_8b_a100x32", "total 8.03 B"), ("mixtral_8x7b_a100x32", "active per token 12.88 B (top-2 of 8 experts)")],
+)
 def test_a100x32_experiments_plan_and_dry_run(tmp_path, cache_dir, experiment, line):
     """The seed's cluster (4 x 8 A100-40GB): each experiment plans to a fit and dry-runs to an sbatch script
     (space_check off: this machine's disk cannot hold their checkpoints, which a dry run rightly refuses)."""

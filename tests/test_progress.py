@@ -76,13 +76,35 @@ ORDER = [
 def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_path, cache_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", ORCHESTRATOR_CACHE=str(tmp_path / "cache"))
     run_dir = tmp_path / "runs" / "progress"
-    cmd = [sys.executable, "-m", "orchestrator", "model=gpt_tiny", "parallelism=pp2_dp2", "parallelism.data_parallel_size=1",
-           "data=mock", "training.micro_batch_size=2", "training.global_batch_size=4", f"training.train_iters={ITERS}",
-           "training.log_interval=1", "training.eval_iters=0", "checkpoint.save_interval=null",
-           "checkpoint.save_at_end=false", "logging.tensorboard=false", f"run.root={tmp_path}/runs", "run.name=progress"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True,  # SIGINT's default: pytest may run as a shell's background job
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "model=gpt_tiny",
+        "parallelism=pp2_dp2",
+        "parallelism.data_parallel_size=1",
+        "data=mock",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        f"training.train_iters={ITERS}",
+        "training.log_interval=1",
+        "training.eval_iters=0",
+        "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false",
+        "logging.tensorboard=false",
+        f"run.root={tmp_path}/runs",
+        "run.name=progress",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # SIGINT's default: pytest may run as a shell's background job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     lines = []
     try:
         assert proc.stdout is not None
@@ -90,8 +112,13 @@ def test_the_launcher_says_each_phase_in_order_and_status_shows_the_pace(tmp_pat
             lines.append(line.rstrip("\n"))
             if line.startswith(f"  iteration 3/{ITERS}"):
                 break
-        live = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--json", str(tmp_path / "runs")],
-                              capture_output=True, text=True, env=env, timeout=120)
+        live = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "status", "--json", str(tmp_path / "runs")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=180)

@@ -33,11 +33,14 @@ from orchestrator.ckpt import history
 from orchestrator.submit import jobs
 
 
-@pytest.mark.parametrize("override, key", [
-    (["cluster.spare_nodes=1", "cluster.max_restarts=1"], "cluster.spare_nodes=1"),
-    (["cluster=slurm_dev", "cluster.max_restarts=-1"], "cluster.max_restarts=-1"),
-    (["cluster=slurm_dev", "cluster.spare_nodes=1"], "cluster.spare_nodes=1"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["cluster.spare_nodes=1", "cluster.max_restarts=1"], "cluster.spare_nodes=1"),
+        (["cluster=slurm_dev", "cluster.max_restarts=-1"], "cluster.max_restarts=-1"),
+        (["cluster=slurm_dev", "cluster.spare_nodes=1"], "cluster.spare_nodes=1"),
+    ],
+)
 def test_bad_restart_settings_are_one_line_before_anything_is_queued(tmp_path, cache_dir, override, key):
     """Spares on a local job, a negative count, spares without restarts: one `error:` line naming the key and
     the fix, exit 2, no run directory."""
@@ -53,8 +56,11 @@ RESTART_SAVE = 4
 
 def needs_three_nodes(test):
     """:func:`needs_two_nodes`, and skipped, with the reason, on a dev cluster of fewer than 3 nodes (a spare)."""
-    test = pytest.mark.skipif(len(_NODES) < 3, reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job of "
-                              "2 nodes and a spare needs 3 (launch/slurm-dev-up.sh --nodes 3)")(test)
+    test = pytest.mark.skipif(
+        len(_NODES) < 3,
+        reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job of "
+        "2 nodes and a spare needs 3 (launch/slurm-dev-up.sh --nodes 3)",
+    )(test)
     return needs_two_nodes(test)
 
 
@@ -65,8 +71,9 @@ def drained(node: str):
     with open("/tmp/dev-fault.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=test_restart"],
-                           check=True, timeout=30)
+            subprocess.run(
+                ["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=test_restart"], check=True, timeout=30
+            )
             yield
         finally:
             subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30)
@@ -74,7 +81,10 @@ def drained(node: str):
 
 @needs_three_nodes
 def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_and_its_losses(
-        tmp_path, cache_dir, nodes_back):  # noqa: F811 (the fixture, imported from conftest's helpers)
+    tmp_path,
+    cache_dir,
+    nodes_back,  # noqa: F811 (the fixture, imported from conftest's helpers)
+):
     """Acceptance of issue 28: a 2-node PP2 x DP2 job with cluster.max_restarts=1 and cluster.spare_nodes=1 (3
     nodes allocated). After iteration 10 the node of rank 2 (or 0: not the first node, which hosts the rendezvous) is
     drained and that rank killed (kill -9): the same SLURM
@@ -87,22 +97,34 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
     run_dir = tmp_path / "slurm"
     ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)  # made by the run across nodes already
-    cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1",
-                        "cluster.spare_nodes=1"], cache_dir, tmp_path / "logs")
+    cli = Cli(
+        common
+        + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 10, 400, "iteration 10 on SLURM", cli, poll_s=0.1)
         # a rank of the node that does not host the rendezvous store (the job's first node, never replaced)
         first = job_nodes(job_id)[0]
-        rank, victim = next((r, p) for r in (2, 0) if (p := wait_until(lambda r=r: agent_worker(run_dir, r), 30, f"rank {r}"))
-                            and p.environ()["SLURMD_NODENAME"] != first)
+        rank, victim = next(
+            (r, p)
+            for r in (2, 0)
+            if (p := wait_until(lambda r=r: agent_worker(run_dir, r), 30, f"rank {r}"))
+            and p.environ()["SLURMD_NODENAME"] != first
+        )
         node = victim.environ()["SLURMD_NODENAME"]
         with drained(node):
             victim.kill()
             killed_at = time.time()
-            resumed = wait_until(lambda: next((r for r in history.read_records(run_dir)
-                                               if r["event"] == "restart_resumed"), None),
-                                 300, "the first iteration after the restart", cli, poll_s=0.1)
+            resumed = wait_until(
+                lambda: next((r for r in history.read_records(run_dir) if r["event"] == "restart_resumed"), None),
+                300,
+                "the first iteration after the restart",
+                cli,
+                poll_s=0.1,
+            )
         assert cli.wait(400) == 0, cli.describe()
     finally:
         cli.kill()
@@ -118,8 +140,10 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     assert spare.group(1) in hosts and node not in hosts, (hosts, node)
 
     starts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
-    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == \
-        [(0, 0, "crashed", True), (0, 1, "completed", False)], starts
+    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
+        (0, 0, "crashed", True),
+        (0, 1, "completed", False),
+    ], starts
     assert rank in (starts[0].failed or []) and starts[1].start_iteration == 8, starts
     records = read_metrics(run_dir)
     its = [r["iteration"] for r in records]
@@ -135,7 +159,9 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
 
     start_up = records[0]["time"] - next(r["time"] for r in history.read_records(run_dir) if r["event"] == "submitted")
     log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
-    print(f"kill -9 of rank {rank} on {node} (drained; spare {spare.group(1)}): the first new iteration "
-          f"{resumed['time'] - killed_at:.1f} s after the kill (recorded: {starts[1].recovery_s:.1f} s from the failure); "
-          f"the job's own start-up to its first iteration {start_up:.1f} s; "
-          f"{[ln for ln in log.splitlines() if 'loaded in' in ln][-1:]}")
+    print(
+        f"kill -9 of rank {rank} on {node} (drained; spare {spare.group(1)}): the first new iteration "
+        f"{resumed['time'] - killed_at:.1f} s after the kill (recorded: {starts[1].recovery_s:.1f} s from the failure); "
+        f"the job's own start-up to its first iteration {start_up:.1f} s; "
+        f"{[ln for ln in log.splitlines() if 'loaded in' in ln][-1:]}"
+    )

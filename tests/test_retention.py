@@ -24,9 +24,16 @@ from orchestrator.ckpt.retention import TRASH_PREFIX, clear_trash, remove_safely
 from orchestrator.config.schema import JobConfig
 from orchestrator.plan.ckpt_size import checkpoint_bytes, held_at_peak, save_iterations
 
-TINY = ["model=gpt_tiny", "parallelism=none", "data.stdlib_max_mb=2", "training.eval_iters=0",
-        "training.log_interval=10", "training.micro_batch_size=1", "training.global_batch_size=1",
-        "logging.tensorboard=false"]
+TINY = [
+    "model=gpt_tiny",
+    "parallelism=none",
+    "data.stdlib_max_mb=2",
+    "training.eval_iters=0",
+    "training.log_interval=10",
+    "training.micro_batch_size=1",
+    "training.global_batch_size=1",
+    "logging.tensorboard=false",
+]
 
 
 def _cfg(**checkpoint) -> JobConfig:
@@ -99,8 +106,14 @@ def small_tmpfs(tmp_path):
 
 def _launch(args, cache: Path, **env) -> subprocess.Popen:
     full = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1", **env)
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=REPO,
+        env=full,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -115,8 +128,14 @@ def _wait_for(predicate, timeout: float, what: str):
 
 @pytest.mark.slow
 def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prune_resumes(tmp_path, cache_dir):
-    args = TINY + [f"run.root={tmp_path}", "run.name=keep", "training.train_iters=150",
-                   "checkpoint.save_interval=10", "checkpoint.keep_last=3", "checkpoint.keep_every=50"]
+    args = TINY + [
+        f"run.root={tmp_path}",
+        "run.name=keep",
+        "training.train_iters=150",
+        "checkpoint.save_interval=10",
+        "checkpoint.keep_last=3",
+        "checkpoint.keep_every=50",
+    ]
     run_dir, save_dir = tmp_path / "keep", tmp_path / "keep" / "checkpoints"
     first = _launch(args, cache_dir, ORCHESTRATOR_PRUNE_PAUSE_S="600")  # the first prune stalls mid-removal
     trash = save_dir / f"{TRASH_PREFIX}iter_0000010"
@@ -136,14 +155,21 @@ def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prun
     assert checkpoints == [f"iter_{i:07d}" for i in (50, 100, 130, 140, 150)]
     assert not list(save_dir.glob(f"{TRASH_PREFIX}*"))  # the second job deleted what the kill left
     assert sorted(losses_by_iteration(run_dir)) == list(range(10, 151, 10))
-    saved = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "saved"]
+    saved = [
+        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "saved"
+    ]
     assert sorted({r["iteration"] for r in saved}) == list(range(10, 151, 10))
     last = saved[-1]
-    assert last["removed"] == ["iter_0000120"] and last["bytes"] == read_manifest(save_dir / "iter_0000150")["files"]["bytes"]
+    assert (
+        last["removed"] == ["iter_0000120"]
+        and last["bytes"] == read_manifest(save_dir / "iter_0000150")["files"]["bytes"]
+    )
     assert 0 < last["blocking_s"] == last["write_s"] and last["async"] is False
     assert "[orchestrator] saved iter_0000150: 10.1 MiB | training blocked " in second.stdout
     assert "removed iter_0000120" in second.stdout
-    start = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
+    start = [
+        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"
+    ]
     assert start[-1]["resumed_from"].endswith(f"iter_{complete[-1]:07d}") and start[-1]["load_s"] > 0
     listing = run_cli(["manifest", "list", str(run_dir)], cache=cache_dir).stdout.splitlines()
     assert "[kept: keep_every=50]" in listing[0] and "[kept: keep_every=50, newest 3 (keep_last=3)]" in listing[-1]
@@ -159,30 +185,44 @@ def roomy_tmpfs(tmp_path):
 def test_the_job_stops_before_a_save_that_no_longer_fits(roomy_tmpfs, cache_dir):
     import shutil
 
-    args = TINY + [f"run.root={roomy_tmpfs}", "run.name=fill", "training.train_iters=4", "checkpoint.save_interval=2",
-                   "checkpoint.keep_last=2"]
+    args = TINY + [
+        f"run.root={roomy_tmpfs}",
+        "run.name=fill",
+        "training.train_iters=4",
+        "checkpoint.save_interval=2",
+        "checkpoint.keep_last=2",
+    ]
     proc = _launch(args, cache_dir)
     _wait_for(lambda: (roomy_tmpfs / "fill" / "jobs.jsonl").exists(), 300, "the submission")
     ballast = roomy_tmpfs / "ballast"  # another job fills the disk after the launcher's check
-    ballast.write_bytes(b"\0" * (shutil.disk_usage(roomy_tmpfs).free - 4 * 2 ** 20))
+    ballast.write_bytes(b"\0" * (shutil.disk_usage(roomy_tmpfs).free - 4 * 2**20))
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 1, out[-3000:]
     (line,) = [x for x in out.splitlines() if x.startswith("error:")]
-    assert "checkpoint iter_0000002 not started: it needs ~9.8 MiB and " in line and " MiB free of 40.0 MiB" in line, line
+    assert "checkpoint iter_0000002 not started: it needs ~9.8 MiB and " in line and " MiB free of 40.0 MiB" in line, (
+        line
+    )
     assert "no complete checkpoint yet" in line and "fix: free space there" in line and "Traceback" not in out
     assert not (roomy_tmpfs / "fill" / "checkpoints" / "iter_0000002").exists()  # never started
 
 
 @pytest.mark.slow
 def test_async_saves_train_the_same_losses_and_write_the_manifest_after_the_shards(tmp_path, cache_dir):
-    common = TINY + [f"run.root={tmp_path}", "training.train_iters=6", "checkpoint.save_interval=2",
-                     "training.log_interval=1"]
+    common = TINY + [
+        f"run.root={tmp_path}",
+        "training.train_iters=6",
+        "checkpoint.save_interval=2",
+        "training.log_interval=1",
+    ]
     run_cli(common + ["run.name=sync"], cache=cache_dir)
     out = run_cli(common + ["run.name=async", "checkpoint.async_save=true"], cache=cache_dir).stdout
     sync, asyn = losses_by_iteration(tmp_path / "sync"), losses_by_iteration(tmp_path / "async")
     assert sorted(asyn) == list(range(1, 7)) and asyn == sync  # bit-identical
-    saved = [r for r in map(json.loads, (tmp_path / "async" / "metrics.jsonl").read_text().splitlines())
-             if r.get("event") == "saved"]
+    saved = [
+        r
+        for r in map(json.loads, (tmp_path / "async" / "metrics.jsonl").read_text().splitlines())
+        if r.get("event") == "saved"
+    ]
     assert [r["iteration"] for r in saved] == [2, 4, 6] and all(r["async"] for r in saved)
     for rec in saved:
         manifest = read_manifest(Path(rec["path"]))  # complete and verified

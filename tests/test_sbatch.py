@@ -39,14 +39,29 @@ def compose(*overrides: str) -> JobConfig:
 
 def a100_job() -> JobConfig:
     # 4 nodes x 8 A100 = 32 ranks: GPT 6.7B with TP 2 x PP 2 x DP 8.
-    return compose("cluster=slurm_a100_4x8", "model=gpt_6.7b", "parallelism=tp2_pp2", "run.name=gpt_6.7b_tp2_pp2",
-                   "cluster.python=/opt/venvs/megatron/bin/python", "cluster.account=llm-pretrain",
-                   "training.global_batch_size=512", "training.micro_batch_size=1")
+    return compose(
+        "cluster=slurm_a100_4x8",
+        "model=gpt_6.7b",
+        "parallelism=tp2_pp2",
+        "run.name=gpt_6.7b_tp2_pp2",
+        "cluster.python=/opt/venvs/megatron/bin/python",
+        "cluster.account=llm-pretrain",
+        "training.global_batch_size=512",
+        "training.micro_batch_size=1",
+    )
 
 
 def slurm_cfg(**cluster) -> JobConfig:
-    base = dict(name="slurm", kind="slurm", nodes=1, gpus_per_node=0, tasks_per_node=4, timeout_min=10,
-                signal_delay_s=60, python="/usr/bin/python3")
+    base = dict(
+        name="slurm",
+        kind="slurm",
+        nodes=1,
+        gpus_per_node=0,
+        tasks_per_node=4,
+        timeout_min=10,
+        signal_delay_s=60,
+        python="/usr/bin/python3",
+    )
     base.update(cluster)
     cfg = JobConfig(cluster=ClusterConfig(**base))
     cfg.run.name = "job"
@@ -71,6 +86,7 @@ def check_golden(name: str, text: str) -> None:
 
 # ---- golden files ------------------------------------------------------------------------------
 
+
 def test_golden_a100_4x8_multi_node():
     cfg = a100_job()
     world, _ = world_size_of(cfg)
@@ -78,12 +94,22 @@ def test_golden_a100_4x8_multi_node():
     script = sbatch.render_sbatch(cfg, world, "/shared/runs/gpt_6.7b_tp2_pp2/submitit")
     check_golden("sbatch_a100_4x8.sh", script)
     # The facts the golden file pins, spelled out.
-    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --signal=USR2@180", "#SBATCH --requeue", "#SBATCH --exclusive", "#SBATCH --time=1440",
-                 "#SBATCH --account=llm-pretrain", "export NCCL_IB_DISABLE=0", "export NCCL_SOCKET_IFNAME=ib0"]:
+    for line in [
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --signal=USR2@180",
+        "#SBATCH --requeue",
+        "#SBATCH --exclusive",
+        "#SBATCH --time=1440",
+        "#SBATCH --account=llm-pretrain",
+        "export NCCL_IB_DISABLE=0",
+        "export NCCL_SOCKET_IFNAME=ib0",
+    ]:
         assert line in script.splitlines()
     assert sbatch.srun_line(script).endswith(
-        "--cpu-bind=none /opt/venvs/megatron/bin/python -u -m submitit.core._submit /shared/runs/gpt_6.7b_tp2_pp2/submitit")
+        "--cpu-bind=none /opt/venvs/megatron/bin/python -u -m submitit.core._submit /shared/runs/gpt_6.7b_tp2_pp2/submitit"
+    )
 
 
 def test_golden_dev_cluster():
@@ -103,10 +129,11 @@ def test_setup_order_unset_then_user_lines_then_env():
     lines = sbatch.render_sbatch(cfg, 4, "/f").splitlines()
     start = lines.index("# setup")
     assert lines[start + 1].startswith("unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE")
-    assert lines[start + 2:start + 5] == ["module load cuda", "source /venv/bin/activate", "export NCCL_DEBUG=INFO"]
+    assert lines[start + 2 : start + 5] == ["module load cuda", "source /venv/bin/activate", "export NCCL_DEBUG=INFO"]
 
 
 # ---- preview == submission ---------------------------------------------------------------------
+
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch):
@@ -154,13 +181,14 @@ def test_render_equals_what_the_production_executor_submits_for_the_dev_cluster(
 
 # ---- quoting: nothing typed becomes shell -----------------------------------------------------
 
+
 def test_injection_attempts_create_no_file(tmp_path):
     """Job name, paths, env values, srun args and python: all data. Run the script with bash
     (srun replaced by a stub that prints its argv) and check no marker file appears."""
     m = tmp_path / "m"
     m.mkdir()
     cfg = slurm_cfg(
-        env={"EVIL": f"$(touch {m}/pwned2)`touch {m}/pwned3`; touch {m}/pwned4", "Q": "it's \"quoted\""},
+        env={"EVIL": f"$(touch {m}/pwned2)`touch {m}/pwned3`; touch {m}/pwned4", "Q": 'it\'s "quoted"'},
         srun_args=[f"--comment=; touch {m}/pwned5"],
         partition=f"dev$(touch {m}/pwned6)",
         python=f"{sys.executable}; touch {m}/pwned7",
@@ -196,12 +224,15 @@ def test_env_values_reach_the_job_verbatim(tmp_path):
     assert out.stdout == value
 
 
-@pytest.mark.parametrize("field,value", [
-    ("name", "a\ntouch /tmp/pwned"),
-    ("partition", "dev\n#SBATCH --uid=0"),
-    ("account", "a\rb"),
-    ("mem", "4G\n"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("name", "a\ntouch /tmp/pwned"),
+        ("partition", "dev\n#SBATCH --uid=0"),
+        ("account", "a\rb"),
+        ("mem", "4G\n"),
+    ],
+)
 def test_control_characters_refused(field, value):
     cfg = slurm_cfg()
     if field == "name":
@@ -214,16 +245,20 @@ def test_control_characters_refused(field, value):
 
 # ---- parameter validation ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,config_key", [
-    ("time", "cluster.timeout_min"),
-    ("job_name", "run.name"),
-    ("ntasks-per-node", "cluster.tasks_per_node"),
-    ("partition", "cluster.partition"),
-    ("signal", "cluster.signal_delay_s"),
-    ("output", "submitit"),
-    ("--nodes", "cluster.nodes"),
-    ("gpus", "cluster.gpus_per_node"),
-])
+
+@pytest.mark.parametrize(
+    "key,config_key",
+    [
+        ("time", "cluster.timeout_min"),
+        ("job_name", "run.name"),
+        ("ntasks-per-node", "cluster.tasks_per_node"),
+        ("partition", "cluster.partition"),
+        ("signal", "cluster.signal_delay_s"),
+        ("output", "submitit"),
+        ("--nodes", "cluster.nodes"),
+        ("gpus", "cluster.gpus_per_node"),
+    ],
+)
 def test_additional_parameters_colliding_with_managed_ones_raise(key, config_key):
     cfg = slurm_cfg(additional_parameters={key: "1"})
     with pytest.raises(ConfigError) as info:
@@ -245,8 +280,15 @@ def test_renderer_only_keys_point_to_config():
 
 
 def test_additional_parameters_accepted_and_normalised():
-    cfg = slurm_cfg(additional_parameters={"reservation": "resv1", "mail_type": "END", "exclusive": True,
-                                           "overcommit": False, "hold": None})
+    cfg = slurm_cfg(
+        additional_parameters={
+            "reservation": "resv1",
+            "mail_type": "END",
+            "exclusive": True,
+            "overcommit": False,
+            "hold": None,
+        }
+    )
     params = sbatch.executor_parameters(cfg, 4)["slurm_additional_parameters"]
     assert params == {"reservation": "resv1", "mail-type": "END", "exclusive": True, "requeue": True}
     script = sbatch.render_sbatch(cfg, 4, "/f")
@@ -271,15 +313,18 @@ def test_tasks_default_to_one_per_gpu():
     assert params["tasks_per_node"] == 8 and params["gpus_per_node"] == 8
 
 
-@pytest.mark.parametrize("cluster,match", [
-    (dict(mem="lots"), "cluster.mem='lots'"),
-    (dict(signal_delay_s=600, timeout_min=10), "cluster.signal_delay_s=600"),
-    (dict(env={"1BAD": "x"}), "cluster.env.1BAD"),
-    (dict(env={"A-B": "x"}), "cluster.env.A-B"),
-    (dict(kind="local"), "cluster.kind='local'"),
-    (dict(additional_parameters={"comment": ["a", "b"]}), "scalars"),
-    (dict(mem="4G", additional_parameters={"mem_per_cpu": "1G"}), "both set the memory"),
-])
+@pytest.mark.parametrize(
+    "cluster,match",
+    [
+        (dict(mem="lots"), "cluster.mem='lots'"),
+        (dict(signal_delay_s=600, timeout_min=10), "cluster.signal_delay_s=600"),
+        (dict(env={"1BAD": "x"}), "cluster.env.1BAD"),
+        (dict(env={"A-B": "x"}), "cluster.env.A-B"),
+        (dict(kind="local"), "cluster.kind='local'"),
+        (dict(additional_parameters={"comment": ["a", "b"]}), "scalars"),
+        (dict(mem="4G", additional_parameters={"mem_per_cpu": "1G"}), "both set the memory"),
+    ],
+)
 def test_bad_values_raise_config_error(cluster, match):
     with pytest.raises(ConfigError, match=match):
         sbatch.executor_parameters(slurm_cfg(**cluster), 4)
@@ -287,18 +332,37 @@ def test_bad_values_raise_config_error(cluster, match):
 
 def test_the_production_executor_accepts_every_parameter(fake_slurm):
     """submitit itself validates names (an error for unknown ones): every key we emit is known."""
-    cfg = slurm_cfg(partition="p", account="a", qos="q", constraint="c", exclude="n1", mem="4G", cpus_per_task=2,
-                    srun_args=["--cpu-bind=none"], additional_parameters={"reservation": "r"}, gpus_per_node=4)
+    cfg = slurm_cfg(
+        partition="p",
+        account="a",
+        qos="q",
+        constraint="c",
+        exclude="n1",
+        mem="4G",
+        cpus_per_task=2,
+        srun_args=["--cpu-bind=none"],
+        additional_parameters={"reservation": "r"},
+        gpus_per_node=4,
+    )
     cfg.run.dir = str(fake_slurm / "f")
     _production_executor(cfg, 4).submit(_noop)
     submitted = (fake_slurm / "submitted.sh").read_text()
     assert submitted == sbatch.render_sbatch(cfg, 4, Path(cfg.run.dir) / "submitit")
-    for line in ("#SBATCH --partition=p", "#SBATCH --account=a", "#SBATCH --qos=q", "#SBATCH --constraint=c",
-                 "#SBATCH --exclude=n1", "#SBATCH --mem=4G", "#SBATCH --reservation=r"):
+    for line in (
+        "#SBATCH --partition=p",
+        "#SBATCH --account=a",
+        "#SBATCH --qos=q",
+        "#SBATCH --constraint=c",
+        "#SBATCH --exclude=n1",
+        "#SBATCH --mem=4G",
+        "#SBATCH --reservation=r",
+    ):
         assert line in submitted, line
 
 
 def test_sbatch_module_is_torch_free():
-    code = ("import sys, orchestrator.submit.sbatch as s; "
-            "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, sorted(sys.modules)")
+    code = (
+        "import sys, orchestrator.submit.sbatch as s; "
+        "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

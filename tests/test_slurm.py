@@ -37,8 +37,10 @@ from orchestrator.submit import executor, jobs, sbatch, status
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # job functions below travel by value
 
 _REASON = slurm_unavailable_reason()
-pytestmark = [pytest.mark.slurm,
-              pytest.mark.skipif(bool(_REASON), reason=f"SLURM dev cluster not reachable: {_REASON}")]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(bool(_REASON), reason=f"SLURM dev cluster not reachable: {_REASON}"),
+]
 
 
 def dev_cfg(run_dir: Path, **cluster) -> JobConfig:
@@ -68,6 +70,7 @@ def scancel(*args: str) -> None:
 
 # ---- job functions (run in the SLURM tasks) ------------------------------------------------------
 
+
 def _rank_report():
     """Every rank joins a gloo group (so all 4 ran at the same time) and reports its environment."""
     import os
@@ -82,12 +85,19 @@ def _rank_report():
     t = torch.tensor([dist_env.rank], dtype=torch.int64)
     dist.all_reduce(t)
     dist.destroy_process_group()
-    return {"rank": dist_env.rank, "world": dist_env.world_size, "sum": int(t.item()),
-            "slurm_procid": os.environ["SLURM_PROCID"], "host": socket.gethostname(),
-            "nccl_ib_disable": os.environ.get("NCCL_IB_DISABLE"), "job_name": os.environ.get("SLURM_JOB_NAME")}
+    return {
+        "rank": dist_env.rank,
+        "world": dist_env.world_size,
+        "sum": int(t.item()),
+        "slurm_procid": os.environ["SLURM_PROCID"],
+        "host": socket.gethostname(),
+        "nccl_ib_disable": os.environ.get("NCCL_IB_DISABLE"),
+        "job_name": os.environ.get("SLURM_JOB_NAME"),
+    }
 
 
 # ---- tests ---------------------------------------------------------------------------------------
+
 
 def test_four_ranks_run_the_rendered_script_and_injection_creates_no_file(tmp_path, monkeypatch):
     """One job: 4 ranks join one gloo group; the script sbatch ran is render_sbatch's; a run name and
@@ -114,8 +124,14 @@ def test_four_ranks_run_the_rendered_script_and_injection_creates_no_file(tmp_pa
 
 def _cli(args: List[str], cache: Path) -> subprocess.Popen:
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path, cache_dir):
@@ -124,9 +140,17 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
     see a lock: the jobs' rank 0s decide. One trains; the other stops on every rank with the
     error naming the holder (its host, pid and SLURM job id) and trains nothing."""
     run = tmp_path / "run"
-    args = ["parallelism.data_parallel_size=2", "cluster=slurm_dev", "cluster.tasks_per_node=2",
-            "cluster.wait=false", "+cluster.additional_parameters.hold=true", f"run.dir={run}",
-            "data.stdlib_max_mb=1", "training.train_iters=2", "training.eval_iters=0"]
+    args = [
+        "parallelism.data_parallel_size=2",
+        "cluster=slurm_dev",
+        "cluster.tasks_per_node=2",
+        "cluster.wait=false",
+        "+cluster.additional_parameters.hold=true",
+        f"run.dir={run}",
+        "data.stdlib_max_mb=1",
+        "training.train_iters=2",
+        "training.eval_iters=0",
+    ]
     clis = [_cli(args, cache_dir), _cli(args, cache_dir)]
     ids = []
     for cli in clis:
@@ -144,8 +168,8 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
             outcomes[job_id] = exc
     refused = [j for j, o in outcomes.items() if isinstance(o, RunLockedError)]
     assert len(refused) == 1, outcomes
-    loser, = refused
-    winner, = [j for j in ids if j != loser]
+    (loser,) = refused
+    (winner,) = [j for j in ids if j != loser]
     holder = {r["job_id"]: r for r in history.read_records(run) if r["event"] == "lock_refused"}[loser]["holder"]
     assert holder["job_id"] == winner
     message = str(outcomes[loser])
@@ -165,21 +189,41 @@ def test_a_job_the_partition_cannot_hold_is_one_line_before_anything_is_queued(t
     """More nodes than the partition has (sbatch would accept it and it would pend forever: PartitionNodeLimit),
     spares included, and a partition that does not exist: one `error:` line from sinfo's answer, exit 2, no
     data prepared, no run directory, nothing queued."""
-    nodes = int(subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%D"], capture_output=True, text=True,
-                               timeout=30).stdout.split()[0])
-    cases = [([f"cluster.nodes={nodes + 1}", "cluster.tasks_per_node=1"],
-              f"error: cluster.nodes={nodes + 1}: partition dev has {nodes} node(s) (sinfo), so the job would wait forever"),
-             ([f"cluster.nodes={nodes}", "cluster.tasks_per_node=1", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
-              f"error: cluster.nodes={nodes} + cluster.spare_nodes=1: partition dev has {nodes} node(s)"),
-             (["cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.partition=nosuch"],
-              "error: cluster.partition=nosuch: no such partition (sinfo lists dev")]
+    nodes = int(
+        subprocess.run(
+            ["sinfo", "-h", "-p", "dev", "-o", "%D"], capture_output=True, text=True, timeout=30
+        ).stdout.split()[0]
+    )
+    cases = [
+        (
+            [f"cluster.nodes={nodes + 1}", "cluster.tasks_per_node=1"],
+            f"error: cluster.nodes={nodes + 1}: partition dev has {nodes} node(s) (sinfo), so the job would wait forever",
+        ),
+        (
+            [f"cluster.nodes={nodes}", "cluster.tasks_per_node=1", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
+            f"error: cluster.nodes={nodes} + cluster.spare_nodes=1: partition dev has {nodes} node(s)",
+        ),
+        (
+            ["cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.partition=nosuch"],
+            "error: cluster.partition=nosuch: no such partition (sinfo lists dev",
+        ),
+    ]
     queued = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout
     for extra, expected in cases:
-        args = ["+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=null",
-                "training.micro_batch_size=1", "training.global_batch_size=240",  # any DP up to 6 divides it
-                "cluster=slurm_dev", *extra, f"run.root={tmp_path}", "run.name=big"]
-        proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=120)
+        args = [
+            "+experiment=gpt_pp2_dp2",
+            "parallelism=none",
+            "parallelism.data_parallel_size=null",
+            "training.micro_batch_size=1",
+            "training.global_batch_size=240",  # any DP up to 6 divides it
+            "cluster=slurm_dev",
+            *extra,
+            f"run.root={tmp_path}",
+            "run.name=big",
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
         assert "preparing data" not in proc.stdout and not (tmp_path / "big").exists()

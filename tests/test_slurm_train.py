@@ -80,9 +80,11 @@ def needs_slurm(test):
 
 def needs_two_nodes(test):
     """:func:`needs_slurm`, and skipped, with the reason, on a dev cluster of one node."""
-    test = pytest.mark.skipif(not _REASON and len(_NODES) < 2,
-                              reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job across nodes "
-                                     "needs 2 (launch/slurm-dev-up.sh without --single)")(test)
+    test = pytest.mark.skipif(
+        not _REASON and len(_NODES) < 2,
+        reason=f"the dev cluster has {len(_NODES)} node(s) {_NODES}; a job across nodes "
+        "needs 2 (launch/slurm-dev-up.sh without --single)",
+    )(test)
     return needs_slurm(test)
 
 
@@ -93,6 +95,7 @@ REL = 1e-5
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
 
 def _sigint_default() -> None:
     """In the child before exec: SIGINT's default disposition, so that a test's SIGINT reaches the
@@ -110,8 +113,15 @@ class Cli:
         self.run_dir = Path(keys["run.root"]) / keys["run.name"] if len(keys) == 2 else None
         env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache), PYTHONUNBUFFERED="1")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
-                                         stdout=out, stderr=err, text=True, preexec_fn=_sigint_default)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", *args],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+                text=True,
+                preexec_fn=_sigint_default,
+            )
 
     @property
     def stdout(self) -> str:
@@ -147,7 +157,10 @@ class Cli:
                 self.proc.wait()
         job_id = submitted_job(self.run_dir) if self.run_dir is not None and self.run_dir.exists() else None
         if job_id is not None and (jobs.slurm_job_status(job_id) or jobs.JobStatus("unknown", job_id)).state in (
-                "pending", "running", "requeued"):
+            "pending",
+            "running",
+            "requeued",
+        ):
             subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
@@ -214,8 +227,12 @@ def rank_process(run_dir: Path, rank: int):
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if "submitit.core._submit" in cmd and str(run_dir) in cmd and not cmd.startswith("srun") \
-                    and p.environ().get("SLURM_PROCID") == str(rank):
+            if (
+                "submitit.core._submit" in cmd
+                and str(run_dir) in cmd
+                and not cmd.startswith("srun")
+                and p.environ().get("SLURM_PROCID") == str(rank)
+            ):
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -224,10 +241,12 @@ def rank_process(run_dir: Path, rank: int):
 
 def job_nodes(job_id: str) -> List[str]:
     """The hosts SLURM allocated to ``job_id``, in node-list order (``scontrol show hostnames``)."""
-    fields = jobs.parse_scontrol_job(subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                                                    text=True, timeout=30).stdout)
-    out = subprocess.run(["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True,
-                         timeout=30)
+    fields = jobs.parse_scontrol_job(
+        subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    )
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True, timeout=30
+    )
     return out.stdout.split()
 
 
@@ -242,8 +261,11 @@ def job_processes(job_id: str, node: Optional[str] = None) -> list:
             env = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if env.get("SLURM_JOB_ID") == job_id and (node is None or env.get("SLURMD_NODENAME") == node) \
-                and not (p.info["name"] or "").startswith("slurmstepd"):
+        if (
+            env.get("SLURM_JOB_ID") == job_id
+            and (node is None or env.get("SLURMD_NODENAME") == node)
+            and not (p.info["name"] or "").startswith("slurmstepd")
+        ):
             found.append(p)
     return found
 
@@ -281,8 +303,11 @@ def assert_stages_on_two_nodes(run_dir: Path, job_id: str, iteration: int) -> Li
 
 def nodes_not_up() -> List[str]:
     out = subprocess.run(["sinfo", "-h", "-N", "-p", "dev", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in out.stdout.splitlines()
-            if line.split()[1].rstrip("*~#!%$@^-") not in ("idle", "mix", "alloc", "comp")]
+    return [
+        line.split()[0]
+        for line in out.stdout.splitlines()
+        if line.split()[1].rstrip("*~#!%$@^-") not in ("idle", "mix", "alloc", "comp")
+    ]
 
 
 @pytest.fixture
@@ -311,6 +336,7 @@ def wait_until_quiet(predicate, timeout_s: float, poll_s: float = 0.5):
 
 # ---- the srun line (no cluster needed) ---------------------------------------------------------
 
+
 def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
     """`--kill-on-bad-exit=1` on every srun line unless cluster.srun_args says otherwise."""
     from hydra import compose, initialize_config_dir
@@ -319,8 +345,9 @@ def test_srun_line_kills_the_step_when_a_rank_dies(tmp_path):
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = to_job_config(compose("config", overrides=["+experiment=gpt_pp2_dp2", "cluster=slurm_dev",
-                                                         f"run.dir={tmp_path}"]))
+        cfg = to_job_config(
+            compose("config", overrides=["+experiment=gpt_pp2_dp2", "cluster=slurm_dev", f"run.dir={tmp_path}"])
+        )
     line = sbatch.srun_line(sbatch.render_sbatch(cfg, 4, tmp_path))
     assert " --kill-on-bad-exit=1 " in line
     cfg.cluster.srun_args = ["--cpu-bind=none", "--kill-on-bad-exit=0"]
@@ -348,8 +375,11 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     run_dir = tmp_path / "slurm"
     # The uninterrupted reference (shared with the node-loss and hosts tests) runs while the SLURM job starts.
     ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)
-    cli = Cli(common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_num_timeout=3"],
-              cache_dir, tmp_path / "logs")
+    cli = Cli(
+        common + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_num_timeout=3"],
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 3, 400, "training on SLURM", cli)
@@ -387,7 +417,9 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     checks = events(run_dir, "link_check")
     assert len(checks) == 2 and all(c["slow"] == [] and c["seconds"] < 2 for c in checks), checks
     assert {(x["src"], x["dst"], x["kind"]) for x in checks[0]["links"]} == {
-        (hosts[0], hosts[2], "p2p"), (hosts[2], hosts[0], "p2p")}, checks[0]
+        (hosts[0], hosts[2], "p2p"),
+        (hosts[2], hosts[0], "p2p"),
+    }, checks[0]
     assert "slow link:" not in out and "; no slow link" in out, out
     final_links = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["link_check"]
     assert final_links["links"] == checks[1]["links"], final_links
@@ -424,8 +456,13 @@ def test_slurm_run_across_nodes_preempted_requeues_resumes_and_matches_local(tmp
     assert all(a["start"] and a["end"] and a["start"] < a["end"] for a in attempts), attempts
     final = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())
     assert [(h["attempt"], h["cause"], h["iteration"]) for h in final["history"]] == [e[1:] for e in expected]
-    listing = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60).stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert f"job {job_id} attempt 0 " in listing and f"preempted (requeued)  iteration {stops[0]}" in listing, listing
     assert f"job {job_id} attempt 1 " in listing and f"completed  iteration {n}" in listing, listing
 
@@ -451,7 +488,7 @@ NODE_LOSS_ITERS, NODE_LOSS_SAVE = REFERENCE_ITERS, 5
 
 def complete_checkpoints(run_dir: Path) -> List[int]:
     """Iterations of the run's complete checkpoints (the manifest is written last)."""
-    return sorted(int(p.parent.name[len("iter_"):]) for p in (run_dir / "checkpoints").glob("iter_*/manifest.json"))
+    return sorted(int(p.parent.name[len("iter_") :]) for p in (run_dir / "checkpoints").glob("iter_*/manifest.json"))
 
 
 def _is_task(proc) -> bool:
@@ -494,8 +531,13 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
         tasks = {int(p.environ()["SLURM_PROCID"]): p for p in job_processes(job_id) if _is_task(p)}
         node = tasks[2].environ()["SLURMD_NODENAME"]  # where rank 2 (pipeline stage 1) runs
         ranks = sorted(r for r, p in tasks.items() if p.environ()["SLURMD_NODENAME"] == node)
-        wait_until(lambda: NODE_LOSS_SAVE in complete_checkpoints(run_dir) and iterations_done(run_dir) > NODE_LOSS_SAVE,
-                   300, f"the checkpoint at iteration {NODE_LOSS_SAVE}", cli, poll_s=0.1)
+        wait_until(
+            lambda: NODE_LOSS_SAVE in complete_checkpoints(run_dir) and iterations_done(run_dir) > NODE_LOSS_SAVE,
+            300,
+            f"the checkpoint at iteration {NODE_LOSS_SAVE}",
+            cli,
+            poll_s=0.1,
+        )
         # The tasks and their children (megatron's checkpoint writer starts a process per rank).
         victims = [q for r in ranks for q in [tasks[r], *tasks[r].children(recursive=True)]]
         reached = iterations_done(run_dir)
@@ -506,12 +548,19 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
             p.suspend()
         for p in victims:
             p.kill()
-        said = wait_until(lambda: "requeued after a failure" in cli.stdout and cli.stdout, 60,
-                          f"the launcher to report the loss of {node}", cli, poll_s=0.2)
+        said = wait_until(
+            lambda: "requeued after a failure" in cli.stdout and cli.stdout,
+            60,
+            f"the launcher to report the loss of {node}",
+            cli,
+            poll_s=0.2,
+        )
         elapsed = time.monotonic() - t0
         complete_at_loss = complete_checkpoints(run_dir)
-        print(f"killed ranks {ranks} on {node} at iteration >= {reached}; the launcher reported it after "
-              f"{elapsed:.1f} s; complete checkpoints then: {complete_at_loss}")
+        print(
+            f"killed ranks {ranks} on {node} at iteration >= {reached}; the launcher reported it after "
+            f"{elapsed:.1f} s; complete checkpoints then: {complete_at_loss}"
+        )
         local = ref.losses(400)
         assert cli.wait(400) == 0, cli.describe()
         print(f"requeued attempt finished {time.monotonic() - t0:.1f} s after the kill")
@@ -572,8 +621,13 @@ def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path,
     even a cancelled job, so the requeue contract (cluster.max_num_timeout=3 of slurm_dev) must
     check the state first: still cancelled, never restarted, some seconds later; no result file."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_num_timeout=3",
-                                  "run.name=slurm"], cache_dir, tmp_path / "logs")
+    cli = Cli(
+        SMALL
+        + ONE_RANK
+        + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_num_timeout=3", "run.name=slurm"],
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -599,13 +653,17 @@ def test_scancel_is_reported_as_cancelled_within_60_s_and_not_requeued(tmp_path,
 
 def run_files(run_dir: Path) -> Dict[str, tuple]:
     """Every file of a run directory with its size and mtime (to show that nothing changed)."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def stop_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "stop", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "stop", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 @needs_slurm
@@ -628,8 +686,9 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
             wait_until(lambda d=d: iterations_done(d) >= 2, 240, "training on SLURM", c)
             c.proc.send_signal(sig)
             codes.append(c.wait(30))
-            states += subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True,
-                                     timeout=30).stdout.split()
+            states += subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True, timeout=30
+            ).stdout.split()
         done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
         before = iterations_done(hup)
         stopped = stop_cli("hup", "--root", str(tmp_path))
@@ -639,8 +698,11 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
     for cli, job_id, sig in ((b, ids[1], "SIGINT"), (a, ids[0], "SIGHUP")):
         assert codes.pop(0) == 0, cli.describe()
         (line,) = [x for x in cli.stderr.splitlines() if "detached" in x]
-        assert f"detached ({sig}): SLURM job {job_id} runs on" in line and "orchestrator status" in line \
-            and "orchestrator stop" in line, cli.describe()
+        assert (
+            f"detached ({sig}): SLURM job {job_id} runs on" in line
+            and "orchestrator status" in line
+            and "orchestrator stop" in line
+        ), cli.describe()
     assert states == [ids[1], "RUNNING", ids[0], "RUNNING"], states
     assert done and "completed: iteration 20" not in b.stdout  # it completed after its launcher left
     assert status.run_status(ctrl_c).state == "completed"
@@ -669,8 +731,13 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     (--kill-on-bad-exit=1), the launcher reports the failure, the job does not hang. Without
     failure retries (cluster.max_failures=0: the retry is the node-loss test's)."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + TWO_RANKS + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_failures=0",
-                                   "run.name=slurm"], cache_dir, tmp_path / "logs")
+    cli = Cli(
+        SMALL
+        + TWO_RANKS
+        + [f"run.root={tmp_path}", "training.train_iters=5000", "cluster.max_failures=0", "run.name=slurm"],
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 180, "training on SLURM", cli)
@@ -679,9 +746,10 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
         victim.kill()
         code = cli.wait(60)
         elapsed = time.monotonic() - t0
-        print(f"launcher ended {elapsed:.1f} s after the {'scancel' if 'scancel' in cli.out_path.parent.parent.name else 'kill'}")
-        wait_until(lambda: jobs.slurm_job_status(job_id).state not in ("running", "pending"), 60,
-                   "the job to end")
+        print(
+            f"launcher ended {elapsed:.1f} s after the {'scancel' if 'scancel' in cli.out_path.parent.parent.name else 'kill'}"
+        )
+        wait_until(lambda: jobs.slurm_job_status(job_id).state not in ("running", "pending"), 60, "the job to end")
     finally:
         cli.kill()
     assert code == 1 and elapsed < 60, (code, elapsed, cli.describe())
@@ -695,12 +763,15 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     assert jobs.slurm_job_status(job_id).restarts == 0
     # the killed rank is the recorded cause, not rank 0 that saw its connection close (srun names it)
     ended = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id][-1]
-    assert ended.message.startswith("rank(s) [1] died without a result (exit by signal 9, SIGKILL, per srun: "), ended.message
+    assert ended.message.startswith("rank(s) [1] died without a result (exit by signal 9, SIGKILL, per srun: "), (
+        ended.message
+    )
 
 
 def attempt_causes(run_dir: Path, job_id: str) -> List[tuple]:
-    return [(a.attempt, a.cause, a.requeued) for a in history.attempts(history.read_records(run_dir))
-            if a.job_id == job_id]
+    return [
+        (a.attempt, a.cause, a.requeued) for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id
+    ]
 
 
 def trains_after_first_stop(run_dir: Path) -> bool:
@@ -722,9 +793,20 @@ def test_time_limit_requeues_and_resumes_then_finds_the_requeues_used_up(tmp_pat
     left, the signal due at once), so SLURM's time-limit check (every 30 s) sends the signal within ~30 s
     and the save has over a minute; slurm_dev's 15 minutes hold until then, however long start-up takes."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=100000",
-                                  "checkpoint.save_interval=null", "cluster.signal_delay_s=110",
-                                  "cluster.max_num_timeout=1"], cache_dir, tmp_path / "logs")
+    cli = Cli(
+        SMALL
+        + ONE_RANK
+        + [
+            f"run.root={tmp_path}",
+            "run.name=slurm",
+            "training.train_iters=100000",
+            "checkpoint.save_interval=null",
+            "cluster.signal_delay_s=110",
+            "cluster.max_num_timeout=1",
+        ],
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 2, 240, "training on SLURM", cli)
@@ -738,27 +820,39 @@ def test_time_limit_requeues_and_resumes_then_finds_the_requeues_used_up(tmp_pat
         cli.kill()
     assert code == 1, cli.describe()
     stops = [e["iteration"] for e in events(run_dir, "stopped")]
-    assert attempt_causes(run_dir, job_id) == [(0, "timeout", True), (1, "timeout", False)], history.read_records(run_dir)
+    assert attempt_causes(run_dir, job_id) == [(0, "timeout", True), (1, "timeout", False)], history.read_records(
+        run_dir
+    )
     assert len(stops) == 2 and stops[0] < stops[1], stops
     (line,) = [x for x in cli.stderr.splitlines() if x.startswith("error:")]
-    assert line.startswith(f"error: job {job_id}: reached its time limit") and \
-        "its requeues are used up (1 of cluster.max_num_timeout=1)" in line, cli.describe()
+    assert (
+        line.startswith(f"error: job {job_id}: reached its time limit")
+        and "its requeues are used up (1 of cluster.max_num_timeout=1)" in line
+    ), cli.describe()
     requeued = [r for r in history.read_records(run_dir) if r["event"] == "requeued"]
     assert [(r["job_id"], r["restart_count"], r["signal"]) for r in requeued] == [(job_id, 0, "SIGUSR2")], requeued
     log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
     ckpt = run_dir / "checkpoints" / f"iter_{stops[0]:07d}"
     assert f"resumed from {ckpt} at iteration {stops[0]}" in log, log[-3000:]
-    assert json.loads((run_dir / "checkpoints" / f"iter_{stops[1]:07d}" / "manifest.json").read_text())[
-        "iteration"] == stops[1]
+    assert (
+        json.loads((run_dir / "checkpoints" / f"iter_{stops[1]:07d}" / "manifest.json").read_text())["iteration"]
+        == stops[1]
+    )
     err = (run_dir / "submitit" / f"{job_id}_0_log.err").read_text()
     assert f"requeued SLURM job {job_id}: requeue 1 of at most 1" in err, err[-3000:]
     assert f"SLURM job {job_id} restarted: requeue 1 of at most 1 (SLURM_RESTART_COUNT=1)" in err, err[-3000:]
     st = wait_until(lambda: (x := jobs.slurm_job_status(job_id)) and x.ended and x, 60, "SLURM to end the job")
     assert st.restarts == 1, st  # the first time limit's requeue only
-    listing = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60).stdout
-    assert f"timeout (requeued)  iteration {stops[0]}" in listing and f"timeout  iteration {stops[1]}" in listing, \
+    listing = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(tmp_path), "--history"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert f"timeout (requeued)  iteration {stops[0]}" in listing and f"timeout  iteration {stops[1]}" in listing, (
         listing
+    )
 
 
 @needs_slurm
@@ -766,10 +860,20 @@ def test_a_nan_is_never_requeued(tmp_path, cache_dir):
     """optimizer.lr=1000 on SLURM with cluster.max_failures=1 left: the NaN stop ends the job (exit 1,
     one line), the attempt's cause is ``nan`` and SLURM never restarts it."""
     run_dir = tmp_path / "slurm"
-    cli = Cli(SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=slurm", "training.train_iters=40",
-                                  "optimizer.lr=1000", "cluster.max_failures=1",
-                                  "training.spike.factor=null"],  # the spike stop would end it first (nan's turn)
-              cache_dir, tmp_path / "logs")
+    cli = Cli(
+        SMALL
+        + ONE_RANK
+        + [
+            f"run.root={tmp_path}",
+            "run.name=slurm",
+            "training.train_iters=40",
+            "optimizer.lr=1000",
+            "cluster.max_failures=1",
+            "training.spike.factor=null",
+        ],  # the spike stop would end it first (nan's turn)
+        cache_dir,
+        tmp_path / "logs",
+    )
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         code = cli.wait(400)
@@ -788,7 +892,7 @@ def test_a_nan_is_never_requeued(tmp_path, cache_dir):
 
 # ---- a late time-limit signal (no cluster needed) ----------------------------------------------
 
-_LATE_USR2 = r'''
+_LATE_USR2 = r"""
 import os, signal, subprocess, sys, time
 from orchestrator.runtime.faults.preempt import StopRequest
 stop = StopRequest().install()
@@ -799,7 +903,7 @@ class SlowTeardown:
         time.sleep(1.5)
 keep = SlowTeardown()  # destroyed during interpreter finalization, after Python's handlers are gone
 subprocess.Popen(["sh", "-c", f"sleep 0.7; kill -USR2 {os.getpid()}"])
-'''
+"""
 
 
 def test_usr2_during_teardown_after_training_does_not_kill_the_task(tmp_path):
@@ -817,7 +921,7 @@ def test_usr2_during_teardown_after_training_does_not_kill_the_task(tmp_path):
 
 # ---- the stop signals reach the rank's children too (no cluster needed) -------------------------
 
-_WRITER_QUEUE = r'''
+_WRITER_QUEUE = r"""
 import os, signal, time
 if __name__ == "__main__":  # the Manager is spawned: it imports this file again (keep that cheap)
     from orchestrator.runtime.rank import mcore
@@ -838,7 +942,7 @@ if __name__ == "__main__":  # the Manager is spawned: it imports this file again
         except Exception as exc:
             print(mode, "queue broken:", type(exc).__name__, flush=True)
         os.kill(queue._manager._process.pid, signal.SIGKILL)  # shielded, it ignores the stop signals
-'''
+"""
 
 
 @pytest.mark.mcore_lines
@@ -851,8 +955,9 @@ def test_checkpoint_writer_survives_the_stop_signals(tmp_path):
     script.write_text(_WRITER_QUEUE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     with open(tmp_path / "out.txt", "w") as f:  # a file: a stray Manager cannot hold a pipe open
-        subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, stdout=f, stderr=subprocess.DEVNULL,
-                       timeout=600)  # two spawned Managers: 130 s at load 24
+        subprocess.run(
+            [sys.executable, str(script)], cwd=REPO, env=env, stdout=f, stderr=subprocess.DEVNULL, timeout=600
+        )  # two spawned Managers: 130 s at load 24
     out = (tmp_path / "out.txt").read_text()
     assert "plain queue broken:" in out, out  # the failure mode, reproduced
     assert "shielded queue: saved" in out and out.count("rank handler ran") == 2, out
@@ -860,9 +965,10 @@ def test_checkpoint_writer_survives_the_stop_signals(tmp_path):
 
 # ---- issue 29: a slow link, named before training --------------------------------------------------
 
+
 def _veth(node: str) -> str:
     """The host end of a dev-cluster node's veth pair (launch/slurm-dev-lib.sh: node<i> -> veth-node<i>)."""
-    return f"veth-node{int(node[len('node'):])}"
+    return f"veth-node{int(node[len('node') :])}"
 
 
 @needs_two_nodes
@@ -877,16 +983,34 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
     veth = _veth(second)
     with open("/tmp/dev-fault.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "100mbit", "burst", "32kbit",
-                        "latency", "400ms"], check=True, timeout=30)
+        subprocess.run(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                veth,
+                "root",
+                "tbf",
+                "rate",
+                "100mbit",
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+            ],
+            check=True,
+            timeout=30,
+        )
         try:
             check = Cli(["check", "links", *common, "run.name=check"], cache_dir, tmp_path / "logs_check")
             try:
                 assert check.wait(240) == 1, check.describe()
             finally:
                 check.kill()
-            refused = Cli([*common, "run.name=refused", "cluster.link_check.action=refuse"], cache_dir,
-                          tmp_path / "logs_refused")
+            refused = Cli(
+                [*common, "run.name=refused", "cluster.link_check.action=refuse"], cache_dir, tmp_path / "logs_refused"
+            )
             try:
                 assert refused.wait(240) == 2, refused.describe()
             finally:
@@ -902,8 +1026,9 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
     assert f"p2p       {second} -> {first}" in check.stdout and "1 slow" in check.stdout, check.stdout
     # refuse: the same line, before iteration 1, as the launcher's one error line; not requeued
     err = [ln for ln in refused.stderr.splitlines() if ln.strip()]
-    assert len(err) == 1 and err[0].startswith("error: cluster.link_check.action=refuse: slow link: "
-                                               f"{first} -> {second}"), refused.describe()
+    assert len(err) == 1 and err[0].startswith(
+        f"error: cluster.link_check.action=refuse: slow link: {first} -> {second}"
+    ), refused.describe()
     assert "iteration 1/" not in refused.stdout and "params on rank 0" not in refused.stdout, refused.stdout
     assert not (tmp_path / "refused" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "refused")
     assert "requeued" not in refused.stdout, refused.stdout

@@ -135,8 +135,17 @@ def local_runs(tmp_path_factory, cache_dir):
     jobs.jsonl), and a job through the production executor and wait that has a rank raise."""
     root = tmp_path_factory.mktemp("runs")
     ok, bad = root / "local_ok", root / "local_bad"
-    run_cli(["data.stdlib_max_mb=2", "training.train_iters=2", "training.eval_iters=0", "training.log_interval=1",
-             f"run.root={root}", "run.name=local_ok"], cache=cache_dir)
+    run_cli(
+        [
+            "data.stdlib_max_mb=2",
+            "training.train_iters=2",
+            "training.eval_iters=0",
+            "training.log_interval=1",
+            f"run.root={root}",
+            "run.name=local_ok",
+        ],
+        cache=cache_dir,
+    )
     job_ok = next(r["job_id"] for r in history.read_records(ok) if r["event"] == "submitted")
     cfg_bad = cfg_for(bad)
     job_bad = submit_like_launcher(cfg_bad, _raise_on, 1, world_size=2)
@@ -158,8 +167,13 @@ def test_completed_and_failed_local_jobs(local_runs):
 @pytest.mark.slow
 def test_cli_lists_runs(local_runs):
     root, runs = local_runs
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(root)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["RUN", "STATE"])
@@ -170,11 +184,20 @@ def test_cli_lists_runs(local_runs):
     assert cells[:7] == ["local_ok", "completed", runs["ok"][1], "local", "0", "2/2", f"{loss:.4f}"], cells
     assert float(cells[7].replace(",", "")) > 0 and cells[8] == "-", cells  # tokens/s measured; no ETA once done
     assert next(line for line in lines if line.split()[:1] == ["local_bad"]).split()[1] == "failed"
-    js = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
-                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    js = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert js.returncode == 0, js.stderr
     rows = {Path(d["run_dir"]).name: d for d in map(json.loads, js.stdout.splitlines())}
-    assert (rows["local_ok"]["state"], rows["local_ok"]["iteration"], rows["local_ok"]["lm_loss"]) == ("completed", 2, loss)
+    assert (rows["local_ok"]["state"], rows["local_ok"]["iteration"], rows["local_ok"]["lm_loss"]) == (
+        "completed",
+        2,
+        loss,
+    )
     assert [(a["cause"], a["iteration"]) for a in rows["local_ok"]["attempts"]] == [("completed", 2)]
 
 
@@ -199,8 +222,9 @@ def test_status_names_the_killed_rank_not_its_peers(tmp_path):
     st = status.run_status(run)
     assert st.state == "failed" and st.job.cause == "crashed", st
     assert st.job.message.startswith("rank(s) [1] died without a result"), st.job.message
-    assert st.job.describe() == ("failed (crashed) - rank(s) [1] died without a result (killed? out of memory?)"), \
+    assert st.job.describe() == ("failed (crashed) - rank(s) [1] died without a result (killed? out of memory?)"), (
         st.job.describe()
+    )
 
 
 def test_a_peer_that_recorded_its_broken_connection_first_is_amended_by_the_killed_rank(tmp_path):
@@ -220,8 +244,11 @@ def test_a_peer_that_recorded_its_broken_connection_first_is_amended_by_the_kill
         for _ in range(2):
             outcome.record_end(str(run), job_id, "crashed", ranks_died([1], "exit by signal 9, SIGKILL"))
     ended = {a.job_id: a for a in history.attempts(history.read_records(str(run)))}
-    assert (ended["5"].cause, ended["5"].message) == ("crashed", "rank(s) [1] died without a result (exit by signal "
-                                                      f"9, SIGKILL: killed? out of memory?); its peers' errors followed: {peer}")
+    assert (ended["5"].cause, ended["5"].message) == (
+        "crashed",
+        "rank(s) [1] died without a result (exit by signal "
+        f"9, SIGKILL: killed? out of memory?); its peers' errors followed: {peer}",
+    )
     assert (ended["6"].cause, ended["6"].message) == ("nan", peer)
     assert sum(1 for r in history.read_records(str(run)) if r.get("amends")) == 1
 
@@ -238,18 +265,27 @@ def test_a_job_that_stopped_at_its_time_limit_says_so_plainly(tmp_path):
     with pytest.raises(JobFailedError) as err:
         executor.wait(job, cfg, 1)
     line = str(err.value)
-    assert line.startswith(f"job {job.job_id}: reached its time limit (cluster.timeout_min=1) and stopped after "
-                           f"saving iteration 7; local runs are not requeued; rerun the same command to resume from "
-                           f"{run}/checkpoints/iter_0000007 (logs: "), line
+    assert line.startswith(
+        f"job {job.job_id}: reached its time limit (cluster.timeout_min=1) and stopped after "
+        f"saving iteration 7; local runs are not requeued; rerun the same command to resume from "
+        f"{run}/checkpoints/iter_0000007 (logs: "
+    ), line
     assert "\n" not in line and "without results" not in line
 
 
-@pytest.mark.parametrize("used, max_num_timeout, says", [
-    (0, 3, "not requeued (0 of cluster.max_num_timeout=3 used): job 89 is COMPLETING (cancelled, or its time "
-           "limit passed before this stop was done: start-up and save took longer than cluster.signal_delay_s), "
-           "not requeued;"),
-    (1, 1, "its requeues are used up (1 of cluster.max_num_timeout=1);"),
-])
+@pytest.mark.parametrize(
+    "used, max_num_timeout, says",
+    [
+        (
+            0,
+            3,
+            "not requeued (0 of cluster.max_num_timeout=3 used): job 89 is COMPLETING (cancelled, or its time "
+            "limit passed before this stop was done: start-up and save took longer than cluster.signal_delay_s), "
+            "not requeued;",
+        ),
+        (1, 1, "its requeues are used up (1 of cluster.max_num_timeout=1);"),
+    ],
+)
 def test_a_slurm_time_limit_stop_names_why_it_was_not_requeued(tmp_path, used, max_num_timeout, says):
     """The records a SLURM job writes when its time limit stopped it and it did not requeue: with requeues
     left, the job's own reason (seen on the dev cluster: the ranks' start-up outlasted the 2-minute limit,
@@ -265,14 +301,19 @@ def test_a_slurm_time_limit_stop_names_why_it_was_not_requeued(tmp_path, used, m
         history.record_attempt_started(run, "89", attempt, iteration=0)
         history.record_attempt_ended(run, "89", attempt, "timeout", iteration=1, requeued=True)
     history.record_attempt_started(run, "89", used, iteration=0)
-    detail = ("job 89 is COMPLETING (cancelled, or its time limit passed before this stop was done: start-up and "
-              "save took longer than cluster.signal_delay_s), not requeued" if used < max_num_timeout else
-              f"requeues used up: {used} timeout/preemption requeue(s) >= cluster.max_num_timeout={max_num_timeout}")
+    detail = (
+        "job 89 is COMPLETING (cancelled, or its time limit passed before this stop was done: start-up and "
+        "save took longer than cluster.signal_delay_s), not requeued"
+        if used < max_num_timeout
+        else f"requeues used up: {used} timeout/preemption requeue(s) >= cluster.max_num_timeout={max_num_timeout}"
+    )
     history.record_event(run, "stopped", job_id="89", reason="signal (SIGUSR2)", detail=detail)
     history.record_attempt_ended(run, "89", used, "timeout", iteration=2, requeued=False)
     line = stopped_itself(str(run), "89", cfg.cluster)
-    assert line == (f"reached its time limit (cluster.timeout_min={cfg.cluster.timeout_min}) and stopped after "
-                    f"saving iteration 2; {says} rerun the same command to resume from {run}/checkpoints/iter_0000002")
+    assert line == (
+        f"reached its time limit (cluster.timeout_min={cfg.cluster.timeout_min}) and stopped after "
+        f"saving iteration 2; {says} rerun the same command to resume from {run}/checkpoints/iter_0000002"
+    )
 
 
 def test_local_stop_is_reported_as_stopped(tmp_path):
@@ -289,22 +330,35 @@ def test_local_stop_is_reported_as_stopped(tmp_path):
 
 # ---- scontrol output -------------------------------------------------------------------------------
 def test_parse_scontrol_ignores_fake_fields_in_job_name():
-    text = ('JobId=7 JobName=x JobState=COMPLETED Restarts=9 \n'
-            '   UserId=root(0) GroupId=root(0) MCS_label=N/A\n'
-            '   JobState=PENDING Reason=BeginTime Dependency=(null)\n'
-            '   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0\n')
+    text = (
+        "JobId=7 JobName=x JobState=COMPLETED Restarts=9 \n"
+        "   UserId=root(0) GroupId=root(0) MCS_label=N/A\n"
+        "   JobState=PENDING Reason=BeginTime Dependency=(null)\n"
+        "   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+    )
     fields = jobs.parse_scontrol_job(text)
     assert fields["JobId"] == "7" and fields["JobState"] == "PENDING" and fields["Restarts"] == "1"
 
 
-@pytest.mark.parametrize("raw,restarts,state", [
-    ("PENDING", 0, "pending"), ("PENDING", 1, "requeued"), ("REQUEUED", 1, "requeued"), ("RUNNING", 0, "running"),
-    ("COMPLETING", 0, "running"), ("COMPLETED", 0, "completed"), ("CANCELLED", 0, "cancelled"),
-    ("TIMEOUT", 0, "failed"), ("NODE_FAIL", 2, "failed"),
-])
+@pytest.mark.parametrize(
+    "raw,restarts,state",
+    [
+        ("PENDING", 0, "pending"),
+        ("PENDING", 1, "requeued"),
+        ("REQUEUED", 1, "requeued"),
+        ("RUNNING", 0, "running"),
+        ("COMPLETING", 0, "running"),
+        ("COMPLETED", 0, "completed"),
+        ("CANCELLED", 0, "cancelled"),
+        ("TIMEOUT", 0, "failed"),
+        ("NODE_FAIL", 2, "failed"),
+    ],
+)
 def test_slurm_state_mapping(raw, restarts, state):
-    text = (f"JobId=5 JobName=j\n   JobState={raw} Reason=None Dependency=(null)\n"
-            f"   Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0\n")
+    text = (
+        f"JobId=5 JobName=j\n   JobState={raw} Reason=None Dependency=(null)\n"
+        f"   Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+    )
     st = jobs.status_from_scontrol(text, "5")
     assert (st.state, st.restarts, st.slurm_state, st.reason) == (state, restarts, raw, None)
 

@@ -26,10 +26,19 @@ from conftest import REPO, read_metrics, run_cli
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 UNTHROTTLED, TRAIN_ITERS = 200, 240
-ARGS = ["+experiment=gpt_pp2_dp2", "data.stdlib_max_mb=2", "training.eval_iters=0", "training.micro_batch_size=1",
-        "training.global_batch_size=4", "training.log_interval=1", "checkpoint.save_interval=null",
-        "checkpoint.save_at_end=false", f"training.train_iters={TRAIN_ITERS}", "run.name=straggle",
-        "training.straggler.threshold=1.0"]
+ARGS = [
+    "+experiment=gpt_pp2_dp2",
+    "data.stdlib_max_mb=2",
+    "training.eval_iters=0",
+    "training.micro_batch_size=1",
+    "training.global_batch_size=4",
+    "training.log_interval=1",
+    "checkpoint.save_interval=null",
+    "checkpoint.save_at_end=false",
+    f"training.train_iters={TRAIN_ITERS}",
+    "run.name=straggle",
+    "training.straggler.threshold=1.0",
+]
 """threshold 1.0 (2x), not the default 0.2: 4 ranks on 2 cores shared with other jobs differ by up to 45% in
 compute wall time unthrottled (measured here at load 15-20, a different rank each time); the 10% quota
 makes rank 3 5-7x slower."""
@@ -89,8 +98,13 @@ def test_throttled_rank_named_within_30_iterations_after_200_unthrottled_that_na
     run_dir = tmp_path / "straggle"
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *ARGS, f"run.root={tmp_path}"], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *ARGS, f"run.root={tmp_path}"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     throttled_at = None
     with open("/tmp/dev-fault.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -131,20 +145,24 @@ def test_throttled_rank_named_within_30_iterations_after_200_unthrottled_that_na
 
 def test_straggler_and_link_check_bad_input_one_line_exit_2(tmp_path, cache_dir):
     """Out-of-range thresholds and a one-node ``check links``: one ``error:`` line, exit 2, nothing written."""
-    cases = [(["training.straggler.threshold=0"], "training.straggler.threshold=0"),
-             (["training.straggler.threshold=12"], "training.straggler.threshold=12"),
-             (["training.straggler.windows=0"], "training.straggler.windows=0"),
-             (["training.straggler.interval=-5"], "training.straggler.interval=-5"),
-             (["cluster.link_check.min_fraction=1.5"], "cluster.link_check.min_fraction=1.5"),
-             (["cluster.link_check.min_gbps=-1"], "cluster.link_check.min_gbps=-1"),
-             (["cluster.link_check.action=maybe"], "cluster.link_check.action='maybe'")]
+    cases = [
+        (["training.straggler.threshold=0"], "training.straggler.threshold=0"),
+        (["training.straggler.threshold=12"], "training.straggler.threshold=12"),
+        (["training.straggler.windows=0"], "training.straggler.windows=0"),
+        (["training.straggler.interval=-5"], "training.straggler.interval=-5"),
+        (["cluster.link_check.min_fraction=1.5"], "cluster.link_check.min_fraction=1.5"),
+        (["cluster.link_check.min_gbps=-1"], "cluster.link_check.min_gbps=-1"),
+        (["cluster.link_check.action=maybe"], "cluster.link_check.action='maybe'"),
+    ]
     for overrides, key in cases:
         proc = run_cli(["+experiment=gpt_pp2_dp2", f"run.root={tmp_path}", *overrides], cache=cache_dir, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (overrides, proc.stderr)
         assert proc.stderr.startswith(f"error: {key}") and "fix: " in proc.stderr, proc.stderr
     proc = run_cli(["check", "links", "+experiment=gpt_pp2_dp2", f"run.root={tmp_path}"], cache=cache_dir, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("error: check links: cluster=local with cluster.nodes=1 runs on one node"), proc.stderr
+    assert proc.stderr.startswith("error: check links: cluster=local with cluster.nodes=1 runs on one node"), (
+        proc.stderr
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -166,13 +184,26 @@ def test_link_rule_with_few_links_and_the_links_a_layout_uses():
 
     # PP=2 x DP=2 on two nodes (megatron's order: ranks 0,1 stage 0 on n1; 2,3 stage 1 on n2): one host pair,
     # both directions, measured between pipeline neighbours; the DP groups stay inside a node (no all-reduce).
-    groups = [{"pp": [0, 2], "dp": [0, 1]}, {"pp": [1, 3], "dp": [0, 1]}, {"pp": [0, 2], "dp": [2, 3]},
-              {"pp": [1, 3], "dp": [2, 3]}]
+    groups = [
+        {"pp": [0, 2], "dp": [0, 1]},
+        {"pp": [1, 3], "dp": [0, 1]},
+        {"pp": [0, 2], "dp": [2, 3]},
+        {"pp": [1, 3], "dp": [2, 3]},
+    ]
     assert plan_links(groups, ["n1", "n1", "n2", "n2"], vpp=False) == ([("pp", 0, 2), ("pp", 2, 0)], [])
     # DP=4 over 4 nodes: the ring's 4 host pairs in both directions, and the one all-reduce group
     dp4 = [{"pp": [r], "dp": [0, 1, 2, 3]} for r in range(4)]
     p2p, reduce_groups = plan_links(dp4, ["a", "b", "c", "d"], vpp=False)
-    assert len(p2p) == 8 and {(s, d) for _, s, d in p2p} == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3)}
+    assert len(p2p) == 8 and {(s, d) for _, s, d in p2p} == {
+        (0, 1),
+        (1, 0),
+        (1, 2),
+        (2, 1),
+        (2, 3),
+        (3, 2),
+        (3, 0),
+        (0, 3),
+    }
     assert reduce_groups == [[0, 1, 2, 3]]
 
 

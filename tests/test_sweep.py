@@ -20,8 +20,12 @@ from conftest import REPO, losses_by_iteration, run_cli, slurm_unavailable_reaso
 
 from orchestrator.sweep import driver as sweep
 
-SHORT = ["training.train_iters=5", "training.timing_warmup_iters=1", "data.stdlib_max_mb=2",
-         "checkpoint.save_at_end=false"]
+SHORT = [
+    "training.train_iters=5",
+    "training.timing_warmup_iters=1",
+    "data.stdlib_max_mb=2",
+    "checkpoint.save_at_end=false",
+]
 WARMUP = 1
 
 
@@ -51,8 +55,10 @@ def gpt_tiny_model_flops(gbs: int) -> float:
 @pytest.fixture(scope="module")
 def mbs_sweep(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("sweeps")
-    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "training.micro_batch_size=2,4", *SHORT,
-                    f"run.root={root}", "run.name=mbs"], cache=cache_dir)
+    proc = run_cli(
+        ["-m", "+experiment=gpt_pp2_dp2", "training.micro_batch_size=2,4", *SHORT, f"run.root={root}", "run.name=mbs"],
+        cache=cache_dir,
+    )
     return proc, sweep_dir_of(root, "mbs")
 
 
@@ -73,8 +79,9 @@ def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
         run_dirs.add(run_dir)
         point = json.loads((run_dir / "point.json").read_text())
         assert point["status"] == "completed" and point["job_id"] == row["job_id"] and row["job_id"]
-        job = [r for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines())
-               if r["event"] == "submitted"][-1]
+        job = [
+            r for r in map(json.loads, (run_dir / "jobs.jsonl").read_text().splitlines()) if r["event"] == "submitted"
+        ][-1]
         assert job["job_id"] == row["job_id"] and Path(job["warm_pool"]).parent == sd / ".pool"
         assert (Path(job["folder"]) / f"{row['job_id']}_submitted.pkl").exists()
 
@@ -90,7 +97,7 @@ def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
         assert float(row["samples_per_s"]) == 16 / step
         assert float(row["tflops_per_device"]) == pytest.approx(gpt_tiny_model_flops(16) / step / 4 / 1e12, rel=1e-12)
         assert float(row["peak_rss_mib"]) == max(summary["peak_rss_mb_per_rank"])
-        assert float(row["predicted_mib"]) == point["plan"]["peak_bytes"] / 2 ** 20
+        assert float(row["predicted_mib"]) == point["plan"]["peak_bytes"] / 2**20
         mbs = int(row["training.micro_batch_size"])
         m = 16 // (mbs * 2)
         assert float(row["bubble_fraction"]) == pytest.approx((2 - 1) / (m + 2 - 1))
@@ -106,8 +113,10 @@ def test_a_point_on_warm_ranks_trains_exactly_as_a_fresh_job(mbs_sweep, tmp_path
     _, sd = mbs_sweep
     warm = next(Path(r["run_dir"]) for r in read_csv(sd / "summary.csv") if r["point"] == "1")
     assert "training.micro_batch_size=4" in json.loads((warm / "point.json").read_text())["overrides"]
-    run_cli(["+experiment=gpt_pp2_dp2", "training.micro_batch_size=4", *SHORT, f"run.root={tmp_path}",
-             "run.name=fresh"], cache=cache_dir)
+    run_cli(
+        ["+experiment=gpt_pp2_dp2", "training.micro_batch_size=4", *SHORT, f"run.root={tmp_path}", "run.name=fresh"],
+        cache=cache_dir,
+    )
     fresh_losses = losses_by_iteration(tmp_path / "fresh")
     assert sorted(fresh_losses) == [1, 2, 3, 4, 5]
     assert losses_by_iteration(warm) == fresh_losses
@@ -135,8 +144,13 @@ def test_summarize_rebuilds_the_same_table(mbs_sweep, tmp_path):
     before = {n: (sd / n).read_text() for n in ("summary.csv", "summary.md")}
     for n in ("summary.csv", "summary.md", "summary.png"):
         (sd / n).unlink()
-    out = subprocess.run([sys.executable, "-m", "orchestrator.sweep", "summarize", str(sd)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.sweep", "summarize", str(sd)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert {n: (sd / n).read_text() for n in before} == before
     assert (sd / "summary.png").exists()
@@ -149,8 +163,19 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
     # micro_batch_size=3: 16 % (3 x DP 2) != 0 -> invalid before anything runs.
     # micro_batch_size=8 with an environment the ranks cannot use (OMP_NUM_THREADS=many): a valid
     # config, but the job itself fails inside the ranks (validate refuses every config error first).
-    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "training.micro_batch_size=3,8", "+cluster.env.OMP_NUM_THREADS=many",
-                    *SHORT, f"run.root={tmp_path}", "run.name=bad"], cache=cache_dir, check=False)
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=gpt_pp2_dp2",
+            "training.micro_batch_size=3,8",
+            "+cluster.env.OMP_NUM_THREADS=many",
+            *SHORT,
+            f"run.root={tmp_path}",
+            "run.name=bad",
+        ],
+        cache=cache_dir,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     sd = sweep_dir_of(tmp_path, "bad")
     rows = {r["point"]: r for r in read_csv(sd / "summary.csv")}
@@ -160,7 +185,9 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
     assert rows["1"]["status"] == "failed"
     assert "'many'" in rows["1"]["reason"]
     # It ran on warm ranks (the pool's job); the failing ranks left their tracebacks in the pool's files.
-    assert rows["1"]["job_id"] and (sd / ".pool" / "pool_0" / "submitit" / f"{rows['1']['job_id']}_submitted.pkl").exists()
+    assert (
+        rows["1"]["job_id"] and (sd / ".pool" / "pool_0" / "submitit" / f"{rows['1']['job_id']}_submitted.pkl").exists()
+    )
     assert "'many'" in (sd / ".pool" / "pool_0" / "trial_0.rank0.error").read_text()
     assert rows["1"]["tokens_per_s"] == "" and rows["1"]["step_time_median_s"] == ""  # nothing invented
     for num in ("0", "1"):
@@ -173,8 +200,18 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
 def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_dir):
     # gpt_6.7b on 4 CPU ranks needs ~180 GiB per rank by the planner, and this machine has a quarter of its
     # memory per rank: skipped (judged on the device that runs, not the gpu preset), nothing runs.
-    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "model=gpt_6.7b", "training.micro_batch_size=3,4",
-                    f"run.root={tmp_path}", "run.name=big"], cache=cache_dir, check=False)
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=gpt_pp2_dp2",
+            "model=gpt_6.7b",
+            "training.micro_batch_size=3,4",
+            f"run.root={tmp_path}",
+            "run.name=big",
+        ],
+        cache=cache_dir,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # invalid, none failed
     sd = sweep_dir_of(tmp_path, "big")
     rows = {r["point"]: r for r in read_csv(sd / "summary.csv")}
@@ -184,7 +221,7 @@ def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_di
     assert "sweep.run_predicted_oom=true" in rows["1"]["reason"]
     import psutil
 
-    assert float(rows["1"]["predicted_mib"]) > psutil.virtual_memory().total / 2 ** 20 / 4
+    assert float(rows["1"]["predicted_mib"]) > psutil.virtual_memory().total / 2**20 / 4
     assert not (sd / "1" / "submitit").exists()
 
 
@@ -192,28 +229,45 @@ def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_di
 def _write_point(sd: Path, num: int, status: str, records: List[dict], pid: int) -> None:
     d = sd / str(num)
     d.mkdir(parents=True)
-    (d / "point.json").write_text(json.dumps({
-        "point": num, "overrides": [f"training.micro_batch_size={2 ** num}"], "status": status, "reason": "",
-        "job_id": None, "run_dir": str(d), "driver": {"pid": pid, "host": os.uname().nodename},
-        "training": {"train_iters": 10, "timing_warmup_iters": 2},
-        "layout": {"world_size": 4, "global_batch_size": 16, "tokens_per_step": 2048},
-        "plan": {"gpu": "A100-80GB", "peak_bytes": 2 ** 31, "bubble_fraction": 0.2, "model_flops": 1.2e10}}))
+    (d / "point.json").write_text(
+        json.dumps(
+            {
+                "point": num,
+                "overrides": [f"training.micro_batch_size={2**num}"],
+                "status": status,
+                "reason": "",
+                "job_id": None,
+                "run_dir": str(d),
+                "driver": {"pid": pid, "host": os.uname().nodename},
+                "training": {"train_iters": 10, "timing_warmup_iters": 2},
+                "layout": {"world_size": 4, "global_batch_size": 16, "tokens_per_step": 2048},
+                "plan": {"gpu": "A100-80GB", "peak_bytes": 2**31, "bubble_fraction": 0.2, "model_flops": 1.2e10},
+            }
+        )
+    )
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"iteration": 9, "lm_l')
 
 
 def test_summarize_reads_running_points_from_their_metrics(tmp_path):
     sd = tmp_path / "sweep"
     steps = [0.9, 0.5, 0.30, 0.20, 0.25]
-    records = [{"iteration": i + 1, "lm_loss": 5.0, "step_time_s": t, "tokens_per_s": 2048 / t,
-                "max_rss_mb": 400.0 + i} for i, t in enumerate(steps)]
-    _write_point(sd, 0, "running", records, pid=os.getpid())           # the driver is alive: running
-    _write_point(sd, 1, "running", records[:2], pid=2 ** 22 + 12345)    # a gone driver, no job: interrupted
+    records = [
+        {"iteration": i + 1, "lm_loss": 5.0, "step_time_s": t, "tokens_per_s": 2048 / t, "max_rss_mb": 400.0 + i}
+        for i, t in enumerate(steps)
+    ]
+    _write_point(sd, 0, "running", records, pid=os.getpid())  # the driver is alive: running
+    _write_point(sd, 1, "running", records[:2], pid=2**22 + 12345)  # a gone driver, no job: interrupted
     # Hydra's record of the whole sweep: 3 points, the third not started yet.
-    (sd / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - +experiment=gpt_pp2_dp2\n"
-                                      "    - training.micro_batch_size=1,2,4\n")
+    (sd / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task:\n    - +experiment=gpt_pp2_dp2\n    - training.micro_batch_size=1,2,4\n"
+    )
     rows, swept = sweep.write_summary(sd)
     assert swept == ["training.micro_batch_size"]
-    assert [(r["point"], r["status"], r["overrides"]) for r in rows][-1] == (2, "pending", "training.micro_batch_size=4")
+    assert [(r["point"], r["status"], r["overrides"]) for r in rows][-1] == (
+        2,
+        "pending",
+        "training.micro_batch_size=4",
+    )
     by_point = {r["point"]: r for r in rows}
     run = by_point[0]
     assert run["status"] == "running" and run["rank"] == 1
@@ -241,12 +295,28 @@ def test_exit_code_rules():
 # ---------------------------------------------------------------- SLURM: the same sweep, points queued at once
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
+@pytest.mark.skipif(
+    bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}"
+)
 def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cache_dir):
-    proc = run_cli(["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
-                    "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.micro_batch_size=2,4", *SHORT,
-                    "cluster.timeout_min=5", "cluster.max_num_timeout=0", f"run.root={tmp_path}", "run.name=slurm"],
-                   cache=cache_dir, timeout=900)
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=gpt_pp2_dp2",
+            "parallelism=none",
+            "parallelism.data_parallel_size=2",
+            "cluster=slurm_dev",
+            "cluster.tasks_per_node=2",
+            "training.micro_batch_size=2,4",
+            *SHORT,
+            "cluster.timeout_min=5",
+            "cluster.max_num_timeout=0",
+            f"run.root={tmp_path}",
+            "run.name=slurm",
+        ],
+        cache=cache_dir,
+        timeout=900,
+    )
     sd = sweep_dir_of(tmp_path, "slurm")
     rows = read_csv(sd / "summary.csv")
     assert [c for c in sweep.COLUMNS if c not in rows[0]] == []
@@ -261,7 +331,9 @@ def test_slurm_sweep_queues_every_point_and_builds_the_same_table(tmp_path, cach
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}")
+@pytest.mark.skipif(
+    bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}"
+)
 def test_a_signal_to_a_slurm_sweep_detaches_from_every_queued_point(tmp_path, cache_dir):
     """SIGHUP to a SLURM sweep's launcher once point 0's job has completed (its result files are there:
     the launcher is then in point 0's wait, between the two waits, or in point 1's, and the test does not
@@ -271,19 +343,32 @@ def test_a_signal_to_a_slurm_sweep_detaches_from_every_queued_point(tmp_path, ca
     import signal
     import time
 
-    args = ["-m", "+experiment=gpt_pp2_dp2", "parallelism=none", "parallelism.data_parallel_size=2",
-            "cluster=slurm_dev", "cluster.tasks_per_node=2", "training.train_iters=4,2000", *SHORT[1:],
-            "checkpoint.save_interval=100000", "cluster.timeout_min=5", "cluster.max_num_timeout=0",
-            f"run.root={tmp_path}", "run.name=hup"]
+    args = [
+        "-m",
+        "+experiment=gpt_pp2_dp2",
+        "parallelism=none",
+        "parallelism.data_parallel_size=2",
+        "cluster=slurm_dev",
+        "cluster.tasks_per_node=2",
+        "training.train_iters=4,2000",
+        *SHORT[1:],
+        "checkpoint.save_interval=100000",
+        "cluster.timeout_min=5",
+        "cluster.max_num_timeout=0",
+        f"run.root={tmp_path}",
+        "run.name=hup",
+    ]
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     log = tmp_path / "out.txt"
     with open(log, "w") as out:
-        cli = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out,
-                               stderr=subprocess.STDOUT)
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 400
-        while not (tmp_path / "sweeps" / "hup").is_dir() or not list((tmp_path / "sweeps" / "hup").glob(
-                "*/0/submitit/*_1_result.pkl")):  # point 0's two ranks have written their results
+        while not (tmp_path / "sweeps" / "hup").is_dir() or not list(
+            (tmp_path / "sweeps" / "hup").glob("*/0/submitit/*_1_result.pkl")
+        ):  # point 0's two ranks have written their results
             assert cli.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         cli.send_signal(signal.SIGHUP)
@@ -298,13 +383,25 @@ def test_a_signal_to_a_slurm_sweep_detaches_from_every_queued_point(tmp_path, ca
     point1 = json.loads((sd / "1" / "point.json").read_text())
     assert point1["status"] == "submitted" and "the launcher detached (SIGHUP)" in point1["reason"], point1
     line = [ln for ln in text.splitlines() if "detached" in ln and "point.json" not in ln]
-    assert len(line) == 1 and line[0].startswith("[orchestrator] detached (SIGHUP) from the sweep: SLURM job(s) "), text[-3000:]
-    for said in (f"{point1['job_id']} (point 1)", f"`python -m orchestrator status {sd}`",
-                 f"`python -m orchestrator.sweep summarize {sd}`", f"`python -m orchestrator stop {sd}/<point>`"):
+    assert len(line) == 1 and line[0].startswith("[orchestrator] detached (SIGHUP) from the sweep: SLURM job(s) "), (
+        text[-3000:]
+    )
+    for said in (
+        f"{point1['job_id']} (point 1)",
+        f"`python -m orchestrator status {sd}`",
+        f"`python -m orchestrator.sweep summarize {sd}`",
+        f"`python -m orchestrator stop {sd}/<point>`",
+    ):
         assert said in line[0], (said, line[0])
     assert "(point 0)" not in line[0], line[0]
     queued = subprocess.run(["squeue", "-h", "-j", point1["job_id"], "-o", "%T"], capture_output=True, text=True)
     assert queued.stdout.strip() in ("PENDING", "RUNNING"), queued  # untouched: it runs on
-    stop = subprocess.run([sys.executable, "-m", "orchestrator", "stop", str(sd / "1"), "--now"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    stop = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "stop", str(sd / "1"), "--now"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert stop.returncode == 0, stop.stdout + stop.stderr

@@ -21,8 +21,12 @@ SMALL = ["data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters
 
 
 def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
-    proc = run_cli(["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3",
-                    f"run.root={tmp_path}"], cache=cache_dir, check=False, timeout=120)
+    proc = run_cli(
+        ["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3", f"run.root={tmp_path}"],
+        cache=cache_dir,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "model.num_layers=4" in proc.stderr and "pipeline_model_parallel_size=3" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -50,19 +54,27 @@ def test_interleaved_and_tensor_parallel_train_save_and_reshard_into_each_other(
     manifest = json.loads((tmp_path / "x" / "checkpoints" / "iter_0000006" / "manifest.json").read_text())
     assert manifest["layout"]["virtual_pipeline_model_parallel_size"] == 2
     # the padded vocabulary (a multiple of 128 x TP) must stay 384: the refusal's own advice for TP 2
-    resumed = run_cli(common + ["parallelism=tp2_pp2", "checkpoint.allow_reshard=true",
-                                "model.make_vocab_size_divisible_by=192"], cache=cache_dir)
+    resumed = run_cli(
+        common + ["parallelism=tp2_pp2", "checkpoint.allow_reshard=true", "model.make_vocab_size_divisible_by=192"],
+        cache=cache_dir,
+    )
     assert "iter_0000006" in resumed.stdout
     final = json.loads((tmp_path / "x" / "checkpoints" / "iter_0000008" / "manifest.json").read_text())
-    assert final["layout"]["tensor_model_parallel_size"] == 2 and final["origin"]["resumed_from"].endswith("iter_0000006")
+    assert final["layout"]["tensor_model_parallel_size"] == 2 and final["origin"]["resumed_from"].endswith(
+        "iter_0000006"
+    )
     losses = losses_by_iteration(tmp_path / "x")
     assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
     assert losses[8] < losses[1] - 0.3
 
 
 REFERENCE_ITERS = 20
-RESUME = SMALL + ["+experiment=gpt_pp2_dp2", f"training.train_iters={REFERENCE_ITERS}", "checkpoint.save_interval=null",
-                  "optimizer.lr_warmup_iters=2"]
+RESUME = SMALL + [
+    "+experiment=gpt_pp2_dp2",
+    f"training.train_iters={REFERENCE_ITERS}",
+    "checkpoint.save_interval=null",
+    "optimizer.lr_warmup_iters=2",
+]
 """The module's gpt_pp2_dp2 config; every run of it starts from the same iteration-0 weights (``init``)."""
 
 
@@ -70,8 +82,9 @@ RESUME = SMALL + ["+experiment=gpt_pp2_dp2", f"training.train_iters={REFERENCE_I
 def init(tmp_path_factory, cache_dir) -> Path:
     """Iteration-0 weights (one rank, no training): the layouts compare runs that start from them."""
     root = tmp_path_factory.mktemp("init")
-    run_cli(SMALL + ["parallelism=none", f"run.root={root}", "run.name=init", "training.train_iters=0"],
-            cache=cache_dir)
+    run_cli(
+        SMALL + ["parallelism=none", f"run.root={root}", "run.name=init", "training.train_iters=0"], cache=cache_dir
+    )
     path = root / "init" / "checkpoints" / "iter_0000000"
     assert (path / "manifest.json").exists()
     return path
@@ -85,8 +98,9 @@ def test_a_run_saved_at_iteration_0_resumes(tmp_path, cache_dir, init):
     run_dir = _copy_run(init.parent.parent, tmp_path)
     text = (run_dir / "metrics.jsonl").read_text()
     assert "NaN" not in text and [json.loads(ln) for ln in text.splitlines()][-1]["lm_loss"] is None
-    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
-                   cache=cache_dir)
+    proc = run_cli(
+        SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"], cache=cache_dir
+    )
     assert f"will resume from {run_dir}/checkpoints/iter_0000000" in proc.stdout, proc.stdout[-2000:]
     assert "completed: iteration 1" in proc.stdout and math.isfinite(losses_by_iteration(run_dir)[1])
 
@@ -101,8 +115,15 @@ def test_a_peer_lost_during_a_load_is_a_crash_not_a_damaged_checkpoint():
 
     from orchestrator.runtime.training.checkpoint import _peer_lost, load_failure
 
-    lost = CheckpointException("load", {1: (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                                                         "[127.0.0.1]:41234"), "traceback")})
+    lost = CheckpointException(
+        "load",
+        {
+            1: (
+                RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"),
+                "traceback",
+            )
+        },
+    )
     damaged = CheckpointException("load", {0: (pickle.UnpicklingError("invalid load key, '\\x00'."), "traceback")})
     assert _peer_lost(lost) and not _peer_lost(damaged)
     assert load_failure(damaged) == "rank(s) [0]: UnpicklingError: invalid load key, '\\x00'."
@@ -120,11 +141,16 @@ def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history
     run_dir = _copy_run(init.parent.parent, tmp_path)
     shard = run_dir / "checkpoints" / "iter_0000000" / "__0_0.distcp"
     shard.write_bytes(bytes(200) + shard.read_bytes()[200:])
-    proc = run_cli(SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
-                   cache=cache_dir, check=False)
+    proc = run_cli(
+        SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=init", "training.train_iters=1"],
+        cache=cache_dir,
+        check=False,
+    )
     last = proc.stderr.strip().splitlines()[-1]
-    said = (f"checkpoint {shard.parent} could not be loaded (rank(s) [0]: UnpicklingError: invalid load key, "
-            "'\\x00'.); it is damaged or does not fit this model")
+    said = (
+        f"checkpoint {shard.parent} could not be loaded (rank(s) [0]: UnpicklingError: invalid load key, "
+        "'\\x00'.); it is damaged or does not fit this model"
+    )
     assert proc.returncode == 1 and last.startswith("error: job ") and said in last, proc.stderr[-3000:]
     assert "without results" not in proc.stderr and f"mv {shard.parent} {shard.parent}.bad" in last
     ended = history.attempts(history.read_records(str(run_dir)))[-1]
@@ -135,8 +161,18 @@ def test_init_from_weights_of_another_shape_are_refused_before_anything_starts(t
     """checkpoint.init_from of a gpt_tiny checkpoint into llama_tiny: one `error:` line naming the keys whose
     shapes differ (with the table of the overrides that match), exit 2, no run directory — it used to fail in
     every rank on dist_checkpointing's shape check after the job started."""
-    proc = run_cli(SMALL + ["parallelism=none", "model=llama_tiny", f"checkpoint.init_from={init}",
-                            f"run.root={tmp_path}", "run.name=other"], cache=cache_dir, check=False)
+    proc = run_cli(
+        SMALL
+        + [
+            "parallelism=none",
+            "model=llama_tiny",
+            f"checkpoint.init_from={init}",
+            f"run.root={tmp_path}",
+            "run.name=other",
+        ],
+        cache=cache_dir,
+        check=False,
+    )
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: checkpoint.init_from={init}: its weights do not fit the requested model")
@@ -193,11 +229,13 @@ def test_the_step_breakdown_per_stage_explains_the_step(reference_run, capsys):
 
 
 def test_a_breakdown_interval_below_zero_is_refused_in_one_line(cache_dir):
-    proc = run_cli(["+experiment=gpt_pp2_dp2", "training.breakdown_interval=-1", "plan=true"], cache=cache_dir,
-                   check=False)
+    proc = run_cli(
+        ["+experiment=gpt_pp2_dp2", "training.breakdown_interval=-1", "plan=true"], cache=cache_dir, check=False
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: training.breakdown_interval=-1: must be an integer >= 0; fix: training.breakdown_interval=10 "
-        "(the schema's default)"], proc.stderr
+        "(the schema's default)"
+    ], proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +333,14 @@ def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache
     common = resume_args + [f"run.root={tmp_path}", "run.name=killed", "checkpoint.save_interval=2"]
     run_dir = tmp_path / "killed"
     env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *common], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *common],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         if (run_dir / "metrics.jsonl").exists() and any(r["iteration"] >= 3 for r in read_metrics(run_dir)):
@@ -338,12 +382,23 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     from orchestrator.runtime.start.forked import read_rank_pids
     from orchestrator.submit import status
 
-    args = SMALL + ["parallelism=none", "parallelism.data_parallel_size=2", f"run.root={tmp_path}", "run.name=oom",
-                    "training.train_iters=400", "checkpoint.save_interval=null"]
+    args = SMALL + [
+        "parallelism=none",
+        "parallelism.data_parallel_size=2",
+        f"run.root={tmp_path}",
+        "run.name=oom",
+        "training.train_iters=400",
+        "checkpoint.save_interval=null",
+    ]
     run_dir = tmp_path / "oom"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO,
-                            env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=REPO,
+        env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not ((run_dir / "metrics.jsonl").exists() and any(r["iteration"] >= 2 for r in read_metrics(run_dir))):
@@ -361,11 +416,15 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     assert "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?)" in err, err[-2000:]
     ended = history.attempts(history.read_records(str(run_dir)))[-1]
     assert ended.cause == "crashed" and ended.message.startswith(
-        "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?); "), ended
+        "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?); "
+    ), ended
     assert "its peers' errors followed: rank 0 (" in ended.message or "rank 0" not in ended.message, ended
-    assert status.run_status(run_dir).job.describe() == ("failed (crashed) - rank(s) [1] died without a result "
-                                                         "(exit by signal 9, SIGKILL: killed? out of memory?)")
-    alive = [pid for pid in pids.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert status.run_status(run_dir).job.describe() == (
+        "failed (crashed) - rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?)"
+    )
+    alive = [
+        pid for pid in pids.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     assert alive == [], alive
 
 
@@ -384,16 +443,27 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     from orchestrator.ckpt import history
 
     run_dir = tmp_path / "restart"
-    args = resume_args + [f"run.root={tmp_path}", "run.name=restart", "checkpoint.save_interval=4",
-                          "cluster.max_restarts=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=REPO, text=True,
-                            env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = resume_args + [
+        f"run.root={tmp_path}",
+        "run.name=restart",
+        "checkpoint.save_interval=4",
+        "cluster.max_restarts=1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=REPO,
+        text=True,
+        env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
     def kill_after(iteration: int, since: int) -> float:
         deadline = time.time() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and sum(1 for r in read_metrics(run_dir)[since:]
-                                                                 if r["iteration"] >= iteration)):
+        while not (
+            (run_dir / "metrics.jsonl").exists()
+            and sum(1 for r in read_metrics(run_dir)[since:] if r["iteration"] >= iteration)
+        ):
             assert time.time() < deadline and proc.poll() is None, "the job did not train"
             time.sleep(0.1)
         agent_worker(run_dir, 1).kill()
@@ -407,8 +477,10 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
         proc.kill()
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
     starts = [a for a in history.attempts(history.read_records(run_dir))]
-    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == \
-        [(0, 0, "crashed", True), (0, 1, "crashed", False)], starts
+    assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
+        (0, 0, "crashed", True),
+        (0, 1, "crashed", False),
+    ], starts
     assert starts[1].start_iteration == 4 and 0 < starts[1].recovery_s < 120, starts
     assert 0 <= starts[0].end - killed_at < 10, (starts[0], killed_at)  # the failure is seen at once
     assert "restarts used up (1 of cluster.max_restarts=1): not requeued (a local run)" in out, out[-3000:]
@@ -438,11 +510,25 @@ def test_resume_follows_the_new_schedule_and_dp_reshard_too(tmp_path, cache_dir)
     DP=2 (an opt-in reshard): the preflight says which schedule runs from which iteration, iterations
     9..16 apply the new schedule's lr (Megatron's formula, 1e-9), not the checkpoint's (min_lr by then),
     and the new manifests record the schedule as used."""
-    common = SMALL + ["parallelism=none", f"run.root={tmp_path}", "run.name=lr", "optimizer.lr_warmup_iters=2",
-                      "optimizer.lr_decay_style=cosine", "optimizer.min_lr=1e-4"]
+    common = SMALL + [
+        "parallelism=none",
+        f"run.root={tmp_path}",
+        "run.name=lr",
+        "optimizer.lr_warmup_iters=2",
+        "optimizer.lr_decay_style=cosine",
+        "optimizer.min_lr=1e-4",
+    ]
     run_cli(common + ["training.train_iters=8", "optimizer.lr=1e-3"], cache=cache_dir)
-    second = run_cli(common + ["training.train_iters=16", "optimizer.lr=5e-4", "parallelism.data_parallel_size=2",
-                               "checkpoint.allow_reshard=true"], cache=cache_dir)
+    second = run_cli(
+        common
+        + [
+            "training.train_iters=16",
+            "optimizer.lr=5e-4",
+            "parallelism.data_parallel_size=2",
+            "checkpoint.allow_reshard=true",
+        ],
+        cache=cache_dir,
+    )
     assert "lr schedule: cosine over 16 its, warmup 2 its, max 0.0005, min 0.0001, from iteration 9" in second.stdout
     lr = {r["iteration"]: r["lr"] for r in read_metrics(tmp_path / "lr")}
     assert sorted(lr) == list(range(1, 17))
@@ -456,7 +542,13 @@ def test_resume_follows_the_new_schedule_and_dp_reshard_too(tmp_path, cache_dir)
     new = json.loads((checkpoints / "iter_0000016" / "manifest.json").read_text())
     assert old["state"]["scheduler"]["max_lr"] == 1e-3 and old["state"]["scheduler"]["lr_decay_steps"] == 8
     assert new["config"]["optimizer"]["lr"] == 5e-4 and new["config"]["training"]["train_iters"] == 16
-    assert new["state"]["scheduler"] == {**new["state"]["scheduler"], "max_lr": 5e-4, "min_lr": 1e-4,
-                                         "lr_warmup_steps": 2, "lr_decay_steps": 16, "num_steps": 16}
+    assert new["state"]["scheduler"] == {
+        **new["state"]["scheduler"],
+        "max_lr": 5e-4,
+        "min_lr": 1e-4,
+        "lr_warmup_steps": 2,
+        "lr_decay_steps": 16,
+        "num_steps": 16,
+    }
     assert new["layout"]["data_parallel_size"] == 2
     assert "parallelism.data_parallel_size" in new["origin"]["resharded"]

@@ -27,9 +27,14 @@ from orchestrator.plan.profile import DeviceProfile, device_key, load_profile, p
 from orchestrator.sweep import search
 from orchestrator.sweep.search import TrialOutcome, TuneConfig
 
-MiB = 2 ** 20
-BASE = ["parallelism=none", "parallelism.data_parallel_size=2", "data=mock", "model.num_layers=2",
-        "training.global_batch_size=32"]
+MiB = 2**20
+BASE = [
+    "parallelism=none",
+    "parallelism.data_parallel_size=2",
+    "data=mock",
+    "model.num_layers=2",
+    "training.global_batch_size=32",
+]
 SPACE = ["tune.tp=2", "tune.pp=1", "tune.mbs=4,32", "tune.sequence_parallel=false", "tune.recompute=none,selective"]
 # (sequence parallelism is refused on CPU by validate, so the CPU-priced space varies recomputation instead)
 
@@ -62,9 +67,21 @@ def tuned(tmp_path_factory, cache_dir):
     out = conf / "experiment" / "tiny_tuned.yaml"
     opts = search.parse_tune_args(SPACE)
     limit = memory_limit_between(priced(compose(BASE), opts), opts.memory_margin)
-    proc = run_cli(["tune", *BASE, f"run.root={root}", *SPACE, "tune.name=tiny_tuned", "tune.iters=4",
-                    "tune.warmup_iters=1", f"tune.memory_limit_mb={limit}", f"tune.out={out}"],
-                   cache=root / "cache", check=False)
+    proc = run_cli(
+        [
+            "tune",
+            *BASE,
+            f"run.root={root}",
+            *SPACE,
+            "tune.name=tiny_tuned",
+            "tune.iters=4",
+            "tune.warmup_iters=1",
+            f"tune.memory_limit_mb={limit}",
+            f"tune.out={out}",
+        ],
+        cache=root / "cache",
+        check=False,
+    )
     tune_dir = root / "tune" / "tiny_tuned"
     with (tune_dir / "candidates.csv").open() as fh:
         cands = list(csv.DictReader(fh))
@@ -105,9 +122,11 @@ def test_table_has_predicted_and_measured_step_time_and_memory(tuned):
     assert float(done["peak_rss_mib"]) == max(summary["peak_rss_mb_per_rank"])
     predicted_step = float(done["predicted_step_time_s"])
     assert float(done["step_time_error_pct"]) == pytest.approx(
-        100 * (predicted_step - summary["step_time_median_s"]) / summary["step_time_median_s"])
+        100 * (predicted_step - summary["step_time_median_s"]) / summary["step_time_median_s"]
+    )
     assert float(done["memory_error_pct"]) == pytest.approx(
-        100 * (float(done["predicted_mib"]) - float(done["peak_rss_mib"])) / float(done["peak_rss_mib"]))
+        100 * (float(done["predicted_mib"]) - float(done["peak_rss_mib"])) / float(done["peak_rss_mib"])
+    )
     assert done["gpu"] == "cpu"
     for name in ("summary.md", "summary.png", "candidates.csv"):
         assert (tune_dir / name).stat().st_size > 0
@@ -175,8 +194,9 @@ def test_a_traced_tune_traces_every_trial_and_refuses_an_iteration_no_trial_runs
     assert compose(["parallelism=pp4", "training.trace_iteration=1", *plain]).training.trace_iteration is None
     with pytest.raises(ConfigError) as err:
         search.parse_tune_args(["tune.trace_iteration=9"])
-    assert str(err.value) == ("tune.trace_iteration=9 must be one of the trial's iterations 1..tune.iters=8; "
-                              "fix: tune.trace_iteration=8")
+    assert str(err.value) == (
+        "tune.trace_iteration=9 must be one of the trial's iterations 1..tune.iters=8; fix: tune.trace_iteration=8"
+    )
 
 
 def test_stop_rules():
@@ -204,7 +224,9 @@ def test_crashes_rule_out_shared_options_and_ooms_lower_the_margin():
     crashed, ok = cands[f"TP2 PP1 DP1 MBS4 {sel}"], cands["TP2 PP1 DP1 MBS32"]
     sus = search.suspects([crashed], [ok])
     assert sus == [{sel, "mbs=4"}]
-    assert search.blocked(cands[f"TP2 PP1 DP1 MBS4 {sel}"], sus) and not search.blocked(cands[f"TP2 PP1 DP1 MBS32 {sel}"], sus)
+    assert search.blocked(cands[f"TP2 PP1 DP1 MBS4 {sel}"], sus) and not search.blocked(
+        cands[f"TP2 PP1 DP1 MBS32 {sel}"], sus
+    )
     assert search.is_oom("rank(s) [1] died without a result (killed? out of memory?)")
     assert not search.is_oom("AssertionError: sequence parallel not supported by torch LayerNorm")
     assert search.margin_after_oom(0.9, 800 * MiB, 1000 * MiB) == pytest.approx(0.76)
@@ -212,8 +234,12 @@ def test_crashes_rule_out_shared_options_and_ooms_lower_the_margin():
 
 # ---------------------------------------------------------------- pure: calibration
 VARIANTS = [  # (TP, PP, VPP, DP, MBS, model changes) of gpt_tiny on 4 ranks, GBS 16
-    (1, 2, None, 2, 4, {}), (1, 1, None, 4, 2, {}), (2, 1, None, 2, 4, {}), (1, 4, None, 1, 1, {}),
-    (1, 2, 2, 2, 2, {"hidden_size": 256}), (1, 1, None, 4, 4, {"hidden_size": 512, "num_attention_heads": 8}),
+    (1, 2, None, 2, 4, {}),
+    (1, 1, None, 4, 2, {}),
+    (2, 1, None, 2, 4, {}),
+    (1, 4, None, 1, 1, {}),
+    (1, 2, 2, 2, 2, {"hidden_size": 256}),
+    (1, 1, None, 4, 4, {"hidden_size": 512, "num_attention_heads": 8}),
     (4, 1, None, 1, 16, {"seq_length": 64}),
     (2, 2, None, 1, 8, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
 ]
@@ -225,19 +251,26 @@ def _synthetic_samples(truth: DeviceProfile):
     out = []
     for tp, pp, vpp, dp, mbs, model in VARIANTS:
         cfg = dataclasses.replace(
-            base, parallelism=dataclasses.replace(base.parallelism, tensor_model_parallel_size=tp,
-                                                  pipeline_model_parallel_size=pp,
-                                                  virtual_pipeline_model_parallel_size=vpp, data_parallel_size=dp),
+            base,
+            parallelism=dataclasses.replace(
+                base.parallelism,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
+                data_parallel_size=dp,
+            ),
             training=dataclasses.replace(base.training, micro_batch_size=mbs),
-            model=dataclasses.replace(base.model, **model))
+            model=dataclasses.replace(base.model, **model),
+        )
         validate(cfg)
         plan, true_plan = planner.plan(cfg, gpu="cpu", profile=None), planner.plan(cfg, gpu="cpu", profile=truth)
         world = plan.layout.world_size
         peaks = [true_plan.stages[calibrate.rank_stage(r, world, pp)].total / MiB for r in range(world)]
         step = calibrate.predicted_step_s(truth, plan.terms.features(truth.cores))
         assert step == pytest.approx(true_plan.step_time_s)  # the plan prices a step as the fit does
-        out.append(calibrate.sample_of(plan, {"peak_rss_mb_per_rank": peaks, "step_time_median_s": step},
-                                       cores=truth.cores))
+        out.append(
+            calibrate.sample_of(plan, {"peak_rss_mb_per_rank": peaks, "step_time_median_s": step}, cores=truth.cores)
+        )
     return out
 
 
@@ -268,7 +301,7 @@ def test_spread_is_wide_where_the_trials_say_nothing_and_narrows_with_them():
     samples = _synthetic_samples(truth)
     feats = [s["time"]["features"] for s in samples]
     fixed_only = [0.0] * 6 + [1.0]
-    assert calibrate.step_spread(prior, prior)(fixed_only) == pytest.approx(0.05 / calibrate.TIME_RIDGE ** 0.5)
+    assert calibrate.step_spread(prior, prior)(fixed_only) == pytest.approx(0.05 / calibrate.TIME_RIDGE**0.5)
     one = calibrate.step_spread(prior, calibrate.fit_profile(prior, samples[:1]), floor=0.05)
     tp1, tp4 = feats[0], feats[6]  # TP1 PP2 DP2 MBS4 (the sample) and TP4 MBS16 seq 64
     assert one(tp1) == pytest.approx(0.05, abs=0.01) and one(tp4) > 0.3
@@ -289,16 +322,20 @@ def test_explore_picks_the_uncertain_contender_and_keeps_it_alive():
     assert search.stop_reason(opts, [t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.10]) is None
     assert search.stop_reason(opts, [t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.05]).startswith("model bound")
     # an error the trial's own spread allowed for (40% off at +-30%) is no surprise; at +-10% it is (40% error)
-    assert search.stop_reason(opts, [t(1.4, 1.0, True, 0.30), t(1.0, 1.0, True)], [1.2], 0,
-                              remaining_spread=[0.05]).startswith("model bound")
-    assert search.stop_reason(opts, [t(1.4, 1.0, True, 0.10), t(1.0, 1.0, True)], [1.2], 0,
-                              remaining_spread=[0.05]) is None
+    assert search.stop_reason(
+        opts, [t(1.4, 1.0, True, 0.30), t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.05]
+    ).startswith("model bound")
+    assert (
+        search.stop_reason(opts, [t(1.4, 1.0, True, 0.10), t(1.0, 1.0, True)], [1.2], 0, remaining_spread=[0.05])
+        is None
+    )
     # patience does not count exploring trials (predicted no faster than the best so far)
     opts = TuneConfig(min_trials=1, patience=2, explore=2.0)
     explored = [t(1.0, 1.0), t(1.5, 1.6, True, 0.3, True), t(1.3, 1.4, True, 0.3, True)]
     assert search.stop_reason(opts, explored, [0.5], 0, remaining_spread=[0.5]) is None
-    assert "tune.patience" in search.stop_reason(opts, explored + [t(1.1, 0.9, True), t(1.2, 0.95, True)], [0.5], 0,
-                                                 remaining_spread=[0.5])
+    assert "tune.patience" in search.stop_reason(
+        opts, explored + [t(1.1, 0.9, True), t(1.2, 0.95, True)], [0.5], 0, remaining_spread=[0.5]
+    )
     with pytest.raises(ConfigError, match=r"^tune.explore=-1.0 must be >= 0"):
         search.parse_tune_args(["tune.explore=-1"])
 

@@ -31,10 +31,24 @@ BASES = [
     ["parallelism=tp2_pp2", "cluster.tasks_per_node=4"],
     ["parallelism=pp2_vpp2_dp2", "training.global_batch_size=32"],
     ["parallelism=pp4", "optimizer=sgd"],
-    ["data=mock", "model=gpt_125m", "cluster=slurm", "parallelism.data_parallel_size=null", "training.precision=bf16",
-     "training.micro_batch_size=1", "training.global_batch_size=64"],
-    ["model=gpt_1.3b", "cluster=slurm_a100_4x8", "parallelism=pp2_dp2", "parallelism.data_parallel_size=null",
-     "training.precision=bf16", "training.micro_batch_size=2", "training.global_batch_size=256"],
+    [
+        "data=mock",
+        "model=gpt_125m",
+        "cluster=slurm",
+        "parallelism.data_parallel_size=null",
+        "training.precision=bf16",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=64",
+    ],
+    [
+        "model=gpt_1.3b",
+        "cluster=slurm_a100_4x8",
+        "parallelism=pp2_dp2",
+        "parallelism.data_parallel_size=null",
+        "training.precision=bf16",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=256",
+    ],
     ["+experiment=gpt_pp2_dp2", "cluster=slurm_dev"],
 ]
 
@@ -92,7 +106,7 @@ PERTURB = {
     "training.log_interval": [1, 10, 0, -1],
     "training.eval_interval": [None, 1, 100, 0],
     "training.eval_iters": [0, 1, 10, -1],
-    "training.seed": [0, 1234, 2 ** 32 - 1, 2 ** 32, -1],
+    "training.seed": [0, 1234, 2**32 - 1, 2**32, -1],
     "training.precision": ["fp32", "bf16", "fp16", "fp8"],
     "training.device": ["auto", "cpu", "cuda", "tpu"],
     "training.exit_after_iters": [None, 1, 5, 0],
@@ -119,8 +133,12 @@ def files(tmp_path_factory) -> dict:
         (root / f"corpus{ext}").write_bytes(b"\0")
     (root / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1, "</s>": 2}}}')
     (root / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
-    return {"jsonl": str(root / "a.jsonl"), "jsonl2": str(root / "b.jsonl"), "prefix": str(root / "corpus"),
-            "tokenizer": str(root / "tokenizer.json")}
+    return {
+        "jsonl": str(root / "a.jsonl"),
+        "jsonl2": str(root / "b.jsonl"),
+        "prefix": str(root / "corpus"),
+        "tokenizer": str(root / "tokenizer.json"),
+    }
 
 
 def _fill(value, files):
@@ -198,7 +216,9 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
         except Exception as exc:
             pytest.fail(f"{where}: validate accepted it but megatron-core refuses: {type(exc).__name__}: {exc}")
         assert dp == layout.data_parallel_size, where
-        assert tf.num_layers == cfg.model.num_layers and tf.tensor_model_parallel_size == layout.tensor_model_parallel_size
+        assert (
+            tf.num_layers == cfg.model.num_layers and tf.tensor_model_parallel_size == layout.tensor_model_parallel_size
+        )
         assert layout.num_microbatches * layout.micro_batch_size * dp == cfg.training.global_batch_size, where
         try:
             planner.plan(cfg)
@@ -210,26 +230,42 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     print(f"{COUNT} configs: {dict(outcomes)}; refusals by first key: {len(first_words)} keys")
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
-    (["parallelism.overlap_grad_reduce=true"], "parallelism.overlap_grad_reduce=true: communication overlap is for GPU"),
-    (["parallelism.overlap_param_gather=true", "cluster=slurm_a100_4x8", "parallelism.data_parallel_size=null",
-      "training.global_batch_size=128"],
-     "parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters"),
-    (["parallelism.data_parallel_size=-2"], "parallelism.data_parallel_size=-2: must be a positive integer"),
-    (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0: must be a positive integer"),
-    (["training.log_interval=0"], "training.log_interval=0: must be a positive integer"),
-    (["model.hidden_dropout=1.5"], "model.hidden_dropout=1.5: must be a finite number in [0, 1)"),
-    (["optimizer.weight_decay=-3"], "optimizer.weight_decay=-3.0: must be a finite number >= 0"),
-    (["model.recompute_granularity=full"], "model.recompute_method=null: recompute_granularity=full needs"),
-    (["model.transformer_impl=transformer_engine"], "model.transformer_impl=transformer_engine: Transformer Engine "
-                                                    "runs on GPUs only"),
-    (["data=jsonl"], "data.paths=[]: data=jsonl needs at least one JSONL file"),
-    (["parallelism=tp2_pp2", "parallelism.sequence_parallel=true"],
-     "parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need GPUs"),
-    (["run.name=../../x"], "run.name='../../x': must be one directory name"),
-    (["plan_picture=pp4.png"], "plan_picture='pp4.png': drawn only by the plan"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
+        (
+            ["parallelism.overlap_grad_reduce=true"],
+            "parallelism.overlap_grad_reduce=true: communication overlap is for GPU",
+        ),
+        (
+            [
+                "parallelism.overlap_param_gather=true",
+                "cluster=slurm_a100_4x8",
+                "parallelism.data_parallel_size=null",
+                "training.global_batch_size=128",
+            ],
+            "parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters",
+        ),
+        (["parallelism.data_parallel_size=-2"], "parallelism.data_parallel_size=-2: must be a positive integer"),
+        (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0: must be a positive integer"),
+        (["training.log_interval=0"], "training.log_interval=0: must be a positive integer"),
+        (["model.hidden_dropout=1.5"], "model.hidden_dropout=1.5: must be a finite number in [0, 1)"),
+        (["optimizer.weight_decay=-3"], "optimizer.weight_decay=-3.0: must be a finite number >= 0"),
+        (["model.recompute_granularity=full"], "model.recompute_method=null: recompute_granularity=full needs"),
+        (
+            ["model.transformer_impl=transformer_engine"],
+            "model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only",
+        ),
+        (["data=jsonl"], "data.paths=[]: data=jsonl needs at least one JSONL file"),
+        (
+            ["parallelism=tp2_pp2", "parallelism.sequence_parallel=true"],
+            "parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need GPUs",
+        ),
+        (["run.name=../../x"], "run.name='../../x': must be one directory name"),
+        (["plan_picture=pp4.png"], "plan_picture='pp4.png': drawn only by the plan"),
+    ],
+)
 def test_the_issue_list_is_refused_by_validate(overrides, expected):
     cfg = compose_config(overrides + ["run.root=/tmp/orchestrator-test-validate"])
     with pytest.raises(ConfigError) as info:
@@ -240,8 +276,14 @@ def test_the_issue_list_is_refused_by_validate(overrides, expected):
 def test_recompute_rule_is_one_rule_for_validate_and_planner():
     from orchestrator.plan import memory as planner
 
-    cfg = compose_config(["+experiment=gpt_pp2_dp2", "model.recompute_granularity=full",
-                          "model.recompute_method=uniform", "model.recompute_num_layers=3"])
+    cfg = compose_config(
+        [
+            "+experiment=gpt_pp2_dp2",
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=3",
+        ]
+    )
     with pytest.raises(ConfigError) as by_validate:
         validate(cfg)
     layout = planner.layout_from_config(cfg)
@@ -254,8 +296,14 @@ def test_transformer_engine_is_looked_up_where_the_job_runs():
     the launcher's lack of it refuses nothing there."""
     import importlib.util
 
-    common = ["model=gpt_125m", "training.precision=bf16", "model.transformer_impl=transformer_engine",
-              "training.micro_batch_size=1", "training.global_batch_size=64", "parallelism.data_parallel_size=null"]
+    common = [
+        "model=gpt_125m",
+        "training.precision=bf16",
+        "model.transformer_impl=transformer_engine",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=64",
+        "parallelism.data_parallel_size=null",
+    ]
     assert validate(compose_config(common + ["cluster=slurm"])).world_size == 8
     local_gpu = compose_config(common + ["cluster.gpus_per_node=1", "cluster.tasks_per_node=1"])
     if importlib.util.find_spec("transformer_engine") is not None:
@@ -308,7 +356,7 @@ def _fuzzed_key(rng: random.Random, sections: dict, top: list, groups: list) -> 
         name = rng.choice(pool)
         if rng.random() < 0.15 and len(name) > 3:  # a misspelling: one character dropped
             cut = rng.randrange(len(name))
-            name = name[:cut] + name[cut + 1:]
+            name = name[:cut] + name[cut + 1 :]
         parts.append(name)
     return ".".join(parts)
 
@@ -332,9 +380,20 @@ def test_random_override_keys_are_refused_in_one_line_or_planned(tmp_path):
             sections[f.name] = [g.name for g in dataclasses.fields(sub)]
     groups = list(group_options())
     rng = random.Random(SEED)
-    cases = [["plan.x=1"], ["dry_run.y=1"], ["gpu.z=1"], ["run.name.x=1"], ["training.x.y=1"], ["+plan.x=1"],
-             ["~plan.x"], ["++training.x.y=1"], ["experiment.x=1"], ["model=null"], ["++model=gpt_tiny"],
-             ["hydra=true"]]
+    cases = [
+        ["plan.x=1"],
+        ["dry_run.y=1"],
+        ["gpu.z=1"],
+        ["run.name.x=1"],
+        ["training.x.y=1"],
+        ["+plan.x=1"],
+        ["~plan.x"],
+        ["++training.x.y=1"],
+        ["experiment.x=1"],
+        ["model=null"],
+        ["++model=gpt_tiny"],
+        ["hydra=true"],
+    ]
     for _ in range(300):
         key, prefix = _fuzzed_key(rng, sections, top, groups), rng.choice(["", "", "+", "++", "~"])
         value = "" if prefix == "~" else "=" + rng.choice(["1", "true", "x", "[1,2]", "null", "gpt_tiny"])

@@ -26,27 +26,57 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "golden" / "megatron"
 
-LLAMA_8B = ["model=gpt_6.7b", "model.num_query_groups=8", "model.ffn_hidden_size=14336", "model.activation=swiglu",
-            "model.normalization=RMSNorm", "model.position_embedding_type=rope", "model.add_bias_linear=false",
-            "model.untie_embeddings_and_output_weights=true", "model.seq_length=8192",
-            "model.max_position_embeddings=8192", "data=mock", "data.tokenizer=NullTokenizer",
-            "data.vocab_size=128256"]
+LLAMA_8B = [
+    "model=gpt_6.7b",
+    "model.num_query_groups=8",
+    "model.ffn_hidden_size=14336",
+    "model.activation=swiglu",
+    "model.normalization=RMSNorm",
+    "model.position_embedding_type=rope",
+    "model.add_bias_linear=false",
+    "model.untie_embeddings_and_output_weights=true",
+    "model.seq_length=8192",
+    "model.max_position_embeddings=8192",
+    "data=mock",
+    "data.tokenizer=NullTokenizer",
+    "data.vocab_size=128256",
+]
 """A Llama-3-8B shape written inline (32 layers, hidden 4096, 32 heads in 8 groups, SwiGLU 14336, RMSNorm,
 RoPE, no biases, untied embeddings, 128,256 ids)."""
 
 EXPERIMENTS = {
-    "gpt_125m_1gpu_bf16": ["model=gpt_125m", "parallelism=none", "data=mock", "cluster=local",
-                           "cluster.gpus_per_node=1", "training.device=cuda", "training.precision=bf16",
-                           "training.micro_batch_size=4", "training.global_batch_size=32"],
-    "gpt_6.7b_pp2_vpp2_dp16_a100_4x8": ["model=gpt_6.7b", "parallelism=pp2_vpp2_dp2",
-                                        "parallelism.data_parallel_size=null", "cluster=slurm_a100_4x8",
-                                        "training.precision=bf16", "training.micro_batch_size=4",
-                                        "training.global_batch_size=256"],
-    "llama_8b_tp2_distopt_a100_4x8": [*LLAMA_8B, "parallelism=none", "parallelism.tensor_model_parallel_size=2",
-                                      "parallelism.sequence_parallel=true", "parallelism.data_parallel_size=null",
-                                      "cluster=slurm_a100_4x8", "training.precision=bf16",
-                                      "training.micro_batch_size=1", "training.global_batch_size=128",
-                                      "optimizer.use_distributed_optimizer=true"],
+    "gpt_125m_1gpu_bf16": [
+        "model=gpt_125m",
+        "parallelism=none",
+        "data=mock",
+        "cluster=local",
+        "cluster.gpus_per_node=1",
+        "training.device=cuda",
+        "training.precision=bf16",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=32",
+    ],
+    "gpt_6.7b_pp2_vpp2_dp16_a100_4x8": [
+        "model=gpt_6.7b",
+        "parallelism=pp2_vpp2_dp2",
+        "parallelism.data_parallel_size=null",
+        "cluster=slurm_a100_4x8",
+        "training.precision=bf16",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=256",
+    ],
+    "llama_8b_tp2_distopt_a100_4x8": [
+        *LLAMA_8B,
+        "parallelism=none",
+        "parallelism.tensor_model_parallel_size=2",
+        "parallelism.sequence_parallel=true",
+        "parallelism.data_parallel_size=null",
+        "cluster=slurm_a100_4x8",
+        "training.precision=bf16",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=128",
+        "optimizer.use_distributed_optimizer=true",
+    ],
 }
 """The experiments of issue 27: gpt_125m on 1 GPU in bf16; the seed's 6.7B PP2 x DP16 interleaved on
 4 x 8 A100; a Llama-style 8B, TP2 (sequence parallel) with the distributed optimizer, DP16."""
@@ -61,15 +91,16 @@ def launch(overrides):
     cfg = compose(list(overrides))
     layout, _ = check(cfg)
     script = export(cfg, list(overrides), layout.world_size)
-    env = dict(line[len("export "):].split("=", 1) for line in script.splitlines() if line.startswith("export "))
+    env = dict(line[len("export ") :].split("=", 1) for line in script.splitlines() if line.startswith("export "))
     env = {k: shlex.split(v)[0] if v else "" for k, v in env.items()}
     return [w for group in flags(cfg) for w in group], layout.world_size, env
 
 
 def commit_of(checkout: Path) -> str:
     try:
-        return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (subprocess.CalledProcessError, OSError):
         return (checkout / "COMMIT").read_text().strip() if (checkout / "COMMIT").is_file() else "unknown"
 
@@ -79,15 +110,31 @@ def golden(name, overrides, checkout: Path, python: str, commit: str) -> dict:
     words, world, env = launch(overrides)
     with tempfile.TemporaryDirectory(prefix="megatron-golden-") as tmp:
         out = Path(tmp) / "config.json"
-        cmd = [python, str(REPO / "tools" / "megatron_lm_config.py"), "--world-size", str(world), "--out", str(out),
-               *[f"--env={k}={v}" for k, v in env.items()], "--", *words]
+        cmd = [
+            python,
+            str(REPO / "tools" / "megatron_lm_config.py"),
+            "--world-size",
+            str(world),
+            "--out",
+            str(out),
+            *[f"--env={k}={v}" for k, v in env.items()],
+            "--",
+            *words,
+        ]
         run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(REPO)])}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
         if proc.returncode != 0:
             raise SystemExit(f"{name}: Megatron-LM refused or failed:\n{proc.stderr[-3000:]}")
         fields = json.loads(out.read_text())
-    return {"experiment": name, "overrides": list(overrides), "world_size": world, "env": env, "flags": words,
-            "megatron_lm": {"commit": commit, "megatron_core": fields.pop("megatron_core")}, **fields}
+    return {
+        "experiment": name,
+        "overrides": list(overrides),
+        "world_size": world,
+        "env": env,
+        "flags": words,
+        "megatron_lm": {"commit": commit, "megatron_core": fields.pop("megatron_core")},
+        **fields,
+    }
 
 
 def main(argv=None) -> int:
@@ -105,9 +152,11 @@ def main(argv=None) -> int:
         record = golden(name, overrides, a.megatron_lm, a.python, commit)
         path = a.out / f"{name}.json"
         path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        print(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}: Megatron-LM {commit[:7]} "
-              f"(megatron-core {record['megatron_lm']['megatron_core']}), "
-              + ", ".join(f"{s} {len(record[s])} fields" for s in ("transformer", "ddp", "optimizer")))
+        print(
+            f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}: Megatron-LM {commit[:7]} "
+            f"(megatron-core {record['megatron_lm']['megatron_core']}), "
+            + ", ".join(f"{s} {len(record[s])} fields" for s in ("transformer", "ddp", "optimizer"))
+        )
     return 0
 
 

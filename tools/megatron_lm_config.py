@@ -30,8 +30,12 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--device-arch", type=int, default=80, help="compute capability x 10 (A100: 80)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE set before parsing")
-    parser.add_argument("--no-transformer-engine", dest="transformer_engine", action="store_false",
-                        help="the GPU nodes lack Transformer Engine (default: they have it)")
+    parser.add_argument(
+        "--no-transformer-engine",
+        dest="transformer_engine",
+        action="store_false",
+        help="the GPU nodes lack Transformer Engine (default: they have it)",
+    )
     parser.add_argument("--out", required=True, help="the JSON file to write (Megatron-LM prints to stdout)")
     parser.add_argument("flags", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -63,10 +67,17 @@ def main(argv=None) -> int:
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size, as pretrain_gpt.py's start-up does
-    out = {"transformer": fields_of(transformer), "ddp": fields_of(ddp), "optimizer": fields_of(optimizer),
-           "gpt_model": {"vocab_size": args.padded_vocab_size, "tokenizer_vocab_size": tokenizer.vocab_size,
-                         "eod": tokenizer.eod},
-           "megatron_core": mcore_version}
+    out = {
+        "transformer": fields_of(transformer),
+        "ddp": fields_of(ddp),
+        "optimizer": fields_of(optimizer),
+        "gpt_model": {
+            "vocab_size": args.padded_vocab_size,
+            "tokenizer_vocab_size": tokenizer.vocab_size,
+            "eod": tokenizer.eod,
+        },
+        "megatron_core": mcore_version,
+    }
     with open(ns.out, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)
     return 0

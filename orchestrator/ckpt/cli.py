@@ -23,33 +23,36 @@ from orchestrator.errors import OneLineArgumentParser
 def _summary(manifest: dict) -> str:
     lay, mod, files = manifest["layout"], manifest["model"], manifest["files"]
     vpp = lay.get("virtual_pipeline_model_parallel_size")
-    return "\n".join([
-        f"iteration {manifest['iteration']}  consumed_samples {manifest['consumed_samples']}  "
-        f"created {manifest.get('created')} on {manifest.get('host')}",
-        f"layout: world {lay['world_size']} = TP {lay['tensor_model_parallel_size']} x PP "
-        f"{lay['pipeline_model_parallel_size']} x CP {lay['context_parallel_size']} x DP "
-        f"{lay['data_parallel_size']}; VPP {vpp}; EP {lay['expert_model_parallel_size']}; "
-        f"SP {lay['sequence_parallel']}; layers/stage {lay['layers_per_stage']}",
-        f"batch: MBS {lay['micro_batch_size']} GBS {lay['global_batch_size']} "
-        f"num_microbatches {lay['num_microbatches']}",
-        f"model: {mod['num_layers']} layers, hidden {mod['hidden_size']}, heads {mod['num_attention_heads']}, "
-        f"seq {mod['seq_length']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
-        f"tokenizer: {json.dumps(manifest['tokenizer'], sort_keys=True)}",
-        f"data: {json.dumps({k: v for k, v in manifest['data'].items()}, sort_keys=True)}",
-        f"checkpoint: {json.dumps(manifest['checkpoint'], sort_keys=True)}",
-        f"versions: {json.dumps(manifest['versions'], sort_keys=True)}",
-        f"origin: {json.dumps(manifest.get('origin'))}",
-        f"files: {files['count']} files, {files['bytes']} bytes, {files['mode']} digest {files['sha256'][:16]}",
-        f"hosts: {' '.join(manifest['hosts']) if manifest.get('hosts') else '-'}",
-    ])
+    return "\n".join(
+        [
+            f"iteration {manifest['iteration']}  consumed_samples {manifest['consumed_samples']}  "
+            f"created {manifest.get('created')} on {manifest.get('host')}",
+            f"layout: world {lay['world_size']} = TP {lay['tensor_model_parallel_size']} x PP "
+            f"{lay['pipeline_model_parallel_size']} x CP {lay['context_parallel_size']} x DP "
+            f"{lay['data_parallel_size']}; VPP {vpp}; EP {lay['expert_model_parallel_size']}; "
+            f"SP {lay['sequence_parallel']}; layers/stage {lay['layers_per_stage']}",
+            f"batch: MBS {lay['micro_batch_size']} GBS {lay['global_batch_size']} "
+            f"num_microbatches {lay['num_microbatches']}",
+            f"model: {mod['num_layers']} layers, hidden {mod['hidden_size']}, heads {mod['num_attention_heads']}, "
+            f"seq {mod['seq_length']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
+            f"tokenizer: {json.dumps(manifest['tokenizer'], sort_keys=True)}",
+            f"data: {json.dumps({k: v for k, v in manifest['data'].items()}, sort_keys=True)}",
+            f"checkpoint: {json.dumps(manifest['checkpoint'], sort_keys=True)}",
+            f"versions: {json.dumps(manifest['versions'], sort_keys=True)}",
+            f"origin: {json.dumps(manifest.get('origin'))}",
+            f"files: {files['count']} files, {files['bytes']} bytes, {files['mode']} digest {files['sha256'][:16]}",
+            f"hosts: {' '.join(manifest['hosts']) if manifest.get('hosts') else '-'}",
+        ]
+    )
 
 
 def _deep_line(manifest: dict) -> str:
     entries = (manifest.get("files") or {}).get("entries", [])
     hashed = sum(1 for e in entries if "sha256" in e)
     sized = len(entries) - hashed
-    return (f"deep check: {hashed} file(s) re-hashed and matching" +
-            (f"; {sized} checked by size only (saved with checkpoint.digest=size)" if sized else ""))
+    return f"deep check: {hashed} file(s) re-hashed and matching" + (
+        f"; {sized} checked by size only (saved with checkpoint.digest=size)" if sized else ""
+    )
 
 
 def _parser():
@@ -64,8 +67,12 @@ def _parser():
     p_check = sub.add_parser("check", help="compare a config (Hydra overrides) with a checkpoint; exit 1 if refused")
     p_check.add_argument("ckpt_dir")
     p_check.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
-    p_check.add_argument("--config-dir", action="append", default=[],
-                         help="a config directory searched ahead of the shipped conf/ (./conf is searched without it)")
+    p_check.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        help="a config directory searched ahead of the shipped conf/ (./conf is searched without it)",
+    )
     p_check.add_argument("--deep", action="store_true", help="re-hash every file with a recorded sha256")
     p_list = sub.add_parser("list", help="list a run's checkpoints with iteration, layout and status")
     p_list.add_argument("run_dir")
@@ -79,8 +86,11 @@ def show(args) -> int:
     directory = Path(args.ckpt_dir)
     directory = directory.parent if directory.name == MANIFEST_NAME else directory
     manifest = read_manifest(directory, verify=not args.no_verify, deep=args.deep)
-    print(json.dumps(manifest, indent=1, sort_keys=True) if args.json else
-          f"{directory / MANIFEST_NAME}\n{_summary(manifest)}")
+    print(
+        json.dumps(manifest, indent=1, sort_keys=True)
+        if args.json
+        else f"{directory / MANIFEST_NAME}\n{_summary(manifest)}"
+    )
     if args.deep and not args.json:
         print(_deep_line(manifest))
     return 0
@@ -102,13 +112,18 @@ def check(args) -> int:
         overrides.append(f"run.dir={directory.resolve().parent.parent}")
     cfg = compose_config(with_config_dir_flags(overrides + [w for d in args.config_dir for w in ("--config-dir", d)]))
     mismatches = compare(manifest, cfg, layout_from_config(cfg), data_fingerprint=None, tokenizer=None)
-    print(format_mismatch_table(mismatches) if mismatches else
-          f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})")
+    print(
+        format_mismatch_table(mismatches)
+        if mismatches
+        else f"{directory}: the config matches the checkpoint (iteration {manifest['iteration']})"
+    )
     refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
     if refused:
-        print(f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
-              if all(x.reshardable for x in refused) else
-              f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry")
+        print(
+            f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
+            if all(x.reshardable for x in refused)
+            else f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry"
+        )
     return 1 if refused else 0
 
 
@@ -123,9 +138,15 @@ def list_run(args) -> int:
         print(f"{save_dir}: no checkpoints")
     for info, why in zip(infos, describe(save_dir, infos)):
         lay = (info.manifest or {}).get("layout") or {}
-        shape = (f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
-                 f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
-                 f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}") if lay else "-"
+        shape = (
+            (
+                f"TP{lay['tensor_model_parallel_size']} PP{lay['pipeline_model_parallel_size']} "
+                f"VPP{lay.get('virtual_pipeline_model_parallel_size') or '-'} CP{lay['context_parallel_size']} "
+                f"EP{lay['expert_model_parallel_size']} DP{lay['data_parallel_size']}"
+            )
+            if lay
+            else "-"
+        )
         extra = f"consumed {info.manifest['consumed_samples']}" if info.manifest else info.reason
         kept = f"[{why}]" if why.startswith("removed") else f"[kept: {why}]"
         print(f"{info.iteration:>9}  {info.status:<8}  {shape:<28}  {info.path}  {extra}  {kept}")
@@ -137,8 +158,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from orchestrator.errors import OrchestratorError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    tail = argv[argv.index("--") + 1:] if "--" in argv else []  # Hydra overrides, after options anywhere
-    args = _parser().parse_args(argv[:len(argv) - len(tail) - 1] if "--" in argv else argv)
+    tail = argv[argv.index("--") + 1 :] if "--" in argv else []  # Hydra overrides, after options anywhere
+    args = _parser().parse_args(argv[: len(argv) - len(tail) - 1] if "--" in argv else argv)
     if args.cmd == "check":
         args.overrides = list(args.overrides) + tail
     try:

@@ -35,8 +35,20 @@ from orchestrator.io import append_jsonl, read_jsonl
 
 PathLike = Union[str, Path]
 
-CAUSES = ("completed", "exited", "timeout", "preempted", "node failure", "hang", "nan", "spike", "crashed",
-          "disk full", "interrupted", "by request")
+CAUSES = (
+    "completed",
+    "exited",
+    "timeout",
+    "preempted",
+    "node failure",
+    "hang",
+    "nan",
+    "spike",
+    "crashed",
+    "disk full",
+    "interrupted",
+    "by request",
+)
 """Why an attempt ended. ``exited``: ``training.exit_after_iters`` (on purpose, a checkpoint saved); ``disk
 full``: ENOSPC in a save or a write (never retried: it would recur); ``by request``: ``orchestrator stop``
 (:mod:`orchestrator.ckpt.stop`)."""
@@ -46,8 +58,9 @@ FAILURE_CAUSES = frozenset({"hang", "node failure", "crashed"})
 """Counted against ``cluster.max_failures`` (a NaN is not retried: it would recur)."""
 
 
-def record_submission(run_dir: PathLike, job_id: str, cluster: Any, log_paths: Optional[Dict[str, str]] = None,
-                      **extra: Any) -> Dict[str, Any]:
+def record_submission(
+    run_dir: PathLike, job_id: str, cluster: Any, log_paths: Optional[Dict[str, str]] = None, **extra: Any
+) -> Dict[str, Any]:
     """Record a submission in ``<run_dir>/jobs.jsonl`` and return the record.
 
     ``cluster``: the cluster kind (``"slurm"``/``"local"``) or a ClusterConfig (kind and name are
@@ -60,8 +73,15 @@ def record_submission(run_dir: PathLike, job_id: str, cluster: Any, log_paths: O
     else:
         kind, name = getattr(cluster, "kind", str(cluster)), getattr(cluster, "name", str(cluster))
     logs = {k: str(v) for k, v in (log_paths or {}).items()}
-    record: Dict[str, Any] = {"event": "submitted", "time": time.time(), "job_id": str(job_id), "cluster": kind,
-                              "cluster_name": name, "run_dir": str(Path(run_dir).absolute()), "logs": logs}
+    record: Dict[str, Any] = {
+        "event": "submitted",
+        "time": time.time(),
+        "job_id": str(job_id),
+        "cluster": kind,
+        "cluster_name": name,
+        "run_dir": str(Path(run_dir).absolute()),
+        "logs": logs,
+    }
     if "folder" not in extra and logs:
         extra["folder"] = str(Path(next(iter(logs.values()))).parent)
     record.update({k: (str(v) if isinstance(v, Path) else v) for k, v in extra.items()})
@@ -81,21 +101,46 @@ def read_records(run_dir: PathLike) -> List[Dict[str, Any]]:
 
 # ---- attempts ------------------------------------------------------------------------------------
 
-def record_attempt_started(run_dir: PathLike, job_id: str, attempt: int, *, iteration: Optional[int] = None,
-                           host: Optional[str] = None, **fields: Any) -> Dict[str, Any]:
+
+def record_attempt_started(
+    run_dir: PathLike,
+    job_id: str,
+    attempt: int,
+    *,
+    iteration: Optional[int] = None,
+    host: Optional[str] = None,
+    **fields: Any,
+) -> Dict[str, Any]:
     """``attempt_started``: training of attempt ``attempt`` of ``job_id`` begins (at ``iteration``)."""
-    return record_event(run_dir, "attempt_started", job_id=str(job_id), attempt=int(attempt), iteration=iteration,
-                        host=host, **fields)
+    return record_event(
+        run_dir, "attempt_started", job_id=str(job_id), attempt=int(attempt), iteration=iteration, host=host, **fields
+    )
 
 
-def record_attempt_ended(run_dir: PathLike, job_id: str, attempt: int, cause: str, *,
-                         iteration: Optional[int] = None, message: str = "", **fields: Any) -> Dict[str, Any]:
+def record_attempt_ended(
+    run_dir: PathLike,
+    job_id: str,
+    attempt: int,
+    cause: str,
+    *,
+    iteration: Optional[int] = None,
+    message: str = "",
+    **fields: Any,
+) -> Dict[str, Any]:
     """``attempt_ended`` with ``cause`` (one of :data:`CAUSES`), the iteration reached and a one-line
     ``message``. Call after winning :func:`claim_attempt_end` so each attempt ends once."""
     if cause not in CAUSES:
         raise ValueError(f"unknown cause {cause!r}; one of {CAUSES}")
-    return record_event(run_dir, "attempt_ended", job_id=str(job_id), attempt=int(attempt), cause=cause,
-                        iteration=iteration, message=message, **fields)
+    return record_event(
+        run_dir,
+        "attempt_ended",
+        job_id=str(job_id),
+        attempt=int(attempt),
+        cause=cause,
+        iteration=iteration,
+        message=message,
+        **fields,
+    )
 
 
 def _marker(run_dir: PathLike, job_id: str, attempt: int) -> Path:
@@ -184,8 +229,14 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
 
     for rec in records:
         event, job_id = rec.get("event"), str(rec.get("job_id"))
-        if event not in ("submitted", "attempt_started", "attempt_ended", "requeue_decision", "restart_decision",
-                         "restart_resumed"):
+        if event not in (
+            "submitted",
+            "attempt_started",
+            "attempt_ended",
+            "requeue_decision",
+            "restart_decision",
+            "restart_resumed",
+        ):
             continue
         key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
         a = current.get(key)
@@ -226,8 +277,9 @@ def count_ended(records: Iterable[Dict[str, Any]], job_id: str, causes: Iterable
     return sum(1 for a in attempts(records) if a.job_id == str(job_id) and a.cause in wanted)
 
 
-def history_for_manifest(run_dir: PathLike, iteration: int, train_iters: int,
-                         current: Optional[Tuple[str, int]] = None) -> List[Dict[str, Any]]:
+def history_for_manifest(
+    run_dir: PathLike, iteration: int, train_iters: int, current: Optional[Tuple[str, int]] = None
+) -> List[Dict[str, Any]]:
     """The run's attempts as plain dicts, for a checkpoint manifest saved at ``iteration``.
 
     The attempt saving it (``current``, else the latest without an end) reports ``iteration`` and,
@@ -258,6 +310,7 @@ def iterations_lost(items: List[Attempt]) -> int:
 
 def format_attempts(items: List[Attempt]) -> List[str]:
     """One line per attempt: ``job 123 #0  08:01:02-08:03:10  timeout  iteration 131  (message)``."""
+
     def clock(t: Optional[float]) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
 

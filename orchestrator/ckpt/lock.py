@@ -50,9 +50,15 @@ class RunLock:
     def _me(self) -> dict:
         import psutil
 
-        return {"pid": os.getpid(), "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "create_time": psutil.Process().create_time(),
-                "token": uuid.uuid4().hex, "launch_id": os.environ.get("ORCHESTRATOR_JOB_ID")}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "create_time": psutil.Process().create_time(),
+            "token": uuid.uuid4().hex,
+            "launch_id": os.environ.get("ORCHESTRATOR_JOB_ID"),
+        }
 
     def stale_reason(self, holder: dict) -> Optional[str]:
         """Why ``holder`` is dead, or None when it may be alive.
@@ -83,8 +89,9 @@ class RunLock:
             return f"earlier attempt of this SLURM job {job} (requeued)"
         if job and shutil.which("squeue"):
             try:
-                r = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True,
-                                   timeout=15)
+                r = subprocess.run(
+                    ["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=15
+                )
             except (OSError, subprocess.SubprocessError):
                 return pid_gone
             if (r.returncode == 0 and not r.stdout.strip()) or "Invalid job id" in r.stderr:
@@ -97,7 +104,8 @@ class RunLock:
         return RunLockedError(
             f"run.dir: {self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
             f"{holder.get('host')}, SLURM job {holder.get('job_id') or '-'}, since {holder.get('started')}); "
-            f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}")
+            f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}"
+        )
 
     def probe(self) -> None:
         """Raise RunLockedError naming the holder when a live run holds the lock; take nothing."""

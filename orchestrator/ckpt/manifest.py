@@ -51,9 +51,21 @@ SMALL_FILE_BYTES = 1 << 20
 """Files up to this size whose hash is recorded are re-hashed by every (cheap) verification."""
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVTE_", "GLOO_", "UCX_", "FI_", "ORCHESTRATOR_")
-_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "OMP_NUM_THREADS", "TP_SOCKET_IFNAME",
-              "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
-              "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
+_ENV_NAMES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "TP_SOCKET_IFNAME",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_RESTART_COUNT",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+)
 _SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$", re.I)
 
 
@@ -87,8 +99,9 @@ def collect_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     Variables whose names look like secrets (TOKEN, SECRET, PASSWORD, *_KEY) are never recorded.
     """
     env = os.environ if environ is None else environ
-    return {k: env[k] for k in sorted(env)
-            if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and not _SECRET_RE.search(k)}
+    return {
+        k: env[k] for k in sorted(env) if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and not _SECRET_RE.search(k)
+    }
 
 
 def _hash_file(path: Path) -> str:
@@ -171,8 +184,9 @@ def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "size") -> dict
         "count": len(files),
         "bytes": sum(sizes),
         "sha256": hashlib.sha256(lines.encode()).hexdigest(),
-        "entries": [{"path": rel, "size": size, **({"sha256": h} if h else {})}
-                    for rel, size, h in zip(files, sizes, hashes)],
+        "entries": [
+            {"path": rel, "size": size, **({"sha256": h} if h else {})} for rel, size, h in zip(files, sizes, hashes)
+        ],
     }
 
 
@@ -182,13 +196,28 @@ def _canonical(manifest: dict) -> bytes:
 
 
 # ---- build / write / read ---------------------------------------------------------
-def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, consumed_samples: int,
-                   checkpoint_dir: str, vocab_size: int, padded_vocab_size: int, tokenizer: dict, data: dict,
-                   versions: Optional[dict] = None, env: Optional[dict] = None, origin: Optional[dict] = None,
-                   rng_and_data_state: Optional[dict] = None, digest: Optional[str] = None,
-                   hosts: Optional[List[str]] = None,
-                   history: Optional[list] = None, save: Optional[dict] = None,
-                   megatron: Optional[dict] = None, link_check: Optional[dict] = None) -> dict:
+def build_manifest(
+    cfg: JobConfig,
+    layout: ParallelLayout,
+    *,
+    iteration: int,
+    consumed_samples: int,
+    checkpoint_dir: str,
+    vocab_size: int,
+    padded_vocab_size: int,
+    tokenizer: dict,
+    data: dict,
+    versions: Optional[dict] = None,
+    env: Optional[dict] = None,
+    origin: Optional[dict] = None,
+    rng_and_data_state: Optional[dict] = None,
+    digest: Optional[str] = None,
+    hosts: Optional[List[str]] = None,
+    history: Optional[list] = None,
+    save: Optional[dict] = None,
+    megatron: Optional[dict] = None,
+    link_check: Optional[dict] = None,
+) -> dict:
     """The manifest of the checkpoint already saved in ``checkpoint_dir`` (files are digested now).
 
     ``tokenizer``: identity of the tokenizer (e.g. ``{"type": "byte", "vocab_size": 257}`` or a
@@ -216,27 +245,45 @@ def build_manifest(cfg: JobConfig, layout: ParallelLayout, *, iteration: int, co
         "hosts": list(hosts) if hosts is not None else None,
         "layout": layout.as_dict(),
         "model": {
-            "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads,
             "num_query_groups": m.num_query_groups or m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size or 4 * m.hidden_size,
-            "seq_length": m.seq_length, "max_position_embeddings": m.max_position_embeddings,
-            "vocab_size": int(vocab_size), "padded_vocab_size": int(padded_vocab_size),
+            "seq_length": m.seq_length,
+            "max_position_embeddings": m.max_position_embeddings,
+            "vocab_size": int(vocab_size),
+            "padded_vocab_size": int(padded_vocab_size),
             "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-            "position_embedding_type": m.position_embedding_type, "normalization": m.normalization,
-            "activation": m.activation, "add_bias_linear": m.add_bias_linear,
+            "position_embedding_type": m.position_embedding_type,
+            "normalization": m.normalization,
+            "activation": m.activation,
+            "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
             "num_moe_experts": m.num_moe_experts,
             # the layer spec that ran: the job resolves "auto" before it saves (runtime.model.layer_spec)
             "transformer_impl": None if m.transformer_impl == "auto" else m.transformer_impl,
         },
         "tokenizer": {"spec": d.tokenizer, **tokenizer},
-        "data": {"kind": d.kind, "paths": list(d.paths), "weights": d.weights, "split": d.split,
-                 "fingerprint": None, **data},
-        "batch": {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-                  "num_microbatches": layout.num_microbatches},
-        "checkpoint": {"format": CHECKPOINT_FORMAT, "optimizer": o.name,
-                       "distributed_optimizer": o.use_distributed_optimizer, "precision": t.precision},
+        "data": {
+            "kind": d.kind,
+            "paths": list(d.paths),
+            "weights": d.weights,
+            "split": d.split,
+            "fingerprint": None,
+            **data,
+        },
+        "batch": {
+            "micro_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size,
+            "num_microbatches": layout.num_microbatches,
+        },
+        "checkpoint": {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": o.name,
+            "distributed_optimizer": o.use_distributed_optimizer,
+            "precision": t.precision,
+        },
         "versions": {**collect_versions(), **(versions or {})},
         "env": {**collect_env(), **(env or {})},
         "origin": origin,
@@ -277,8 +324,10 @@ def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True, deep
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ManifestError(f"{path}: no manifest — the save into {directory} never finished (torn checkpoint); "
-                            f"fix: resume from an earlier checkpoint (they are found automatically)") from None
+        raise ManifestError(
+            f"{path}: no manifest — the save into {directory} never finished (torn checkpoint); "
+            f"fix: resume from an earlier checkpoint (they are found automatically)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: cannot read the manifest ({exc})") from None
     try:
@@ -288,12 +337,16 @@ def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True, deep
         raise ManifestError(f"{path}: manifest is {what} ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ManifestError(f"{path}: foreign manifest (schema {found!r}, expected {SCHEMA!r}); "
-                            f"it was not written by this version of orchestrator")
+        raise ManifestError(
+            f"{path}: foreign manifest (schema {found!r}, expected {SCHEMA!r}); "
+            f"it was not written by this version of orchestrator"
+        )
     recorded = manifest.get("manifest_sha256")
     if recorded != hashlib.sha256(_canonical(manifest)).hexdigest():
-        raise ManifestError(f"{path}: manifest content does not match its manifest_sha256 "
-                            f"(hand-edited or damaged); fix: restore it, or move {directory} aside")
+        raise ManifestError(
+            f"{path}: manifest content does not match its manifest_sha256 "
+            f"(hand-edited or damaged); fix: restore it, or move {directory} aside"
+        )
     if verify or deep:
         _verify_files(directory, manifest, deep)
     return manifest
@@ -306,17 +359,25 @@ def _verify_files(directory: Path, manifest: dict, deep: bool = False) -> None:
     problems = [f"missing {p}" for p in sorted(old.keys() - sizes.keys())]
     problems += [f"unexpected {p}" for p in sorted(sizes.keys() - old.keys())]
     same_size = sorted(p for p in old.keys() & sizes.keys() if old[p]["size"] == sizes[p])
-    problems += [f"changed {p} (size {old[p]['size']} -> {sizes[p]})"
-                 for p in sorted(old.keys() & sizes.keys()) if old[p]["size"] != sizes[p]]
-    check = [p for p in same_size if "sha256" in old[p]
-             and (deep or p in METADATA_FILES or old[p]["size"] <= SMALL_FILE_BYTES)]
+    problems += [
+        f"changed {p} (size {old[p]['size']} -> {sizes[p]})"
+        for p in sorted(old.keys() & sizes.keys())
+        if old[p]["size"] != sizes[p]
+    ]
+    check = [
+        p
+        for p in same_size
+        if "sha256" in old[p] and (deep or p in METADATA_FILES or old[p]["size"] <= SMALL_FILE_BYTES)
+    ]
     hashes = hash_files(directory, check, use_known=False)
     problems += [f"changed {p} (content)" for p in check if hashes[p] != old[p]["sha256"]]
     if not problems:
         return
     shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
-    raise ManifestError(f"{directory}: checkpoint files do not match the manifest digest "
-                        f"({shown or 'digest differs'}); refusing to resume from it")
+    raise ManifestError(
+        f"{directory}: checkpoint files do not match the manifest digest "
+        f"({shown or 'digest differs'}); refusing to resume from it"
+    )
 
 
 # ---- discovery ----------------------------------------------------------------------
@@ -345,9 +406,12 @@ def inspect_checkpoint(path: "str | os.PathLike", verify: bool = True, deep: boo
     except ManifestError as exc:
         return CheckpointInfo(iteration, path, "corrupt", str(exc))
     if match and manifest.get("iteration") != iteration:
-        return CheckpointInfo(iteration, path, "corrupt",
-                              f"{path / MANIFEST_NAME}: records iteration {manifest.get('iteration')}, "
-                              f"directory says {iteration}")
+        return CheckpointInfo(
+            iteration,
+            path,
+            "corrupt",
+            f"{path / MANIFEST_NAME}: records iteration {manifest.get('iteration')}, directory says {iteration}",
+        )
     return CheckpointInfo(iteration, path, "complete", None, manifest)
 
 
@@ -363,8 +427,10 @@ def _iter_dirs(save_dir: "str | os.PathLike") -> List[Path]:
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and _ITER_RE.match(p.name)),
-                  key=lambda p: int(_ITER_RE.match(p.name).group(1)))
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and _ITER_RE.match(p.name)),
+        key=lambda p: int(_ITER_RE.match(p.name).group(1)),
+    )
 
 
 def list_checkpoints(save_dir: "str | os.PathLike", verify: bool = True, deep: bool = False) -> List[CheckpointInfo]:
@@ -372,8 +438,13 @@ def list_checkpoints(save_dir: "str | os.PathLike", verify: bool = True, deep: b
     return [inspect_checkpoint(p, verify, deep) for p in _iter_dirs(save_dir)]
 
 
-def latest_complete(save_dir: "str | os.PathLike", warn: Optional[Callable[[str], None]] = None, *,
-                    verify: bool = True, skip_corrupt: bool = True) -> Optional[CheckpointInfo]:
+def latest_complete(
+    save_dir: "str | os.PathLike",
+    warn: Optional[Callable[[str], None]] = None,
+    *,
+    verify: bool = True,
+    skip_corrupt: bool = True,
+) -> Optional[CheckpointInfo]:
     """The newest checkpoint whose manifest exists and verifies; ``None`` when there is none.
 
     Newer torn saves are skipped with a warning naming them (nothing is deleted). A newer
@@ -386,8 +457,10 @@ def latest_complete(save_dir: "str | os.PathLike", warn: Optional[Callable[[str]
         if info.status == "complete":
             return info
         if info.status == "corrupt" and not skip_corrupt:
-            raise ManifestError(f"{info.reason}\nfix: restore {path}, or move it aside "
-                                f"(mv {path} {path}.bad) to resume from the previous complete checkpoint")
+            raise ManifestError(
+                f"{info.reason}\nfix: restore {path}, or move it aside "
+                f"(mv {path} {path}.bad) to resume from the previous complete checkpoint"
+            )
         warn(f"skipping {info.status} checkpoint {path}: {info.reason}")
     return None
 

@@ -34,8 +34,11 @@ def check_megatron_config(manifest: dict, requested: dict, where: str, warn: Cal
         raise ResumeMismatchError(
             f"cannot resume from {where}: the requested megatron config computes differently from the "
             f"checkpoint's ({', '.join(k for k, _, _ in math)}); fix: restore the settings that produced them, "
-            f"or start a new run.name\n{format_mismatch_table(rows)}")
+            f"or start a new run.name\n{format_mismatch_table(rows)}"
+        )
     if perf:
-        warn(f"resuming from {where} with megatron config changes that leave the model's function as it was "
-             "(speed, or optimizer settings): " + ", ".join(f"{k} {a} -> {b}" for k, a, b in perf))
+        warn(
+            f"resuming from {where} with megatron config changes that leave the model's function as it was "
+            "(speed, or optimizer settings): " + ", ".join(f"{k} {a} -> {b}" for k, a, b in perf)
+        )
     return perf or None

@@ -74,30 +74,64 @@ _LAYOUT = [  # manifest["layout"] key, Hydra key, kind
     ("expert_model_parallel_size", "parallelism.expert_model_parallel_size", REFUSE),
 ]
 _REFUSE_KEYS = {
-    *(f"model.{k}" for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                             "ffn_hidden_size", "seq_length", "max_position_embeddings", "position_embedding_type",
-                             "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
-                             "num_moe_experts")),
+    *(
+        f"model.{k}"
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "seq_length",
+            "max_position_embeddings",
+            "position_embedding_type",
+            "normalization",
+            "activation",
+            "add_bias_linear",
+            "untie_embeddings_and_output_weights",
+            "num_moe_experts",
+        )
+    ),
     *(f"data.{k}" for k in ("kind", "paths", "weights", "split", "json_key", "tokenizer", "stdlib_max_mb")),
-    "optimizer.name", "optimizer.use_distributed_optimizer", "training.precision",
+    "optimizer.name",
+    "optimizer.use_distributed_optimizer",
+    "training.precision",
 }
 _RESHARD_KEYS = {"training.global_batch_size"}
 _IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.", "logging.")
-_IGNORE_KEYS = {"plan", "dry_run", "gpu", "data.cache_dir", "data.name", "model.name", "training.name",
-                "training.log_interval", "training.timing_warmup_iters",
-                "training.exit_after_iters", "training.distributed_timeout_minutes",
-                "training.eval_interval", "training.eval_iters",
-                "model.make_vocab_size_divisible_by", "model.vocab_size",  # judged by the (padded) vocab
-                "model.transformer_impl"}  # judged by what it resolved to (_layer_spec_mismatch)
+_IGNORE_KEYS = {
+    "plan",
+    "dry_run",
+    "gpu",
+    "data.cache_dir",
+    "data.name",
+    "model.name",
+    "training.name",
+    "training.log_interval",
+    "training.timing_warmup_iters",
+    "training.exit_after_iters",
+    "training.distributed_timeout_minutes",
+    "training.eval_interval",
+    "training.eval_iters",
+    "model.make_vocab_size_divisible_by",
+    "model.vocab_size",  # judged by the (padded) vocab
+    "model.transformer_impl",
+}  # judged by what it resolved to (_layer_spec_mismatch)
 _NOTES = {
     "training.global_batch_size": "changes tokens per step and the meaning of the LR schedule; "
-                                  "consumed_samples carries the data position",
+    "consumed_samples carries the data position",
     "training.seed": "the dataset shuffle order depends on the seed",
     "data.tokenizer": "token ids would mean different things",
     "optimizer.use_distributed_optimizer": "optimizer state layouts differ; checkpoint.init_from loads weights only",
 }
-_SCHEDULE_KEYS = {"optimizer.lr", "optimizer.min_lr", "optimizer.lr_decay_style", "optimizer.lr_warmup_iters",
-                  "optimizer.lr_decay_iters", "training.train_iters"}
+_SCHEDULE_KEYS = {
+    "optimizer.lr",
+    "optimizer.min_lr",
+    "optimizer.lr_decay_style",
+    "optimizer.lr_warmup_iters",
+    "optimizer.lr_decay_iters",
+    "training.train_iters",
+}
 """The config's LR schedule wins on resume (spec.schedule): the first changed key says what follows."""
 
 
@@ -128,9 +162,12 @@ def hydra_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, str) and (value == "" or any(c in value for c in " ,=[]{}()'\"\\:$*?~")
-                                   or value.lower() in ("true", "false", "null", "inf", "nan")
-                                   or re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", value, re.I)):
+    if isinstance(value, str) and (
+        value == ""
+        or any(c in value for c in " ,=[]{}()'\"\\:$*?~")
+        or value.lower() in ("true", "false", "null", "inf", "nan")
+        or re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", value, re.I)
+    ):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return str(value)
 
@@ -172,11 +209,23 @@ def _layer_spec_mismatch(manifest: dict, cfg: JobConfig) -> Optional[Mismatch]:
     if req is None or ck == req:
         return None
     if ck is None:
-        return Mismatch("model.transformer_impl", "unrecorded", req, None, WARN,
-                        "the checkpoint did not record which layer spec its GPU job resolved auto to; make sure it was " + req)
-    return Mismatch("model.transformer_impl", ck, req, f"model.transformer_impl={ck}", REFUSE,
-                    f"the checkpoint was trained with the {ck} layer spec; loading it into {req} is not "
-                    "verified (their parameter names and extra state differ)")
+        return Mismatch(
+            "model.transformer_impl",
+            "unrecorded",
+            req,
+            None,
+            WARN,
+            "the checkpoint did not record which layer spec its GPU job resolved auto to; make sure it was " + req,
+        )
+    return Mismatch(
+        "model.transformer_impl",
+        ck,
+        req,
+        f"model.transformer_impl={ck}",
+        REFUSE,
+        f"the checkpoint was trained with the {ck} layer spec; loading it into {req} is not "
+        "verified (their parameter names and extra state differ)",
+    )
 
 
 GROUP_NAMES = ("optimizer.name",)
@@ -189,8 +238,9 @@ def _kind(key: str) -> Optional[str]:
     return REFUSE if key in _REFUSE_KEYS else RESHARD if key in _RESHARD_KEYS else WARN
 
 
-def _vocab_mismatches(manifest: dict, cfg: JobConfig, layout: ParallelLayout,
-                      tokenizer: Optional[dict]) -> List[Mismatch]:
+def _vocab_mismatches(
+    manifest: dict, cfg: JobConfig, layout: ParallelLayout, tokenizer: Optional[dict]
+) -> List[Mismatch]:
     """The vocabulary and its padding (megatron pads to a multiple of make_vocab_size_divisible_by x TP)."""
     out: List[Mismatch] = []
     model = manifest.get("model") or {}
@@ -198,26 +248,57 @@ def _vocab_mismatches(manifest: dict, cfg: JobConfig, layout: ParallelLayout,
     req_vocab = model_vocab_size(cfg, tokenizer["vocab_size"])[0] if (tokenizer or {}).get("vocab_size") else vocab
     if vocab is not None and req_vocab != vocab:
         out.append(Mismatch("model.vocab_size", vocab, req_vocab, None, REFUSE, "the tokenizer's vocabulary changed"))
-    ck_div, div, tp = model.get("make_vocab_size_divisible_by"), cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
+    ck_div, div, tp = (
+        model.get("make_vocab_size_divisible_by"),
+        cfg.model.make_vocab_size_divisible_by,
+        layout.tensor_model_parallel_size,
+    )
     ck_pad = model.get("padded_vocab_size")
     if vocab is not None and ck_pad is not None:
         pad = padded_vocab_size(req_vocab, div, tp)
         if ck_div != div:
-            out.append(Mismatch("model.make_vocab_size_divisible_by", ck_div, div,
-                                f"model.make_vocab_size_divisible_by={hydra_value(ck_div)}", REFUSE if pad != ck_pad else WARN,
-                                f"padded vocab {ck_pad} -> {pad}" if pad != ck_pad else "padded vocab unchanged"))
+            out.append(
+                Mismatch(
+                    "model.make_vocab_size_divisible_by",
+                    ck_div,
+                    div,
+                    f"model.make_vocab_size_divisible_by={hydra_value(ck_div)}",
+                    REFUSE if pad != ck_pad else WARN,
+                    f"padded vocab {ck_pad} -> {pad}" if pad != ck_pad else "padded vocab unchanged",
+                )
+            )
         if pad != ck_pad:
-            keep = [d for d in range(ck_pad // tp, 0, -1)
-                    if ck_pad % tp == 0 and padded_vocab_size(req_vocab, d, tp) == ck_pad][:1]
-            hint = (f"; to keep TP={tp} set model.make_vocab_size_divisible_by={keep[0]}" if keep else
-                    f"; no make_vocab_size_divisible_by gives {ck_pad} at TP={tp}")
-            out.append(Mismatch("model.padded_vocab_size", ck_pad, pad, None, REFUSE,
-                                f"ceil({req_vocab} / ({div} x TP {tp})) x {div * tp} = {pad}" + hint))
+            keep = [
+                d
+                for d in range(ck_pad // tp, 0, -1)
+                if ck_pad % tp == 0 and padded_vocab_size(req_vocab, d, tp) == ck_pad
+            ][:1]
+            hint = (
+                f"; to keep TP={tp} set model.make_vocab_size_divisible_by={keep[0]}"
+                if keep
+                else f"; no make_vocab_size_divisible_by gives {ck_pad} at TP={tp}"
+            )
+            out.append(
+                Mismatch(
+                    "model.padded_vocab_size",
+                    ck_pad,
+                    pad,
+                    None,
+                    REFUSE,
+                    f"ceil({req_vocab} / ({div} x TP {tp})) x {div * tp} = {pad}" + hint,
+                )
+            )
     return out
 
 
-def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optional[str],
-            tokenizer: Optional[dict]) -> List[Mismatch]:
+def compare(
+    manifest: dict,
+    cfg: JobConfig,
+    layout: ParallelLayout,
+    *,
+    data_fingerprint: Optional[str],
+    tokenizer: Optional[dict],
+) -> List[Mismatch]:
     """Every difference between ``manifest`` and the requested run, in table order.
 
     ``data_fingerprint``/``tokenizer``: the requested data content fingerprint and tokenizer
@@ -229,8 +310,9 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     ck_layout, req_layout = manifest["layout"], layout.as_dict()
     for name, key, kind in _LAYOUT:
         if ck_layout.get(name) != req_layout[name]:
-            out.append(Mismatch(key, ck_layout.get(name), req_layout[name],
-                                f"{key}={hydra_value(ck_layout.get(name))}", kind))
+            out.append(
+                Mismatch(key, ck_layout.get(name), req_layout[name], f"{key}={hydra_value(ck_layout.get(name))}", kind)
+            )
     ck_world, world = ck_layout.get("world_size"), layout.world_size
     if ck_world != world:
         c = cfg.cluster
@@ -254,7 +336,7 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
             note, described = lr_schedule(cfg).describe(int(manifest.get("iteration") or 0) + 1), True
         if key == "training.global_batch_size":
             note += f" (checkpoint consumed {manifest.get('consumed_samples')} samples)"
-        group = key[:-len(".name")] if key in GROUP_NAMES else None  # the option the user picks: optimizer=adam
+        group = key[: -len(".name")] if key in GROUP_NAMES else None  # the option the user picks: optimizer=adam
         fix = f"{group}={ck_cfg.get(key)}" if group else f"{key}={hydra_value(ck_cfg.get(key))}"
         out.append(Mismatch(key, ck_cfg.get(key), req_cfg.get(key), fix, kind, note))
     # 3. vocab: megatron pads to a multiple of make_vocab_size_divisible_by x TP
@@ -263,12 +345,28 @@ def compare(manifest: dict, cfg: JobConfig, layout: ParallelLayout, *, data_fing
     ck_tok = manifest.get("tokenizer") or {}
     for k in sorted(set(ck_tok) | set(tokenizer or {})) if tokenizer is not None else []:
         if k not in ("spec", "vocab_size") and ck_tok.get(k) != tokenizer.get(k):
-            out.append(Mismatch(f"tokenizer.{k}", ck_tok.get(k), tokenizer.get(k), None, REFUSE,
-                                "tokenizer identity differs; restore the checkpoint's tokenizer"))
+            out.append(
+                Mismatch(
+                    f"tokenizer.{k}",
+                    ck_tok.get(k),
+                    tokenizer.get(k),
+                    None,
+                    REFUSE,
+                    "tokenizer identity differs; restore the checkpoint's tokenizer",
+                )
+            )
     ck_fp = (manifest.get("data") or {}).get("fingerprint")
     if data_fingerprint is not None and ck_fp is not None and ck_fp != data_fingerprint:
-        out.append(Mismatch("data.fingerprint", ck_fp, data_fingerprint, None, REFUSE,
-                            "the data's content changed since the checkpoint; restore it or start a new run"))
+        out.append(
+            Mismatch(
+                "data.fingerprint",
+                ck_fp,
+                data_fingerprint,
+                None,
+                REFUSE,
+                "the data's content changed since the checkpoint; restore it or start a new run",
+            )
+        )
     spec = _layer_spec_mismatch(manifest, cfg)
     if spec is not None:
         out.append(spec)
@@ -298,10 +396,16 @@ def _version_mismatch(dist: str, saved: Optional[str], running: Optional[str]) -
     """
     old, new = _release_line(saved), _release_line(running)
     if dist == "megatron-core" and old and new and new < old:
-        return Mismatch(f"{VERSIONS}{dist}", saved, running, None, REFUSE,
-                        f"saved by megatron-core {saved}, which this megatron-core {running} cannot load (a "
-                        f"checkpoint loads under its own release line or a newer one); fix: run with "
-                        f"megatron-core>={old[0]}.{old[1]}, or start a new run")
+        return Mismatch(
+            f"{VERSIONS}{dist}",
+            saved,
+            running,
+            None,
+            REFUSE,
+            f"saved by megatron-core {saved}, which this megatron-core {running} cannot load (a "
+            f"checkpoint loads under its own release line or a newer one); fix: run with "
+            f"megatron-core>={old[0]}.{old[1]}, or start a new run",
+        )
     return Mismatch(f"{VERSIONS}{dist}", saved, running, None, WARN)
 
 
@@ -316,6 +420,7 @@ def blocking(mismatches: List[Mismatch], allow_reshard: bool) -> List[Mismatch]:
 
 def format_mismatch_table(mismatches: List[Mismatch]) -> str:
     """key | checkpoint | requested | resume, then the overrides that would match the checkpoint."""
+
     def cell(v: object) -> str:
         s = hydra_value(v) if not isinstance(v, str) else v
         return s if len(s) <= 40 else s[:37] + "..."
@@ -332,14 +437,22 @@ def format_mismatch_table(mismatches: List[Mismatch]) -> str:
         lines.append("to match the checkpoint, add these overrides:")
         lines.append("  " + " ".join(overrides))
     if any(m.kind == RESHARD for m in mismatches) and not any(m.kind == REFUSE for m in mismatches):
-        lines.append("or keep the new values with checkpoint.allow_reshard=true (torch_dist reshards model "
-                     "weights and optimizer state over TP/PP/VPP/DP)")
+        lines.append(
+            "or keep the new values with checkpoint.allow_reshard=true (torch_dist reshards model "
+            "weights and optimizer state over TP/PP/VPP/DP)"
+        )
     return "\n".join(lines)
 
 
-def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optional[str] = None,
-              tokenizer: Optional[dict] = None, warn: Optional[Callable[[str], None]] = None,
-              verify: bool = True) -> Optional[CheckpointInfo]:
+def preflight(
+    cfg: JobConfig,
+    layout: ParallelLayout,
+    *,
+    data_fingerprint: Optional[str] = None,
+    tokenizer: Optional[dict] = None,
+    warn: Optional[Callable[[str], None]] = None,
+    verify: bool = True,
+) -> Optional[CheckpointInfo]:
     """The checkpoint this run will resume from (None: start fresh), or raise ResumeMismatchError.
 
     Looks in ``<run.dir>/checkpoints``. Torn saves are skipped with a warning; a corrupt newest
@@ -354,7 +467,8 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
             raise ResumeMismatchError(
                 f"{save_dir} already holds checkpoints ({existing[0].name} .. {existing[-1].name}) and "
                 f"checkpoint.auto_resume=false would train from scratch over them; fix: checkpoint.auto_resume=true "
-                f"to resume, or another run.name / run.dir (checkpoint.init_from=<dir> loads weights only)")
+                f"to resume, or another run.name / run.dir (checkpoint.init_from=<dir> loads weights only)"
+            )
         return None
     info = latest_complete(save_dir, warn, verify=verify, skip_corrupt=False)
     if info is None:
@@ -363,14 +477,21 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
     refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
     if refused:
         only_reshard = all(m.kind == RESHARD for m in refused)
-        why = ("differs in ways torch_dist can reshard; opt in with checkpoint.allow_reshard=true, or match it"
-               if only_reshard else "differs in ways a resume cannot carry")
-        raise ResumeMismatchError(f"cannot resume from {info.path} (iteration {info.iteration}): the requested "
-                                  f"run {why}\n{format_mismatch_table(mismatches)}")
+        why = (
+            "differs in ways torch_dist can reshard; opt in with checkpoint.allow_reshard=true, or match it"
+            if only_reshard
+            else "differs in ways a resume cannot carry"
+        )
+        raise ResumeMismatchError(
+            f"cannot resume from {info.path} (iteration {info.iteration}): the requested "
+            f"run {why}\n{format_mismatch_table(mismatches)}"
+        )
     versions = [m for m in mismatches if m.key.startswith(VERSIONS) and m.kind == WARN]
     if versions:  # one line: an upgrade mid-run is expected; the next manifest's origin keeps the old ones
-        warn(f"versions changed since {info.path.name}: " + ", ".join(
-            f"{m.key[len(VERSIONS):]} {m.checkpoint} -> {m.requested}" for m in versions))
+        warn(
+            f"versions changed since {info.path.name}: "
+            + ", ".join(f"{m.key[len(VERSIONS) :]} {m.checkpoint} -> {m.requested}" for m in versions)
+        )
     others = [m for m in mismatches if m not in versions]
     if others:
         warn(f"resuming from {info.path} with changes:\n{format_mismatch_table(others)}")
@@ -379,7 +500,8 @@ def preflight(cfg: JobConfig, layout: ParallelLayout, *, data_fingerprint: Optio
 
 
 INIT_SHAPE_KEYS = {k for k in _REFUSE_KEYS if k.startswith("model.") and k != "model.seq_length"} | {
-    "model.padded_vocab_size"}
+    "model.padded_vocab_size"
+}
 """What ``checkpoint.init_from``'s weights must match to load (their shapes); the layout may differ."""
 
 
@@ -388,18 +510,24 @@ def init_from_refusal(manifest: dict, cfg: JobConfig, layout: ParallelLayout) ->
     bad = [m for m in compare(manifest, cfg, layout, data_fingerprint=None, tokenizer=None) if m.key in INIT_SHAPE_KEYS]
     if not bad:
         return None
-    return (f"checkpoint.init_from={cfg.checkpoint.init_from}: its weights do not fit the requested model "
-            f"({', '.join(m.key for m in bad)} differ); fix: the matching model overrides below, or a checkpoint "
-            f"of this model\n{format_mismatch_table(bad)}")
+    return (
+        f"checkpoint.init_from={cfg.checkpoint.init_from}: its weights do not fit the requested model "
+        f"({', '.join(m.key for m in bad)} differ); fix: the matching model overrides below, or a checkpoint "
+        f"of this model\n{format_mismatch_table(bad)}"
+    )
 
 
 def origin_of(info: CheckpointInfo) -> dict:
     """The ``origin`` entry for manifests written by a run resumed from ``info``."""
     resharded = {m.key: [m.checkpoint, m.requested] for m in info.mismatches if m.kind == RESHARD}
     changed = any(m.key.startswith(VERSIONS) for m in info.mismatches)
-    return {"resumed_from": str(info.path), "iteration": info.iteration, "resharded": resharded,
-            "from_layout": (info.manifest or {}).get("layout") if resharded else None,
-            "from_versions": (info.manifest or {}).get("versions") if changed else None}
+    return {
+        "resumed_from": str(info.path),
+        "iteration": info.iteration,
+        "resharded": resharded,
+        "from_layout": (info.manifest or {}).get("layout") if resharded else None,
+        "from_versions": (info.manifest or {}).get("versions") if changed else None,
+    }
 
 
 # ---- run lock -------------------------------------------------------------------------

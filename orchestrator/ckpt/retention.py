@@ -78,7 +78,9 @@ def verdicts(infos: Sequence[CheckpointInfo], keep_last: Optional[int], keep_eve
             continue
         reasons = [f"keep_every={keep_every}"] if keep_every and info.iteration % keep_every == 0 else []
         if info.iteration in newest:
-            reasons.append("keep_last=null (all)" if keep_last is None else f"newest {len(newest)} (keep_last={keep_last})")
+            reasons.append(
+                "keep_last=null (all)" if keep_last is None else f"newest {len(newest)} (keep_last={keep_last})"
+            )
         why = ", ".join(reasons) or f"older than the newest {keep_last} (keep_last={keep_last})"
         out.append(Verdict(info.iteration, info.path, info.status, bool(reasons), why))
     return out
@@ -92,8 +94,13 @@ class Pruner:
     (``checkpoint.save_timeout_s``).
     """
 
-    def __init__(self, save_dir: "str | os.PathLike", keep_last: Optional[int], keep_every: Optional[int],
-                 settle_s: float = 600.0):
+    def __init__(
+        self,
+        save_dir: "str | os.PathLike",
+        keep_last: Optional[int],
+        keep_every: Optional[int],
+        settle_s: float = 600.0,
+    ):
         self.root, self.keep_last, self.keep_every, self.settle_s = Path(save_dir), keep_last, keep_every, settle_s
         self._known: Dict[str, CheckpointInfo] = {}
         self._work: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
@@ -175,6 +182,7 @@ def set_aside_dirs(save_dir: "str | os.PathLike") -> List[Tuple[Path, float]]:
 def set_aside_to_remove(found: Sequence[Tuple[Path, float]], now: float, settle_s: float) -> List[Path]:
     """The cleanup rule for set-aside directories ``(path, last change)``: keep the one set aside last (its
     name's time, then its last change) for diagnosis; remove each other one unchanged for over ``settle_s``."""
+
     def order(item: Tuple[Path, float]) -> Tuple[str, float]:
         match = SET_ASIDE_RE.match(item[0].name)
         return (match.group(2) if match else "", item[1])
@@ -236,5 +244,7 @@ def describe(save_dir: "str | os.PathLike", infos: Sequence[CheckpointInfo]) -> 
     """``manifest list``'s "kept because" column, by the newest complete manifest's own retention settings."""
     newest = next((i for i in reversed(sorted(infos, key=lambda i: i.iteration)) if i.status == "complete"), None)
     ck = ((newest.manifest or {}).get("config") or {}).get("checkpoint", {}) if newest else {}
-    return [v.why if v.keep else f"removed at the next save: {v.why}"
-            for v in verdicts(infos, ck.get("keep_last"), ck.get("keep_every"))]
+    return [
+        v.why if v.keep else f"removed at the next save: {v.why}"
+        for v in verdicts(infos, ck.get("keep_last"), ck.get("keep_every"))
+    ]

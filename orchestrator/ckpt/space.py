@@ -47,7 +47,7 @@ def held_bytes(run_dir: "str | os.PathLike") -> int:
     """Bytes of the complete (manifest-holding) ``iter_*`` checkpoints already in ``<run_dir>/checkpoints``."""
     total = 0
     base = Path(run_dir) / CHECKPOINTS_DIR
-    for ckpt in (base.iterdir() if base.is_dir() else ()):
+    for ckpt in base.iterdir() if base.is_dir() else ():
         if ckpt.name.startswith("iter_") and (ckpt / "manifest.json").is_file():
             total += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     return total
@@ -67,9 +67,11 @@ def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[
         return None
     key = f"checkpoint.keep_last={'null' if c.keep_last is None else c.keep_last}"
     every = f" and checkpoint.keep_every={c.keep_every}" if c.keep_every else ""
-    return (f"{key}: this run keeps up to {held} checkpoints at once{every} (the newest being written while "
-            f"the older ones stay), ~{size_text(per_checkpoint)} each (predicted: {params:,} parameters x "
-            f"{per_checkpoint // max(1, params)} B), so {size_text(need)} more than the {size_text(already)} "
-            f"it holds there, but {mount} has {size_text(free)} free; fix: free space on {mount}, run.root=<a larger "
-            f"filesystem>, a lower checkpoint.keep_last{' or a larger checkpoint.keep_every' if c.keep_every else ''}, or "
-            f"checkpoint.space_check=false")
+    return (
+        f"{key}: this run keeps up to {held} checkpoints at once{every} (the newest being written while "
+        f"the older ones stay), ~{size_text(per_checkpoint)} each (predicted: {params:,} parameters x "
+        f"{per_checkpoint // max(1, params)} B), so {size_text(need)} more than the {size_text(already)} "
+        f"it holds there, but {mount} has {size_text(free)} free; fix: free space on {mount}, run.root=<a larger "
+        f"filesystem>, a lower checkpoint.keep_last{' or a larger checkpoint.keep_every' if c.keep_every else ''}, or "
+        f"checkpoint.space_check=false"
+    )

@@ -34,8 +34,14 @@ def request(run_dir: PathLike, job_id: str, *, by: str, cause: str, now: bool = 
     """Ask job ``job_id`` to stop; ``by``: who asks, in words (``orchestrator stop``, ``SIGTERM to the
     launcher``); ``cause``: the attempt cause the job records (``by request`` or ``interrupted``);
     ``now``: the asker ends the job itself, unsaved (``--now``, a second signal). Written atomically."""
-    record = {"job_id": str(job_id), "by": by, "cause": cause, "now": bool(now), "time": time.time(),
-              "pid": os.getpid()}
+    record = {
+        "job_id": str(job_id),
+        "by": by,
+        "cause": cause,
+        "now": bool(now),
+        "time": time.time(),
+        "pid": os.getpid(),
+    }
     write_atomic(stop_path(run_dir), json.dumps(record) + "\n", fsync=False)
     return record
 

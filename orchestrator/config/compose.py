@@ -75,8 +75,9 @@ def _values(o: Any) -> List[str]:
     return [o.get_value_element_as_str()]
 
 
-def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: bool = False,
-                    searched: List[Path] = ()) -> None:  # type: ignore[assignment]
+def check_overrides(
+    parsed: List[Any], options: Dict[str, List[str]], multirun: bool = False, searched: List[Path] = ()
+) -> None:  # type: ignore[assignment]
     """Refuse, one line each, what the closed schema and ``conf/`` (and the user's config
     directories ``searched`` ahead of it) do not have (ConfigError)."""
     from hydra.core.override_parser.types import OverrideType
@@ -89,50 +90,75 @@ def check_overrides(parsed: List[Any], options: Dict[str, List[str]], multirun: 
         if key == "hydra" or key.startswith("hydra."):
             continue  # Hydra's own settings: Hydra checks them
         if o.is_sweep_override() and not multirun:
-            raise ConfigError(f"{line}: a sweep (several values) needs -m; fix: python -m orchestrator -m ... to run "
-                              f"one job per value, or {key}=[...] for a list value")
+            raise ConfigError(
+                f"{line}: a sweep (several values) needs -m; fix: python -m orchestrator -m ... to run "
+                f"one job per value, or {key}=[...] for a list value"
+            )
         if key in options:  # a config group
             if o.type == OverrideType.DEL:
-                raise ConfigError(f"{line}: the {key} group cannot be removed; fix: choose another option, "
-                                  f"{key}=<one of {', '.join(options[key])}>")
+                raise ConfigError(
+                    f"{line}: the {key} group cannot be removed; fix: choose another option, "
+                    f"{key}=<one of {', '.join(options[key])}>"
+                )
             if o.value() is None and o.type != OverrideType.DEL:
-                raise ConfigError(f"{line}: a config group needs an option, not null; fix: "
-                                  f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>")
+                raise ConfigError(
+                    f"{line}: a config group needs an option, not null; fix: "
+                    f"{'+' if key == 'experiment' else ''}{key}=<one of {', '.join(options[key])}>"
+                )
             if o.type == OverrideType.FORCE_ADD:
-                raise ConfigError(f"{line}: ++ does not apply to a config group; fix: "
-                                  + shlex.quote(f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}"))
+                raise ConfigError(
+                    f"{line}: ++ does not apply to a config group; fix: "
+                    + shlex.quote(f"{'+' if key == 'experiment' else ''}{line.lstrip('+')}")
+                )
             for value in _values(o) if o.value() is not None else []:
                 if value not in options[key]:
                     raise no_such_option(key, value, options[key], searched)
             if key == "experiment" and o.type == OverrideType.CHANGE:
-                raise ConfigError(f"{line}: experiment is an optional group, added with +; fix: {shlex.quote('+' + line)}")
+                raise ConfigError(
+                    f"{line}: experiment is an optional group, added with +; fix: {shlex.quote('+' + line)}"
+                )
             if key != "experiment" and o.type == OverrideType.ADD:
-                raise ConfigError(f"{line}: {key} is already chosen by the defaults (a + adds a new entry); "
-                                  f"fix: {shlex.quote(line.lstrip('+'))}")
+                raise ConfigError(
+                    f"{line}: {key} is already chosen by the defaults (a + adds a new entry); "
+                    f"fix: {shlex.quote(line.lstrip('+'))}"
+                )
             continue
         if key not in keys and not _under_open_field(key):
             raise unknown_key_error(key, JobConfig, extra=list(options))
         if key in keys and o.type == OverrideType.ADD:
             merge = is_open(key, JobConfig) and isinstance(o.value(), dict)  # new keys into an open mapping: ++
-            raise ConfigError(f"{line}: {key} is already in the config (a + adds a new key); fix: "
-                              + shlex.quote(("++" if merge else "") + line.lstrip("+")))
+            raise ConfigError(
+                f"{line}: {key} is already in the config (a + adds a new key); fix: "
+                + shlex.quote(("++" if merge else "") + line.lstrip("+"))
+            )
         if key in keys and o.type == OverrideType.DEL:
             raise ConfigError(f"{line}: schema keys cannot be removed; fix: {key}=<value> (or null where allowed)")
 
 
-def no_such_option(group: str, value: str, known: List[str], searched: List[Path] = (),  # type: ignore[assignment]
-                   named_in: Optional[Path] = None) -> ConfigError:
+def no_such_option(
+    group: str,
+    value: str,
+    known: List[str],
+    searched: List[Path] = (),  # type: ignore[assignment]
+    named_in: Optional[Path] = None,
+) -> ConfigError:
     """``GROUP=VALUE: no such GROUP in <where it looked>; fix: did you mean ...? one of ...`` (the shipped options
     and the user's own); ``named_in``: the config file whose defaults name it; a ``VALUE.yml`` there is named
     (Hydra reads ``.yaml`` only)."""
     plus = "+" if group == "experiment" and named_in is None else ""
-    stem = Path(value).name[:-len(".yaml")] if value.endswith(".yaml") else Path(value).name  # a path typed
+    stem = Path(value).name[: -len(".yaml")] if value.endswith(".yaml") else Path(value).name  # a path typed
     yml = next((d / group / f"{stem}.yml" for d in searched if (d / group / f"{stem}.yml").is_file()), None)
     best = None if yml else stem if stem in known else did_you_mean(stem, known)
     where_ = f"{where(group, searched)} (named in {named_in})" if named_in else where(group, searched)
-    fix = (f"rename {yml} to {stem}.yaml (Hydra reads .yaml files only); " if yml else
-           f"in that file, did you mean {best}? " if best and named_in else
-           f"did you mean {plus}{group}={best}? " if best else "")
+    fix = (
+        f"rename {yml} to {stem}.yaml (Hydra reads .yaml files only); "
+        if yml
+        else f"in that file, did you mean {best}? "
+        if best and named_in
+        else f"did you mean {plus}{group}={best}? "
+        if best
+        else ""
+    )
     own = " (your own: ./conf/experiment/NAME.yaml, or --config-dir DIR)" if group == "experiment" else ""
     return ConfigError(f"{group}={value}: no such {group} in {where_}; fix: {fix}one of {', '.join(known)}{own}")
 
@@ -156,10 +182,11 @@ def _launcher_error(line: str, parsed: List[Any]) -> ConfigError:
     kept = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra/launcher", "hydra.launcher"))]
     if not any(o.key_or_group == "cluster" for o in parsed):
         kept.append("cluster=slurm")
-    return ConfigError(f"{line}: Hydra's launcher plugins are not used here: -m runs one orchestrator job per "
-                       "point, one after another locally, or all queued at once on SLURM through submitit with "
-                       "cluster=slurm (partition, account, time as cluster.* keys); fix: python -m orchestrator -m "
-                       + shlex.join(kept))
+    return ConfigError(
+        f"{line}: Hydra's launcher plugins are not used here: -m runs one orchestrator job per "
+        "point, one after another locally, or all queued at once on SLURM through submitit with "
+        "cluster=slurm (partition, account, time as cluster.* keys); fix: python -m orchestrator -m " + shlex.join(kept)
+    )
 
 
 def _under_open_field(key: str) -> bool:
@@ -174,13 +201,12 @@ def sweep_checks(overrides: List[str]) -> Iterator[List[str]]:
     misspelt value anywhere in ``a,b,c`` is refused before the first point runs.
     """
     parsed = parse_overrides(overrides)
-    fixed = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}"
-             for o in parsed]
+    fixed = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}" for o in parsed]
     yield fixed
     for i, o in enumerate(parsed):
         if o.is_sweep_override():
             for value in _values(o)[1:]:
-                yield fixed[:i] + [f"{o.get_key_element()}={value}"] + fixed[i + 1:]
+                yield fixed[:i] + [f"{o.get_key_element()}={value}"] + fixed[i + 1 :]
 
 
 def sweep_points(overrides: List[str]) -> Tuple[int, List[str]]:
@@ -195,8 +221,12 @@ def sweep_points(overrides: List[str]) -> Tuple[int, List[str]]:
 
 
 # ---------------------------------------------------------------- Hydra's errors, one line
-def hydra_error(exc: BaseException, searched: List[Path] = (), root: Optional[str] = None,  # type: ignore[assignment]
-                parsed: List[Any] = ()) -> ConfigError:  # type: ignore[assignment]
+def hydra_error(
+    exc: BaseException,
+    searched: List[Path] = (),
+    root: Optional[str] = None,  # type: ignore[assignment]
+    parsed: List[Any] = (),
+) -> ConfigError:  # type: ignore[assignment]
     """One ``<key>: <what>; fix: <how>`` line for any Hydra or OmegaConf exception (``searched``, ``root``,
     ``parsed``: the user's config directories, the composed view and the overrides, when composing)."""
     from hydra.errors import MissingConfigException, OverrideParseException
@@ -210,21 +240,28 @@ def hydra_error(exc: BaseException, searched: List[Path] = (), root: Optional[st
         mark = getattr(exc, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
         what = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or ["not YAML"])[0]
-        return ConfigError(f"{where}: not valid YAML ({what}); fix: correct that file (each key once per "
-                           "mapping, brackets and quotes closed)")
+        return ConfigError(
+            f"{where}: not valid YAML ({what}); fix: correct that file (each key once per "
+            "mapping, brackets and quotes closed)"
+        )
     if isinstance(exc, OverrideParseException):
         what = str(exc.message).strip().splitlines()[0]
-        return ConfigError(f"{exc.override}: not a valid override ({what}); fix: key=value, key=[a,b] for a list, "
-                           "'quoted' values for special characters, +key=value only for new keys")
+        return ConfigError(
+            f"{exc.override}: not a valid override ({what}); fix: key=value, key=[a,b] for a list, "
+            "'quoted' values for special characters, +key=value only for new keys"
+        )
     if isinstance(exc, MissingConfigException):
         missing = str(getattr(exc, "missing_cfg_file", "") or "")
         group, _, option = missing.rpartition("/")
         known = group_options(root).get(group, [])
         if known:  # an option named in a config file's defaults (a user's experiment, usually)
-            return no_such_option(group, option, known, searched, named_in=_naming_file(root, parsed, option)
-                                  if root else None)
-        return ConfigError(f"{group or 'config'}={option or missing}: no such config in {where(group, searched)}; "
-                           "fix: check the defaults list of the config")
+            return no_such_option(
+                group, option, known, searched, named_in=_naming_file(root, parsed, option) if root else None
+            )
+        return ConfigError(
+            f"{group or 'config'}={option or missing}: no such config in {where(group, searched)}; "
+            "fix: check the defaults list of the config"
+        )
     cause: Optional[BaseException] = exc
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__ or cause.__context__
@@ -233,7 +270,9 @@ def hydra_error(exc: BaseException, searched: List[Path] = (), root: Optional[st
     if cause is not None and getattr(cause, "full_key", None):
         key = cause.full_key
         if hint:  # Hydra names the override to type: a new key under an open mapping (cluster.env.X)
-            return ConfigError(f"{key}: not in the config yet (Hydra adds a new key with +, merges a mapping's new keys with ++); fix: {hint}")
+            return ConfigError(
+                f"{key}: not in the config yet (Hydra adds a new key with +, merges a mapping's new keys with ++); fix: {hint}"
+            )
         return omegaconf_error(cause, JobConfig)
     first = lines[0] if lines else type(exc).__name__
     fix = hint or "; ".join(lines[1:3]) or "python -m orchestrator --help"
@@ -247,7 +286,7 @@ def _hydra_hint(message: str) -> Optional[str]:
     use = re.search(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S[^\n]*)", message)
     if use:
         key, typed = use.group(1), use.group(2).strip()
-        merge = typed.startswith(f"{key}=") and typed[len(key) + 1:].lstrip().startswith("{")
+        merge = typed.startswith(f"{key}=") and typed[len(key) + 1 :].lstrip().startswith("{")
         return shlex.quote(("++" if merge else "+") + typed)
     remove = re.search(r"Either remove \+ prefix: '([^']+)'", message)
     return shlex.quote(remove.group(1)) if remove else None
@@ -319,9 +358,14 @@ def _name_run(cfg: Any, parsed: List[Any]) -> None:
         return
     if not any(o.key_or_group == "experiment" and o.type != OverrideType.DEL for o in parsed):
         return
-    chosen = [f"{o.key_or_group}={o.get_value_element_as_str()}" for o in parsed
-              if o.key_or_group in cfg.hydra.runtime.choices and o.key_or_group not in NOT_IN_RUN_NAME
-              and o.type != OverrideType.DEL and "/" not in o.key_or_group]
+    chosen = [
+        f"{o.key_or_group}={o.get_value_element_as_str()}"
+        for o in parsed
+        if o.key_or_group in cfg.hydra.runtime.choices
+        and o.key_or_group not in NOT_IN_RUN_NAME
+        and o.type != OverrideType.DEL
+        and "/" not in o.key_or_group
+    ]
     if chosen:
         cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "-".join([str(cfg.run.name), *chosen]))
 

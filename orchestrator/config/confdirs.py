@@ -57,8 +57,10 @@ def _searchpath_entries(overrides: Sequence[str]) -> List[str]:
             continue
         value = OverridesParser.create().parse_override(line).value()
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{line}: hydra.searchpath takes a list of directories; "
-                              "fix: hydra.searchpath=[file:///path/to/conf] or --config-dir /path/to/conf")
+            raise ConfigError(
+                f"{line}: hydra.searchpath takes a list of directories; "
+                "fix: hydra.searchpath=[file:///path/to/conf] or --config-dir /path/to/conf"
+            )
         out += value
     return out
 
@@ -70,10 +72,12 @@ def user_conf_dirs(overrides: Sequence[str] = ()) -> List[Path]:
     for entry in _searchpath_entries(overrides):
         if entry.startswith("pkg://"):
             continue  # a Python package's configs: Hydra searches it after the view
-        path = Path(entry[len("file://"):] if entry.startswith("file://") else entry).expanduser()
+        path = Path(entry[len("file://") :] if entry.startswith("file://") else entry).expanduser()
         if not path.is_dir():
-            raise ConfigError(f"hydra.searchpath={entry}: no such directory; fix: --config-dir <a directory "
-                              f"holding experiment/NAME.yaml>, e.g. ./{USER_CONF} (searched without a flag)")
+            raise ConfigError(
+                f"hydra.searchpath={entry}: no such directory; fix: --config-dir <a directory "
+                f"holding experiment/NAME.yaml>, e.g. ./{USER_CONF} (searched without a flag)"
+            )
         dirs.append(path.resolve())
     here = user_conf()
     dirs += [here] if here is not None else []
@@ -107,8 +111,9 @@ def with_config_dir_flags(argv: Sequence[str]) -> List[str]:
             out.append(arg)
     if not flagged:
         return out
-    entries = [f if f.startswith(("file://", "pkg://")) else "file://" + str(Path(f).expanduser().absolute())
-               for f in flagged] + _searchpath_entries(out)
+    entries = [
+        f if f.startswith(("file://", "pkg://")) else "file://" + str(Path(f).expanduser().absolute()) for f in flagged
+    ] + _searchpath_entries(out)
     quoted = ["'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in entries]
     rest = [a for a in out if a.lstrip("+").split("=", 1)[0] != "hydra.searchpath"]
     return rest + [f"hydra.searchpath=[{','.join(quoted)}]"]

@@ -60,8 +60,10 @@ def parse_hostfile(text: str, source: str) -> List[Host]:
         for word in words[1:]:
             key, _, value = word.partition("=")
             if key not in ("slots", "max_slots") or not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"cluster.hostfile={source}: line {number} {raw.strip()!r} is not 'HOST [slots=N]'; "
-                                  "fix: one host a line, optionally followed by slots=<processes>")
+                raise ConfigError(
+                    f"cluster.hostfile={source}: line {number} {raw.strip()!r} is not 'HOST [slots=N]'; "
+                    "fix: one host a line, optionally followed by slots=<processes>"
+                )
             if key == "slots":
                 slots = int(value)
         hosts.append(Host(words[0], slots))
@@ -71,26 +73,34 @@ def parse_hostfile(text: str, source: str) -> List[Host]:
 def cluster_hosts(cluster) -> List[Host]:
     """The hosts of ``cluster=hosts``: ``cluster.hosts`` or the lines of ``cluster.hostfile`` (exactly one)."""
     if cluster.hosts and cluster.hostfile:
-        raise ConfigError(f"cluster.hosts={list(cluster.hosts)} and cluster.hostfile={cluster.hostfile}: both set; "
-                          "fix: keep one (cluster.hostfile=null or cluster.hosts=[])")
+        raise ConfigError(
+            f"cluster.hosts={list(cluster.hosts)} and cluster.hostfile={cluster.hostfile}: both set; "
+            "fix: keep one (cluster.hostfile=null or cluster.hosts=[])"
+        )
     if cluster.hostfile:
         path = os.path.expanduser(cluster.hostfile)
         try:
             with open(path, encoding="utf-8") as f:
                 hosts = parse_hostfile(f.read(), cluster.hostfile)
         except OSError as exc:
-            raise ConfigError(f"cluster.hostfile={cluster.hostfile}: cannot be read ({exc.strerror}); "
-                              "fix: the path of a file with one host a line") from None
+            raise ConfigError(
+                f"cluster.hostfile={cluster.hostfile}: cannot be read ({exc.strerror}); "
+                "fix: the path of a file with one host a line"
+            ) from None
     else:
         hosts = [Host(str(h)) for h in cluster.hosts or []]
     if not hosts:
-        raise ConfigError("cluster.hosts=[]: cluster=hosts needs the hosts to run on; "
-                          "fix: cluster.hosts=[node1,node2] or cluster.hostfile=PATH")
+        raise ConfigError(
+            "cluster.hosts=[]: cluster=hosts needs the hosts to run on; "
+            "fix: cluster.hosts=[node1,node2] or cluster.hostfile=PATH"
+        )
     names = [h.name for h in hosts]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ConfigError(f"cluster.hosts: {', '.join(twice)} listed more than once; fix: list each host once "
-                          "(more processes on a host: cluster.tasks_per_node or slots=N)")
+        raise ConfigError(
+            f"cluster.hosts: {', '.join(twice)} listed more than once; fix: list each host once "
+            "(more processes on a host: cluster.tasks_per_node or slots=N)"
+        )
     return hosts
 
 
@@ -105,11 +115,15 @@ def procs_per_node(cluster, hosts: Sequence[Host] = ()) -> int:
     if len(slots) == 1 and None not in slots:
         return int(slots.pop())
     if len(slots) > 1 and None not in slots:
-        raise ConfigError(f"cluster.hostfile: hosts have different slots ({sorted(slots)}); every node runs the "
-                          "same number of ranks; fix: equal slots, or cluster.tasks_per_node=N")
-    raise ConfigError(f"cluster.tasks_per_node=null and cluster.gpus_per_node=0: the processes per node of "
-                      f"cluster.kind={cluster.kind} are unknown; fix: cluster.tasks_per_node=N (CPU ranks) or "
-                      "cluster.gpus_per_node=N (one rank per GPU)")
+        raise ConfigError(
+            f"cluster.hostfile: hosts have different slots ({sorted(slots)}); every node runs the "
+            "same number of ranks; fix: equal slots, or cluster.tasks_per_node=N"
+        )
+    raise ConfigError(
+        f"cluster.tasks_per_node=null and cluster.gpus_per_node=0: the processes per node of "
+        f"cluster.kind={cluster.kind} are unknown; fix: cluster.tasks_per_node=N (CPU ranks) or "
+        "cluster.gpus_per_node=N (one rank per GPU)"
+    )
 
 
 def nodes_world_size(c, needed: int) -> "tuple[int, str]":
@@ -123,18 +137,22 @@ def nodes_world_size(c, needed: int) -> "tuple[int, str]":
         nodes = env.nnodes if env else c.nodes
         said = env.source.split(", ")[1] if env else "cluster.nodes"
         if needed and nodes * procs != needed:
-            raise LayoutError(f"{said}={nodes} nodes x {procs} processes per node = {nodes * procs} ranks, but the "
-                              f"layout needs TP x PP x CP x DP = {needed} (world size {needed}); fix: run on "
-                              f"{max(1, needed // procs)} nodes, or change the layout (parallelism.*)")
+            raise LayoutError(
+                f"{said}={nodes} nodes x {procs} processes per node = {nodes * procs} ranks, but the "
+                f"layout needs TP x PP x CP x DP = {needed} (world size {needed}); fix: run on "
+                f"{max(1, needed // procs)} nodes, or change the layout (parallelism.*)"
+            )
         return nodes * procs, f"nodes x processes per node = {nodes} x {procs}"
     hosts = cluster_hosts(c)
     procs = procs_per_node(c, hosts)
     world = len(hosts) * procs
     if needed and world != needed and needed % procs == 0:
         names = ",".join(h.name for h in hosts)
-        raise LayoutError(f"cluster.hosts=[{names}]: {len(hosts)} host(s) x {procs} processes = {world} ranks, but "
-                          f"the layout needs TP x PP x CP x DP = {needed}; fix: list {needed // procs} hosts "
-                          "(cluster.hosts=[...] or cluster.hostfile)")
+        raise LayoutError(
+            f"cluster.hosts=[{names}]: {len(hosts)} host(s) x {procs} processes = {world} ranks, but "
+            f"the layout needs TP x PP x CP x DP = {needed}; fix: list {needed // procs} hosts "
+            "(cluster.hosts=[...] or cluster.hostfile)"
+        )
     return world, f"{len(hosts)} hosts x {procs} processes per node"
 
 
@@ -164,8 +182,10 @@ def _first(environ: Mapping[str, str], names: Sequence[str]) -> "tuple[Optional[
 
 def _integer(name: str, value: str, low: int) -> int:
     if not value.lstrip("-").isdigit() or int(value) < low:
-        raise ConfigError(f"{name}={value}: must be an integer >= {low} (cluster=torchrun reads it from the "
-                          "environment); fix: export it as the platform documents")
+        raise ConfigError(
+            f"{name}={value}: must be an integer >= {low} (cluster=torchrun reads it from the "
+            "environment); fix: export it as the platform documents"
+        )
     return int(value)
 
 
@@ -182,8 +202,10 @@ def node_env(environ: Mapping[str, str], procs: int) -> NodeEnv:
     if addr is None and ips:
         addr_name, addr = "SKYPILOT_NODE_IPS", ips[0]
     if addr is None:
-        raise ConfigError("MASTER_ADDR is not set: cluster=torchrun needs node 0's address; fix: export MASTER_ADDR "
-                          "(Kubernetes PyTorchJob and torchrun set it; SkyPilot: SKYPILOT_NODE_IPS)")
+        raise ConfigError(
+            "MASTER_ADDR is not set: cluster=torchrun needs node 0's address; fix: export MASTER_ADDR "
+            "(Kubernetes PyTorchJob and torchrun set it; SkyPilot: SKYPILOT_NODE_IPS)"
+        )
     used.append(str(addr_name))
     port_name, port = _first(environ, ("MASTER_PORT",))
     master_port = _integer("MASTER_PORT", port, 1) if port is not None else DEFAULT_MASTER_PORT
@@ -197,20 +219,28 @@ def node_env(environ: Mapping[str, str], procs: int) -> NodeEnv:
     elif world is not None:
         total = _integer("WORLD_SIZE", world, 1)
         if total % procs:
-            raise ConfigError(f"WORLD_SIZE={total}: not a multiple of the {procs} processes per node; fix: "
-                              f"export NNODES (nodes) and WORLD_SIZE=NNODES x {procs}")
+            raise ConfigError(
+                f"WORLD_SIZE={total}: not a multiple of the {procs} processes per node; fix: "
+                f"export NNODES (nodes) and WORLD_SIZE=NNODES x {procs}"
+            )
         nn_name, nnodes = "WORLD_SIZE", total // procs
     else:
-        raise ConfigError("NNODES is not set: cluster=torchrun needs the number of nodes; fix: export NNODES "
-                          "(or PET_NNODES, SKYPILOT_NODE_IPS, WORLD_SIZE = nodes x processes per node)")
+        raise ConfigError(
+            "NNODES is not set: cluster=torchrun needs the number of nodes; fix: export NNODES "
+            "(or PET_NNODES, SKYPILOT_NODE_IPS, WORLD_SIZE = nodes x processes per node)"
+        )
     used.append(str(nn_name))
     if world is not None and world_name != nn_name and _integer("WORLD_SIZE", world, 1) != nnodes * procs:
-        raise ConfigError(f"WORLD_SIZE={world} but {nn_name}={nnodes} nodes x {procs} processes per node = "
-                          f"{nnodes * procs} ranks; fix: export WORLD_SIZE={nnodes * procs} or unset it")
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {nn_name}={nnodes} nodes x {procs} processes per node = "
+            f"{nnodes * procs} ranks; fix: export WORLD_SIZE={nnodes * procs} or unset it"
+        )
     rank_name, rank = _first(environ, _NODE_RANK)
     if rank is None:
-        raise ConfigError("NODE_RANK is not set: cluster=torchrun needs this node's index; fix: export NODE_RANK "
-                          "(0 on the MASTER_ADDR node; PET_NODE_RANK / SKYPILOT_NODE_RANK are read too)")
+        raise ConfigError(
+            "NODE_RANK is not set: cluster=torchrun needs this node's index; fix: export NODE_RANK "
+            "(0 on the MASTER_ADDR node; PET_NODE_RANK / SKYPILOT_NODE_RANK are read too)"
+        )
     node_rank = _integer(str(rank_name), rank, 0)
     if node_rank >= nnodes:
         raise ConfigError(f"{rank_name}={node_rank}: not below {nn_name}={nnodes}; fix: node ranks are 0..{nnodes - 1}")

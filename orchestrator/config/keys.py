@@ -93,13 +93,17 @@ def unknown_key_error(key: str, cls: type, extra: Optional[List[str]] = None) ->
     depth, field = _known_prefix(parts, cls)
     known = ".".join(parts[:depth])
     if field is not None and not is_section(field):
-        return ConfigError(f"{key}: unknown key ({known} is a value, {type_words(field.type)}, not a section "
-                           f"with keys); fix: {known}=<value>")
+        return ConfigError(
+            f"{key}: unknown key ({known} is a value, {type_words(field.type)}, not a section "
+            f"with keys); fix: {known}=<value>"
+        )
     extra = list(extra or [])
     if depth == 0 and parts[0] in extra:
         plus = "+" if parts[0] == "experiment" else ""
-        return ConfigError(f"{key}: unknown key ({parts[0]} is a config group); fix: {plus}{parts[0]}=<option> "
-                           f"chooses a file of conf/{parts[0]}/")
+        return ConfigError(
+            f"{key}: unknown key ({parts[0]} is a config group); fix: {plus}{parts[0]}=<option> "
+            f"chooses a file of conf/{parts[0]}/"
+        )
     best = _corrected(parts, cls, extra)
     section = field and _section_class(field)
     if best and best != key:
@@ -131,11 +135,16 @@ def type_words(annotation: Any) -> str:
     """The schema type of a field in words: ``Optional[int]`` -> "an integer or null"."""
     text = str(annotation).replace("typing.", "")
     nullable = text.startswith("Optional[")
-    inner = text[len("Optional["):-1] if nullable else text
+    inner = text[len("Optional[") : -1] if nullable else text
     words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(inner)
     if words is None:
-        words = ("a list such as [a,b]" if inner.startswith("List") else
-                 "a mapping such as {KEY: value}" if inner.startswith("Dict") else inner)
+        words = (
+            "a list such as [a,b]"
+            if inner.startswith("List")
+            else "a mapping such as {KEY: value}"
+            if inner.startswith("Dict")
+            else inner
+        )
     return words + (" or null" if nullable else "")
 
 
@@ -151,7 +160,9 @@ def omegaconf_error(exc: Exception, cls: type) -> ConfigError:
     if isinstance(exc, ValidationError):
         field = key.split("[")[0]
         f = schema_keys(cls).get(field)
-        return ConfigError(f"{key}: {what}; fix: give {field} "
-                           f"{type_words(f.type) if f is not None else 'a value of the schema type'}")
-    return ConfigError(f"{key}: {what}; fix: correct {key} (interpolations are ${{group.key}}, "
-                       "${oc.env:VAR,default})")
+        return ConfigError(
+            f"{key}: {what}; fix: give {field} {type_words(f.type) if f is not None else 'a value of the schema type'}"
+        )
+    return ConfigError(
+        f"{key}: {what}; fix: correct {key} (interpolations are ${{group.key}}, ${{oc.env:VAR,default}})"
+    )

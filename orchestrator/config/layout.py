@@ -34,17 +34,21 @@ from typing import List, Optional
 from orchestrator.errors import LayoutError
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                      tensor_model_parallel_size: int = 1) -> int:
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
     """Megatron's rule: the embedding has ``vocab_size`` rounded up to a multiple of
     ``make_vocab_size_divisible_by x TP`` rows (so every TP shard gets an equal, aligned slice)."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
-def virtual_stages(num_layers: int, pipeline_model_parallel_size: int,
-                   virtual_pipeline_model_parallel_size: Optional[int],
-                   num_layers_per_virtual_pipeline_stage: Optional[int]) -> Optional[int]:
+def virtual_stages(
+    num_layers: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int],
+    num_layers_per_virtual_pipeline_stage: Optional[int],
+) -> Optional[int]:
     """VPP, also from Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` (n layers per chunk).
 
     n null: VPP as given. Else VPP = num_layers / (PP x n) (layer counts), which must divide and
@@ -58,13 +62,15 @@ def virtual_stages(num_layers: int, pipeline_model_parallel_size: int,
         ok = _divisors(per_stage) if per_stage else ["null"]
         raise LayoutError(
             f"parallelism.num_layers_per_virtual_pipeline_stage={n}: does not divide the layers of a pipeline stage "
-            f"(model.num_layers / PP = {num_layers} / {pp}); fix: one of {ok}")
+            f"(model.num_layers / PP = {num_layers} / {pp}); fix: one of {ok}"
+        )
     vpp = per_stage // n
     if virtual_pipeline_model_parallel_size not in (None, vpp):
         raise LayoutError(
             f"parallelism.virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}: disagrees with "
             f"parallelism.num_layers_per_virtual_pipeline_stage={n} (VPP = {num_layers} / ({pp} x {n}) = {vpp}); "
-            "fix: set one of them and the other to null")
+            "fix: set one of them and the other to null"
+        )
     return vpp
 
 
@@ -77,8 +83,10 @@ def vpp_no_op(cfg) -> Optional[str]:
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         n = p.num_layers_per_virtual_pipeline_stage
-        said = (f"parallelism.num_layers_per_virtual_pipeline_stage={n} leaves VPP = num_layers / (PP x {n}) = "
-                f"{layers} / ({pp} x {n}) = 1")
+        said = (
+            f"parallelism.num_layers_per_virtual_pipeline_stage={n} leaves VPP = num_layers / (PP x {n}) = "
+            f"{layers} / ({pp} x {n}) = 1"
+        )
         fix = f"one of {[d for d in _divisors(layers // pp) if d < n]} for VPP > 1" if pp > 1 else "PP > 1 first"
     else:
         said, fix = "parallelism.virtual_pipeline_model_parallel_size=1", "2 or more chunks per rank"
@@ -166,12 +174,22 @@ class ParallelLayout:
     # ---- validation -----------------------------------------------------
     def problems(self) -> List[str]:
         """Every broken rule as one sentence naming keys, values and a fix (empty = valid)."""
-        return [*self._world_problems(), *self._batch_and_pipeline_problems(), *self._model_problems(),
-                *self._expert_problems()]
+        return [
+            *self._world_problems(),
+            *self._batch_and_pipeline_problems(),
+            *self._model_problems(),
+            *self._expert_problems(),
+        ]
 
     def _degrees(self):
-        return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size,
-                self.expert_model_parallel_size, self.virtual_pipeline_model_parallel_size, [])
+        return (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+            self.expert_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size,
+            [],
+        )
 
     def _world_problems(self) -> List[str]:
         """The world size against TP x PP x CP and a stated DP."""
@@ -318,7 +336,11 @@ class ParallelLayout:
             f"num_microbatches = GBS / (MBS x DP) = {self.global_batch_size} / ({self.micro_batch_size} x "
             f"{self.data_parallel_size}) = {self.num_microbatches}",
             f"layers per stage = {self.num_layers} / {pp} = {self.layers_per_stage}"
-            + (f"; per virtual stage ({self.vpp} chunks/rank) = {self.layers_per_virtual_stage}" if self.interleaved else ""),
+            + (
+                f"; per virtual stage ({self.vpp} chunks/rank) = {self.layers_per_virtual_stage}"
+                if self.interleaved
+                else ""
+            ),
             f"tokens per step = GBS x seq_length = {self.global_batch_size} x {self.seq_length} = {self.tokens_per_step}",
             "schedule: " + ("interleaved 1F1B" if self.interleaved else ("1F1B" if pp > 1 else "no pipelining")),
         ]
@@ -355,7 +377,9 @@ def world_size_of(cfg) -> "tuple[int, str]":
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if c.kind == "local":
         if c.nodes != 1:
-            raise LayoutError(f"cluster.nodes={c.nodes}: cluster=local runs on one machine; fix: cluster.nodes=1 or cluster=slurm")
+            raise LayoutError(
+                f"cluster.nodes={c.nodes}: cluster=local runs on one machine; fix: cluster.nodes=1 or cluster=slurm"
+            )
         if c.tasks_per_node is not None:
             return c.tasks_per_node, f"cluster.tasks_per_node={c.tasks_per_node}"
         dp = p.data_parallel_size or 1

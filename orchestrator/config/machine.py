@@ -41,51 +41,76 @@ def check_device(cfg: JobConfig) -> None:
     """
     t, m = cfg.training, cfg.model
     if runs_on_cpu(cfg):
-        where = ("training.device=cpu" if t.device == "cpu"
-                 else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU")
+        where = (
+            "training.device=cpu"
+            if t.device == "cpu"
+            else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU"
+        )
         gpus = "cluster.gpus_per_node=<n>"
         if t.device == "cuda":
             raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
         if t.precision != "fp32":
-            raise ConfigError(f"training.precision={t.precision}: needs a GPU ({where}); "
-                              f"fix: training.precision=fp32, or {gpus}")
+            raise ConfigError(
+                f"training.precision={t.precision}: needs a GPU ({where}); fix: training.precision=fp32, or {gpus}"
+            )
         if cfg.optimizer.use_distributed_optimizer:
-            raise ConfigError(f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
-                              "fix: optimizer.use_distributed_optimizer=false")
+            raise ConfigError(
+                f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
+                "fix: optimizer.use_distributed_optimizer=false"
+            )
         if cfg.parallelism.context_parallel_size > 1:
-            raise ConfigError(f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
-                              f"Transformer Engine attention on GPUs ({where}); "
-                              "fix: parallelism.context_parallel_size=1")
+            raise ConfigError(
+                f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
+                f"Transformer Engine attention on GPUs ({where}); "
+                "fix: parallelism.context_parallel_size=1"
+            )
         if cfg.parallelism.distributed_backend == "nccl":
-            raise ConfigError(f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
-                              "fix: parallelism.distributed_backend=auto (gloo on CPU)")
+            raise ConfigError(
+                f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
+                "fix: parallelism.distributed_backend=auto (gloo on CPU)"
+            )
         if m.transformer_impl == "transformer_engine":
-            raise ConfigError(f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
-                              f"({where}); fix: model.transformer_impl=local (or auto)")
+            raise ConfigError(
+                f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
+                f"({where}); fix: model.transformer_impl=local (or auto)"
+            )
         if cfg.parallelism.sequence_parallel:
-            raise ConfigError(f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
-                              f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
-                              "fix: parallelism.sequence_parallel=false")
+            raise ConfigError(
+                f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
+                f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
+                "fix: parallelism.sequence_parallel=false"
+            )
     p = cfg.parallelism
     if p.overlap_param_gather and not cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError("parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters "
-                          "(megatron DDP); fix: optimizer.use_distributed_optimizer=true or "
-                          "parallelism.overlap_param_gather=null")
+        raise ConfigError(
+            "parallelism.overlap_param_gather=true: only the distributed optimizer gathers parameters "
+            "(megatron DDP); fix: optimizer.use_distributed_optimizer=true or "
+            "parallelism.overlap_param_gather=null"
+        )
     for key in ("overlap_grad_reduce", "overlap_param_gather"):
         if getattr(p, key) and runs_on_cpu(cfg):
-            raise ConfigError(f"parallelism.{key}=true: communication overlap is for GPU jobs (CPU ranks reduce "
-                              f"synchronously, what is tested here); fix: parallelism.{key}=null")
+            raise ConfigError(
+                f"parallelism.{key}=true: communication overlap is for GPU jobs (CPU ranks reduce "
+                f"synchronously, what is tested here); fix: parallelism.{key}=null"
+            )
     # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
     if not runs_on_cpu(cfg) and cfg.cluster.kind == "local" and m.transformer_impl != "local":
         problem = transformer_engine_problem()
         if problem:
-            raise ConfigError(f"model.transformer_impl={m.transformer_impl}: Transformer Engine is installed but its "
-                              f"import fails ({problem}); fix: repair it (pip install --force-reinstall "
-                              "transformer-engine[pytorch]) or model.transformer_impl=local")
-    if (m.transformer_impl == "transformer_engine" and cfg.cluster.kind == "local"
-            and importlib.util.find_spec("transformer_engine") is None):
-        raise ConfigError("model.transformer_impl=transformer_engine: the transformer_engine package is not "
-                          "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto")
+            raise ConfigError(
+                f"model.transformer_impl={m.transformer_impl}: Transformer Engine is installed but its "
+                f"import fails ({problem}); fix: repair it (pip install --force-reinstall "
+                "transformer-engine[pytorch]) or model.transformer_impl=local"
+            )
+    if (
+        m.transformer_impl == "transformer_engine"
+        and cfg.cluster.kind == "local"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine: the transformer_engine package is not "
+            "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto"
+        )
 
 
 def transformer_engine_problem() -> Optional[str]:
@@ -97,8 +122,10 @@ def transformer_engine_problem() -> Optional[str]:
 
     if importlib.util.find_spec("transformer_engine") is None:
         return None
-    probe = ("import sys\ntry:\n    import transformer_engine\nexcept Exception as e:\n"
-             "    print(type(e).__name__ + ': ' + ((str(e).strip().splitlines() or [''])[0])); sys.exit(1)")
+    probe = (
+        "import sys\ntry:\n    import transformer_engine\nexcept Exception as e:\n"
+        "    print(type(e).__name__ + ': ' + ((str(e).strip().splitlines() or [''])[0])); sys.exit(1)"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     if proc.returncode == 0:
         return None
@@ -120,7 +147,7 @@ def local_gpu_count() -> Optional[int]:
     if visible is None:
         return len(nvidia)
     ids = [v.strip() for v in visible.split(",") if v.strip()]
-    ids = ids[:ids.index("-1")] if "-1" in ids else ids  # CUDA stops at the first invalid id
+    ids = ids[: ids.index("-1")] if "-1" in ids else ids  # CUDA stops at the first invalid id
     return min(len(ids), len(nvidia))
 
 
@@ -153,6 +180,8 @@ def check_local_gpus(cfg: JobConfig) -> None:
     seen = "no GPU" if have == 0 else f"{have} GPU{'s' if have > 1 else ''}"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     why = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None and have else "no /dev/nvidia*"
-    raise ConfigError(f"{key}: cluster={c.name} runs the job on this machine, which has {seen} ({why}); "
-                      f"fix: {' '.join(cpu_overrides(cfg))} to train on its CPU, or run it where the GPUs are "
-                      "(cluster=slurm ...)")
+    raise ConfigError(
+        f"{key}: cluster={c.name} runs the job on this machine, which has {seen} ({why}); "
+        f"fix: {' '.join(cpu_overrides(cfg))} to train on its CPU, or run it where the GPUs are "
+        "(cluster=slurm ...)"
+    )

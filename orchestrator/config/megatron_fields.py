@@ -26,21 +26,45 @@ SECTIONS = ("transformer", "ddp", "optimizer")
 PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
     "transformer": (
         # fused kernels computing the same formula as the unfused path
-        "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm", "apply_rope_fusion",
-        "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
+        "masked_softmax_fusion",
+        "bias_dropout_fusion",
+        "persist_layer_norm",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "cross_entropy_loss_fusion",
+        "cross_entropy_fusion_impl",
         # where and when tensors live, not what they hold
-        "use_cpu_initialization", "deallocate_pipeline_outputs", "batch_p2p_comm", "batch_p2p_sync",
-        "barrier_with_L1_time", "overlap_p2p_comm", "tp_comm_overlap", "defer_embedding_wgrad_compute",
+        "use_cpu_initialization",
+        "deallocate_pipeline_outputs",
+        "batch_p2p_comm",
+        "batch_p2p_sync",
+        "barrier_with_L1_time",
+        "overlap_p2p_comm",
+        "tp_comm_overlap",
+        "defer_embedding_wgrad_compute",
         # activation recomputation: the forward again in the backward, the same numbers, less memory
-        "recompute_granularity", "recompute_method", "recompute_num_layers",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
     ),
     "ddp": (
-        "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "bucket_size", "num_buckets",
-        "pad_buckets_for_high_nccl_busbw", "check_for_nan_in_grad", "check_for_large_grads",
-        "nccl_ub", "fsdp_double_buffer",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "align_param_gather",
+        "bucket_size",
+        "num_buckets",
+        "pad_buckets_for_high_nccl_busbw",
+        "check_for_nan_in_grad",
+        "check_for_large_grads",
+        "nccl_ub",
+        "fsdp_double_buffer",
     ),
-    "optimizer": ("overlap_param_gather_with_optimizer_step", "timers", "log_num_zeros_in_grad",
-                  "barrier_with_L1_time"),
+    "optimizer": (
+        "overlap_param_gather_with_optimizer_step",
+        "timers",
+        "log_num_zeros_in_grad",
+        "barrier_with_L1_time",
+    ),
 }
 """Fields whose value changes speed or memory only, never the numbers computed (up to the order of
 floating-point sums): kernel fusions, communication overlap, bucketing, placement, checks."""
@@ -55,10 +79,18 @@ its state, are the layout check's (:mod:`orchestrator.ckpt.resume`)."""
 
 LAYOUT_FIELDS: Dict[str, Tuple[str, ...]] = {
     "transformer": (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-        "microbatch_group_size_per_vp_stage", "num_layers_in_first_pipeline_stage",
-        "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout", "hierarchical_context_parallel_sizes",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "sequence_parallel",
+        "microbatch_group_size_per_vp_stage",
+        "num_layers_in_first_pipeline_stage",
+        "num_layers_in_last_pipeline_stage",
+        "pipeline_model_parallel_layout",
+        "hierarchical_context_parallel_sizes",
         "cp_comm_type",
     ),
     "ddp": ("use_distributed_optimizer",),
@@ -70,9 +102,15 @@ leaves them to it (a PP 2 -> 1 reshard also changes ``microbatch_group_size_per_
 
 
 UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {
-    "transformer": ("cuda_graph_scope", "cuda_graph_use_single_mempool", "moe_deepep_num_sms", "moe_hybridep_num_sms",
-                    # 0.19.x keeps None, meaning TP x gtp_weight_remat_size (1): what 0.20 stores
-                    "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"),
+    "transformer": (
+        "cuda_graph_scope",
+        "cuda_graph_use_single_mempool",
+        "moe_deepep_num_sms",
+        "moe_hybridep_num_sms",
+        # 0.19.x keeps None, meaning TP x gtp_weight_remat_size (1): what 0.20 stores
+        "tensor_parallel_num_weight_shards",
+        "expert_tensor_parallel_num_weight_shards",
+    ),
     "ddp": ("data_parallel_sharding_strategy",),
     "optimizer": ("barrier_with_L1_time", "fp8_recipe", "muon_momentum", "muon_tp_mode", "optimizer_offload_fraction"),
 }
@@ -95,8 +133,9 @@ def overlaps(cfg, gpu: bool) -> Tuple[bool, bool]:
     p = cfg.parallelism
     on = gpu and data_parallel_size(cfg) > 1
     grad = p.overlap_grad_reduce if p.overlap_grad_reduce is not None else on
-    gather = (p.overlap_param_gather if p.overlap_param_gather is not None
-              else on and cfg.optimizer.use_distributed_optimizer)
+    gather = (
+        p.overlap_param_gather if p.overlap_param_gather is not None else on and cfg.optimizer.use_distributed_optimizer
+    )
     return bool(grad), bool(gather)
 
 

@@ -30,9 +30,12 @@ class LRSchedule:
     def describe(self, from_iteration: int) -> str:
         """One line: ``lr schedule: cosine over 80 its, max 0.0005, min 0.0001, from iteration 41``."""
         warmup = f", warmup {self.lr_warmup_steps} its" if self.lr_warmup_steps else ""
-        shape = "constant" if self.lr_decay_style == "constant" else f"{self.lr_decay_style} over {self.lr_decay_steps} its"
-        return (f"lr schedule: {shape}{warmup}, max {self.max_lr:g}, min {self.min_lr:g}, "
-                f"from iteration {from_iteration}")
+        shape = (
+            "constant" if self.lr_decay_style == "constant" else f"{self.lr_decay_style} over {self.lr_decay_steps} its"
+        )
+        return (
+            f"lr schedule: {shape}{warmup}, max {self.max_lr:g}, min {self.min_lr:g}, from iteration {from_iteration}"
+        )
 
 
 def lr_schedule(cfg: JobConfig) -> LRSchedule:
@@ -40,6 +43,11 @@ def lr_schedule(cfg: JobConfig) -> LRSchedule:
     at least one step past the warm-up (megatron asserts warmup < decay steps); warm-up from 0."""
     o = cfg.optimizer
     decay_iters = o.lr_decay_iters or cfg.training.train_iters
-    return LRSchedule(init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-                      lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(decay_iters, o.lr_warmup_iters + 1),
-                      lr_decay_style=o.lr_decay_style)
+    return LRSchedule(
+        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, o.lr_warmup_iters + 1),
+        lr_decay_style=o.lr_decay_style,
+    )

@@ -345,14 +345,19 @@ def to_job_config(cfg: Any) -> JobConfig:
     except OmegaConfBaseException as exc:  # interpolation, type or missing-value errors
         raise omegaconf_error(exc, JobConfig) from None
     if not isinstance(obj, JobConfig):
-        raise ConfigError("config: the composed config is not an orchestrator JobConfig; "
-                          "fix: keep `orchestrator_schema` first in conf/config.yaml's defaults")
+        raise ConfigError(
+            "config: the composed config is not an orchestrator JobConfig; "
+            "fix: keep `orchestrator_schema` first in conf/config.yaml's defaults"
+        )
     from orchestrator.config.layout import virtual_stages
 
     p = obj.parallelism  # Megatron-LM's name for VPP resolved here, so every reader sees VPP
     p.virtual_pipeline_model_parallel_size = virtual_stages(
-        obj.model.num_layers, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
-        p.num_layers_per_virtual_pipeline_stage)
+        obj.model.num_layers,
+        p.pipeline_model_parallel_size,
+        p.virtual_pipeline_model_parallel_size,
+        p.num_layers_per_virtual_pipeline_stage,
+    )
     return obj
 
 

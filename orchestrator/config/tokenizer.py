@@ -42,8 +42,11 @@ HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 """The files beside a tokenizer.json that HuggingFace's AutoTokenizer reads (class, special tokens)."""
 TOKENIZER_TYPES = ("byte", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
 """``data.tokenizer`` names (besides a path to a HuggingFace tokenizer)."""
-_FIX = ("fix: data.tokenizer= one of " + ", ".join(TOKENIZER_TYPES)
-        + " (with its files), or the path of a HuggingFace tokenizer.json or its directory")
+_FIX = (
+    "fix: data.tokenizer= one of "
+    + ", ".join(TOKENIZER_TYPES)
+    + " (with its files), or the path of a HuggingFace tokenizer.json or its directory"
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,9 @@ def _json(key: str, value: str, path: str) -> Any:
     try:
         return _read_json(path, *_stat(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{key}={value}: {path} is not readable JSON ({type(exc).__name__}); "
-                          "fix: the tokenizer's own file") from None
+        raise ConfigError(
+            f"{key}={value}: {path} is not readable JSON ({type(exc).__name__}); fix: the tokenizer's own file"
+        ) from None
 
 
 def _existing(key: str, value: Any, what: str) -> str:
@@ -108,16 +112,27 @@ def _existing(key: str, value: Any, what: str) -> str:
     return path
 
 
-def _eod(data, kind: str, vocab_size: int, found: Optional[int], where: str,
-         vocab: Optional[Dict[str, int]] = None, how: str = "a tokenizer that has one") -> Tuple[int, Optional[str]]:
+def _eod(
+    data,
+    kind: str,
+    vocab_size: int,
+    found: Optional[int],
+    where: str,
+    vocab: Optional[Dict[str, int]] = None,
+    how: str = "a tokenizer that has one",
+) -> Tuple[int, Optional[str]]:
     """(eod id, its token) from ``data.eod_id`` when set, else the tokenizer's own (``found``)."""
     eod = data.eod_id if data.eod_id is not None else found
     if eod is None:
-        raise ConfigError(f"data.tokenizer={data.tokenizer}: the tokenizer defines no end-of-document token "
-                          f"({where}); fix: {how}, or data.eod_id=<the id that ends each document>")
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer}: the tokenizer defines no end-of-document token "
+            f"({where}); fix: {how}, or data.eod_id=<the id that ends each document>"
+        )
     if not 0 <= eod < vocab_size:
-        raise ConfigError(f"data.eod_id={eod}: outside the {kind} tokenizer's {vocab_size} ids; "
-                          f"fix: data.eod_id between 0 and {vocab_size - 1}")
+        raise ConfigError(
+            f"data.eod_id={eod}: outside the {kind} tokenizer's {vocab_size} ids; "
+            f"fix: data.eod_id between 0 and {vocab_size - 1}"
+        )
     token = next((t for t, i in (vocab or {}).items() if i == eod), None)
     return eod, token
 
@@ -141,27 +156,41 @@ def _huggingface(data, key: str, value: str) -> TokenizerFacts:
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
     tok_json = os.path.join(directory, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(tok_json):
-        raise ConfigError(f"{key}={value}: no tokenizer.json in {directory}; fix: the path of a HuggingFace "
-                          "tokenizer.json or of the directory holding it")
+        raise ConfigError(
+            f"{key}={value}: no tokenizer.json in {directory}; fix: the path of a HuggingFace "
+            "tokenizer.json or of the directory holding it"
+        )
     config = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(config):
-        raise ConfigError(f"{key}={value}: no tokenizer_config.json beside {tok_json} (HuggingFace's AutoTokenizer "
-                          f"needs it); fix: write {config} with {{\"tokenizer_class\": \"PreTrainedTokenizerFast\", "
-                          "\"eos_token\": \"<your end-of-document token>\"}")
+        raise ConfigError(
+            f"{key}={value}: no tokenizer_config.json beside {tok_json} (HuggingFace's AutoTokenizer "
+            f'needs it); fix: write {config} with {{"tokenizer_class": "PreTrainedTokenizerFast", '
+            '"eos_token": "<your end-of-document token>"}'
+        )
     vocab = _hf_vocab(_json(key, value, tok_json))
     if not vocab:
         raise ConfigError(f"{key}={value}: {tok_json} holds no vocabulary; fix: the tokenizer's own tokenizer.json")
-    files = [("tokenizer.json", tok_json)] + [(n, os.path.join(directory, n)) for n in HF_CONFIG_FILES
-                                               if os.path.isfile(os.path.join(directory, n))]
+    files = [("tokenizer.json", tok_json)] + [
+        (n, os.path.join(directory, n)) for n in HF_CONFIG_FILES if os.path.isfile(os.path.join(directory, n))
+    ]
     eos = None
     for _, f in files[1:]:
         eos = eos or _token_name(_json(key, value, f).get("eos_token"))
     if eos is not None and eos not in vocab:
-        raise ConfigError(f"{key}={value}: eos_token {eos!r} is not in {tok_json}'s vocabulary; "
-                          "fix: an eos_token the vocabulary has, or data.eod_id=<id>")
+        raise ConfigError(
+            f"{key}={value}: eos_token {eos!r} is not in {tok_json}'s vocabulary; "
+            "fix: an eos_token the vocabulary has, or data.eod_id=<id>"
+        )
     size = max(vocab.values()) + 1
-    eod, token = _eod(data, "huggingface", size, vocab.get(eos) if eos else None, f"no eos_token in {config}",
-                      vocab, f'add "eos_token": "<a token of its vocabulary>" to {config}')
+    eod, token = _eod(
+        data,
+        "huggingface",
+        size,
+        vocab.get(eos) if eos else None,
+        f"no eos_token in {config}",
+        vocab,
+        f'add "eos_token": "<a token of its vocabulary>" to {config}',
+    )
     return TokenizerFacts("huggingface", size, eod, token, tuple(files), directory)
 
 
@@ -170,11 +199,18 @@ def _gpt2(data) -> TokenizerFacts:
     merge_file = _existing("data.merge_file", data.merge_file, "GPT-2 BPE's merges.txt (Megatron-LM's --merge-file)")
     vocab = _json("data.vocab_file", data.vocab_file, vocab_file)
     if not isinstance(vocab, dict) or not vocab or not all(isinstance(i, int) for i in vocab.values()):
-        raise ConfigError(f"data.vocab_file={data.vocab_file}: not a token -> id JSON object; "
-                          "fix: GPT-2 BPE's vocab.json")
+        raise ConfigError(
+            f"data.vocab_file={data.vocab_file}: not a token -> id JSON object; fix: GPT-2 BPE's vocab.json"
+        )
     size = max(vocab.values()) + 1
-    eod, token = _eod(data, "GPT2BPETokenizer", size, vocab.get(GPT2_EOD_TOKEN),
-                      f"{GPT2_EOD_TOKEN!r} is not in {data.vocab_file}", vocab)
+    eod, token = _eod(
+        data,
+        "GPT2BPETokenizer",
+        size,
+        vocab.get(GPT2_EOD_TOKEN),
+        f"{GPT2_EOD_TOKEN!r} is not in {data.vocab_file}",
+        vocab,
+    )
     return TokenizerFacts("gpt2-bpe", size, eod, token, (("vocab_file", vocab_file), ("merge_file", merge_file)))
 
 
@@ -183,13 +219,17 @@ def _sentencepiece(data) -> TokenizerFacts:
     try:
         import sentencepiece
     except ImportError:
-        raise ConfigError("data.tokenizer=SentencePieceTokenizer: the sentencepiece package is not installed; "
-                          "fix: pip install sentencepiece") from None
+        raise ConfigError(
+            "data.tokenizer=SentencePieceTokenizer: the sentencepiece package is not installed; "
+            "fix: pip install sentencepiece"
+        ) from None
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=model)
     except (OSError, RuntimeError) as exc:
-        raise ConfigError(f"data.tokenizer_model={data.tokenizer_model}: not a SentencePiece model ({exc}); "
-                          "fix: the .model file the tokenizer was trained into") from None
+        raise ConfigError(
+            f"data.tokenizer_model={data.tokenizer_model}: not a SentencePiece model ({exc}); "
+            "fix: the .model file the tokenizer was trained into"
+        ) from None
     size = sp.get_piece_size()
     eos = sp.eos_id()
     eod, token = _eod(data, "SentencePieceTokenizer", size, eos if eos >= 0 else None, "its model has no eos piece")
@@ -203,12 +243,15 @@ def tokenizer_facts(data) -> TokenizerFacts:
     if tok == "byte":
         facts = TokenizerFacts("byte", BYTE_VOCAB + 2, BYTE_VOCAB, None)
         if data.eod_id not in (None, BYTE_VOCAB):
-            raise ConfigError(f"data.eod_id={data.eod_id}: the byte tokenizer's eod is {BYTE_VOCAB}; "
-                              "fix: data.eod_id=null")
+            raise ConfigError(
+                f"data.eod_id={data.eod_id}: the byte tokenizer's eod is {BYTE_VOCAB}; fix: data.eod_id=null"
+            )
     elif tok == "NullTokenizer":
         if data.vocab_size is None:
-            raise ConfigError("data.tokenizer=NullTokenizer: needs data.vocab_size (the ids of the data, eod "
-                              "included); fix: data.vocab_size=<largest id + 1>, e.g. 50257 for GPT-2 token ids")
+            raise ConfigError(
+                "data.tokenizer=NullTokenizer: needs data.vocab_size (the ids of the data, eod "
+                "included); fix: data.vocab_size=<largest id + 1>, e.g. 50257 for GPT-2 token ids"
+            )
         eod, _ = _eod(data, "NullTokenizer", data.vocab_size, data.vocab_size - 1, "")
         return TokenizerFacts("null", data.vocab_size, eod, None)
     elif tok == "GPT2BPETokenizer":
@@ -222,9 +265,11 @@ def tokenizer_facts(data) -> TokenizerFacts:
     else:
         raise ConfigError(f"data.tokenizer={tok!r}: not a tokenizer this runtime builds; {_FIX}")
     if data.vocab_size is not None and data.vocab_size != facts.vocab_size:
-        raise ConfigError(f"data.vocab_size={data.vocab_size}: data.tokenizer={tok} has {facts.vocab_size} ids; "
-                          f"fix: data.vocab_size=null (it is read from the tokenizer), or data.tokenizer=NullTokenizer "
-                          "for token ids without a tokenizer")
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size}: data.tokenizer={tok} has {facts.vocab_size} ids; "
+            f"fix: data.vocab_size=null (it is read from the tokenizer), or data.tokenizer=NullTokenizer "
+            "for token ids without a tokenizer"
+        )
     return facts
 
 

@@ -28,25 +28,40 @@ from orchestrator.errors import ConfigError, OneLineArgumentParser, Orchestrator
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(prog="python -m orchestrator.convert",
-                                     description="Convert Megatron-LM launches to orchestrator experiments and back.")
+    parser = OneLineArgumentParser(
+        prog="python -m orchestrator.convert",
+        description="Convert Megatron-LM launches to orchestrator experiments and back.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("from-megatron", help="a Megatron-LM script / args YAML / JSON -> conf/experiment/NAME.yaml")
     imp.add_argument("file", help="shell script (torchrun/srun/#SBATCH), args YAML or JSON")
     imp.add_argument("--name", help="experiment name (default: the file's name)")
-    imp.add_argument("--out", "--config-dir", dest="out",
-                     help="config directory: the file goes to OUT/experiment/NAME.yaml (default ./conf, which "
-                          "python -m orchestrator searches ahead of the shipped conf/)")
+    imp.add_argument(
+        "--out",
+        "--config-dir",
+        dest="out",
+        help="config directory: the file goes to OUT/experiment/NAME.yaml (default ./conf, which "
+        "python -m orchestrator searches ahead of the shipped conf/)",
+    )
     imp.add_argument("--nodes", type=int, help="nodes, when the source has no launcher line saying it")
     imp.add_argument("--gpus-per-node", type=int, help="GPUs (processes) per node, likewise")
     imp.add_argument("--gpu", help="planner GPU preset written into the experiment (A100-40GB, A100-80GB, H100, H200)")
-    imp.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                     help="define a shell variable the script reads ($1, $DATA_PATH, ...)")
+    imp.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="define a shell variable the script reads ($1, $DATA_PATH, ...)",
+    )
     imp.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
     exp = sub.add_parser("to-megatron", help="a composed config -> Megatron-LM pretrain_gpt.py launch script")
     exp.add_argument("--out", help="write the script to this file instead of printing it")
-    exp.add_argument("--config-dir", action="append", default=[], help="a config directory searched ahead of "
-                     "the shipped conf/ (./conf is searched without it)")
+    exp.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        help="a config directory searched ahead of the shipped conf/ (./conf is searched without it)",
+    )
     exp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=gpt_pp2_dp2")
     return parser
 
@@ -84,10 +99,13 @@ def bubble_line(layout) -> str:
     frac = Fraction(p - 1, v * m)
     shown = f"{frac.numerator}/{frac.denominator}" if frac.denominator != 1 else str(frac.numerator)
     if layout.interleaved:
-        return (f"pipeline bubble (interleaved 1F1B): (PP - 1) / (VPP × m) = ({p} - 1) / ({v} × {m}) = {shown} "
-                f"= {float(frac):.1%} of the ideal step time")
-    return (f"pipeline bubble (1F1B): (PP - 1) / m = ({p} - 1) / {m} = {shown} = {float(frac):.1%} "
-            "of the ideal step time")
+        return (
+            f"pipeline bubble (interleaved 1F1B): (PP - 1) / (VPP × m) = ({p} - 1) / ({v} × {m}) = {shown} "
+            f"= {float(frac):.1%} of the ideal step time"
+        )
+    return (
+        f"pipeline bubble (1F1B): (PP - 1) / m = ({p} - 1) / {m} = {shown} = {float(frac):.1%} of the ideal step time"
+    )
 
 
 def check(cfg):
@@ -126,12 +144,16 @@ def check_defined(source, argv: List[str]) -> None:
     missing = undefined_variables(source)
     if not missing:
         return
-    what = ", ".join(f"${n} ({source.holders[n] + ': ' if n in source.holders else ''}{', '.join(flags)})"
-                     for n, flags in missing.items())
+    what = ", ".join(
+        f"${n} ({source.holders[n] + ': ' if n in source.holders else ''}{', '.join(flags)})"
+        for n, flags in missing.items()
+    )
     words = [w for n in missing for w in ("--var", f"{n}=<{source.holders.get(n, 'value')}>")]
-    raise ConfigError(f"--var: {source.path} leaves {len(missing)} variable{'s' * (len(missing) > 1)} undefined "
-                      f"that converted flags read: {what} (set when the script runs); fix: python -m orchestrator "
-                      f"convert {shlex.join([*argv, *words])}")
+    raise ConfigError(
+        f"--var: {source.path} leaves {len(missing)} variable{'s' * (len(missing) > 1)} undefined "
+        f"that converted flags read: {what} (set when the script runs); fix: python -m orchestrator "
+        f"convert {shlex.join([*argv, *words])}"
+    )
 
 
 def from_megatron(args) -> int:
@@ -159,8 +181,11 @@ def from_megatron(args) -> int:
         print(f"warning: {warning}")
     _show_plan(cfg, layout, conv.vocab_size)
     words = [*search, f"+experiment={name}", "plan=true"]
-    print("next: python -m orchestrator " + " ".join(shlex.quote(w) for w in words)
-          + ("" if search else "   (from this directory: ./conf is searched ahead of the shipped conf/)"))
+    print(
+        "next: python -m orchestrator "
+        + " ".join(shlex.quote(w) for w in words)
+        + ("" if search else "   (from this directory: ./conf is searched ahead of the shipped conf/)")
+    )
     return 0
 
 

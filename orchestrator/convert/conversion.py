@@ -66,16 +66,25 @@ def fail(key: str, what: str, fix: str) -> ConfigError:
 def number(arg: Arg, kind: str):
     """The one value of ``arg`` as ``kind`` (int, float or str; "" is None); ConfigError otherwise."""
     if len(arg.values) != 1:
-        raise fail(arg.flag, f"expects one value, got {len(arg.values)} ({' '.join(arg.values) or 'none'})",
-                   f"write `{arg.flag} VALUE`")
+        raise fail(
+            arg.flag,
+            f"expects one value, got {len(arg.values)} ({' '.join(arg.values) or 'none'})",
+            f"write `{arg.flag} VALUE`",
+        )
     text = arg.values[0]
     if "$" in text:
-        raise fail(arg.flag, f"{text!r} contains a shell variable the script does not define",
-                   "define it in the script or pass --var NAME=VALUE")
+        raise fail(
+            arg.flag,
+            f"{text!r} contains a shell variable the script does not define",
+            "define it in the script or pass --var NAME=VALUE",
+        )
     if kind == "str" and text == "":
         return None  # Megatron-LM's "" (off) is our null
     try:
         return {"int": int, "float": float, "str": str}[kind](text)
     except ValueError:
-        raise fail(arg.flag, f"{text!r} is not {'an integer' if kind == 'int' else 'a number'}",
-                   f"give {arg.flag} a {'whole number' if kind == 'int' else 'number'}") from None
+        raise fail(
+            arg.flag,
+            f"{text!r} is not {'an integer' if kind == 'int' else 'a number'}",
+            f"give {arg.flag} a {'whole number' if kind == 'int' else 'number'}",
+        ) from None

@@ -44,18 +44,24 @@ def findings(conv) -> List[Tuple[str, List[str]]]:
     src = conv.source
     flags = len(conv.status)
     counts = {s: sum(1 for v in conv.status.values() if v == s) for s in ("mapped", "flagged", "not converted")}
-    summary = (f"{src.form} {src.path}: {flags} Megatron-LM flags: {counts['mapped']} mapped, "
-               f"{counts['flagged']} flagged, {counts['not converted']} not converted")
-    return [(title, lines) for title, lines in (
-        ("source", [summary]),
-        ("flagged (wrong or suspicious for this GPT job)", conv.flagged),
-        ("not converted (no equivalent here)", conv.not_converted),
-        ("assumed (not in the source)", conv.assumed),
-        ("derived", conv.derived),
-        ("Megatron-LM defaults written out (flags not given)", [", ".join(conv.defaults)] if conv.defaults else []),
-        ("needs a schema change (not written)", conv.pending_schema),
-        ("read notes", src.notes),
-    ) if lines]
+    summary = (
+        f"{src.form} {src.path}: {flags} Megatron-LM flags: {counts['mapped']} mapped, "
+        f"{counts['flagged']} flagged, {counts['not converted']} not converted"
+    )
+    return [
+        (title, lines)
+        for title, lines in (
+            ("source", [summary]),
+            ("flagged (wrong or suspicious for this GPT job)", conv.flagged),
+            ("not converted (no equivalent here)", conv.not_converted),
+            ("assumed (not in the source)", conv.assumed),
+            ("derived", conv.derived),
+            ("Megatron-LM defaults written out (flags not given)", [", ".join(conv.defaults)] if conv.defaults else []),
+            ("needs a schema change (not written)", conv.pending_schema),
+            ("read notes", src.notes),
+        )
+        if lines
+    ]
 
 
 def _tree(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -86,9 +92,11 @@ def _lines(tree: Dict[str, Any], indent: str = "") -> List[str]:
 
 def render(conv) -> str:
     """The experiment file's text."""
-    lines = ["# @package _global_",
-             f"# Imported from Megatron-LM by `python -m orchestrator.convert from-megatron {conv.source.path}`.",
-             "# Each value's comment names the Megatron-LM flag (or rule) it came from."]
+    lines = [
+        "# @package _global_",
+        f"# Imported from Megatron-LM by `python -m orchestrator.convert from-megatron {conv.source.path}`.",
+        "# Each value's comment names the Megatron-LM flag (or rule) it came from.",
+    ]
     for title, items in findings(conv):
         lines.append(f"# {title[0].upper() + title[1:]}:")
         lines += [f"#   {item}" for item in items]
@@ -152,5 +160,7 @@ def compose(overrides: List[str], root: Optional[Path] = None):
         raise
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf: unknown option, bad override, type error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{' '.join(overrides) or 'config'}: {first}; fix: check the override names and values "
-                          "against conf/ (python -m orchestrator --help)") from None
+        raise ConfigError(
+            f"{' '.join(overrides) or 'config'}: {first}; fix: check the override names and values "
+            "against conf/ (python -m orchestrator --help)"
+        ) from None

@@ -102,12 +102,18 @@ def _tokenizer(cfg) -> List[List[str]]:
         out = [["--tokenizer-type", "HuggingFaceTokenizer"], ["--tokenizer-model", model]]
     elif d.tokenizer == "NullTokenizer":
         size = size or 1  # megatron-core's NullTokenizer: `size` ids, the eod stated
-        return [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", str(size)],
-                ["--null-tokenizer-eod-id", str(d.eod_id if d.eod_id is not None else size - 1)]]
+        return [
+            ["--tokenizer-type", "NullTokenizer"],
+            ["--vocab-size", str(size)],
+            ["--null-tokenizer-eod-id", str(d.eod_id if d.eod_id is not None else size - 1)],
+        ]
     else:
         out = [["--tokenizer-type", d.tokenizer]]
-        for flag, key in (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"),
-                          ("--tokenizer-model", "tokenizer_model")):
+        for flag, key in (
+            ("--vocab-file", "vocab_file"),
+            ("--merge-file", "merge_file"),
+            ("--tokenizer-model", "tokenizer_model"),
+        ):
             if getattr(d, key, None):
                 out.append([flag, getattr(d, key)])
     if size is not None and not (d.tokenizer == "GPT2BPETokenizer" and size == M.GPT2_BPE_VOCAB):
@@ -121,6 +127,7 @@ def _overlap(flag: str, which: int) -> Callable[[Any], List[List[str]]]:
         from orchestrator.config.megatron_fields import overlaps
 
         return [[flag]] if overlaps(cfg, not runs_on_cpu(cfg))[which] else []
+
     return exporter
 
 
@@ -158,8 +165,11 @@ def flags(cfg) -> List[List[str]]:
         if r.kind == "on":
             if value == r.value:
                 out.append([r.flag])
-        elif value is not None and value not in r.omit and not (r.default is not M.KEEP and value == r.default
-                                                                 and type(value) is type(r.default)):
+        elif (
+            value is not None
+            and value not in r.omit
+            and not (r.default is not M.KEEP and value == r.default and type(value) is type(r.default))
+        ):
             out.append([r.flag, _text(value)])
     return out
 
@@ -173,17 +183,23 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
     c = cfg.cluster
     nodes = c.nodes if c.kind == "slurm" else 1
     ranks = world // nodes
-    lines = ["#!/bin/bash",
-             f"# Megatron-LM launch of `python -m orchestrator {' '.join(overrides)}`",
-             "# (python -m orchestrator.convert to-megatron; `from-megatron` imports it back unchanged).",
-             f"# world size {world} = {nodes} node(s) x {ranks} processes; checked by orchestrator's validation.",
-             "# `# orchestrator:` lines carry what Megatron-LM has no flag for; its shell ignores them."]
+    lines = [
+        "#!/bin/bash",
+        f"# Megatron-LM launch of `python -m orchestrator {' '.join(overrides)}`",
+        "# (python -m orchestrator.convert to-megatron; `from-megatron` imports it back unchanged).",
+        f"# world size {world} = {nodes} node(s) x {ranks} processes; checked by orchestrator's validation.",
+        "# `# orchestrator:` lines carry what Megatron-LM has no flag for; its shell ignores them.",
+    ]
     if cfg.data.kind in ("stdlib", "jsonl"):
-        lines.append(f"# data={cfg.data.name}: Megatron-LM reads prepared .bin/.idx data; prepare it and add "
-                     "--data-path (the orchestrator prepares it into data.cache_dir).")
+        lines.append(
+            f"# data={cfg.data.name}: Megatron-LM reads prepared .bin/.idx data; prepare it and add "
+            "--data-path (the orchestrator prepares it into data.cache_dir)."
+        )
     if cfg.data.tokenizer == "byte":
-        lines.append("# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same "
-                     "ids and embedding (bytes 0-255, eod 256, pad 257; padded to 384).")
+        lines.append(
+            "# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same "
+            "ids and embedding (bytes 0-255, eod 256, pad 257; padded to 384)."
+        )
     choices = [f"{g}={getattr(cfg, g).name}" for g in CONFIG_GROUPS if _is_option(g, getattr(cfg, g).name)]
     lines.append("# orchestrator: defaults " + " ".join(choices))
     lines += [f"# orchestrator: {key}={json_value(value)}" for key, value in extras.items()]

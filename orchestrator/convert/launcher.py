@@ -78,8 +78,11 @@ def _topology(conv, cli_nodes: Optional[int], cli_gpus: Optional[int]):
     """(nodes, ranks per node, GPUs per node), each (value, evidence) or None."""
     L = conv.source.launcher
     nodes = (cli_nodes, "--nodes (command line)") if cli_nodes else _int(L.option("nnodes", "nodes"), min)
-    gpus = (cli_gpus, "--gpus-per-node (command line)") if cli_gpus else (
-        _int(L.option("gpus-per-node")) or _int(L.option("gres")))
+    gpus = (
+        (cli_gpus, "--gpus-per-node (command line)")
+        if cli_gpus
+        else (_int(L.option("gpus-per-node")) or _int(L.option("gres")))
+    )
     if L.torchrun is not None:
         ranks = _int(L.option("nproc-per-node"))
     elif L.srun is not None or L.sbatch:
@@ -108,12 +111,15 @@ def cluster(conv, cli_nodes: Optional[int] = None, cli_gpus: Optional[int] = Non
         conv.set("cluster.nodes", nodes[0], nodes[1])
         conv.set("cluster.gpus_per_node", gpus[0], gpus[1])
         one_per_gpu = slurm and gpus[0] == ranks[0]
-        conv.set("cluster.tasks_per_node", None if one_per_gpu else ranks[0],
-                 "one task per GPU" if one_per_gpu else ranks[1])
+        conv.set(
+            "cluster.tasks_per_node", None if one_per_gpu else ranks[0], "one task per GPU" if one_per_gpu else ranks[1]
+        )
         if slurm and not conv.from_export:
             conv.groups["cluster"] = "slurm"
-        conv.derived.append(f"world size = nodes x processes per node = {nodes[0]} x {ranks[0]} = {conv.world_size} "
-                            f"({nodes[1]}; {ranks[1]})")
+        conv.derived.append(
+            f"world size = nodes x processes per node = {nodes[0]} x {ranks[0]} = {conv.world_size} "
+            f"({nodes[1]}; {ranks[1]})"
+        )
     else:
         _assume_world(conv)
     _sbatch(conv, L, ranks)
@@ -139,9 +145,11 @@ def _assume_world(conv) -> None:
     conv.set("cluster.nodes", 1, "assumed")
     conv.set("cluster.gpus_per_node", world, "assumed: TP x PP x CP x DP")
     conv.set("cluster.tasks_per_node", world, "assumed: TP x PP x CP x DP")
-    conv.assumed.append(f"world size: no torchrun/srun/#SBATCH line and no --nodes/--gpus-per-node; assumed the "
-                        f"smallest, TP x PP x CP x DP = {p[0]} x {p[1]} x {p[2]} x {dp} = {world} GPUs on one node "
-                        "(fix: --nodes N --gpus-per-node G)")
+    conv.assumed.append(
+        f"world size: no torchrun/srun/#SBATCH line and no --nodes/--gpus-per-node; assumed the "
+        f"smallest, TP x PP x CP x DP = {p[0]} x {p[1]} x {p[2]} x {dp} = {world} GPUs on one node "
+        "(fix: --nodes N --gpus-per-node G)"
+    )
 
 
 def _sbatch(conv, L, ranks) -> None:
@@ -203,6 +211,12 @@ def launch_words(cfg, nodes: int, ranks: int) -> List[str]:
         words += ["srun", *cfg.cluster.srun_args]
     words += ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(ranks)]
     if nodes > 1 or cfg.cluster.kind == "slurm":
-        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"$MASTER_ADDR:{RENDEZVOUS_PORT}",
-                  "--rdzv-id", "$SLURM_JOB_ID"]
+        words += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"$MASTER_ADDR:{RENDEZVOUS_PORT}",
+            "--rdzv-id",
+            "$SLURM_JOB_ID",
+        ]
     return words

@@ -88,21 +88,40 @@ _DATA_PARALLEL = (
 TABLE: List[Flag] = [
     # ---- parallel layout
     Flag("--tensor-model-parallel-size", "parallelism.tensor_model_parallel_size", "int", default=1),
-    Flag("--model-parallel-size", "parallelism.tensor_model_parallel_size", "int", export=False,
-         note="Megatron-LM's deprecated name of --tensor-model-parallel-size"),
+    Flag(
+        "--model-parallel-size",
+        "parallelism.tensor_model_parallel_size",
+        "int",
+        export=False,
+        note="Megatron-LM's deprecated name of --tensor-model-parallel-size",
+    ),
     Flag("--pipeline-model-parallel-size", "parallelism.pipeline_model_parallel_size", "int", default=1),
-    Flag("--num-layers-per-virtual-pipeline-stage", "parallelism.virtual_pipeline_model_parallel_size", "special",
-         default=None),
-    Flag("--num-virtual-stages-per-pipeline-rank", "parallelism.virtual_pipeline_model_parallel_size", "int",
-         export=False),
-    Flag("--virtual-pipeline-model-parallel-size", "parallelism.virtual_pipeline_model_parallel_size", "int",
-         export=False, note="not a Megatron-LM flag (NeMo's name); read as VPP"),
+    Flag(
+        "--num-layers-per-virtual-pipeline-stage",
+        "parallelism.virtual_pipeline_model_parallel_size",
+        "special",
+        default=None,
+    ),
+    Flag(
+        "--num-virtual-stages-per-pipeline-rank",
+        "parallelism.virtual_pipeline_model_parallel_size",
+        "int",
+        export=False,
+    ),
+    Flag(
+        "--virtual-pipeline-model-parallel-size",
+        "parallelism.virtual_pipeline_model_parallel_size",
+        "int",
+        export=False,
+        note="not a Megatron-LM flag (NeMo's name); read as VPP",
+    ),
     Flag("--context-parallel-size", "parallelism.context_parallel_size", "int", default=1),
     Flag("--expert-model-parallel-size", "parallelism.expert_model_parallel_size", "int", default=1),
     Flag("--sequence-parallel", "parallelism.sequence_parallel", "on", default=False),
     Flag("--distributed-backend", "parallelism.distributed_backend", "str", omit=("auto",)),
-    Flag("--data-parallel-size", "parallelism.data_parallel_size", "int", default=None, export=False,
-         note=_DATA_PARALLEL),
+    Flag(
+        "--data-parallel-size", "parallelism.data_parallel_size", "int", default=None, export=False, note=_DATA_PARALLEL
+    ),
     Flag("--pipeline-model-parallel-split-rank", kind="wrong", note=_SPLIT_RANK),
     Flag("--encoder-pipeline-model-parallel-size", kind="wrong", note=_ENCODER),
     Flag("--encoder-tensor-model-parallel-size", kind="wrong", note=_ENCODER),
@@ -117,12 +136,19 @@ TABLE: List[Flag] = [
     Flag("--num-query-groups", "model.num_query_groups", "special", export=False),
     Flag("--ffn-hidden-size", "model.ffn_hidden_size", "special", default=None),
     Flag("--seq-length", "model.seq_length", "int"),
-    Flag("--encoder-seq-length", "model.seq_length", "int", export=False,
-         note="Megatron-LM's older name of --seq-length"),
+    Flag(
+        "--encoder-seq-length", "model.seq_length", "int", export=False, note="Megatron-LM's older name of --seq-length"
+    ),
     Flag("--max-position-embeddings", "model.max_position_embeddings", "int"),
     Flag("--position-embedding-type", "model.position_embedding_type", "str", default="learned_absolute"),
-    Flag("--use-rotary-position-embeddings", "model.position_embedding_type", "on", value="rope", export=False,
-         note="deprecated in Megatron-LM for --position-embedding-type rope"),
+    Flag(
+        "--use-rotary-position-embeddings",
+        "model.position_embedding_type",
+        "on",
+        value="rope",
+        export=False,
+        note="deprecated in Megatron-LM for --position-embedding-type rope",
+    ),
     Flag("--normalization", "model.normalization", "str", default="LayerNorm"),
     Flag("--swiglu", "model.activation", "on", value="swiglu", default="gelu"),
     Flag("--disable-bias-linear", "model.add_bias_linear", "on", value=False, default=True),
@@ -134,16 +160,28 @@ TABLE: List[Flag] = [
     Flag("--num-experts", "model.num_moe_experts", "int", default=None),
     Flag("--moe-router-topk", "model.moe_router_topk", "int", default=2),
     Flag("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "float", default=0.0),
-    Flag("--moe-token-dispatcher-type", kind="none",
-         note="a MoE job here always exchanges tokens all-to-all over the EP group (exported as alltoall)"),
+    Flag(
+        "--moe-token-dispatcher-type",
+        kind="none",
+        note="a MoE job here always exchanges tokens all-to-all over the EP group (exported as alltoall)",
+    ),
     Flag("--recompute-granularity", "model.recompute_granularity", "str", default=None),
     Flag("--recompute-method", "model.recompute_method", "str", default=None),
     Flag("--recompute-num-layers", "model.recompute_num_layers", "int", default=None),
-    Flag("--recompute-activations", "model.recompute_granularity", "on", value="selective", export=False,
-         note="Megatron-LM's older name of --recompute-granularity selective"),
-    Flag("--checkpoint-activations", kind="wrong",
-         note="removed from Megatron-LM (it refuses it); say --recompute-granularity full "
-              "--recompute-method uniform --recompute-num-layers 1"),
+    Flag(
+        "--recompute-activations",
+        "model.recompute_granularity",
+        "on",
+        value="selective",
+        export=False,
+        note="Megatron-LM's older name of --recompute-granularity selective",
+    ),
+    Flag(
+        "--checkpoint-activations",
+        kind="wrong",
+        note="removed from Megatron-LM (it refuses it); say --recompute-granularity full "
+        "--recompute-method uniform --recompute-num-layers 1",
+    ),
     Flag("--transformer-impl", "model.transformer_impl", "str", omit=("auto",)),
     # ---- optimizer and learning-rate schedule
     Flag("--optimizer", "optimizer.name", "str", default="adam"),
@@ -187,9 +225,14 @@ TABLE: List[Flag] = [
     Flag("--data-path", "data.paths", "special"),
     Flag("--mock-data", "data.kind", "special", export=False),
     Flag("--split", "data.split", "str"),
-    Flag("--data-cache-path", "data.cache_dir", "str", export=False,
-         note="Megatron-LM caches dataset indices there; the orchestrator keeps prepared data and indices "
-              "in data.cache_dir"),
+    Flag(
+        "--data-cache-path",
+        "data.cache_dir",
+        "str",
+        export=False,
+        note="Megatron-LM caches dataset indices there; the orchestrator keeps prepared data and indices "
+        "in data.cache_dir",
+    ),
     Flag("--tokenizer-type", "data.tokenizer", "special"),
     Flag("--vocab-file", "data.vocab_file", "special", export=False),
     Flag("--merge-file", "data.merge_file", "special", export=False),
@@ -198,40 +241,63 @@ TABLE: List[Flag] = [
     Flag("--null-tokenizer-eod-id", "data.eod_id", "special", export=False),
     Flag("--null-tokenizer-pad-id", "data.tokenizer", "special", export=False),
     # ---- known flags without an equivalent (listed, never dropped silently)
-    Flag("--rampup-batch-size", kind="none",
-         note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)"),
-    Flag("--step-batch-size-schedule", kind="none",
-         note="no batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); the global batch "
-              "size is constant: give the final one as --global-batch-size"),
-    Flag("--tensorboard-*", kind="none",
-         note="TensorBoard settings are fixed (logging.tensorboard: <run dir>/tensorboard)"),
+    Flag(
+        "--rampup-batch-size",
+        kind="none",
+        note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)",
+    ),
+    Flag(
+        "--step-batch-size-schedule",
+        kind="none",
+        note="no batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); the global batch "
+        "size is constant: give the final one as --global-batch-size",
+    ),
+    Flag(
+        "--tensorboard-*",
+        kind="none",
+        note="TensorBoard settings are fixed (logging.tensorboard: <run dir>/tensorboard)",
+    ),
     Flag("--wandb-*", kind="none", note="Weights & Biases takes logging.wandb.project/entity/name/mode only"),
     Flag("--log-*", kind="none", note="logging is fixed: training.log_interval and <run dir>/metrics.jsonl"),
     Flag("--attention-backend", kind="none", note="the attention kernel follows model.transformer_impl"),
     Flag("--use-flash-attn", kind="none", note="the attention kernel follows model.transformer_impl"),
-    Flag("--no-*-fusion", kind="none",
-         note="kernel fusions are Megatron-LM's defaults on GPU (README \"Megatron config\"), not configurable here"),
+    Flag(
+        "--no-*-fusion",
+        kind="none",
+        note='kernel fusions are Megatron-LM\'s defaults on GPU (README "Megatron config"), not configurable here',
+    ),
     Flag("--overlap-grad-reduce", "parallelism.overlap_grad_reduce", "on", default=False),
     Flag("--overlap-param-gather", "parallelism.overlap_param_gather", "on", default=False),
     Flag("--num-workers", kind="none", note="data loading workers are not configurable here"),
-    Flag("--exit-interval", kind="none",
-         note="no equivalent (training.exit_after_iters counts iterations of one job, not a multiple)"),
-    Flag("--exit-duration-in-mins", kind="none",
-         note="the SLURM time limit (cluster.timeout_min) ends a job; it saves and requeues"),
+    Flag(
+        "--exit-interval",
+        kind="none",
+        note="no equivalent (training.exit_after_iters counts iterations of one job, not a multiple)",
+    ),
+    Flag(
+        "--exit-duration-in-mins",
+        kind="none",
+        note="the SLURM time limit (cluster.timeout_min) ends a job; it saves and requeues",
+    ),
     Flag("--train-data-path", kind="none", note="per-split datasets are not supported; use --data-path with --split"),
     Flag("--valid-data-path", kind="none", note="the validation set is data.split's part of --data-path"),
     Flag("--test-data-path", kind="none", note="no test evaluation here"),
     Flag("--kv-channels", kind="none", note="kv_channels is hidden_size / num_attention_heads here"),
-    Flag("--accumulate-allreduce-grads-in-fp32", kind="none",
-         note="megatron-core's default with bf16 here; the planner assumes fp32 gradient accumulation"),
+    Flag(
+        "--accumulate-allreduce-grads-in-fp32",
+        kind="none",
+        note="megatron-core's default with bf16 here; the planner assumes fp32 gradient accumulation",
+    ),
     Flag("--ckpt-format", kind="none", note="checkpoints are always megatron-core dist_checkpointing torch_dist"),
     Flag("--use-dist-ckpt", kind="none", note="checkpoints are always megatron-core dist_checkpointing torch_dist"),
     Flag("--use-mcore-models", kind="none", note="the model is always megatron-core's GPTModel"),
-    Flag("--no-load-optim", kind="none",
-         note="resume loads model and optimizer; checkpoint.init_from loads weights only"),
+    Flag(
+        "--no-load-optim", kind="none", note="resume loads model and optimizer; checkpoint.init_from loads weights only"
+    ),
     Flag("--no-load-rng", kind="none", note="resume restores the full state"),
-    Flag("--finetune", kind="none",
-         note="say checkpoint.init_from=<orchestrator checkpoint> (weights only, iteration 0)"),
+    Flag(
+        "--finetune", kind="none", note="say checkpoint.init_from=<orchestrator checkpoint> (weights only, iteration 0)"
+    ),
 ]
 
 
@@ -275,8 +341,20 @@ SLURM_OPTIONS: Dict[str, str] = {
 ``--signal`` convert with arithmetic in to_config / from_config)."""
 
 SHORT_OPTIONS: Dict[str, str] = {
-    "N": "nodes", "n": "ntasks", "c": "cpus-per-task", "p": "partition", "A": "account", "q": "qos",
-    "t": "time", "J": "job-name", "o": "output", "e": "error", "C": "constraint", "x": "exclude",
-    "w": "nodelist", "G": "gpus", "D": "chdir",
+    "N": "nodes",
+    "n": "ntasks",
+    "c": "cpus-per-task",
+    "p": "partition",
+    "A": "account",
+    "q": "qos",
+    "t": "time",
+    "J": "job-name",
+    "o": "output",
+    "e": "error",
+    "C": "constraint",
+    "x": "exclude",
+    "w": "nodelist",
+    "G": "gpus",
+    "D": "chdir",
 }
 """sbatch / srun one-letter options and their long names (``man sbatch``)."""

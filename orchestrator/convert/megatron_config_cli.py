@@ -35,9 +35,11 @@ def megatron_json(cfg) -> tuple:
     else:
         te = cfg.model.transformer_impl != "local"
         facts = mcfg.Installed(te, True, version())
-        assumed = (f"assumed on the GPU nodes: Transformer Engine {'installed' if te else 'not used'}, apex's "
-                   "fused weight-gradient kernel (NVIDIA's PyTorch containers); the job records what it built "
-                   "in <run.dir>/megatron_config.json")
+        assumed = (
+            f"assumed on the GPU nodes: Transformer Engine {'installed' if te else 'not used'}, apex's "
+            "fused weight-gradient kernel (NVIDIA's PyTorch containers); the job records what it built "
+            "in <run.dir>/megatron_config.json"
+        )
     return mcfg.build(cfg, device, facts).as_json(), device, assumed
 
 
@@ -52,7 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from orchestrator.config.confdirs import with_config_dir_flags
 
     try:  # --config-dir DIR: the user's configs, as for a run
-        cfg = dataclasses.replace(compose_config(with_config_dir_flags(argv)), plan=True)  # plan: nothing is written, nothing queued
+        cfg = dataclasses.replace(
+            compose_config(with_config_dir_flags(argv)), plan=True
+        )  # plan: nothing is written, nothing queued
         validate(cfg)
         config, device, assumed = megatron_json(cfg)
     except OrchestratorError as exc:

@@ -22,15 +22,17 @@ def read_source(path: str, variables: Optional[Dict[str, str]] = None) -> Source
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"FILE: cannot read {path}: {exc.strerror}; fix: give a readable Megatron-LM "
-                          "script, args YAML or JSON") from None
+        raise ConfigError(
+            f"FILE: cannot read {path}: {exc.strerror}; fix: give a readable Megatron-LM script, args YAML or JSON"
+        ) from None
     suffix = p.suffix.lower()
     if suffix == ".json":
         try:
             return from_mapping(json.loads(text), path, "JSON")
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"FILE: {path} is not JSON ({exc.msg}, line {exc.lineno}); "
-                              "fix: repair the file") from None
+            raise ConfigError(
+                f"FILE: {path} is not JSON ({exc.msg}, line {exc.lineno}); fix: repair the file"
+            ) from None
     if suffix in (".yaml", ".yml") or (suffix not in (".sh", ".bash", ".slurm", ".sbatch") and _looks_like_yaml(text)):
         import yaml
 

@@ -35,13 +35,17 @@ def _mock_vocabulary(conv: Conversion, given: Dict[str, Arg]) -> None:
     """Mock data reads no text: GPT-2's vocabulary as NullTokenizer ids, no vocab/merge file needed."""
     for flag in GPT2_FILES:
         if flag in given:
-            conv.not_converted.append(f"{given[flag].text}: mock data reads no text; the vocabulary is GPT-2 "
-                                      f"BPE's {M.GPT2_BPE_VOCAB} ids without the file")
+            conv.not_converted.append(
+                f"{given[flag].text}: mock data reads no text; the vocabulary is GPT-2 "
+                f"BPE's {M.GPT2_BPE_VOCAB} ids without the file"
+            )
             conv.status[flag] = "not converted"
     conv.set("data.tokenizer", "NullTokenizer", "mock data: token ids only (no text to tokenize)")
     conv.set("data.vocab_size", M.GPT2_BPE_VOCAB, f"GPT-2 BPE's {M.GPT2_BPE_VOCAB} ids, eod {M.GPT2_BPE_VOCAB - 1}")
-    conv.assumed.append(f"tokenizer: mock data, so only the vocabulary counts: NullTokenizer with GPT-2 BPE's "
-                        f"{M.GPT2_BPE_VOCAB} ids (Megatron-LM's GPT2BPETokenizer vocabulary), no vocab/merge file")
+    conv.assumed.append(
+        f"tokenizer: mock data, so only the vocabulary counts: NullTokenizer with GPT-2 BPE's "
+        f"{M.GPT2_BPE_VOCAB} ids (Megatron-LM's GPT2BPETokenizer vocabulary), no vocab/merge file"
+    )
     conv.tokenizer_vocab = M.GPT2_BPE_VOCAB
 
 
@@ -49,23 +53,36 @@ def tokenizer(conv: Conversion, given: Dict[str, Arg]) -> None:
     """``--tokenizer-type`` and its files -> data.tokenizer (+ vocab_file, merge_file, tokenizer_model, vocab_size)."""
     if not conv.from_export and GPT2_FILES[0] in unread_values(given) and "--vocab-size" not in given:
         return _mock_vocabulary(conv, given)
-    words = {f: number(given[f], "str") for f in ("--tokenizer-type", "--vocab-file", "--merge-file",
-                                                   "--tokenizer-model") if f in given}
+    words = {
+        f: number(given[f], "str")
+        for f in ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model")
+        if f in given
+    }
     size = number(given["--vocab-size"], "int") if "--vocab-size" in given else None
     kind = words.get("--tokenizer-type")
     if kind is None:
         if conv.from_export:
             return
         kind = "GPT2BPETokenizer"
-        why = ("--vocab-file and --merge-file are GPT-2 BPE files" if "--vocab-file" in words
-               else "no tokenizer flag; the GPT-2 BPE of Megatron-LM's GPT examples (state --tokenizer-type if not)")
+        why = (
+            "--vocab-file and --merge-file are GPT-2 BPE files"
+            if "--vocab-file" in words
+            else "no tokenizer flag; the GPT-2 BPE of Megatron-LM's GPT examples (state --tokenizer-type if not)"
+        )
         conv.assumed.append(f"tokenizer: GPT2BPETokenizer ({why}): vocabulary {M.GPT2_BPE_VOCAB}")
-    src = (given["--tokenizer-type"].text if "--tokenizer-type" in given
-           else "inferred from --vocab-file/--merge-file" if "--vocab-file" in words else "assumed: no tokenizer flag")
+    src = (
+        given["--tokenizer-type"].text
+        if "--tokenizer-type" in given
+        else "inferred from --vocab-file/--merge-file"
+        if "--vocab-file" in words
+        else "assumed: no tokenizer flag"
+    )
     eod = number(given["--null-tokenizer-eod-id"], "int") if "--null-tokenizer-eod-id" in given else None
     byte = dict(M.BYTE_NULL_TOKENIZER)
-    if kind == "NullTokenizer" and ((size, eod) == (int(byte["--vocab-size"]), int(byte["--null-tokenizer-eod-id"]))
-                                    or (size == M.NULL_TOKENIZER_BYTE_VOCAB and eod is None)):
+    if kind == "NullTokenizer" and (
+        (size, eod) == (int(byte["--vocab-size"]), int(byte["--null-tokenizer-eod-id"]))
+        or (size == M.NULL_TOKENIZER_BYTE_VOCAB and eod is None)
+    ):
         conv.set("data.tokenizer", "byte", f"{src} --vocab-size {size}: byte ids 0-255 + eod 256")
         return
     if kind == "HuggingFaceTokenizer" and "--tokenizer-model" in words:
@@ -97,8 +114,11 @@ def data(conv: Conversion, given: Dict[str, Arg]) -> None:
         arg = given["--data-path"]
         words = " ".join(arg.values).split()
         if any("$" in w for w in words):
-            raise fail("--data-path", f"{' '.join(words)!r} contains a shell variable the script does not define",
-                       "define it in the script or pass --var NAME=VALUE")
+            raise fail(
+                "--data-path",
+                f"{' '.join(words)!r} contains a shell variable the script does not define",
+                "define it in the script or pass --var NAME=VALUE",
+            )
         try:
             weights = [float(w) for w in words[0::2]] if len(words) % 2 == 0 and len(words) > 1 else None
         except ValueError:
@@ -114,8 +134,10 @@ def data(conv: Conversion, given: Dict[str, Arg]) -> None:
         conv.groups["data"] = "mock"
     elif not conv.from_export:
         conv.groups["data"] = "mock"
-        conv.assumed.append("data: no --data-path, so data=mock (synthetic tokens); "
-                            "set data=indexed data.paths=[<prefix>, ...] for your .bin/.idx files")
+        conv.assumed.append(
+            "data: no --data-path, so data=mock (synthetic tokens); "
+            "set data=indexed data.paths=[<prefix>, ...] for your .bin/.idx files"
+        )
 
 
 PRESENCE_ONLY = ("--tensorboard-dir",)
@@ -131,16 +153,22 @@ def tensorboard(conv: Conversion, given: Dict[str, Arg]) -> None:
 
 def checkpoints(conv: Conversion, given: Dict[str, Arg]) -> None:
     """``--save``/``--load`` -> run.root/run.name (checkpoints in <run dir>/checkpoints), resume, save at end."""
-    save, load = ((number(given[f], "str") or "").rstrip("/") or None if f in given else None
-                  for f in ("--save", "--load"))
+    save, load = (
+        (number(given[f], "str") or "").rstrip("/") or None if f in given else None for f in ("--save", "--load")
+    )
     base = save or load
-    conv.set("checkpoint.save_at_end", save is not None,
-             "--save given" if save else "no --save: Megatron-LM saves no checkpoint")
+    conv.set(
+        "checkpoint.save_at_end",
+        save is not None,
+        "--save given" if save else "no --save: Megatron-LM saves no checkpoint",
+    )
     resume = load is not None and (save is None or load == save)
     conv.set("checkpoint.auto_resume", resume, "--load (same directory)" if resume else "no --load: no resume")
     if load is not None and not resume:
-        conv.not_converted.append(f"--load {load}: a Megatron-LM checkpoint (no orchestrator manifest); a run "
-                                  "resumes from its own run directory, --save's")
+        conv.not_converted.append(
+            f"--load {load}: a Megatron-LM checkpoint (no orchestrator manifest); a run "
+            "resumes from its own run directory, --save's"
+        )
         conv.status["--load"] = "not converted"
     if base is None:
         return
@@ -155,6 +183,7 @@ def checkpoints(conv: Conversion, given: Dict[str, Arg]) -> None:
 
 # ---- model and layout arithmetic ------------------------------------------------------------
 
+
 def model(conv: Conversion, given: Dict[str, Arg]) -> None:
     """Grouped-query attention, the SwiGLU MLP width and max positions, as Megatron-LM derives them."""
     gqa = "--group-query-attention" in given
@@ -163,8 +192,10 @@ def model(conv: Conversion, given: Dict[str, Arg]) -> None:
         if gqa:
             conv.set("model.num_query_groups", groups, f"--group-query-attention {given['--num-query-groups'].text}")
         else:
-            conv.flagged.append(f"{given['--num-query-groups'].text}: Megatron-LM ignores it without "
-                                "--group-query-attention (multi-head attention); not converted")
+            conv.flagged.append(
+                f"{given['--num-query-groups'].text}: Megatron-LM ignores it without "
+                "--group-query-attention (multi-head attention); not converted"
+            )
             conv.status["--num-query-groups"] = "flagged"
     elif gqa:
         conv.set("model.num_query_groups", 1, "--group-query-attention: Megatron-LM's default --num-query-groups 1")
@@ -179,8 +210,10 @@ def model(conv: Conversion, given: Dict[str, Arg]) -> None:
     if "--max-position-embeddings" not in given and conv.get("model.seq_length") and not conv.from_export:
         seq = conv.get("model.seq_length")
         conv.set("model.max_position_embeddings", seq, "not given: = --seq-length")
-        conv.assumed.append(f"model.max_position_embeddings: --max-position-embeddings not given (Megatron-LM needs "
-                            f"it >= --seq-length with learned positions); set to --seq-length {seq}")
+        conv.assumed.append(
+            f"model.max_position_embeddings: --max-position-embeddings not given (Megatron-LM needs "
+            f"it >= --seq-length with learned positions); set to --seq-length {seq}"
+        )
 
 
 def virtual_pipeline(conv: Conversion, given: Dict[str, Arg]) -> None:
@@ -193,33 +226,50 @@ def virtual_pipeline(conv: Conversion, given: Dict[str, Arg]) -> None:
         if stages is not None and layers and vpp:
             per_chunk, rest = divmod(layers, pp * vpp)
             shown = f"num_layers / (PP x VPP) = {layers} / ({pp} x {vpp})"
-            conv.derived.append(f"{VPP_KEY}: {stages.text} -> layers per virtual stage = {shown} = "
-                                + (f"{per_chunk}" if not rest else f"{layers / (pp * vpp):g}: does not divide "
-                                   "(the validation below refuses it)"))
+            conv.derived.append(
+                f"{VPP_KEY}: {stages.text} -> layers per virtual stage = {shown} = "
+                + (
+                    f"{per_chunk}"
+                    if not rest
+                    else f"{layers / (pp * vpp):g}: does not divide (the validation below refuses it)"
+                )
+            )
         return
     if "--num-virtual-stages-per-pipeline-rank" in given:
-        raise fail(VPP_KEY, f"{arg.text} and {given['--num-virtual-stages-per-pipeline-rank'].text} both say VPP "
-                   "(Megatron-LM refuses both)", "keep one of them")
+        raise fail(
+            VPP_KEY,
+            f"{arg.text} and {given['--num-virtual-stages-per-pipeline-rank'].text} both say VPP "
+            "(Megatron-LM refuses both)",
+            "keep one of them",
+        )
     per_chunk = number(arg, "int")
     layers, pp = conv.get("model.num_layers"), conv.get("parallelism.pipeline_model_parallel_size", 1)
     if not layers:
         raise fail(VPP_KEY, f"{arg.text} needs --num-layers to derive VPP", "give --num-layers")
     per_stage, rest = divmod(layers, pp)
     if rest:
-        raise fail("model.num_layers", f"{layers} layers do not split over PP {pp} ({layers} % {pp} = {rest})",
-                   f"--pipeline-model-parallel-size one of {[d for d in range(1, layers + 1) if layers % d == 0]}")
+        raise fail(
+            "model.num_layers",
+            f"{layers} layers do not split over PP {pp} ({layers} % {pp} = {rest})",
+            f"--pipeline-model-parallel-size one of {[d for d in range(1, layers + 1) if layers % d == 0]}",
+        )
     vpp, rest = divmod(per_stage, per_chunk) if per_chunk > 0 else (0, 1)
     if rest:
         ok = [d for d in range(1, per_stage + 1) if per_stage % d == 0]
-        raise fail(VPP_KEY, f"{arg.text} does not divide the {per_stage} layers of each pipeline stage "
-                   f"({layers} / {pp}); VPP would be {per_stage} / {per_chunk}",
-                   f"--num-layers-per-virtual-pipeline-stage one of {ok}")
+        raise fail(
+            VPP_KEY,
+            f"{arg.text} does not divide the {per_stage} layers of each pipeline stage "
+            f"({layers} / {pp}); VPP would be {per_stage} / {per_chunk}",
+            f"--num-layers-per-virtual-pipeline-stage one of {ok}",
+        )
     text = f"VPP = num_layers / (PP x layers per virtual stage) = {layers} / ({pp} x {per_chunk}) = {vpp}"
     conv.set(VPP_KEY, vpp, f"{arg.text}: {text}")
     conv.derived.append(f"{VPP_KEY}: {arg.text} -> {text}")
     if vpp == 1:
-        conv.flagged.append(f"{arg.text}: VPP = 1, one model chunk per rank: the plain 1F1B schedule, as without "
-                            "the flag (Megatron-LM interleaves only from 2 chunks per rank)")
+        conv.flagged.append(
+            f"{arg.text}: VPP = 1, one model chunk per rank: the plain 1F1B schedule, as without "
+            "the flag (Megatron-LM interleaves only from 2 chunks per rank)"
+        )
 
 
 def data_parallel(conv: Conversion) -> None:
@@ -232,18 +282,22 @@ def data_parallel(conv: Conversion) -> None:
     shown = f"({tp} × {pp}{f' × {cp}' if cp > 1 else ''})"
     per_node = conv.get("cluster.tasks_per_node") or conv.get("cluster.gpus_per_node")
     if world % mp and per_node and mp % per_node == 0:
-        conv.flagged.append(f"world size {world} holds no TP × PP{' × CP' if cp > 1 else ''} = {shown} = {mp} grid "
-                            f"(Megatron-LM refuses it); fix: --nodes {mp // per_node} ({mp // per_node} × {per_node} "
-                            f"= {mp} GPUs, DP 1), or the script's node count set with --var")
+        conv.flagged.append(
+            f"world size {world} holds no TP × PP{' × CP' if cp > 1 else ''} = {shown} = {mp} grid "
+            f"(Megatron-LM refuses it); fix: --nodes {mp // per_node} ({mp // per_node} × {per_node} "
+            f"= {mp} GPUs, DP 1), or the script's node count set with --var"
+        )
     if dp is None:
         return
     if world % mp:
         return  # the layout validation says what is wrong (data_parallel_size is not stated)
     derived = world // mp
     if derived != dp:
-        conv.flagged.append(f"--data-parallel-size {dp}: on {world} GPUs DP = world size / (TP × PP"
-                            f"{' × CP' if cp > 1 else ''}) = {world} / {shown} = {derived}, not {dp}; fix: drop "
-                            f"--data-parallel-size (DP {derived}) or run on {mp} × {dp} = {mp * dp} GPUs")
+        conv.flagged.append(
+            f"--data-parallel-size {dp}: on {world} GPUs DP = world size / (TP × PP"
+            f"{' × CP' if cp > 1 else ''}) = {world} / {shown} = {derived}, not {dp}; fix: drop "
+            f"--data-parallel-size (DP {derived}) or run on {mp} × {dp} = {mp * dp} GPUs"
+        )
     else:
         conv.derived.append(f"--data-parallel-size {dp} agrees: DP = {world} / {shown} = {derived}")
 
@@ -257,28 +311,41 @@ def batches_and_schedule(conv: Conversion, given: Dict[str, Arg]) -> None:
             mp *= conv.get(f"parallelism.{k}_parallel_size", 1)
         dp = max(1, world // mp)
         conv.set("training.global_batch_size", mbs * dp, f"Megatron-LM default: MBS x DP = {mbs} x {dp}")
-        conv.derived.append(f"training.global_batch_size = MBS x DP = {mbs} x {dp} = {mbs * dp} "
-                            "(Megatron-LM's default)")
+        conv.derived.append(
+            f"training.global_batch_size = MBS x DP = {mbs} x {dp} = {mbs * dp} (Megatron-LM's default)"
+        )
     gbs = conv.get("training.global_batch_size")
-    for flag, key in (("--train-samples", "training.train_iters"), ("--lr-decay-samples", "optimizer.lr_decay_iters"),
-                      ("--lr-warmup-samples", "optimizer.lr_warmup_iters")):
+    for flag, key in (
+        ("--train-samples", "training.train_iters"),
+        ("--lr-decay-samples", "optimizer.lr_decay_iters"),
+        ("--lr-warmup-samples", "optimizer.lr_warmup_iters"),
+    ):
         if flag in given:
             if not gbs:
-                raise fail(key, f"{given[flag].text} needs the global batch size to count iterations",
-                           "give --global-batch-size")
+                raise fail(
+                    key,
+                    f"{given[flag].text} needs the global batch size to count iterations",
+                    "give --global-batch-size",
+                )
             samples = number(given[flag], "int")
             iters = math.ceil(samples / gbs)
             conv.set(key, iters, f"{given[flag].text} / GBS {gbs}")
             conv.derived.append(f"{key} = ceil({samples} / {gbs}) = {iters} ({given[flag].text}, constant GBS)")
     if "--lr-warmup-fraction" in given:
         if "--lr-warmup-iters" in given:
-            raise fail("optimizer.lr_warmup_iters", "--lr-warmup-fraction and --lr-warmup-iters both given "
-                       "(Megatron-LM refuses both)", "keep one")
+            raise fail(
+                "optimizer.lr_warmup_iters",
+                "--lr-warmup-fraction and --lr-warmup-iters both given (Megatron-LM refuses both)",
+                "keep one",
+            )
         fraction = number(given["--lr-warmup-fraction"], "float")
         decay = conv.get("optimizer.lr_decay_iters") or conv.get("training.train_iters")
         if not decay:
-            raise fail("optimizer.lr_warmup_iters", "--lr-warmup-fraction needs --lr-decay-iters or --train-iters",
-                       "give one of them")
+            raise fail(
+                "optimizer.lr_warmup_iters",
+                "--lr-warmup-fraction needs --lr-decay-iters or --train-iters",
+                "give one of them",
+            )
         warmup = round(fraction * decay)
         text = f"lr_warmup_fraction x lr_decay_iters = {fraction:g} x {decay} = {warmup}"
         conv.set("optimizer.lr_warmup_iters", warmup, given["--lr-warmup-fraction"].text + ": " + text)

@@ -21,18 +21,44 @@ from orchestrator.errors import ConfigError
 
 _ASSIGN = re.compile(r"^\s*(?:(export|local|declare(?:\s+-\w+)*)\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
 _WORD_ASSIGN = re.compile(r"^[A-Za-z_]\w*=")
-_VAR = re.compile(r"""\$\(\((?P<arith>.*?)\)\)
+_VAR = re.compile(
+    r"""\$\(\((?P<arith>.*?)\)\)
     | \$\{(?P<arr>\w+)\[[@*]\]\}
     | \$\{(?P<braced>\w+)(?::?-(?P<dflt>[^}]*))?\}
-    | \$(?P<plain>[A-Za-z_]\w*|\d)""", re.X)
+    | \$(?P<plain>[A-Za-z_]\w*|\d)""",
+    re.X,
+)
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 _TORCHRUN_BOOL = {"standalone", "no-python", "run-path", "module", "m", "use-env"}
-_SRUN_BOOL = {"exclusive", "overlap", "label", "unbuffered", "kill-on-bad-exit", "no-kill", "overcommit",
-              "pty", "quiet", "verbose", "l", "u", "v", "Q", "K", "O", "X", "Z"}
+_SRUN_BOOL = {
+    "exclusive",
+    "overlap",
+    "label",
+    "unbuffered",
+    "kill-on-bad-exit",
+    "no-kill",
+    "overcommit",
+    "pty",
+    "quiet",
+    "verbose",
+    "l",
+    "u",
+    "v",
+    "Q",
+    "K",
+    "O",
+    "X",
+    "Z",
+}
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
-_ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-
+_ARITH_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 
 
 def _strip_comment(line: str) -> str:
@@ -77,10 +103,10 @@ def _logical_lines(text: str, src: Source) -> List[Tuple[int, str]]:
             continue
         stripped = raw.strip()
         if not pending and stripped.startswith("#SBATCH"):
-            src.launcher.sbatch += _options(shlex.split(stripped[len("#SBATCH"):], comments=True), 0, set())[0]
+            src.launcher.sbatch += _options(shlex.split(stripped[len("#SBATCH") :], comments=True), 0, set())[0]
             continue
         if not pending and stripped.startswith("# orchestrator:"):
-            src.orchestrator.append(stripped[len("# orchestrator:"):].strip())
+            src.orchestrator.append(stripped[len("# orchestrator:") :].strip())
             continue
         body = _strip_comment(raw).rstrip()
         if not pending:
@@ -176,7 +202,7 @@ class _Scope:
                     continue
                 double = not double
             elif c == "\\" and not single:
-                out.append(text[i:i + 2])
+                out.append(text[i : i + 2])
                 i += 2
                 continue
             elif c == "$" and not single:
@@ -252,13 +278,13 @@ def _launch(tokens: List[str]) -> Optional[Tuple[Launcher, Dict[str, str], List[
             i += 1
             while i < len(tokens) and tokens[i] in ("-u", "-O", "-B", "-E", "-s"):
                 i += 1
-            if tokens[i:i + 2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+            if tokens[i : i + 2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
                 launcher.torchrun, i = _options(tokens, i + 2, _TORCHRUN_BOOL)
         elif base in ("bash", "sh", "exec", "time", "nohup"):
             i += 1
         elif tok.endswith((".py", ".sh")):
             launcher.program = tok
-            return launcher, env, tokens[i + 1:]
+            return launcher, env, tokens[i + 1 :]
         else:
             return None
     return None
@@ -273,8 +299,10 @@ def _pick_launch(candidates: List[Tuple[int, str, Launcher, Dict[str, str], List
     chosen = pretrain or found
     if len(chosen) > 1:
         lines = ", ".join(str(c[0]) for c in chosen)
-        raise ConfigError(f"FILE: {path} has {len(chosen)} Megatron-LM launch lines (lines {lines}); "
-                          "fix: keep one launch per file (split the file)")
+        raise ConfigError(
+            f"FILE: {path} has {len(chosen)} Megatron-LM launch lines (lines {lines}); "
+            "fix: keep one launch per file (split the file)"
+        )
     return chosen[0] if chosen else None
 
 
@@ -324,8 +352,11 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
             src.args += args
             src.notes += notes
     src.holders = scope.holders
-    src.notes += [f"${name} is not defined in the script (set at run time?); fix: --var {name}=VALUE if a "
-                  "converted flag needs it" for name in scope.unresolved if name != "$(...)"]
+    src.notes += [
+        f"${name} is not defined in the script (set at run time?); fix: --var {name}=VALUE if a converted flag needs it"
+        for name in scope.unresolved
+        if name != "$(...)"
+    ]
     if "$(...)" in scope.unresolved:
         src.notes.append("$(command) substitutions are not run; their values stay unknown")
     return src
@@ -340,4 +371,3 @@ def _single_word(rhs: str) -> bool:
         return len(shlex.split(rhs)) <= 1
     except ValueError:
         return True
-

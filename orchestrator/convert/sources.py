@@ -85,8 +85,10 @@ def from_mapping(data, path: str, form: str) -> Source:
         src.args, src.notes = read_flags([str(t) for t in data], form)
         return src
     if not isinstance(data, dict):
-        raise ConfigError(f"FILE: {path} holds a {type(data).__name__}, not a mapping of Megatron-LM arguments; "
-                          "fix: write `num-layers: 32` style keys")
+        raise ConfigError(
+            f"FILE: {path} holds a {type(data).__name__}, not a mapping of Megatron-LM arguments; "
+            "fix: write `num-layers: 32` style keys"
+        )
 
     def walk(d: dict) -> None:
         for key, value in d.items():
@@ -124,7 +126,7 @@ def read_flags(tokens: List[str], where: str) -> Tuple[List[Arg], List[str]]:
             j = i + 1
             while j < len(tokens) and not (tokens[j].startswith("--") and len(tokens[j]) > 2):
                 j += 1
-            out.append(Arg(tok, tokens[i + 1:j], where))
+            out.append(Arg(tok, tokens[i + 1 : j], where))
             i = j
         else:
             notes.append(f"{where}: word {tok!r} before any flag not read")

@@ -21,8 +21,15 @@ from orchestrator.convert import megatron_args as M
 from orchestrator.convert.conversion import Conversion, fail, number
 from orchestrator.convert.sources import Arg, Source
 
-REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
-            "--lr", "--train-iters")
+REQUIRED = (
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--seq-length",
+    "--micro-batch-size",
+    "--lr",
+    "--train-iters",
+)
 """Flags Megatron-LM cannot run without (it has no default); the orchestrator's value stays when absent."""
 DEFAULT = "Megatron-LM default"
 """The source of a setting no flag and no rule gave (its YAML comment)."""
@@ -37,8 +44,10 @@ def _plain(conv: Conversion, r: M.Flag, arg: Arg) -> None:
         value = number(arg, r.kind)
     previous = conv.settings.get(r.key)
     if previous is not None and previous.source.split()[0] != arg.flag:
-        conv.flagged.append(f"{arg.text}: {r.key} is also set by {previous.source}; Megatron-LM refuses or "
-                            f"ignores one of them; {arg.flag} is used")
+        conv.flagged.append(
+            f"{arg.text}: {r.key} is also set by {previous.source}; Megatron-LM refuses or "
+            f"ignores one of them; {arg.flag} is used"
+        )
     conv.set(r.key, value, arg.text)
     if r.note:
         conv.flagged.append(f"{arg.text}: {r.note}")
@@ -49,9 +58,11 @@ def _classify(conv: Conversion, given: Dict[str, Arg]) -> None:
     for flag, arg in given.items():
         r = M.row(flag)
         if r is None:
-            conv.not_converted.append(f"{arg.text}: not a flag this converter knows (not in its table, "
-                                      "orchestrator/convert/megatron_args.py), so nothing here sets it; if the run "
-                                      "depends on it, set the matching key in the written file")
+            conv.not_converted.append(
+                f"{arg.text}: not a flag this converter knows (not in its table, "
+                "orchestrator/convert/megatron_args.py), so nothing here sets it; if the run "
+                "depends on it, set the matching key in the written file"
+            )
             conv.status[flag] = "not converted"
         elif r.kind == "none":
             conv.not_converted.append(f"{arg.text}: {r.note}")
@@ -75,8 +86,10 @@ def _defaults(conv: Conversion, given: Dict[str, Arg]) -> None:
             conv.set(key, default, DEFAULT)
     missing = [f for f in REQUIRED if f not in given and M.row(f).key not in conv.settings]
     if missing and not conv.from_export:
-        conv.assumed.append(f"not given (Megatron-LM requires them): {', '.join(missing)}; the orchestrator's "
-                            f"defaults stay for {', '.join(M.row(f).key for f in missing)}")
+        conv.assumed.append(
+            f"not given (Megatron-LM requires them): {', '.join(missing)}; the orchestrator's "
+            f"defaults stay for {', '.join(M.row(f).key for f in missing)}"
+        )
 
 
 def undefined_variables(source: Source) -> Dict[str, List[str]]:
@@ -105,8 +118,9 @@ def _defaults_written(conv: Conversion) -> List[str]:
     for key, s in conv.settings.items():
         if s.source == DEFAULT and s.value is not None:
             first = M.rows_for(key)[0]
-            out.append(f"{key}={s.value} (no {first.flag})" if first.kind in ("on", "special")
-                       else f"{first.flag} {s.value}")
+            out.append(
+                f"{key}={s.value} (no {first.flag})" if first.kind in ("on", "special") else f"{first.flag} {s.value}"
+            )
     return out
 
 
@@ -119,8 +133,13 @@ def schema_keys() -> List[str]:
     return [k for k, f in all_keys(JobConfig).items() if not is_section(f)]
 
 
-def convert(source: Source, name: str, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None,
-            gpu: Optional[str] = None) -> Conversion:
+def convert(
+    source: Source,
+    name: str,
+    nodes: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+    gpu: Optional[str] = None,
+) -> Conversion:
     """Map ``source`` onto orchestrator settings (raises ConfigError with ``<key>: <what>; fix: <how>``)."""
     from orchestrator.convert import launcher
     from orchestrator.convert.rules import (
@@ -140,8 +159,9 @@ def convert(source: Source, name: str, nodes: Optional[int] = None, gpus_per_nod
     given: Dict[str, Arg] = {}
     for arg in source.args:
         if arg.flag in given:
-            conv.flagged.append(f"{arg.flag} given twice ({given[arg.flag].text}, {arg.text}); the last counts, "
-                                "as in Megatron-LM")
+            conv.flagged.append(
+                f"{arg.flag} given twice ({given[arg.flag].text}, {arg.text}); the last counts, as in Megatron-LM"
+            )
         given[arg.flag] = arg
     _classify(conv, given)
     for rule in (tokenizer, data, checkpoints, tensorboard, model, virtual_pipeline):

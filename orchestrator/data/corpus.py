@@ -33,8 +33,11 @@ from orchestrator.meter import Meter
 def stdlib_documents(max_mb: float) -> List[Path]:
     """This Python's standard-library ``.py`` files, sorted, up to ``max_mb`` MB: real text, offline."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts)
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+    )
     out, total, budget = [], 0, int(max_mb * 1e6)
     for path in files:
         size = path.stat().st_size
@@ -68,8 +71,10 @@ class CorpusStats:
         return sum(n for n, _ in self.skipped.values())
 
     def describe(self) -> str:
-        return (f"{self.documents:,} documents, {self.tokens:,} tokens, {self.skipped_lines:,} skipped lines, "
-                f"{self.empty:,} empty documents")
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens, {self.skipped_lines:,} skipped lines, "
+            f"{self.empty:,} empty documents"
+        )
 
     def warning(self, source: str) -> Optional[str]:
         """One line naming each cause's count and first line number, or None when nothing was skipped."""
@@ -199,8 +204,9 @@ def _worker_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def _write_indexed(prefix: Path, chunks: Iterator[list], encoder: Encoder, workers: int, stats: CorpusStats,
-                   source: str) -> None:
+def _write_indexed(
+    prefix: Path, chunks: Iterator[list], encoder: Encoder, workers: int, stats: CorpusStats, source: str
+) -> None:
     """Tokenize documents into ``prefix.bin``/``prefix.idx`` (megatron IndexedDatasetBuilder) and
     ``prefix.stats.json``. Writes ``prefix.tmp.*`` first and renames; removes them on any failure."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -219,8 +225,7 @@ def _write_indexed(prefix: Path, chunks: Iterator[list], encoder: Encoder, worke
                     stats.documents += 1
                     stats.tokens += len(got)
         if stats.documents == 0:
-            raise DataError(f"{source}: no usable document ({stats.describe()}); fix: check the file "
-                            f"and data.json_key")
+            raise DataError(f"{source}: no usable document ({stats.describe()}); fix: check the file and data.json_key")
         builder.finalize(str(tmp_idx))
         write_atomic(f"{prefix}.stats.json", json.dumps(stats.__dict__, sort_keys=True))
         os.replace(tmp_idx, f"{prefix}.idx")
@@ -247,8 +252,7 @@ def workers_for(data: DataConfig, files: List[Path]) -> int:
         return data.workers
     if sum(f.stat().st_size for f in files) < 4e6:
         return 1
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      32))
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 32))
 
 
 def _cached_stats(prefix: Path) -> Tuple[CorpusStats, str]:
@@ -264,8 +268,9 @@ def _cached_stats(prefix: Path) -> Tuple[CorpusStats, str]:
         return stats, "; skipped lines and empty documents were not recorded by the older preparation"
 
 
-def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path], encoder: Optional[Encoder],
-                   log: Callable[[str], None]) -> None:
+def prepare_source(
+    data: DataConfig, prefix: Path, name: str, files: List[Path], encoder: Optional[Encoder], log: Callable[[str], None]
+) -> None:
     """Tokenize one source into ``prefix`` unless cached; print its counts (and skipped lines)."""
     source = str(files[0]) if data.kind == "jsonl" else f"data.kind=stdlib ({len(files)} files)"
     with file_lock(prefix):  # concurrent launchers prepare once
@@ -274,15 +279,23 @@ def prepare_source(data: DataConfig, prefix: Path, name: str, files: List[Path],
             state = f"cached in {prefix}{note}"
         else:
             workers = workers_for(data, files)
-            log(f"preparing data: tokenizing {source} into {prefix}.bin/.idx ({workers} "
-                f"process{'es' if workers > 1 else ''})")
+            log(
+                f"preparing data: tokenizing {source} into {prefix}.bin/.idx ({workers} "
+                f"process{'es' if workers > 1 else ''})"
+            )
             stats = CorpusStats()
-            chunks = (_jsonl_lines(files[0], 256) if data.kind == "jsonl"
-                      else ([(i, str(f))] for i, f in enumerate(files, 1)))
-            meter = Meter("tokenizing", sum(f.stat().st_size for f in files), log=log,
-                          counts=lambda: {"documents": stats.documents, "tokens": stats.tokens})
-            sized = meter.wrap(chunks, lambda chunk: sum(len(x) if isinstance(x, bytes) else os.path.getsize(x)
-                                                         for _, x in chunk))
+            chunks = (
+                _jsonl_lines(files[0], 256) if data.kind == "jsonl" else ([(i, str(f))] for i, f in enumerate(files, 1))
+            )
+            meter = Meter(
+                "tokenizing",
+                sum(f.stat().st_size for f in files),
+                log=log,
+                counts=lambda: {"documents": stats.documents, "tokens": stats.tokens},
+            )
+            sized = meter.wrap(
+                chunks, lambda chunk: sum(len(x) if isinstance(x, bytes) else os.path.getsize(x) for _, x in chunk)
+            )
             _write_indexed(prefix, sized, encoder, workers, stats, source)  # type: ignore[arg-type]
             meter.close()
             state = f"prepared in {prefix}"

@@ -49,8 +49,13 @@ class PreparedData:
 
     def identity(self, data: DataConfig) -> Dict[str, object]:
         """The data identity a manifest records: kind, paths, blend weights, split and content fingerprint."""
-        return {"kind": data.kind, "paths": list(data.paths), "weights": self.weights, "split": data.split,
-                "fingerprint": self.fingerprint}
+        return {
+            "kind": data.kind,
+            "paths": list(data.paths),
+            "weights": self.weights,
+            "split": data.split,
+            "fingerprint": self.fingerprint,
+        }
 
 
 def _cache_root(data: DataConfig) -> Path:
@@ -62,8 +67,10 @@ def _sources(data: DataConfig) -> List[Tuple[str, List[Path]]]:
     if data.kind == "stdlib":
         return [("stdlib", stdlib_documents(data.stdlib_max_mb))]
     if not data.paths:
-        raise DataError(f"data.paths: data.kind={data.kind} needs at least one path; "
-                        f"fix: data.paths=[/path/{'file.jsonl' if data.kind == 'jsonl' else 'prefix'}]")
+        raise DataError(
+            f"data.paths: data.kind={data.kind} needs at least one path; "
+            f"fix: data.paths=[/path/{'file.jsonl' if data.kind == 'jsonl' else 'prefix'}]"
+        )
     out = []
     for i, p in enumerate(data.paths):
         if data.kind == "indexed":
@@ -82,8 +89,10 @@ def _sources(data: DataConfig) -> List[Tuple[str, List[Path]]]:
 
 def _check_weights(data: DataConfig) -> None:
     if data.weights is not None and len(data.weights) != len(data.paths):
-        raise DataError(f"data.weights: {len(data.weights)} weights for {len(data.paths)} data.paths; "
-                        "fix: one weight per path, or data.weights=null")
+        raise DataError(
+            f"data.weights: {len(data.weights)} weights for {len(data.paths)} data.paths; "
+            "fix: one weight per path, or data.weights=null"
+        )
 
 
 def data_fingerprint(data: DataConfig) -> str:
@@ -159,7 +168,7 @@ def _token_range(prefix: str, cache: Path) -> Dict[str, object]:
     tokens = np.memmap(f"{prefix}.bin", dtype=dtype, mode="r")
     lo, hi, step = None, None, 1 << 26
     for start in range(0, len(tokens), step):
-        part = tokens[start:start + step]
+        part = tokens[start : start + step]
         lo = int(part.min()) if lo is None else min(lo, int(part.min()))
         hi = int(part.max()) if hi is None else max(hi, int(part.max()))
     return {"dtype": dtype.name, "min": lo if lo is not None else 0, "max": hi if hi is not None else -1}
@@ -181,15 +190,22 @@ def check_token_ids(data: DataConfig, facts: TokenizerFacts, prefixes: List[str]
         ids = _token_range(prefix, cache)
         where = f"data.paths[{i}]={data.paths[i]}"
         if ids["dtype"].startswith("float"):  # type: ignore[union-attr]
-            raise DataError(f"{where}: its .idx says the tokens are {ids['dtype']}, not integer ids; "
-                            "fix: the prefix of a tokenized dataset")
+            raise DataError(
+                f"{where}: its .idx says the tokens are {ids['dtype']}, not integer ids; "
+                "fix: the prefix of a tokenized dataset"
+            )
         if ids["max"] >= facts.vocab_size or ids["min"] < 0:  # type: ignore[operator]
-            what = (f"largest token id {ids['max']}" if ids["max"] >= facts.vocab_size  # type: ignore[operator]
-                    else f"token id {ids['min']}")
-            raise DataError(f"{where}: {what} ({ids['dtype']}) does not fit the vocabulary of data.tokenizer="
-                            f"{data.tokenizer} ({facts.vocab_size} ids); fix: the tokenizer that made this data (e.g. "
-                            "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
-                            f"data.tokenizer=NullTokenizer data.vocab_size={int(ids['max']) + 1}")  # type: ignore[call-overload]
+            what = (
+                f"largest token id {ids['max']}"
+                if ids["max"] >= facts.vocab_size  # type: ignore[operator]
+                else f"token id {ids['min']}"
+            )
+            raise DataError(
+                f"{where}: {what} ({ids['dtype']}) does not fit the vocabulary of data.tokenizer="
+                f"{data.tokenizer} ({facts.vocab_size} ids); fix: the tokenizer that made this data (e.g. "
+                "data.tokenizer=GPT2BPETokenizer data.vocab_file=... data.merge_file=...), or "
+                f"data.tokenizer=NullTokenizer data.vocab_size={int(ids['max']) + 1}"
+            )  # type: ignore[call-overload]
         if fresh:
             write_atomic(cache, json.dumps(ids) + "\n")
 
@@ -209,10 +225,19 @@ def indices_marker(cfg: JobConfig, prepared: PreparedData) -> Path:
     indices of exactly this request (data, split, sizes, sequence length, seed, megatron-core version)."""
     from importlib.metadata import version
 
-    request = {"prefixes": prepared.prefixes, "weights": prepared.weights, "fingerprint": prepared.fingerprint,
-               "kind": cfg.data.kind, "split": cfg.data.split, "tokenizer": tokenizer_identity(cfg.data),
-               "seq_length": cfg.model.seq_length, "seed": cfg.training.seed, "train_samples": samples_needed(cfg),
-               "valid_samples": valid_samples_needed(cfg), "megatron-core": version("megatron-core")}
+    request = {
+        "prefixes": prepared.prefixes,
+        "weights": prepared.weights,
+        "fingerprint": prepared.fingerprint,
+        "kind": cfg.data.kind,
+        "split": cfg.data.split,
+        "tokenizer": tokenizer_identity(cfg.data),
+        "seq_length": cfg.model.seq_length,
+        "seed": cfg.training.seed,
+        "train_samples": samples_needed(cfg),
+        "valid_samples": valid_samples_needed(cfg),
+        "megatron-core": version("megatron-core"),
+    }
     key = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:20]
     return Path(prepared.cache_dir) / "indices" / f"ready-{key}.json"
 

@@ -39,7 +39,10 @@ def _byte():
 
     return MegatronTokenizer.from_pretrained(
         metadata_path={"library": "byte-level", "model_type": "gpt"},
-        vocab_size=BYTE_VOCAB, special_tokens=["<pad>", "<eod>"], _eos_id=BYTE_VOCAB, _pad_id=BYTE_VOCAB + 1,
+        vocab_size=BYTE_VOCAB,
+        special_tokens=["<pad>", "<eod>"],
+        _eos_id=BYTE_VOCAB,
+        _pad_id=BYTE_VOCAB + 1,
     )
 
 
@@ -47,8 +50,9 @@ def _null(vocab_size: int):
     from megatron.core.tokenizers import MegatronTokenizer
 
     # megatron's NullTokenizer adds the eod after its vocab_size ids
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null", "model_type": "gpt"},
-                                             vocab_size=vocab_size - 1)
+    return MegatronTokenizer.from_pretrained(
+        metadata_path={"library": "null", "model_type": "gpt"}, vocab_size=vocab_size - 1
+    )
 
 
 def gpt2_directory(facts: TokenizerFacts, cache_dir: str) -> str:
@@ -65,9 +69,20 @@ def gpt2_directory(facts: TokenizerFacts, cache_dir: str) -> str:
             shutil.copyfile(path, tmp)
             os.replace(tmp, root / GPT2_FILES[role])
         special = facts.eod_token or GPT2_EOD_TOKEN
-        write_atomic(root / "tokenizer_config.json", json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1 << 30, "add_prefix_space": False,
-             "bos_token": special, "eos_token": special, "unk_token": special}, indent=1))
+        write_atomic(
+            root / "tokenizer_config.json",
+            json.dumps(
+                {
+                    "tokenizer_class": "GPT2Tokenizer",
+                    "model_max_length": 1 << 30,
+                    "add_prefix_space": False,
+                    "bos_token": special,
+                    "eos_token": special,
+                    "unk_token": special,
+                },
+                indent=1,
+            ),
+        )
     return str(root)
 
 
@@ -76,12 +91,17 @@ def _huggingface(directory: str, facts: TokenizerFacts):
 
     kwargs = {"eos_token": facts.eod_token} if facts.eod_token is not None else {}
     try:
-        return MegatronTokenizer.from_pretrained(tokenizer_path=directory, use_fast=True,
-                                                 metadata_path={"library": "huggingface", "model_type": "gpt"},
-                                                 **kwargs)
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=directory,
+            use_fast=True,
+            metadata_path={"library": "huggingface", "model_type": "gpt"},
+            **kwargs,
+        )
     except ValueError as exc:  # megatron: "Unable to instantiate HuggingFace AutoTokenizer for ..."
-        raise DataError(f"data.tokenizer={directory}: HuggingFace cannot load it ({str(exc)[:300]}); "
-                        "fix: the tokenizer's own files (tokenizer.json and tokenizer_config.json)") from None
+        raise DataError(
+            f"data.tokenizer={directory}: HuggingFace cannot load it ({str(exc)[:300]}); "
+            "fix: the tokenizer's own files (tokenizer.json and tokenizer_config.json)"
+        ) from None
 
 
 def build_tokenizer(data: DataConfig):
@@ -95,14 +115,17 @@ def build_tokenizer(data: DataConfig):
     if facts.kind == "sentencepiece":
         from megatron.core.tokenizers import MegatronTokenizer
 
-        tok = MegatronTokenizer.from_pretrained(tokenizer_path=facts.model,
-                                                metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+        tok = MegatronTokenizer.from_pretrained(
+            tokenizer_path=facts.model, metadata_path={"library": "sentencepiece", "model_type": "gpt"}
+        )
     else:
         directory = gpt2_directory(facts, data.cache_dir) if facts.kind == "gpt2-bpe" else facts.model
         tok = _huggingface(str(directory), facts)
     if tok.vocab_size > facts.vocab_size:
-        raise DataError(f"data.tokenizer={data.tokenizer}: megatron-core's tokenizer has {tok.vocab_size} ids, "
-                        f"its files {facts.vocab_size}; fix: the tokenizer's own files")
+        raise DataError(
+            f"data.tokenizer={data.tokenizer}: megatron-core's tokenizer has {tok.vocab_size} ids, "
+            f"its files {facts.vocab_size}; fix: the tokenizer's own files"
+        )
     return tok
 
 

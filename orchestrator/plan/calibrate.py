@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.plan.profile import PROFILE_VERSION, DeviceProfile, stage_memory_bytes
 
-MiB = 2 ** 20
+MiB = 2**20
 MAX_SAMPLES = 200
 """A profile keeps its newest samples only."""
 MEMORY_RIDGE = 1e-4
@@ -68,15 +68,28 @@ def sample_of(plan, summary: Dict[str, Any], label: str = "", cores: int = 0) ->
     ranks = []
     for r, mib in enumerate(peaks[: lay.world_size]):
         st = plan.stages[rank_stage(r, lay.world_size, lay.pipeline_model_parallel_size)]
-        ranks.append({"stage": st.stage, "states": st.weights + st.gradients + st.optimizer,
-                      "activations": st.activations, "measured": mib * MiB})
+        ranks.append(
+            {
+                "stage": st.stage,
+                "states": st.weights + st.gradients + st.optimizer,
+                "activations": st.activations,
+                "measured": mib * MiB,
+            }
+        )
     step = summary.get("step_time_median_s")
     time = {"features": plan.terms.features(cores), "measured_s": float(step)} if step else None
-    return {"label": label, "version": PROFILE_VERSION, "world_size": lay.world_size,
-            "when": _dt.datetime.now().isoformat(timespec="seconds"), "ranks": ranks, "time": time}
+    return {
+        "label": label,
+        "version": PROFILE_VERSION,
+        "world_size": lay.world_size,
+        "when": _dt.datetime.now().isoformat(timespec="seconds"),
+        "ranks": ranks,
+        "time": time,
+    }
 
 
 # ---- least squares ------------------------------------------------------------------------------
+
 
 def _ridge_nonneg(rows: Sequence[Sequence[float]], targets: Sequence[float], ridge: float) -> List[float]:
     """Multipliers k >= 0 minimising sum (row . k - target)^2 + ridge x sum (k - 1)^2 (active set)."""
@@ -120,8 +133,11 @@ def _fit_memory(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> Tupl
 
 def _time_rows(base: Sequence[float], samples: Sequence[Dict[str, Any]]) -> List[List[float]]:
     """Per timed sample: the prior's seconds of each feature / the measured step (row . k = 1 fits it)."""
-    return [[b * f / t["measured_s"] for b, f in zip(base, t["features"])]
-            for t in (s.get("time") for s in samples) if t and t.get("measured_s")]
+    return [
+        [b * f / t["measured_s"] for b, f in zip(base, t["features"])]
+        for t in (s.get("time") for s in samples)
+        if t and t.get("measured_s")
+    ]
 
 
 def _fit_time(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> List[float]:
@@ -133,7 +149,9 @@ def _fit_time(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> List[f
     return [b * ki for b, ki in zip(base, k)]
 
 
-def step_spread(prior: DeviceProfile, profile: DeviceProfile, floor: float = 0.05) -> Callable[[Sequence[float]], float]:
+def step_spread(
+    prior: DeviceProfile, profile: DeviceProfile, floor: float = 0.05
+) -> Callable[[Sequence[float]], float]:
     """A function: step-time features -> the relative standard deviation of ``profile``'s prediction.
 
     ``profile`` is :func:`fit_profile` (``prior``, its ``samples``) (or ``prior`` itself, no samples).
@@ -150,8 +168,8 @@ def step_spread(prior: DeviceProfile, profile: DeviceProfile, floor: float = 0.0
     a = np.asarray(rows, dtype=float).reshape(len(rows), len(base))
     k = np.asarray([c / b if b else 0.0 for c, b in zip(profile.time_constants(), base)])
     residual = a @ k - 1.0
-    sigma = max(floor, float(np.sqrt(np.mean(residual ** 2))) if len(rows) else floor)
-    cov = sigma ** 2 * np.linalg.inv(a.T @ a + TIME_RIDGE * np.eye(len(base)))
+    sigma = max(floor, float(np.sqrt(np.mean(residual**2))) if len(rows) else floor)
+    cov = sigma**2 * np.linalg.inv(a.T @ a + TIME_RIDGE * np.eye(len(base)))
 
     def spread(features: Sequence[float]) -> float:
         predicted = predicted_step_s(profile, features)
@@ -169,8 +187,11 @@ def predicted_step_s(profile: DeviceProfile, features: Sequence[float]) -> float
 
 def memory_errors(profile: DeviceProfile, sample: Dict[str, Any]) -> List[float]:
     """Per rank: (predicted - measured) / measured of peak memory under ``profile``."""
-    return [(stage_memory_bytes(profile, r["states"], r["activations"]) - r["measured"]) / r["measured"]
-            for r in sample["ranks"] if r["measured"] > 0]
+    return [
+        (stage_memory_bytes(profile, r["states"], r["activations"]) - r["measured"]) / r["measured"]
+        for r in sample["ranks"]
+        if r["measured"] > 0
+    ]
 
 
 def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
@@ -202,12 +223,15 @@ def fit_stats(profile: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> Dict
     pred = [predicted_step_s(profile, t["features"]) for t in timed]
     meas = [t["measured_s"] for t in timed]
     step = [abs(p - m) / m for p, m in zip(pred, meas)]
-    return {"memory_samples": sum(len(s["ranks"]) for s in samples), "time_samples": len(timed),
-            "memory_error_max_pct": 100 * max(mem) if mem else None,
-            "memory_error_mean_pct": 100 * sum(mem) / len(mem) if mem else None,
-            "step_error_max_pct": 100 * max(step) if step else None,
-            "step_error_mean_pct": 100 * sum(step) / len(step) if step else None,
-            "kendall_tau": kendall_tau(pred, meas) if len(pred) > 1 else None}
+    return {
+        "memory_samples": sum(len(s["ranks"]) for s in samples),
+        "time_samples": len(timed),
+        "memory_error_max_pct": 100 * max(mem) if mem else None,
+        "memory_error_mean_pct": 100 * sum(mem) / len(mem) if mem else None,
+        "step_error_max_pct": 100 * max(step) if step else None,
+        "step_error_mean_pct": 100 * sum(step) / len(step) if step else None,
+        "kendall_tau": kendall_tau(pred, meas) if len(pred) > 1 else None,
+    }
 
 
 def fit_profile(prior: DeviceProfile, samples: Sequence[Dict[str, Any]]) -> DeviceProfile:

@@ -44,7 +44,9 @@ def _layer_forward_flops_per_token(shape: ModelShape) -> Tuple[float, float]:
     return dense, 2 * shape.seq_length * q  # causal: half of 4 s q
 
 
-def flops_per_step(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int) -> Tuple[float, float, List[float]]:
+def flops_per_step(
+    shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int
+) -> Tuple[float, float, List[float]]:
     """(model FLOPs, hardware FLOPs, hardware FLOPs per pipeline stage) of one optimizer step.
 
     Model FLOPs = 3 x forward (backward = 2 x forward), [N21] 5.1, with the causal attention core of
@@ -86,8 +88,9 @@ class CommVolume:
     """True when the group's span of consecutive ranks fits in one node (NVLink), else the network."""
 
 
-def comm_volumes(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, params_per_gpu: int,
-                 gpus_per_node: int = 8) -> Tuple[CommVolume, CommVolume, CommVolume]:
+def comm_volumes(
+    shape: ModelShape, layout: ParallelLayout, recipe: Recipe, params_per_gpu: int, gpus_per_node: int = 8
+) -> Tuple[CommVolume, CommVolume, CommVolume]:
     """(TP, PP, DP) communication of one GPU per step; a rough model, assumed not overlapped.
 
     TP ([K22] 4.2.2): every layer all-reduces its e s b h output twice forward and twice backward
@@ -120,9 +123,17 @@ def comm_volumes(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, para
     return tp, pp, dpv
 
 
-def comm_seconds(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, gpu: GpuPreset,
-                 params_per_gpu: int, gpus_per_node: int = 8) -> Tuple[float, float, float]:
+def comm_seconds(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    recipe: Recipe,
+    gpu: GpuPreset,
+    params_per_gpu: int,
+    gpus_per_node: int = 8,
+) -> Tuple[float, float, float]:
     """(TP, PP, DP) seconds per step on one GPU: :func:`comm_volumes` over the preset's links, which
     reach ``BUS_EFFICIENCY`` of nominal bandwidth (latency not counted)."""
-    return tuple(v.bytes / (BUS_EFFICIENCY * (gpu.intra_node_bw if v.intra_node else gpu.inter_node_bw))
-                 for v in comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node))  # type: ignore[return-value]
+    return tuple(
+        v.bytes / (BUS_EFFICIENCY * (gpu.intra_node_bw if v.intra_node else gpu.inter_node_bw))
+        for v in comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node)
+    )  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from orchestrator.errors import ConfigError
 BYTE_TOKENIZER_VOCAB = BYTE_VOCAB + 2
 """Vocabulary of the byte tokenizer: 256 byte values + ``<eod>`` + ``<pad>`` (config/tokenizer.py)."""
 
-GiB = 1024 ** 3
+GiB = 1024**3
 DEFAULT_MFU = 0.4
 """Assumed MFU of busy time (no bubble, no recomputation) when none is given."""
 FRAMEWORK_OVERHEAD_BYTES = 2 * GiB
@@ -48,11 +48,11 @@ GPU_PRESETS: Dict[str, GpuPreset] = {
     p.name: p
     for p in (
         # NVLink 3 (300 GB/s per direction), HDR InfiniBand 200 Gb/s per GPU
-        GpuPreset("A100-40GB", 40960 * 2 ** 20, 312e12, 19.5e12, 300e9, 25e9),
-        GpuPreset("A100-80GB", 81920 * 2 ** 20, 312e12, 19.5e12, 300e9, 25e9),
+        GpuPreset("A100-40GB", 40960 * 2**20, 312e12, 19.5e12, 300e9, 25e9),
+        GpuPreset("A100-80GB", 81920 * 2**20, 312e12, 19.5e12, 300e9, 25e9),
         # SXM5 80GB / SXM 141GB: NVLink 4 (450 GB/s per direction), NDR 400 Gb/s per GPU
-        GpuPreset("H100", 81559 * 2 ** 20, 989e12, 67e12, 450e9, 50e9),
-        GpuPreset("H200", 143771 * 2 ** 20, 989e12, 67e12, 450e9, 50e9),
+        GpuPreset("H100", 81559 * 2**20, 989e12, 67e12, 450e9, 50e9),
+        GpuPreset("H200", 143771 * 2**20, 989e12, 67e12, 450e9, 50e9),
     )
 }
 
@@ -91,8 +91,10 @@ def gpu_preset(name: str, ranks_on_host: int = 1) -> GpuPreset:
     for key, preset in GPU_PRESETS.items():
         if key.lower() == str(name).lower():
             return preset
-    raise ConfigError(f"gpu={name!r} is not a known GPU preset; fix: gpu= one of {', '.join(GPU_PRESETS)} "
-                      f"or {CPU_PRESET} (this machine's CPU)")
+    raise ConfigError(
+        f"gpu={name!r} is not a known GPU preset; fix: gpu= one of {', '.join(GPU_PRESETS)} "
+        f"or {CPU_PRESET} (this machine's CPU)"
+    )
 
 
 @dataclass(frozen=True)
@@ -124,14 +126,23 @@ class ModelShape:
     def from_model_config(cls, m, vocab_size: int = BYTE_TOKENIZER_VOCAB) -> "ModelShape":
         """From an :class:`orchestrator.config.schema.ModelConfig`."""
         return cls(
-            num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-            seq_length=m.seq_length, vocab_size=vocab_size, num_query_groups=m.num_query_groups,
-            ffn_hidden_size=m.ffn_hidden_size, max_position_embeddings=m.max_position_embeddings,
-            position_embedding_type=m.position_embedding_type, normalization=m.normalization,
-            activation=m.activation, add_bias_linear=m.add_bias_linear,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            seq_length=m.seq_length,
+            vocab_size=vocab_size,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size,
+            max_position_embeddings=m.max_position_embeddings,
+            position_embedding_type=m.position_embedding_type,
+            normalization=m.normalization,
+            activation=m.activation,
+            add_bias_linear=m.add_bias_linear,
             untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, hidden_dropout=m.hidden_dropout,
-            attention_dropout=m.attention_dropout, num_moe_experts=m.num_moe_experts,
+            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
+            num_moe_experts=m.num_moe_experts,
             moe_router_topk=m.moe_router_topk,
         )
 
@@ -190,7 +201,7 @@ class Recipe:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 # ---- from a JobConfig -------------------------------------------------------------------------
@@ -226,10 +237,14 @@ def vocab_source(cfg, vocab_size: int) -> str:
         facts = None
     if facts is not None and facts.vocab_size == vocab_size:
         if facts.kind == "byte":
-            return (f"data.tokenizer=byte of data={d.name}: 256 byte ids + eod + pad, not a model's tokenizer "
-                    "(set data.tokenizer for one)")
+            return (
+                f"data.tokenizer=byte of data={d.name}: 256 byte ids + eod + pad, not a model's tokenizer "
+                "(set data.tokenizer for one)"
+            )
         read = ", ".join(f"{role} {path}" for role, path in facts.files)
-        return f"data.tokenizer={d.tokenizer}" + (f", read from {read}" if read else f", data.vocab_size={d.vocab_size}")
+        return f"data.tokenizer={d.tokenizer}" + (
+            f", read from {read}" if read else f", data.vocab_size={d.vocab_size}"
+        )
     if d.vocab_size == vocab_size:
         return f"data.vocab_size={vocab_size} (data.tokenizer={d.tokenizer}'s files are not on this machine)"
     return f"{vocab_size} ids as given to the planner (data.tokenizer={d.tokenizer} not read here)"
@@ -238,10 +253,15 @@ def vocab_source(cfg, vocab_size: int) -> str:
 def recipe_of(cfg) -> Recipe:
     """The :class:`Recipe` of a :class:`~orchestrator.config.schema.JobConfig`."""
     m, o = cfg.model, cfg.optimizer
-    return Recipe(precision=cfg.training.precision, recompute_granularity=m.recompute_granularity,
-                  recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
-                  use_distributed_optimizer=o.use_distributed_optimizer, optimizer=o.name,
-                  sgd_momentum=o.sgd_momentum)
+    return Recipe(
+        precision=cfg.training.precision,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        optimizer=o.name,
+        sgd_momentum=o.sgd_momentum,
+    )
 
 
 def gpus_per_node(cfg) -> int:

@@ -159,13 +159,22 @@ class Plan:
     @property
     def step_time_s(self) -> float:
         """(compute + TP comm + PP comm + framework) x (1 + (p-1)/(v m)) + DP comm + fixed, seconds."""
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.framework_s + self.bubble_s
-                + self.dp_comm_s + self.fixed_s)
+        return (
+            self.compute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.framework_s
+            + self.bubble_s
+            + self.dp_comm_s
+            + self.fixed_s
+        )
 
     @property
     def mfu_predicted(self) -> float:
         """Model FLOPs / (world size x peak x step time)."""
-        return self.model_flops / (self.layout.world_size * self.gpu.peak_flops(self.recipe.precision) * self.step_time_s)
+        return self.model_flops / (
+            self.layout.world_size * self.gpu.peak_flops(self.recipe.precision) * self.step_time_s
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -174,29 +183,45 @@ class Plan:
     @property
     def reason(self) -> str:
         w, cap = self.worst, self.gpu.memory_bytes
-        parts = {"weights": w.weights, "gradients": w.gradients, "optimizer state": w.optimizer,
-                 "activations": w.activations}
+        parts = {
+            "weights": w.weights,
+            "gradients": w.gradients,
+            "optimizer state": w.optimizer,
+            "activations": w.activations,
+        }
         biggest = max(parts, key=parts.get)
         largest = f"largest part: {biggest} {_gib(parts[biggest])}"
         if self.tight:
-            return (f"tight: stage {w.stage} needs {_gib(w.total)} of {_gib(cap)} on {self.gpu.name} "
-                    f"({100 * w.total / cap:.0f}%), above plan_headroom={self.headroom:g} ({_gib(self.headroom * cap)}; "
-                    f"the allocator's cache and fragmentation are not in the estimate); {largest}")
+            return (
+                f"tight: stage {w.stage} needs {_gib(w.total)} of {_gib(cap)} on {self.gpu.name} "
+                f"({100 * w.total / cap:.0f}%), above plan_headroom={self.headroom:g} ({_gib(self.headroom * cap)}; "
+                f"the allocator's cache and fragmentation are not in the estimate); {largest}"
+            )
         verdict = "fits" if self.fits else "does not fit"
         rel = "<=" if self.fits else ">"
-        return (f"{verdict}: stage {w.stage} needs {_gib(w.total)} {rel} {_gib(cap)} on {self.gpu.name} "
-                f"({100 * w.total / cap:.0f}%); {largest}")
+        return (
+            f"{verdict}: stage {w.stage} needs {_gib(w.total)} {rel} {_gib(cap)} on {self.gpu.name} "
+            f"({100 * w.total / cap:.0f}%); {largest}"
+        )
 
     def as_dict(self) -> dict:
         """Key numbers for results tables (bytes, FLOPs, seconds)."""
-        return {"gpu": self.gpu.name, "fits": self.fits, "peak_bytes": self.peak_bytes,
-                "params_total": self.params_total, "bubble_fraction": self.bubble_fraction,
-                "bubble_overhead": self.bubble_overhead, "model_flops": self.model_flops,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "mfu_predicted": self.mfu_predicted}
+        return {
+            "gpu": self.gpu.name,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "params_total": self.params_total,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_overhead": self.bubble_overhead,
+            "model_flops": self.model_flops,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu_predicted": self.mfu_predicted,
+        }
 
 
 # ---- activations ([K22] section 4) ----------------------------------------------------------
+
 
 def layer_activation_bytes(shape: ModelShape, layout: ParallelLayout, elem: int, selective: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, per GPU, for one micro-batch.
@@ -209,7 +234,12 @@ def layer_activation_bytes(shape: ModelShape, layout: ParallelLayout, elem: int,
     s = seq_length / CP, b = micro_batch_size, a = heads, t = TP.
     """
     s = shape.seq_length / layout.context_parallel_size
-    b, h, a, t = layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads, layout.tensor_model_parallel_size
+    b, h, a, t = (
+        layout.micro_batch_size,
+        shape.hidden_size,
+        shape.num_attention_heads,
+        layout.tensor_model_parallel_size,
+    )
     sbh = s * b * h
     hmask, amask = float(shape.hidden_dropout > 0), float(shape.attention_dropout > 0)
     topk = shape.moe_router_topk if shape.num_moe_experts else 1
@@ -240,8 +270,9 @@ def _in_flight(layout: ParallelLayout, stage: int) -> int:
     return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
 
 
-def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, stage: int,
-                       vp: int, granularity: Optional[str]) -> Tuple[float, int]:
+def _stage_activations(
+    shape: ModelShape, layout: ParallelLayout, recipe: Recipe, stage: int, vp: int, granularity: Optional[str]
+) -> Tuple[float, int]:
     """(bytes, in-flight chunks) of activations on one GPU of ``stage`` at its peak.
 
     Stored activations of the in-flight chunks ([K22]) plus a working set that [K22] does not
@@ -275,15 +306,25 @@ def _stage_activations(shape: ModelShape, layout: ParallelLayout, recipe: Recipe
 
 # ---- the plan -----------------------------------------------------------------------------
 
+
 def recipe_problems(recipe: Recipe, layout: ParallelLayout) -> List[str]:
     """Megatron's recomputation rules (:func:`orchestrator.config.model_rules.recompute_problems`, the one copy)."""
-    return recompute_problems(recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers,
-                              layout.layers_per_stage)
+    return recompute_problems(
+        recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers, layout.layers_per_stage
+    )
 
 
-def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: GpuPreset,
-                mfu: float = DEFAULT_MFU, validate: bool = True, gpus_per_node: int = 8,
-                profile: Optional[DeviceProfile] = None, ranks_per_node: Optional[int] = None) -> Plan:
+def plan_layout(
+    layout: ParallelLayout,
+    shape: ModelShape,
+    recipe: Recipe,
+    gpu: GpuPreset,
+    mfu: float = DEFAULT_MFU,
+    validate: bool = True,
+    gpus_per_node: int = 8,
+    profile: Optional[DeviceProfile] = None,
+    ranks_per_node: Optional[int] = None,
+) -> Plan:
     """Plan one layout. Raises LayoutError / ConfigError when a Megatron rule is broken.
 
     With a ``profile`` (:mod:`orchestrator.plan.profile`) its constants replace the assumptions:
@@ -312,18 +353,40 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     for r, (_, dense, expert, count) in enumerate(per_stage):
         act, flight = _stage_activations(shape, layout, recipe, r, vp, recipe.recompute_granularity)
         unsharded, sharded = count * ob, dense * ob / dp + expert * ob / edp
-        stages.append(StageMemory(
-            stage=r, params=count, weights=count * recipe.param_bytes, gradients=count * recipe.grad_bytes,
-            optimizer=sharded if recipe.use_distributed_optimizer else unsharded,
-            optimizer_unsharded=unsharded, optimizer_sharded=sharded, activations=act, in_flight=flight,
-            overhead=FRAMEWORK_OVERHEAD_BYTES))
+        stages.append(
+            StageMemory(
+                stage=r,
+                params=count,
+                weights=count * recipe.param_bytes,
+                gradients=count * recipe.grad_bytes,
+                optimizer=sharded if recipe.use_distributed_optimizer else unsharded,
+                optimizer_unsharded=unsharded,
+                optimizer_sharded=sharded,
+                activations=act,
+                in_flight=flight,
+                overhead=FRAMEWORK_OVERHEAD_BYTES,
+            )
+        )
     if profile is not None:  # calibrated memory: overhead + factors x the planner's terms
         sf, af = profile.states_factor, profile.activation_factor
-        stages = [replace(st, weights=sf * st.weights, gradients=sf * st.gradients, optimizer=sf * st.optimizer,
-                          optimizer_unsharded=sf * st.optimizer_unsharded, optimizer_sharded=sf * st.optimizer_sharded,
-                          activations=af * st.activations, overhead=profile.memory_overhead_bytes) for st in stages]
-    alt_full = recipe if recipe.recompute_granularity == "full" else replace(
-        recipe, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        stages = [
+            replace(
+                st,
+                weights=sf * st.weights,
+                gradients=sf * st.gradients,
+                optimizer=sf * st.optimizer,
+                optimizer_unsharded=sf * st.optimizer_unsharded,
+                optimizer_sharded=sf * st.optimizer_sharded,
+                activations=af * st.activations,
+                overhead=profile.memory_overhead_bytes,
+            )
+            for st in stages
+        ]
+    alt_full = (
+        recipe
+        if recipe.recompute_granularity == "full"
+        else replace(recipe, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    )
     ends = {0, p - 1}  # middle stages hold fewer micro-batches and neither embedding nor logits
     act_factor = profile.activation_factor if profile is not None else 1.0
     by_recompute = {
@@ -340,30 +403,58 @@ def plan_layout(layout: ParallelLayout, shape: ModelShape, recipe: Recipe, gpu: 
     idle = None
     if profile is not None:
         sec = terms.seconds(profile)
-        compute, tp_s, pp_s, dp_s, framework, fixed = (sec[k] for k in ("compute", "tp", "pp", "dp", "framework",
-                                                                        "fixed"))
+        compute, tp_s, pp_s, dp_s, framework, fixed = (
+            sec[k] for k in ("compute", "tp", "pp", "dp", "framework", "fixed")
+        )
         idle = sec["idle"]
     rep, sh, erep, esh = _layer_params(shape)
-    pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
+    pos = (
+        (shape.max_position_embeddings or shape.seq_length)
+        if shape.position_embedding_type == "learned_absolute"
+        else 0
+    )
     notes = []
     if profile is not None and terms.ranks_per_core(profile.cores):
-        notes.append(f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
-                     f"other ranks (each rank's work is stretched by ranks per core; the bubble is the schedule's "
-                     f"fill and drain with fewer ranks than cores: {idle:.1%})")
+        notes.append(
+            f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
+            f"other ranks (each rank's work is stretched by ranks per core; the bubble is the schedule's "
+            f"fill and drain with fewer ranks than cores: {idle:.1%})"
+        )
     if recipe.precision == "fp32" and profile is None:
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return Plan(
-        layout=layout, shape=shape, recipe=recipe, gpu=gpu, mfu_assumed=mfu, padded_vocab_size=vp,
-        params_total=_total_params(shape, layout, vp), params_per_layer=rep + sh + erep + esh,
-        params_embedding=(vp + pos) * shape.hidden_size, params_per_stage=[s[0] for s in per_stage],
-        stages=stages, activations_by_recompute=by_recompute, bubble_overhead=overhead,
-        bubble_fraction=fraction, compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
-        model_flops=model, hardware_flops=hardware, notes=notes, framework_s=framework, fixed_s=fixed,
-        profile=profile, terms=terms, idle_overhead=idle)
+        layout=layout,
+        shape=shape,
+        recipe=recipe,
+        gpu=gpu,
+        mfu_assumed=mfu,
+        padded_vocab_size=vp,
+        params_total=_total_params(shape, layout, vp),
+        params_per_layer=rep + sh + erep + esh,
+        params_embedding=(vp + pos) * shape.hidden_size,
+        params_per_stage=[s[0] for s in per_stage],
+        stages=stages,
+        activations_by_recompute=by_recompute,
+        bubble_overhead=overhead,
+        bubble_fraction=fraction,
+        compute_s=compute,
+        tp_comm_s=tp_s,
+        pp_comm_s=pp_s,
+        dp_comm_s=dp_s,
+        model_flops=model,
+        hardware_flops=hardware,
+        notes=notes,
+        framework_s=framework,
+        fixed_s=fixed,
+        profile=profile,
+        terms=terms,
+        idle_overhead=idle,
+    )
 
 
-def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None,
-         profile: Any = "auto") -> Plan:
+def plan(
+    cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None, profile: Any = "auto"
+) -> Plan:
     """Plan a :class:`~orchestrator.config.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
 
     ``profile``: "auto" = the device's stored calibration profile when one exists (the plan's notes say
@@ -372,7 +463,9 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     :class:`~orchestrator.errors.ConfigError` for an unknown GPU preset.
     """
     layout = layout_from_config(cfg)
-    preset = gpu_preset(gpu if gpu is not None else cfg.gpu, ranks_on_host=layout.world_size // max(1, cfg.cluster.nodes))
+    preset = gpu_preset(
+        gpu if gpu is not None else cfg.gpu, ranks_on_host=layout.world_size // max(1, cfg.cluster.nodes)
+    )
     if isinstance(profile, str):
         profile = device_profile(preset, cfg.data.cache_dir)
     note = None
@@ -380,8 +473,16 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
         vocab_size, note = vocab_size_of(cfg)
     shape = ModelShape.from_model_config(cfg.model, vocab_size)
     ranks_per_node = layout.world_size // max(1, cfg.cluster.nodes) if preset.name == CPU_PRESET else None
-    result = plan_layout(layout, shape, recipe_of(cfg), preset, mfu or DEFAULT_MFU,
-                         gpus_per_node=gpus_per_node(cfg), profile=profile, ranks_per_node=ranks_per_node)
+    result = plan_layout(
+        layout,
+        shape,
+        recipe_of(cfg),
+        preset,
+        mfu or DEFAULT_MFU,
+        gpus_per_node=gpus_per_node(cfg),
+        profile=profile,
+        ranks_per_node=ranks_per_node,
+    )
     result.headroom, result.vocab_source = cfg.plan_headroom, vocab_source(cfg, vocab_size)
     if vpp_no_op(cfg):
         result.notes.append(vpp_no_op(cfg))
@@ -390,12 +491,18 @@ def plan(cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: 
     if profile is not None:
         result.notes.append(f"device profile {profile.summary()}")
         if not profile.calibrated:
-            result.notes.append("to calibrate it on this device: python -m orchestrator tune <overrides> "
-                                "(every completed trial is a calibration sample)")
+            result.notes.append(
+                "to calibrate it on this device: python -m orchestrator tune <overrides> "
+                "(every completed trial is a calibration sample)"
+            )
     if preset.name == CPU_PRESET:
-        result.notes.append(f"planned for this machine's CPU: {_gib(preset.memory_bytes)} of memory per rank "
-                            f"({layout.world_size // max(1, cfg.cluster.nodes)} ranks on this host)")
+        result.notes.append(
+            f"planned for this machine's CPU: {_gib(preset.memory_bytes)} of memory per rank "
+            f"({layout.world_size // max(1, cfg.cluster.nodes)} ranks on this host)"
+        )
     elif cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
-        result.notes.append(f"this config runs on CPU; memory and time are for the {preset.name} preset "
-                            "(gpu=cpu plans for this machine's CPU)")
+        result.notes.append(
+            f"this config runs on CPU; memory and time are for the {preset.name} preset "
+            "(gpu=cpu plans for this machine's CPU)"
+        )
     return result

@@ -45,7 +45,11 @@ def stage_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> List[Tup
     h = shape.hidden_size
     rep, sh, erep, esh = layer_params(shape)
     n = layout.layers_per_stage
-    pos = (shape.max_position_embeddings or shape.seq_length) if shape.position_embedding_type == "learned_absolute" else 0
+    pos = (
+        (shape.max_position_embeddings or shape.seq_length)
+        if shape.position_embedding_type == "learned_absolute"
+        else 0
+    )
     final_norm = 2 * h if shape.normalization == "LayerNorm" else h
     out = []
     for r in range(p):
@@ -68,8 +72,11 @@ def stage_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> List[Tup
 def total_params(shape: ModelShape, layout: ParallelLayout, vp: int) -> int:
     """Distinct parameters of the whole model (each once: over TP, PP and EP shards, the tied output
     layer's copy on the last stage not counted twice) at padded vocabulary ``vp``."""
-    tied_copy = vp * shape.hidden_size if (layout.pipeline_model_parallel_size > 1
-                                           and not shape.untie_embeddings_and_output_weights) else 0
+    tied_copy = (
+        vp * shape.hidden_size
+        if (layout.pipeline_model_parallel_size > 1 and not shape.untie_embeddings_and_output_weights)
+        else 0
+    )
     return sum(s[0] for s in stage_params(shape, layout, vp)) - tied_copy
 
 

@@ -18,8 +18,13 @@ _FORWARD = ("#0072B2", "#56B4E9")
 _BACKWARD = ("#D55E00", "#E69F00")
 _TEXT = {"#0072B2": "white", "#56B4E9": "black", "#D55E00": "white", "#E69F00": "black"}
 _IDLE = "#E8E8E8"
-_MEMORY = (("weights", "#0072B2"), ("gradients", "#56B4E9"), ("optimizer state", "#009E73"),
-           ("activations", "#E69F00"), ("overhead", "#999999"))
+_MEMORY = (
+    ("weights", "#0072B2"),
+    ("gradients", "#56B4E9"),
+    ("optimizer state", "#009E73"),
+    ("activations", "#E69F00"),
+    ("overhead", "#999999"),
+)
 
 
 def _figure(width: float, height: float):
@@ -35,8 +40,10 @@ def _figure(width: float, height: float):
 def bubble_title(s: Schedule) -> str:
     """``PP4, m=8, v=2 (interleaved 1F1B): bubble (p-1)/(v·m) = 3/(2·8) = 18.8%``."""
     overhead, fraction = s.formula()
-    return (f"PP{s.pp}, m={s.num_microbatches}, v={s.vpp} ({s.name}): bubble (p-1)/(v·m) = "
-            f"{s.pp - 1}/({s.vpp}·{s.num_microbatches}) = {overhead:.1%} of ideal, {fraction:.1%} of the step")
+    return (
+        f"PP{s.pp}, m={s.num_microbatches}, v={s.vpp} ({s.name}): bubble (p-1)/(v·m) = "
+        f"{s.pp - 1}/({s.vpp}·{s.num_microbatches}) = {overhead:.1%} of ideal, {fraction:.1%} of the step"
+    )
 
 
 def _label(step, width_pt: float, vpp: int, fontsize: float) -> str:
@@ -47,8 +54,9 @@ def _label(step, width_pt: float, vpp: int, fontsize: float) -> str:
     return ""
 
 
-def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: float = 1e3,
-               axis_span: Optional[float] = None) -> None:
+def draw_gantt(
+    ax, schedule: Schedule, title: str, unit: str = "ms", scale: float = 1e3, axis_span: Optional[float] = None
+) -> None:
     """One row per pipeline rank (rank 0 on top), forward and backward blocks, idle hatched; the time
     axis runs to ``axis_span`` (default: this schedule's window) so schedules drawn together compare."""
     lo, hi = schedule.window
@@ -60,13 +68,16 @@ def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: floa
     fontsize = 7.5
     for r in range(schedule.pp):  # one collection per row (hundreds of patches draw slowly)
         y = schedule.pp - 1 - r
-        ax.broken_barh([(0, span)], (y - 0.4, 0.8), facecolors=_IDLE, hatch="///", edgecolor="#BBBBBB",
-                       linewidth=0)
+        ax.broken_barh([(0, span)], (y - 0.4, 0.8), facecolors=_IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
         steps = schedule.on(r)
         colours = [(_FORWARD if st.kind == FORWARD else _BACKWARD)[st.chunk % 2] for st in steps]
-        ax.broken_barh([((st.start - lo) * scale, (st.end - st.start) * scale) for st in steps], (y - 0.4, 0.8),
-                       facecolors=colours, edgecolor="white",
-                       linewidth=0.6 if steps and pt_per_unit * span / len(steps) > 6 else 0.0)  # dense: no seams
+        ax.broken_barh(
+            [((st.start - lo) * scale, (st.end - st.start) * scale) for st in steps],
+            (y - 0.4, 0.8),
+            facecolors=colours,
+            edgecolor="white",
+            linewidth=0.6 if steps and pt_per_unit * span / len(steps) > 6 else 0.0,
+        )  # dense: no seams
         for st, colour in zip(steps, colours):
             x, w = (st.start - lo) * scale, (st.end - st.start) * scale
             text = _label(st, w * pt_per_unit, schedule.vpp, fontsize)
@@ -75,7 +86,8 @@ def draw_gantt(ax, schedule: Schedule, title: str, unit: str = "ms", scale: floa
     waits: Dict[int, list] = {}
     for wait in schedule.extra.get("waits", []):  # type: ignore[union-attr]
         waits.setdefault(schedule.pp - 1 - int(wait["stage"]), []).append(
-            ((wait["start"] - lo) * scale, (wait["end"] - wait["start"]) * scale))
+            ((wait["start"] - lo) * scale, (wait["end"] - wait["start"]) * scale)
+        )
     for y, ranges in waits.items():
         ax.broken_barh(ranges, (y - 0.49, 0.08), facecolors="black", linewidth=0)
     idle = schedule.idle_share()
@@ -108,13 +120,19 @@ def _legend(ax, vpp: int, waits: bool) -> None:
     handles.append(Patch(facecolor=_IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
     if waits:
         handles.append(Patch(color="black", label="send/recv call"))
-    ax.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8.5, frameon=False,
-              bbox_to_anchor=(0.5, -0.28 if ax.get_subplotspec().get_gridspec().nrows == 1 else -0.32))
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=len(handles),
+        fontsize=8.5,
+        frameon=False,
+        bbox_to_anchor=(0.5, -0.28 if ax.get_subplotspec().get_gridspec().nrows == 1 else -0.32),
+    )
 
 
 def draw_memory(ax, plan) -> None:
     """Stacked bars per stage (GiB) against the device's memory and the plan's headroom line (``plan_headroom``)."""
-    gib = 2.0 ** 30
+    gib = 2.0**30
     stages = plan.stages
     xs = list(range(len(stages)))
     bottom = [0.0] * len(stages)
@@ -124,8 +142,13 @@ def draw_memory(ax, plan) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     mem = plan.gpu.memory_bytes / gib
     ax.axhline(mem, color="black", linewidth=1.2, label=f"{plan.gpu.name}: {mem:.3g} GiB")
-    ax.axhline(plan.headroom * mem, color="black", linewidth=1.0, linestyle="--",
-               label=f"plan_headroom {plan.headroom:.0%} of it")
+    ax.axhline(
+        plan.headroom * mem,
+        color="black",
+        linewidth=1.0,
+        linestyle="--",
+        label=f"plan_headroom {plan.headroom:.0%} of it",
+    )
     ax.set_ylim(0, max(max(bottom), mem) * 1.08)
     ax.set_xlim(-0.6, len(stages) - 0.4)
     ax.set_xticks(xs)
@@ -134,8 +157,15 @@ def draw_memory(ax, plan) -> None:
         ax.set_xlabel("pipeline stage", fontsize=9)
     ax.set_ylabel("GiB per GPU", fontsize=9)
     ax.set_title(f"memory per stage (peak {max(bottom):.3g} GiB)", fontsize=10, loc="left")
-    ax.legend(fontsize=8, loc="upper center", frameon=False, ncol=2, bbox_to_anchor=(0.5, -0.12),
-              handlelength=1.5, columnspacing=0.8)
+    ax.legend(
+        fontsize=8,
+        loc="upper center",
+        frameon=False,
+        ncol=2,
+        bbox_to_anchor=(0.5, -0.12),
+        handlelength=1.5,
+        columnspacing=0.8,
+    )
     ax.tick_params(axis="y", labelsize=8)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)

@@ -145,9 +145,17 @@ class Schedule:
         return bubble(self.pp, self.num_microbatches, self.vpp)
 
 
-def predict(pp: int, num_microbatches: int, vpp: int = 1, forward: Sequence[float] = (1.0,),
-            backward_ratio: float = 2.0, comm: float = 0.0, group: Optional[int] = None,
-            backward: Optional[Sequence[float]] = None, gap: Sequence[float] = (0.0,)) -> Schedule:
+def predict(
+    pp: int,
+    num_microbatches: int,
+    vpp: int = 1,
+    forward: Sequence[float] = (1.0,),
+    backward_ratio: float = 2.0,
+    comm: float = 0.0,
+    group: Optional[int] = None,
+    backward: Optional[Sequence[float]] = None,
+    gap: Sequence[float] = (0.0,),
+) -> Schedule:
     """The schedule megatron-core runs, timed by the dataflow model of the module docstring.
 
     ``forward``: time of one micro-batch's forward through one whole stage (all its chunks), one value
@@ -157,8 +165,11 @@ def predict(pp: int, num_microbatches: int, vpp: int = 1, forward: Sequence[floa
     before it can start the next (its send/recv calls and the schedule's own code), one value or one per stage.
     """
     fwd = list(forward) if len(forward) == pp else [forward[0]] * pp
-    bwd = [f * backward_ratio for f in fwd] if backward is None else (
-        list(backward) if len(backward) == pp else [backward[0]] * pp)
+    bwd = (
+        [f * backward_ratio for f in fwd]
+        if backward is None
+        else (list(backward) if len(backward) == pp else [backward[0]] * pp)
+    )
     gaps = list(gap) if len(gap) == pp else [gap[0]] * pp
     orders = [stage_order(pp, r, num_microbatches, vpp, group) for r in range(pp)]
     last_virtual = pp * vpp - 1
@@ -200,8 +211,14 @@ def predict_for_plan(plan) -> Schedule:
     per_microbatch = (plan.compute_s + plan.tp_comm_s + plan.framework_s) / m
     forward = per_microbatch / (4.0 if full else 3.0)
     messages = 2 * m * v if p > 1 else 1
-    return predict(p, m, v, forward=(forward,), backward_ratio=3.0 if full else 2.0,
-                   comm=plan.pp_comm_s / messages if p > 1 else 0.0)
+    return predict(
+        p,
+        m,
+        v,
+        forward=(forward,),
+        backward_ratio=3.0 if full else 2.0,
+        comm=plan.pp_comm_s / messages if p > 1 else 0.0,
+    )
 
 
 def measured_schedule(ranks: List[dict], pp: int, vpp: int, num_microbatches: int) -> Schedule:
@@ -235,8 +252,13 @@ def predict_like(measured: Schedule) -> Schedule:
     mean forward (x v: a whole stage), the mean backward / forward ratio, free transfers."""
     f = mean_cost(measured, FORWARD)
     forward = [measured.vpp * (mean_cost(measured, FORWARD, r) or f) for r in range(measured.pp)]
-    return predict(measured.pp, measured.num_microbatches, measured.vpp, forward=forward,
-                   backward_ratio=mean_cost(measured, BACKWARD) / f if f > 0 else 2.0)
+    return predict(
+        measured.pp,
+        measured.num_microbatches,
+        measured.vpp,
+        forward=forward,
+        backward_ratio=mean_cost(measured, BACKWARD) / f if f > 0 else 2.0,
+    )
 
 
 def _dependency(step: Step, pp: int, vpp: int) -> Optional[Tuple[str, int, int]]:
@@ -271,9 +293,12 @@ def measured_costs(measured: Schedule) -> Dict[str, object]:
             elif prev is not None:
                 gaps[r].append(step.start - prev.end)
     f_all = mean_cost(measured, FORWARD)
-    return {"forward": [v * (mean_cost(measured, FORWARD, r) or f_all) for r in range(p)],
-            "backward": [v * (mean_cost(measured, BACKWARD, r) or 2 * f_all) for r in range(p)],
-            "gap": [max(0.0, _mean(g)) for g in gaps], "comm": max(0.0, _mean(waits))}
+    return {
+        "forward": [v * (mean_cost(measured, FORWARD, r) or f_all) for r in range(p)],
+        "backward": [v * (mean_cost(measured, BACKWARD, r) or 2 * f_all) for r in range(p)],
+        "gap": [max(0.0, _mean(g)) for g in gaps],
+        "comm": max(0.0, _mean(waits)),
+    }
 
 
 def predict_measured(measured: Schedule) -> Schedule:
@@ -281,13 +306,26 @@ def predict_measured(measured: Schedule) -> Schedule:
     (:func:`measured_costs`): per-stage forward and backward, the gap after each step, one transfer
     between stages; bench/bubble.py compares its bubble with the measured one."""
     c = measured_costs(measured)
-    return predict(measured.pp, measured.num_microbatches, measured.vpp, forward=c["forward"],  # type: ignore[arg-type]
-                   backward=c["backward"], comm=float(c["comm"]), gap=c["gap"])  # type: ignore[arg-type]
+    return predict(
+        measured.pp,
+        measured.num_microbatches,
+        measured.vpp,
+        forward=c["forward"],  # type: ignore[arg-type]
+        backward=c["backward"],
+        comm=float(c["comm"]),
+        gap=c["gap"],
+    )  # type: ignore[arg-type]
 
 
-
-def shared_core_stretch(pp: int, num_microbatches: int, vpp: int, replicas: int, cores: int,
-                        backward_ratio: float = 2.0, group: Optional[int] = None) -> float:
+def shared_core_stretch(
+    pp: int,
+    num_microbatches: int,
+    vpp: int,
+    replicas: int,
+    cores: int,
+    backward_ratio: float = 2.0,
+    group: Optional[int] = None,
+) -> float:
     """Step time / one rank's own work when ``replicas`` x ``pp`` ranks share ``cores`` cores.
 
     Each of ``replicas`` identical pipelines (the TP x DP ranks of a stage do the same work) runs
@@ -311,8 +349,11 @@ def shared_core_stretch(pp: int, num_microbatches: int, vpp: int, replicas: int,
                 continue
             kind, mb, chunk = orders[s][pos[(rep, s)]]
             j = chunk * pp + s
-            dep = ((FORWARD, mb, j - 1) if j > 0 else None) if kind == FORWARD else \
-                ((BACKWARD, mb, j + 1) if j < last_virtual else (FORWARD, mb, j))
+            dep = (
+                ((FORWARD, mb, j - 1) if j > 0 else None)
+                if kind == FORWARD
+                else ((BACKWARD, mb, j + 1) if j < last_virtual else (FORWARD, mb, j))
+            )
             if dep is None or (rep, *dep) in done:
                 if left[(rep, s)] is None:
                     left[(rep, s)] = (1.0 if kind == FORWARD else backward_ratio) / vpp

@@ -47,8 +47,15 @@ from orchestrator.plan.pipeline_schedule import shared_core_stretch
 
 PROFILE_VERSION = 4
 """Bumped when :class:`StepTerms` or the memory terms change meaning: older samples are not reused."""
-TIME_CONSTANTS = ("flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "latency_s",
-                  "layer_pass_s", "chunk_pass_s", "step_s")
+TIME_CONSTANTS = (
+    "flops_per_s",
+    "intra_node_bytes_per_s",
+    "inter_node_bytes_per_s",
+    "latency_s",
+    "layer_pass_s",
+    "chunk_pass_s",
+    "step_s",
+)
 """The time constants, in the order of :meth:`StepTerms.features` (rates enter as their inverse)."""
 _RATES = {"flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s"}
 
@@ -99,16 +106,23 @@ class DeviceProfile:
 
     def summary(self) -> str:
         """One line: the device and its constants, and how they were obtained."""
-        how = (f"calibrated from {self.fit.get('memory_samples', 0)} memory / {self.fit.get('time_samples', 0)} "
-               f"step-time samples ({self.fit.get('updated', '?')})" if self.calibrated else "uncalibrated prior values")
-        return (f"{self.device}: overhead {self.memory_overhead_bytes / 2 ** 20:.0f} MiB/rank, states x"
-                f"{self.states_factor:.2f}, activations x{self.activation_factor:.2f}, "
-                f"{self.flops_per_s / 1e9:.3g} GFLOP/s, {self.intra_node_bytes_per_s / 1e9:.3g} GB/s, latency "
-                f"{self.latency_s * 1e6:.0f} us, {self.layer_pass_s * 1e3:.2f} ms/layer pass, "
-                f"{self.chunk_pass_s * 1e3:.2f} ms/chunk pass, {self.step_s * 1e3:.1f} ms/step; {how}")
+        how = (
+            f"calibrated from {self.fit.get('memory_samples', 0)} memory / {self.fit.get('time_samples', 0)} "
+            f"step-time samples ({self.fit.get('updated', '?')})"
+            if self.calibrated
+            else "uncalibrated prior values"
+        )
+        return (
+            f"{self.device}: overhead {self.memory_overhead_bytes / 2**20:.0f} MiB/rank, states x"
+            f"{self.states_factor:.2f}, activations x{self.activation_factor:.2f}, "
+            f"{self.flops_per_s / 1e9:.3g} GFLOP/s, {self.intra_node_bytes_per_s / 1e9:.3g} GB/s, latency "
+            f"{self.latency_s * 1e6:.0f} us, {self.layer_pass_s * 1e3:.2f} ms/layer pass, "
+            f"{self.chunk_pass_s * 1e3:.2f} ms/chunk pass, {self.step_s * 1e3:.1f} ms/step; {how}"
+        )
 
 
 # ---- what a step costs, in units the constants price ----------------------------------------
+
 
 @dataclass(frozen=True)
 class StepTerms:
@@ -177,18 +191,30 @@ class StepTerms:
         def comm(v: CommVolume) -> float:
             return mult * (v.bytes / profile.bandwidth(v.intra_node) + v.calls * profile.latency_s)
 
-        return {"compute": mult * self.stage_flops(profile.cores) / profile.flops_per_s, "tp": comm(self.tp), "pp": comm(self.pp),
-                "dp": comm(self.dp),
-                "framework": mult * (self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s),
-                "fixed": profile.step_s, "idle": idle}
+        return {
+            "compute": mult * self.stage_flops(profile.cores) / profile.flops_per_s,
+            "tp": comm(self.tp),
+            "pp": comm(self.pp),
+            "dp": comm(self.dp),
+            "framework": mult * (self.layer_passes * profile.layer_pass_s + self.chunk_passes * profile.chunk_pass_s),
+            "fixed": profile.step_s,
+            "idle": idle,
+        }
 
 
 _shared_stretch = functools.lru_cache(maxsize=1024)(shared_core_stretch)
 """Every candidate is re-priced after each tune trial: simulate each schedule once."""
 
 
-def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: int, params_per_gpu: int,
-               gpus_per_node: int = 8, ranks_per_node: Optional[int] = None) -> StepTerms:
+def step_terms(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    recipe: Recipe,
+    vp: int,
+    params_per_gpu: int,
+    gpus_per_node: int = 8,
+    ranks_per_node: Optional[int] = None,
+) -> StepTerms:
     """The :class:`StepTerms` of one layout (``vp`` = padded vocabulary; ``ranks_per_node`` default:
     min(world size, ``gpus_per_node``))."""
     _, _, stage_flops = flops_per_step(shape, layout, recipe, vp)
@@ -196,14 +222,22 @@ def step_terms(shape: ModelShape, layout: ParallelLayout, recipe: Recipe, vp: in
     tp, pp, dp = comm_volumes(shape, layout, recipe, params_per_gpu, gpus_per_node)
     per_layer = 3 + (1 if recipe.recompute_granularity == "full" else 0)
     per_gpu = layout.world_size // p
-    return StepTerms(flops=max(stage_flops) / per_gpu, flops_mean=sum(stage_flops) / p / per_gpu, tp=tp, pp=pp, dp=dp,
-                     layer_passes=m * layout.layers_per_stage * per_layer, chunk_passes=m * layout.vpp,
-                     bubble_overhead=bubble(p, m, layout.vpp)[0],
-                     ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node),
-                     schedule=(p, m, layout.vpp, per_layer - 1.0, layout.world_size // p))
+    return StepTerms(
+        flops=max(stage_flops) / per_gpu,
+        flops_mean=sum(stage_flops) / p / per_gpu,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        layer_passes=m * layout.layers_per_stage * per_layer,
+        chunk_passes=m * layout.vpp,
+        bubble_overhead=bubble(p, m, layout.vpp)[0],
+        ranks_per_node=ranks_per_node or min(layout.world_size, gpus_per_node),
+        schedule=(p, m, layout.vpp, per_layer - 1.0, layout.world_size // p),
+    )
 
 
 # ---- device keys and storage -------------------------------------------------------------------
+
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
@@ -277,16 +311,35 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
     """
     key = key or device_key(preset.name)
     if preset.name.lower() == "cpu":
-        return DeviceProfile(device=key, description=f"{cpu_model_name()} ({os.cpu_count()} logical CPUs)",
-                             memory_overhead_bytes=365 * 2 ** 20, states_factor=1.0, activation_factor=1.0,
-                             flops_per_s=3e10, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
-                             latency_s=5e-4, layer_pass_s=3e-3, chunk_pass_s=3e-3, step_s=3e-2,
-                             cores=os.cpu_count() or 1)
-    return DeviceProfile(device=key, description=preset.name, memory_overhead_bytes=FRAMEWORK_OVERHEAD_BYTES,
-                         states_factor=1.0, activation_factor=1.0, flops_per_s=DEFAULT_MFU * preset.peak_flops_16bit,
-                         intra_node_bytes_per_s=BUS_EFFICIENCY * preset.intra_node_bw,
-                         inter_node_bytes_per_s=BUS_EFFICIENCY * preset.inter_node_bw, latency_s=2e-5,
-                         layer_pass_s=5e-5, chunk_pass_s=1e-4, step_s=1e-3)
+        return DeviceProfile(
+            device=key,
+            description=f"{cpu_model_name()} ({os.cpu_count()} logical CPUs)",
+            memory_overhead_bytes=365 * 2**20,
+            states_factor=1.0,
+            activation_factor=1.0,
+            flops_per_s=3e10,
+            intra_node_bytes_per_s=1e9,
+            inter_node_bytes_per_s=1e8,
+            latency_s=5e-4,
+            layer_pass_s=3e-3,
+            chunk_pass_s=3e-3,
+            step_s=3e-2,
+            cores=os.cpu_count() or 1,
+        )
+    return DeviceProfile(
+        device=key,
+        description=preset.name,
+        memory_overhead_bytes=FRAMEWORK_OVERHEAD_BYTES,
+        states_factor=1.0,
+        activation_factor=1.0,
+        flops_per_s=DEFAULT_MFU * preset.peak_flops_16bit,
+        intra_node_bytes_per_s=BUS_EFFICIENCY * preset.intra_node_bw,
+        inter_node_bytes_per_s=BUS_EFFICIENCY * preset.inter_node_bw,
+        latency_s=2e-5,
+        layer_pass_s=5e-5,
+        chunk_pass_s=1e-4,
+        step_s=1e-3,
+    )
 
 
 def device_of(cfg) -> str:

@@ -8,8 +8,15 @@ from typing import Dict, List, Optional
 
 CATEGORIES = ("compute", "bubble", "dp_comm", "optimizer", "data", "sync")
 """Measured categories, in record order; ``other`` is the step time less their sum."""
-LABELS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "DP comm", "optimizer": "optimizer",
-          "data": "data", "sync": "loop sync", "other": "other"}
+LABELS = {
+    "compute": "compute",
+    "bubble": "pipeline bubble",
+    "dp_comm": "DP comm",
+    "optimizer": "optimizer",
+    "data": "data",
+    "sync": "loop sync",
+    "other": "other",
+}
 
 
 def per_stage(rows: List[List[float]], mfu: Optional[Dict[str, object]] = None) -> Dict[str, object]:
@@ -25,10 +32,18 @@ def per_stage(rows: List[List[float]], mfu: Optional[Dict[str, object]] = None) 
         shares = [{c: row[3 + i] / row[2] for i, c in enumerate(CATEGORIES)} for row in stages[stage]]
         mean = {c: sum(s[c] for s in shares) / len(shares) for c in CATEGORIES}
         step = sum(row[2] / row[1] for row in stages[stage]) / len(stages[stage])
-        rec: Dict[str, object] = {"stage": stage, "ranks": len(shares), "step_s": step, **mean,
-                                  "other": 1.0 - sum(mean.values())}
-        rec["mfu"] = (mfu["stage_flops"][stage] / (step * mfu["peak"])  # type: ignore[index]
-                      if mfu and stage < len(mfu["stage_flops"]) else None)  # type: ignore[arg-type]
+        rec: Dict[str, object] = {
+            "stage": stage,
+            "ranks": len(shares),
+            "step_s": step,
+            **mean,
+            "other": 1.0 - sum(mean.values()),
+        }
+        rec["mfu"] = (
+            mfu["stage_flops"][stage] / (step * mfu["peak"])  # type: ignore[index]
+            if mfu and stage < len(mfu["stage_flops"])
+            else None
+        )  # type: ignore[arg-type]
         out.append(rec)
     return {"stages": out}
 

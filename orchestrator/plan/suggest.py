@@ -48,9 +48,16 @@ def _overrides(cfg, layout: ParallelLayout, recipe: Recipe) -> List[str]:
     p, m, o, t = cfg.parallelism, cfg.model, cfg.optimizer, cfg.training
     pairs = [
         ("parallelism.tensor_model_parallel_size", p.tensor_model_parallel_size, layout.tensor_model_parallel_size),
-        ("parallelism.pipeline_model_parallel_size", p.pipeline_model_parallel_size, layout.pipeline_model_parallel_size),
-        ("parallelism.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
-         layout.virtual_pipeline_model_parallel_size),
+        (
+            "parallelism.pipeline_model_parallel_size",
+            p.pipeline_model_parallel_size,
+            layout.pipeline_model_parallel_size,
+        ),
+        (
+            "parallelism.virtual_pipeline_model_parallel_size",
+            p.virtual_pipeline_model_parallel_size,
+            layout.virtual_pipeline_model_parallel_size,
+        ),
         ("parallelism.sequence_parallel", p.sequence_parallel, layout.sequence_parallel),
         ("parallelism.data_parallel_size", p.data_parallel_size, layout.stated_data_parallel_size),
         ("training.micro_batch_size", t.micro_batch_size, layout.micro_batch_size),
@@ -66,8 +73,13 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_distributed_optimizer: bool = True,
-               state_dp: bool = False):
+def candidates(
+    layout: ParallelLayout,
+    recipe: Recipe,
+    max_tp: int = 8,
+    allow_distributed_optimizer: bool = True,
+    state_dp: bool = False,
+):
     """Valid (layout, recipe) pairs over the same world size, GBS, CP and EP.
 
     Varies TP (<= ``max_tp``, sequence parallel whenever TP > 1), PP, VPP (null or 2..8 chunks),
@@ -78,9 +90,15 @@ def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_di
     state_dp = state_dp or layout.stated_data_parallel_size is not None
     world, cp = layout.world_size, layout.context_parallel_size
     mbs_options = sorted({1, 2, 4, 8, 16, 32, layout.micro_batch_size})
-    recomputes = {(None, None, None), ("selective", None, None), ("full", "uniform", 1),
-                  (recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers)}
-    distopts = {recipe.use_distributed_optimizer, True} if allow_distributed_optimizer else {recipe.use_distributed_optimizer}
+    recomputes = {
+        (None, None, None),
+        ("selective", None, None),
+        ("full", "uniform", 1),
+        (recipe.recompute_granularity, recipe.recompute_method, recipe.recompute_num_layers),
+    }
+    distopts = (
+        {recipe.use_distributed_optimizer, True} if allow_distributed_optimizer else {recipe.use_distributed_optimizer}
+    )
     kept = {recipe.use_distributed_optimizer}  # at DP 1 the distributed optimizer shards nothing: no change
     for tp in _divisors(world):
         if tp > max_tp or (world // tp) % cp:
@@ -91,23 +109,40 @@ def candidates(layout: ParallelLayout, recipe: Recipe, max_tp: int = 8, allow_di
             vpps = [None] + [v for v in range(2, 9) if pp > 1 and layout.num_layers % (pp * v) == 0]
             for vpp in vpps:
                 for mbs in mbs_options:
-                    cand = replace(layout, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vpp, sequence_parallel=tp > 1,
-                                   micro_batch_size=mbs, stated_data_parallel_size=None)
+                    cand = replace(
+                        layout,
+                        tensor_model_parallel_size=tp,
+                        pipeline_model_parallel_size=pp,
+                        virtual_pipeline_model_parallel_size=vpp,
+                        sequence_parallel=tp > 1,
+                        micro_batch_size=mbs,
+                        stated_data_parallel_size=None,
+                    )
                     if state_dp:
                         cand = replace(cand, stated_data_parallel_size=cand.data_parallel_size)
                     if cand.problems():
                         continue
                     for g, method, n in recomputes:
-                        for distopt in (distopts if cand.data_parallel_size > 1 else kept):
-                            rec = replace(recipe, recompute_granularity=g, recompute_method=method,
-                                          recompute_num_layers=n, use_distributed_optimizer=distopt)
+                        for distopt in distopts if cand.data_parallel_size > 1 else kept:
+                            rec = replace(
+                                recipe,
+                                recompute_granularity=g,
+                                recompute_method=method,
+                                recompute_num_layers=n,
+                                use_distributed_optimizer=distopt,
+                            )
                             if not recipe_problems(rec, cand):
                                 yield cand, rec
 
 
-def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional[int] = None,
-            mfu: Optional[float] = None, always: bool = False) -> List[Suggestion]:
+def suggest(
+    cfg,
+    gpu: Optional[str] = None,
+    limit: int = 5,
+    vocab_size: Optional[int] = None,
+    mfu: Optional[float] = None,
+    always: bool = False,
+) -> List[Suggestion]:
     """Up to ``limit`` nearby layouts that fit, fastest first (then fewest changes, least memory).
 
     Runs when the config is invalid, does not fit, is tight (above ``plan_headroom`` of the device's
@@ -124,8 +159,9 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
     mfu, node = mfu or DEFAULT_MFU, gpus_per_node(cfg)
     shape, recipe, layout = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg), layout_from_config(cfg)
     try:
-        current: Optional[Plan] = replace(plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node),
-                                          headroom=cfg.plan_headroom)
+        current: Optional[Plan] = replace(
+            plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node), headroom=cfg.plan_headroom
+        )
     except (LayoutError, ConfigError):
         current = None
     roomy = current is not None and current.fits and not current.tight
@@ -137,8 +173,9 @@ def suggest(cfg, gpu: Optional[str] = None, limit: int = 5, vocab_size: Optional
     # cluster=local without tasks_per_node takes its world size from TP x PP x CP x DP: keep DP stated.
     local_world = cfg.cluster.kind == "local" and cfg.cluster.tasks_per_node is None
     for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world):
-        pl = replace(plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node),
-                     headroom=cfg.plan_headroom)
+        pl = replace(
+            plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node), headroom=cfg.plan_headroom
+        )
         if not pl.fits or pl.tight or (roomy and pl.step_time_s >= 0.99 * current.step_time_s):
             continue
         ov = _overrides(cfg, cand, rec)
@@ -155,12 +192,26 @@ def format_suggestions(suggestions: Sequence[Suggestion]) -> str:
     rows = []
     for i, s in enumerate(suggestions, 1):
         lay, rec, pl = s.plan.layout, s.plan.recipe, s.plan
-        rows.append((i, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
-                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size, lay.micro_batch_size,
-                     rec.recompute_granularity, "yes" if rec.use_distributed_optimizer else "no",
-                     f"{pl.peak_bytes / GiB:.1f}", f"{pl.bubble_fraction:.1%}", f"{pl.step_time_s:.3g}",
-                     f"{pl.tokens_per_s:,.0f}"))
-    text = table(["#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "distopt", "mem GiB", "bubble", "step s",
-                  "tokens/s"], rows, title="suggestions (fastest first; each fits within plan_headroom):",
-                 right=range(12))
+        rows.append(
+            (
+                i,
+                lay.tensor_model_parallel_size,
+                lay.pipeline_model_parallel_size,
+                lay.virtual_pipeline_model_parallel_size,
+                lay.data_parallel_size,
+                lay.micro_batch_size,
+                rec.recompute_granularity,
+                "yes" if rec.use_distributed_optimizer else "no",
+                f"{pl.peak_bytes / GiB:.1f}",
+                f"{pl.bubble_fraction:.1%}",
+                f"{pl.step_time_s:.3g}",
+                f"{pl.tokens_per_s:,.0f}",
+            )
+        )
+    text = table(
+        ["#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "distopt", "mem GiB", "bubble", "step s", "tokens/s"],
+        rows,
+        title="suggestions (fastest first; each fits within plan_headroom):",
+        right=range(12),
+    )
     return text + "\n" + "\n".join(f"  #{i}: {' '.join(s.overrides)}" for i, s in enumerate(suggestions, 1))

@@ -42,11 +42,14 @@ def check_config(overrides: List[str]):
     layout = validate(cfg)
     nodes = node_count(cfg)
     if nodes < 2:
-        raise ConfigError(f"check links: cluster={cfg.cluster.name} with cluster.nodes={cfg.cluster.nodes} runs on one "
-                          "node, which has no cross-node link to measure; fix: ask for the job's nodes, e.g. "
-                          "cluster=slurm cluster.nodes=2 (the allocation the training job will get)")
-    run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-check-links",
-                              dir=f"{cfg.run.root}/{cfg.run.name}-check-links")
+        raise ConfigError(
+            f"check links: cluster={cfg.cluster.name} with cluster.nodes={cfg.cluster.nodes} runs on one "
+            "node, which has no cross-node link to measure; fix: ask for the job's nodes, e.g. "
+            "cluster=slurm cluster.nodes=2 (the allocation the training job will get)"
+        )
+    run = dataclasses.replace(
+        cfg.run, name=f"{cfg.run.name}-check-links", dir=f"{cfg.run.root}/{cfg.run.name}-check-links"
+    )
     lc = dataclasses.replace(cfg.cluster.link_check, action=LINKS_ONLY)
     return dataclasses.replace(cfg, run=run, cluster=dataclasses.replace(cfg.cluster, link_check=lc)), layout
 
@@ -58,10 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(__doc__)
         return 0
     if not argv:
-        print(f"error: check: which check?; fix: {USAGE[len('usage: '):]}", file=sys.stderr)
+        print(f"error: check: which check?; fix: {USAGE[len('usage: ') :]}", file=sys.stderr)
         return 2
     if argv[0] != "links":
-        print(f"error: check {argv[0]}: no such check; fix: python -m orchestrator check links OVERRIDES", file=sys.stderr)
+        print(
+            f"error: check {argv[0]}: no such check; fix: python -m orchestrator check links OVERRIDES", file=sys.stderr
+        )
         return 2
     try:
         cfg, layout = check_config(argv[1:])
@@ -79,10 +84,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     record = summary.get("link_check") or {}
     for link in record.get("links", []):
         where = f"{link['src']} -> {link['dst']}" if link["kind"] == "p2p" else ", ".join(link["hosts"])
-        print(f"  {link['kind']:<9} {where:<24} ranks {link['ranks']}  {link['gbps']:.3g} Gbit/s"
-              f"  over {link['interface']}", flush=True)
+        print(
+            f"  {link['kind']:<9} {where:<24} ranks {link['ranks']}  {link['gbps']:.3g} Gbit/s"
+            f"  over {link['interface']}",
+            flush=True,
+        )
     for line in record.get("slow", []):
         print(f"[orchestrator] {line}", flush=True)
-    print(f"[orchestrator] link check: {len(record.get('links', []))} link(s) in {record.get('seconds')} s; "
-          f"{len(record.get('slow', []))} slow | job {summary.get('job_id')}", flush=True)
+    print(
+        f"[orchestrator] link check: {len(record.get('links', []))} link(s) in {record.get('seconds')} s; "
+        f"{len(record.get('slow', []))} slow | job {summary.get('job_id')}",
+        flush=True,
+    )
     return 1 if record.get("slow") else 0

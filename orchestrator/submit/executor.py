@@ -29,10 +29,10 @@ def make_executor(cfg: JobConfig, world_size: int):
     folder = Path(cfg.run.dir) / SUBMITIT_DIR
     c = cfg.cluster
     if c.kind == "local":
-        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
-                                          python=c.python)
-        params: Dict[str, Any] = dict(nodes=1, tasks_per_node=world_size, timeout_min=c.timeout_min,
-                                      signal_delay_s=c.signal_delay_s)
+        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout, python=c.python)
+        params: Dict[str, Any] = dict(
+            nodes=1, tasks_per_node=world_size, timeout_min=c.timeout_min, signal_delay_s=c.signal_delay_s
+        )
         if c.gpus_per_node:
             params["gpus_per_node"] = c.gpus_per_node
         executor.update_parameters(**params)
@@ -40,8 +40,7 @@ def make_executor(cfg: JobConfig, world_size: int):
     from orchestrator.submit.sbatch import python_command, slurm_executor_parameters
 
     # python_command quotes the interpreter path (submitit would put cluster.python in unquoted).
-    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout,
-                                      python=python_command(cfg))
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=c.max_num_timeout, python=python_command(cfg))
     executor.update_parameters(**slurm_executor_parameters(cfg, world_size))
     return executor
 
@@ -62,8 +61,11 @@ def one_task(cfg: JobConfig, world_size: int) -> bool:
     """Whether the job runs as one process that imports megatron-core before any rank trains (a local
     job of one rank, or one that forks its ranks): that task then builds the sample indices, and the
     launcher, which would pay the torch and megatron-core import for them (~6 s), does not."""
-    return cfg.cluster.kind == "local" and not cfg.cluster.max_restarts and (world_size == 1 or
-                                                                           forks_ranks(cfg, world_size))
+    return (
+        cfg.cluster.kind == "local"
+        and not cfg.cluster.max_restarts
+        and (world_size == 1 or forks_ranks(cfg, world_size))
+    )
 
 
 def agent_tasks(cfg: JobConfig) -> int:
@@ -114,9 +116,14 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     forks = forks_ranks(cfg, layout.world_size)
     executor = make_executor(cfg, 1 if forks else layout.world_size)
     waited = cfg.cluster.kind == "local" and cfg.cluster.wait  # such a job ends with this launcher
-    payload = TrainJob(to_dict(cfg), asdict(prepared), env=job_environment(cfg, layout.world_size),
-                       fork_ranks=layout.world_size if forks else 0, build_indices=one_task(cfg, layout.world_size),
-                       launcher=launcher_identity() if waited else None)
+    payload = TrainJob(
+        to_dict(cfg),
+        asdict(prepared),
+        env=job_environment(cfg, layout.world_size),
+        fork_ranks=layout.world_size if forks else 0,
+        build_indices=one_task(cfg, layout.world_size),
+        launcher=launcher_identity() if waited else None,
+    )
     from orchestrator.ckpt import stop
 
     stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
@@ -143,8 +150,14 @@ def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     waited = cfg.cluster.kind == "local" and cfg.cluster.wait
     env = job_environment(cfg, layout.world_size)
     train = TrainJob(to_dict(cfg), asdict(prepared), env=env, launcher=launcher_identity() if waited else None)
-    payload = NodeAgent(train, str(Path(cfg.run.dir).absolute()), per_node, nodes, cfg.cluster.max_restarts,
-                        cfg.cluster.spare_nodes if cfg.cluster.kind == "slurm" else 0)
+    payload = NodeAgent(
+        train,
+        str(Path(cfg.run.dir).absolute()),
+        per_node,
+        nodes,
+        cfg.cluster.max_restarts,
+        cfg.cluster.spare_nodes if cfg.cluster.kind == "slurm" else 0,
+    )
     from orchestrator.ckpt import stop
 
     stop.clear(cfg.run.dir)
@@ -170,8 +183,13 @@ def as_rank_tasks(job, world_size: int):
 def _record(cfg: JobConfig, job, world_size: int) -> None:
     from orchestrator.ckpt.history import record_submission
 
-    record_submission(cfg.run.dir, str(job.job_id), cfg.cluster,
-                      {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}, num_tasks=world_size)
+    record_submission(
+        cfg.run.dir,
+        str(job.job_id),
+        cfg.cluster,
+        {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
+        num_tasks=world_size,
+    )
 
 
 def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
@@ -180,18 +198,27 @@ def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: b
         from orchestrator.submit.hosts import launch_hosts
         from orchestrator.submit.platform import launch_node
 
-        return (launch_hosts if cfg.cluster.kind == "hosts" else launch_node)(cfg, layout, prepared,
-                                                                                 show_progress=show_progress)
+        return (launch_hosts if cfg.cluster.kind == "hosts" else launch_node)(
+            cfg, layout, prepared, show_progress=show_progress
+        )
     job = submit(cfg, layout, prepared)
-    print(f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}): starting {layout.world_size} ranks\n"
-          f"[orchestrator]   run dir: {cfg.run.dir}\n"
-          f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/", flush=True)
+    print(
+        f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}): starting {layout.world_size} ranks\n"
+        f"[orchestrator]   run dir: {cfg.run.dir}\n"
+        f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/",
+        flush=True,
+    )
     if not cfg.cluster.wait:
         return {"job_id": str(job.job_id), "status": "submitted"}
-    progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress,
-                         log=Path(job.task(0).paths.stdout), world_size=layout.world_size,
-                         ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
-                         every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2))
+    progress = Progress(
+        Path(cfg.run.dir) / METRICS_FILE,
+        cfg.training.train_iters,
+        enabled=show_progress,
+        log=Path(job.task(0).paths.stdout),
+        world_size=layout.world_size,
+        ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
+        every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2),
+    )
     summaries = wait(job, cfg, layout.world_size, progress, tasks=agent_tasks(cfg) or None)
     if agent_tasks(cfg):  # one summary a node: the ranks' summaries each agent found
         ranks = {r: s for node in summaries if isinstance(node, dict) for r, s in node.get("ranks", {}).items()}

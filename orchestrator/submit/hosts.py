@@ -45,8 +45,17 @@ AGENTS_DIR = "agents"
 def ssh_base(cluster) -> List[str]:
     """``ssh`` with the cluster's options (batch mode, keep-alives that notice a dead peer in ~15 s)."""
     s = cluster.ssh
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={s.connect_timeout_s}",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={s.connect_timeout_s}",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+    ]
     if s.user:
         argv += ["-l", s.user]
     if s.port:
@@ -65,8 +74,7 @@ def python_of(cfg: JobConfig) -> str:
 def remote_script(cfg: JobConfig, argv: Sequence[str], env: Dict[str, str]) -> str:
     """The shell line run on a host: ``cluster.setup`` lines, then the agent in this directory with ``env``."""
     assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-    return "; ".join([*cfg.cluster.setup, f"cd {shlex.quote(os.getcwd())}",
-                      f"exec env {assigns} {shlex.join(argv)}"])
+    return "; ".join([*cfg.cluster.setup, f"cd {shlex.quote(os.getcwd())}", f"exec env {assigns} {shlex.join(argv)}"])
 
 
 def _probe_dir(run_dir: str) -> Path:
@@ -88,8 +96,13 @@ def check_hosts(cfg: JobConfig) -> List[Host]:
 
     def one(host: Host) -> Tuple[int, str]:
         try:
-            r = subprocess.run(ssh_base(cfg.cluster) + [host.name, script], stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(
+                ssh_base(cfg.cluster) + [host.name, script],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return 255, f"no answer within {timeout} s"
         return r.returncode, (r.stderr.strip().splitlines() or [""])[-1]
@@ -102,14 +115,20 @@ def check_hosts(cfg: JobConfig) -> List[Host]:
         probe.unlink(missing_ok=True)
     for host, (rc, said) in zip(hosts, answers):
         if rc == 3:
-            raise ConfigError(f"run.root={cfg.run.root}: host {host.name} cannot see {probe.parent} (the run directory "
-                              "must be on a file system every host shares); fix: run.root=<a shared directory>")
+            raise ConfigError(
+                f"run.root={cfg.run.root}: host {host.name} cannot see {probe.parent} (the run directory "
+                "must be on a file system every host shares); fix: run.root=<a shared directory>"
+            )
         if rc == 4:
-            raise ConfigError(f"cluster.python={cfg.cluster.python}: host {host.name} has no {python}; fix: "
-                              "cluster.python=<the interpreter on the hosts> (or install the same path there)")
+            raise ConfigError(
+                f"cluster.python={cfg.cluster.python}: host {host.name} has no {python}; fix: "
+                "cluster.python=<the interpreter on the hosts> (or install the same path there)"
+            )
         if rc != 0:
-            raise ConfigError(f"cluster.hosts: host {host.name} is not reachable by SSH ({said or f'ssh exit {rc}'}); "
-                              "fix: check the host name and cluster.ssh (user, port, identity, options)")
+            raise ConfigError(
+                f"cluster.hosts: host {host.name} is not reachable by SSH ({said or f'ssh exit {rc}'}); "
+                "fix: check the host name and cluster.ssh (user, port, identity, options)"
+            )
     return hosts
 
 
@@ -153,14 +172,31 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     env = rank_env(cfg, job_id)
     job_file = write_job_file(cfg, prepared, job_dir, env)
     endpoint = f"{hosts[0].name}:{rendezvous_port(cfg, job_id)}"
-    argv = agent_command(python_of(cfg), str(job_file), nnodes=len(hosts), nproc_per_node=procs,
-                         rdzv_endpoint=endpoint, rdzv_id=job_id, watch_stdin=True)
+    argv = agent_command(
+        python_of(cfg),
+        str(job_file),
+        nnodes=len(hosts),
+        nproc_per_node=procs,
+        rdzv_endpoint=endpoint,
+        rdzv_id=job_id,
+        watch_stdin=True,
+    )
     stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
-    record_submission(cfg.run.dir, job_id, cfg.cluster, {"stdout": str(job_dir / f"{hosts[0].name}.log")},
-                      num_tasks=layout.world_size, hosts=[h.name for h in hosts], rendezvous=endpoint,
-                      launcher={"pid": os.getpid(), "host": socket.gethostname()})
-    print(f"[orchestrator] job {job_id} (hosts): torchrun on {len(hosts)} hosts x {procs} ranks, rendezvous {endpoint}\n"
-          f"[orchestrator]   run dir: {cfg.run.dir}\n[orchestrator]   logs:    {job_dir}/<host>.log", flush=True)
+    record_submission(
+        cfg.run.dir,
+        job_id,
+        cfg.cluster,
+        {"stdout": str(job_dir / f"{hosts[0].name}.log")},
+        num_tasks=layout.world_size,
+        hosts=[h.name for h in hosts],
+        rendezvous=endpoint,
+        launcher={"pid": os.getpid(), "host": socket.gethostname()},
+    )
+    print(
+        f"[orchestrator] job {job_id} (hosts): torchrun on {len(hosts)} hosts x {procs} ranks, rendezvous {endpoint}\n"
+        f"[orchestrator]   run dir: {cfg.run.dir}\n[orchestrator]   logs:    {job_dir}/<host>.log",
+        flush=True,
+    )
     sessions = Sessions(ssh_base(cfg.cluster), [h.name for h in hosts], job_dir, job_file)
     sessions.start(remote_script(cfg, argv, env))
     summaries = sessions.wait(cfg, layout.world_size, job_id, show_progress=show_progress)

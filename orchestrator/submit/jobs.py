@@ -27,11 +27,19 @@ STATES = ("pending", "running", "stopping", "requeued", "completed", "failed", "
 ENDED = frozenset({"completed", "failed", "cancelled", "stopped"})
 
 # SLURM job states (squeue/scontrol long names) -> ours.
-_SLURM_RUNNING = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
-                  "STAGE_OUT", "POWER_UP_NODE"}
+_SLURM_RUNNING = {
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "STOPPED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "POWER_UP_NODE",
+}
 _SLURM_REQUEUED = {"REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"}
-_SLURM_FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
-                 "REVOKED"}
+_SLURM_FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED"}
 PathLike = Union[str, Path]
 
 
@@ -75,6 +83,7 @@ class JobStatus:
 
 # ---- SLURM ---------------------------------------------------------------------------------------
 
+
 def slurm_job_status(job_id: str) -> Optional[JobStatus]:
     """The job's state from ``scontrol show job``; None when SLURM does not (or no longer) know it."""
     return _status_from_fields(scontrol_job(str(job_id)), job_id)
@@ -105,11 +114,19 @@ def _status_from_fields(fields: Dict[str, str], job_id: str) -> Optional[JobStat
         state = "failed"
     else:
         state = "unknown"
-    return JobStatus(state=state, job_id=str(job_id), cluster="slurm", slurm_state=raw, restarts=restarts,
-                     exit_code=fields.get("ExitCode"), reason=None if reason in (None, "None") else reason)
+    return JobStatus(
+        state=state,
+        job_id=str(job_id),
+        cluster="slurm",
+        slurm_state=raw,
+        restarts=restarts,
+        exit_code=fields.get("ExitCode"),
+        reason=None if reason in (None, "None") else reason,
+    )
 
 
 # ---- submitit files ------------------------------------------------------------------------------
+
 
 def result_outcomes(folder: PathLike, job_id: str) -> Dict[int, str]:
     """rank -> "success"/"error" (or "unreadable") from submitit's ``<job>_<rank>_result.pkl`` files; "exited"
@@ -146,8 +163,9 @@ def _result_error(folder: Path, job_id: str, rank: int) -> Optional[str]:
         return None
 
 
-def failed_rank_tail(folder: PathLike, job_id: str, num_tasks: Optional[int] = None,
-                     lines: int = 15) -> Optional[Tuple[int, List[str]]]:
+def failed_rank_tail(
+    folder: PathLike, job_id: str, num_tasks: Optional[int] = None, lines: int = 15
+) -> Optional[Tuple[int, List[str]]]:
     """(rank, last lines) of the first rank that failed: its error result, else the first stderr
     log that shows a traceback or an error. None when no rank shows one."""
     folder = Path(folder)
@@ -156,9 +174,15 @@ def failed_rank_tail(folder: PathLike, job_id: str, num_tasks: Optional[int] = N
         text = _result_error(folder, job_id, rank)
         if text:
             return rank, text.rstrip().splitlines()[-lines:]
-    ranks = range(num_tasks) if num_tasks else sorted(
-        int(m.group(1)) for p in (folder.iterdir() if folder.is_dir() else [])
-        if (m := re.match(rf"^{re.escape(str(job_id))}_(\d+)_log\.err$", p.name)))
+    ranks = (
+        range(num_tasks)
+        if num_tasks
+        else sorted(
+            int(m.group(1))
+            for p in (folder.iterdir() if folder.is_dir() else [])
+            if (m := re.match(rf"^{re.escape(str(job_id))}_(\d+)_log\.err$", p.name))
+        )
+    )
     for rank in ranks:
         path = folder / f"{job_id}_{rank}_log.err"
         if not path.exists():
@@ -194,8 +218,14 @@ def _local_alive(pid: str) -> bool:
 
 # ---- status of a job / a run ---------------------------------------------------------------------
 
-def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num_tasks: Optional[int] = None,
-               events: Sequence[Dict[str, Any]] = ()) -> JobStatus:
+
+def job_status(
+    job_id: str,
+    cluster: str,
+    folder: Optional[PathLike] = None,
+    num_tasks: Optional[int] = None,
+    events: Sequence[Dict[str, Any]] = (),
+) -> JobStatus:
     """Combine SLURM's view (``scontrol``), submitit's result files and the run's events."""
     job_id = str(job_id)
     # Ask the scheduler / the process first, read result files second: a job that ends in between
@@ -203,8 +233,13 @@ def job_status(job_id: str, cluster: str, folder: Optional[PathLike] = None, num
     st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
     alive = cluster == "local" and st is None and _local_alive(job_id)
     if cluster == "hosts":  # its launcher waits on the SSH sessions: alive while it is
-        launcher = next((e.get("launcher") for e in events if e.get("event") == "submitted"
-                         and str(e.get("job_id")) == job_id), None) or {}
+        launcher = (
+            next(
+                (e.get("launcher") for e in events if e.get("event") == "submitted" and str(e.get("job_id")) == job_id),
+                None,
+            )
+            or {}
+        )
         alive = launcher.get("host") == socket.gethostname() and _local_alive(str(launcher.get("pid")))
     outcomes = result_outcomes(folder, job_id) if folder else {}
     own_events = [e for e in events if str(e.get("job_id")) == job_id]
@@ -245,7 +280,11 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     died = RANKS_DIED.match(last.message or "")
     if died and st.state == "failed":  # the rank that died first, not its peers' broken collectives
         st.detail = died.group(0)
-    if last.cause in ("nan", "spike", "hang", "disk full") and not last.requeued and st.state in ("failed", "unknown", "stopped"):
+    if (
+        last.cause in ("nan", "spike", "hang", "disk full")
+        and not last.requeued
+        and st.state in ("failed", "unknown", "stopped")
+    ):
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"

@@ -91,20 +91,27 @@ def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
     if not stops:
         return None  # ended by the launcher (Ctrl-C, its time bound), not by the job's own stop
     used = sum(1 for a in mine if a.requeued and a.cause in history.TIMEOUT_CAUSES)
-    what = {"timeout": f"reached its time limit (cluster.timeout_min={cluster.timeout_min})",
-            "preempted": "was preempted"}.get(latest.cause, "was stopped by a signal")
+    what = {
+        "timeout": f"reached its time limit (cluster.timeout_min={cluster.timeout_min})",
+        "preempted": "was preempted",
+    }.get(latest.cause, "was stopped by a signal")
     if cluster.kind != "slurm":
         requeues = "local runs are not requeued"
     elif latest.cause in history.TIMEOUT_CAUSES and used >= cluster.max_num_timeout:
         requeues = f"its requeues are used up ({used} of cluster.max_num_timeout={cluster.max_num_timeout})"
     elif latest.cause in history.TIMEOUT_CAUSES:  # the job's own reason, e.g. the limit passed during the save
-        requeues = (f"not requeued ({used} of cluster.max_num_timeout={cluster.max_num_timeout} used): "
-                    f"{stops[-1].get('detail') or 'the job did not say why'}")
+        requeues = (
+            f"not requeued ({used} of cluster.max_num_timeout={cluster.max_num_timeout} used): "
+            f"{stops[-1].get('detail') or 'the job did not say why'}"
+        )
     else:
         requeues = f"not requeued ({used} requeue(s) used)"
     ckpt = latest_checkpoint(run_dir)
-    resume = (f"rerun the same command to resume from {run_dir}/{CHECKPOINTS_DIR}/{ckpt}" if ckpt
-              else "no checkpoint was saved, so a rerun starts from scratch")
+    resume = (
+        f"rerun the same command to resume from {run_dir}/{CHECKPOINTS_DIR}/{ckpt}"
+        if ckpt
+        else "no checkpoint was saved, so a rerun starts from scratch"
+    )
     saved = f" after saving iteration {latest.iteration}" if ckpt else ""
     return f"{what} and stopped{saved}; {requeues}; {resume}"
 
@@ -137,9 +144,16 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
     if latest is not None and latest.end is not None:
         if cause == latest.cause == "crashed" and RANKS_DIED.match(message) and not RANKS_DIED.match(latest.message):
             with contextlib.suppress(OSError):  # bookkeeping never hides the failure itself
-                history.record_attempt_ended(run_dir, job_id, attempt, cause, iteration=latest.iteration, amends=True,
-                                             message=f"{message.splitlines()[0]}; its peers' errors followed: "
-                                                     f"{latest.message}", recorded_by="launcher")
+                history.record_attempt_ended(
+                    run_dir,
+                    job_id,
+                    attempt,
+                    cause,
+                    iteration=latest.iteration,
+                    amends=True,
+                    message=f"{message.splitlines()[0]}; its peers' errors followed: {latest.message}",
+                    recorded_by="launcher",
+                )
         return
     from orchestrator.submit.status import last_metrics
 
@@ -148,8 +162,15 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
         reached = latest.iteration
     try:
         if history.claim_attempt_end(run_dir, job_id, attempt):
-            history.record_attempt_ended(run_dir, job_id, attempt, cause, iteration=reached,
-                                         message=message.splitlines()[0] if message else "", recorded_by="launcher")
+            history.record_attempt_ended(
+                run_dir,
+                job_id,
+                attempt,
+                cause,
+                iteration=reached,
+                message=message.splitlines()[0] if message else "",
+                recorded_by="launcher",
+            )
     except OSError:  # bookkeeping never hides the failure itself
         pass
 
@@ -159,8 +180,11 @@ def srun_errors(job, lines: int = 6) -> str:
     rank that died first, which its peers' broken-collective errors do not name."""
     try:
         path = Path(job.paths.stderr)  # the batch script's stderr (task 0's log) holds srun's messages
-        found = [line for line in path.read_text(errors="replace").splitlines()
-                 if line.startswith("srun: error:") and "task" in line]
+        found = [
+            line
+            for line in path.read_text(errors="replace").splitlines()
+            if line.startswith("srun: error:") and "task" in line
+        ]
         return "\n".join(found[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
@@ -193,8 +217,12 @@ def say_restarts(run_dir: str, job_id: str, seen: int) -> int:
     """Print each in-place restart decision of ``job_id`` after the first ``seen`` (its failure, then what was
     decided: :mod:`orchestrator.runtime.faults.inplace`), and each node left out or spare joined
     (:mod:`orchestrator.runtime.start.spares`); returns how many there are now."""
-    decided = [r for r in history.read_records(run_dir) if str(r.get("job_id")) == str(job_id)
-               and r.get("event") in ("restart_decision", "node_left_out", "spare_joined")]
+    decided = [
+        r
+        for r in history.read_records(run_dir)
+        if str(r.get("job_id")) == str(job_id)
+        and r.get("event") in ("restart_decision", "node_left_out", "spare_joined")
+    ]
     for r in decided[seen:]:
         detail = f"\n[orchestrator] job {job_id}: {r['detail']}" if r.get("detail") else ""
         print(f"[orchestrator] job {job_id}: {r.get('message')}{detail}", flush=True)

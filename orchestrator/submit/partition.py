@@ -50,11 +50,15 @@ def check_partition(cfg) -> None:
     shown = c.partition or "(the default partition)"
     if name not in found:
         names = sorted(k for k in found if k)
-        raise ConfigError(f"cluster.partition={c.partition}: no such partition (sinfo lists {', '.join(names)}); "
-                          f"fix: cluster.partition={names[0] if names else '<one of them>'}")
+        raise ConfigError(
+            f"cluster.partition={c.partition}: no such partition (sinfo lists {', '.join(names)}); "
+            f"fix: cluster.partition={names[0] if names else '<one of them>'}"
+        )
     asked = int(c.nodes) + int(getattr(c, "spare_nodes", 0) or 0)
     if asked > found[name]:
         spares = f" + cluster.spare_nodes={c.spare_nodes}" if getattr(c, "spare_nodes", 0) else ""
-        raise ConfigError(f"cluster.nodes={c.nodes}{spares}: partition {shown} has {found[name]} node(s) (sinfo), so "
-                          f"the job would wait forever (PartitionNodeLimit); fix: at most {found[name]} node(s), or "
-                          f"another cluster.partition")
+        raise ConfigError(
+            f"cluster.nodes={c.nodes}{spares}: partition {shown} has {found[name]} node(s) (sinfo), so "
+            f"the job would wait forever (PartitionNodeLimit); fix: at most {found[name]} node(s), or "
+            f"another cluster.partition"
+        )

@@ -28,10 +28,12 @@ def this_node(cfg: JobConfig, layout: ParallelLayout) -> NodeEnv:
     procs = procs_per_node(cfg.cluster)
     env = node_env(os.environ, procs)
     if env.nnodes * procs != layout.world_size:
-        raise ConfigError(f"{env.source.split(', ')[-2]}={env.nnodes} nodes x {procs} processes per node = "
-                          f"{env.nnodes * procs} ranks, but the layout has world size {layout.world_size} "
-                          f"({layout.world_size_source}); fix: run on {layout.world_size // procs} nodes or change "
-                          "the layout (parallelism.*)")
+        raise ConfigError(
+            f"{env.source.split(', ')[-2]}={env.nnodes} nodes x {procs} processes per node = "
+            f"{env.nnodes * procs} ranks, but the layout has world size {layout.world_size} "
+            f"({layout.world_size_source}); fix: run on {layout.world_size // procs} nodes or change "
+            "the layout (parallelism.*)"
+        )
     return env
 
 
@@ -45,8 +47,10 @@ def check_nodes(cfg: JobConfig) -> str:
         hosts = check_hosts(cfg)
         return f"hosts {', '.join(h.name for h in hosts)}: reachable by SSH, each sees {Path(cfg.run.root).absolute()}"
     env = this_node(cfg, validate(cfg))
-    return (f"node {env.node_rank} of {env.nnodes} (from {env.source}); rendezvous {env.master_addr}:{env.master_port}"
-            + ("; this node writes the records" if env.node_rank == 0 else ""))
+    return (
+        f"node {env.node_rank} of {env.nnodes} (from {env.source}); rendezvous {env.master_addr}:{env.master_port}"
+        + ("; this node writes the records" if env.node_rank == 0 else "")
+    )
 
 
 def describe(cfg: JobConfig, layout: ParallelLayout) -> str:
@@ -54,8 +58,10 @@ def describe(cfg: JobConfig, layout: ParallelLayout) -> str:
     procs = procs_per_node(cfg.cluster, cluster_hosts(cfg.cluster) if cfg.cluster.kind == "hosts" else ())
     if cfg.cluster.kind == "hosts":
         names = ", ".join(h.name for h in cluster_hosts(cfg.cluster))
-        return (f"would start torchrun's agent on {names} over SSH ({procs} ranks each, c10d rendezvous on the "
-                f"first), world size {layout.world_size}, in {cfg.run.dir}")
+        return (
+            f"would start torchrun's agent on {names} over SSH ({procs} ranks each, c10d rendezvous on the "
+            f"first), world size {layout.world_size}, in {cfg.run.dir}"
+        )
     return f"would start this node's {procs} ranks under torchrun's agent (world size {layout.world_size})"
 
 
@@ -86,12 +92,28 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
     env_of_ranks = rank_env(cfg, job_id)
     job_file = write_job_file(cfg, prepared, job_dir, env_of_ranks)
     if env.node_rank == 0:
-        record_submission(cfg.run.dir, job_id, cfg.cluster, {"stdout": str(job_dir / "agent.log")},
-                          num_tasks=layout.world_size, rendezvous=f"{env.master_addr}:{env.master_port}")
-    argv = agent_command(python_of(cfg), str(job_file), nnodes=env.nnodes, nproc_per_node=procs,
-                         rdzv_endpoint=f"{env.master_addr}:{env.master_port}", rdzv_id=job_id, node_rank=env.node_rank)
-    print(f"[orchestrator] job {job_id} (torchrun): node {env.node_rank} of {env.nnodes}, ranks "
-          f"{env.node_rank * procs}..{(env.node_rank + 1) * procs - 1}", flush=True)
+        record_submission(
+            cfg.run.dir,
+            job_id,
+            cfg.cluster,
+            {"stdout": str(job_dir / "agent.log")},
+            num_tasks=layout.world_size,
+            rendezvous=f"{env.master_addr}:{env.master_port}",
+        )
+    argv = agent_command(
+        python_of(cfg),
+        str(job_file),
+        nnodes=env.nnodes,
+        nproc_per_node=procs,
+        rdzv_endpoint=f"{env.master_addr}:{env.master_port}",
+        rdzv_id=job_id,
+        node_rank=env.node_rank,
+    )
+    print(
+        f"[orchestrator] job {job_id} (torchrun): node {env.node_rank} of {env.nnodes}, ranks "
+        f"{env.node_rank * procs}..{(env.node_rank + 1) * procs - 1}",
+        flush=True,
+    )
     agent = subprocess.Popen(argv, env={**os.environ, **env_of_ranks}, start_new_session=True)
     try:
         rc = agent.wait()

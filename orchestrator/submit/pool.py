@@ -39,8 +39,13 @@ def pool_key(cfg: JobConfig, world_size: int) -> Tuple[Any, ...]:
     """What trials of one pool must share: ranks, device, backend, where and how the ranks run
     (every ``cluster`` option but :data:`_PER_TRIAL`)."""
     cluster = {k: v for k, v in dataclasses.asdict(cfg.cluster).items() if k not in _PER_TRIAL}
-    return (world_size, cfg.training.device, cfg.parallelism.distributed_backend,
-            cfg.training.distributed_timeout_minutes, json.dumps(cluster, sort_keys=True, default=str))
+    return (
+        world_size,
+        cfg.training.device,
+        cfg.parallelism.distributed_backend,
+        cfg.training.distributed_timeout_minutes,
+        json.dumps(cluster, sort_keys=True, default=str),
+    )
 
 
 class WarmPool:
@@ -55,22 +60,32 @@ class WarmPool:
         self.dir.mkdir(parents=True, exist_ok=True)
         own = from_dict(to_dict(cfg))  # the pool's job: its own folder and time limit
         own.run.dir = str(self.dir)
-        own.cluster.timeout_min = allocation_min or (POOL_JOB_DAYS * 24 * 60 if cfg.cluster.kind == "local"
-                                                     else cfg.cluster.timeout_min)
+        own.cluster.timeout_min = allocation_min or (
+            POOL_JOB_DAYS * 24 * 60 if cfg.cluster.kind == "local" else cfg.cluster.timeout_min
+        )
         self.cfg = own
         # Local: one task imports torch and megatron-core once and forks the other ranks (PoolJob.fork_ranks)
         self.forked = forks_ranks(cfg, world_size)
         executor = make_executor(own, 1 if self.forked else world_size)
-        payload = PoolJob(str(self.dir), job_environment(own, world_size), launcher_identity(),
-                          fork_ranks=world_size if self.forked else 0)
+        payload = PoolJob(
+            str(self.dir),
+            job_environment(own, world_size),
+            launcher_identity(),
+            fork_ranks=world_size if self.forked else 0,
+        )
         try:
             with _children_ignore_sigint():
                 self.job = executor.submit(payload)
         except Exception as exc:
-            raise SubmissionError(f"submission of warm ranks to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
+            raise SubmissionError(
+                f"submission of warm ranks to cluster.kind={cfg.cluster.kind} failed: {exc}"
+            ) from None
         self.next, self.alive, self.seen_all = 0, True, False
-        print(f"[orchestrator] warm ranks: job {self.job.job_id} ({cfg.cluster.kind}), {world_size} ranks, "
-              f"trials in {self.dir}", flush=True)
+        print(
+            f"[orchestrator] warm ranks: job {self.job.job_id} ({cfg.cluster.kind}), {world_size} ranks, "
+            f"trials in {self.dir}",
+            flush=True,
+        )
 
     def run(self, cfg: JobConfig, prepared, timeout_s: float, progress=None) -> Dict[str, Any]:
         """Run one trial; the logging rank's summary (with ``job_id`` and ``trial_wall_s``, the
@@ -82,11 +97,21 @@ class WarmPool:
 
         num, started = self.next, time.time()
         self.next, self.seen_all = self.next + 1, False
-        record_submission(cfg.run.dir, str(self.job.job_id), cfg.cluster,
-                          {"stdout": str(self.job.paths.stdout), "stderr": str(self.job.paths.stderr)},
-                          num_tasks=self.world_size, warm_pool=str(self.dir), trial=num)
-        write_atomic(trial_path(self.dir, num), json.dumps(
-            {"config": to_dict(cfg), "prepared": dataclasses.asdict(prepared), "time": started}, default=str))
+        record_submission(
+            cfg.run.dir,
+            str(self.job.job_id),
+            cfg.cluster,
+            {"stdout": str(self.job.paths.stdout), "stderr": str(self.job.paths.stderr)},
+            num_tasks=self.world_size,
+            warm_pool=str(self.dir),
+            trial=num,
+        )
+        write_atomic(
+            trial_path(self.dir, num),
+            json.dumps(
+                {"config": to_dict(cfg), "prepared": dataclasses.asdict(prepared), "time": started}, default=str
+            ),
+        )
         try:
             while True:
                 if progress is not None:
@@ -125,12 +150,15 @@ class WarmPool:
         if errors:
             time.sleep(1.0)  # the first error is often a peer's broken collective: let the cause land too
             errors = sorted(r for r in range(self.world_size) if error_path(self.dir, num, r).exists())
-            tails = {r: error_path(self.dir, num, r).read_text(errors="replace").rstrip().splitlines()
-                     for r in errors}
-            root = min(errors, key=lambda r: ("ProcessGroup" in "\n".join(tails[r])
-                                              or "Connection" in "\n".join(tails[r]), r))
-            raise JobFailedError(f"job {job_id}: rank {root} failed in warm trial {num}:\n"
-                                 + "\n".join(tails[root][-15:]) + f"\nlogs: {Path(self.job.paths.stderr).parent}/")
+            tails = {r: error_path(self.dir, num, r).read_text(errors="replace").rstrip().splitlines() for r in errors}
+            root = min(
+                errors, key=lambda r: ("ProcessGroup" in "\n".join(tails[r]) or "Connection" in "\n".join(tails[r]), r)
+            )
+            raise JobFailedError(
+                f"job {job_id}: rank {root} failed in warm trial {num}:\n"
+                + "\n".join(tails[root][-15:])
+                + f"\nlogs: {Path(self.job.paths.stderr).parent}/"
+            )
         if self.cfg.cluster.kind == "local":
             alive = self._alive_ranks(num)
             if alive is None and not self.seen_all and not result_path(self.dir, num).exists():
@@ -138,14 +166,20 @@ class WarmPool:
             self.seen_all = self.seen_all or (alive is not None and len(alive) == self.world_size)
             if self.seen_all and (alive is None or len(alive) < self.world_size):
                 dead = sorted(set(range(self.world_size)) - (alive or set()))
-                raise JobFailedError(f"job {job_id}: warm rank(s) {dead} died in trial {num} without an error "
-                                     f"(killed? out of memory?)\nlogs: {Path(self.job.paths.stderr).parent}/")
+                raise JobFailedError(
+                    f"job {job_id}: warm rank(s) {dead} died in trial {num} without an error "
+                    f"(killed? out of memory?)\nlogs: {Path(self.job.paths.stderr).parent}/"
+                )
         elif self._slurm_ended():
-            raise JobFailedError(f"job {job_id}: the warm ranks' allocation ended during trial {num}\n"
-                                 f"logs: {Path(self.job.paths.stderr).parent}/")
+            raise JobFailedError(
+                f"job {job_id}: the warm ranks' allocation ended during trial {num}\n"
+                f"logs: {Path(self.job.paths.stderr).parent}/"
+            )
         if time.time() - started > timeout_s:
-            raise JobFailedError(f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
-                                 f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled")
+            raise JobFailedError(
+                f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
+                f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled"
+            )
 
     def _alive_ranks(self, num: int) -> Optional[set]:
         """Local ranks of trial ``num`` whose process is alive (None: the job's controller is gone). Forked
@@ -232,8 +266,9 @@ class PoolLauncher:
         self.pool: Optional[WarmPool] = None
         self.started = 0
 
-    def __call__(self, cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True
-                 ) -> Dict[str, Any]:
+    def __call__(
+        self, cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True
+    ) -> Dict[str, Any]:
         from orchestrator.ckpt.rundir import METRICS_FILE
         from orchestrator.submit.progress import Progress
 

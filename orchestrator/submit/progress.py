@@ -46,15 +46,17 @@ class _Tail:
         return complete.decode(errors="replace").splitlines()
 
 
-PHASES = (("rank 0 up", "importing torch and megatron-core"),
-          ("ranks up", "building the model and optimizer"),
-          ("building sample indices", "building sample indices"),
-          ("sample indices built", "forking the ranks"),
-          ("forked; joining", "joining the process group"),
-          ("loading checkpoint", "loading the checkpoint"),
-          ("training iterations", "first training step"),
-          ("saving checkpoint", "saving the checkpoint"),
-          ("waiting for ranks to exit", "waiting for the ranks to exit"))
+PHASES = (
+    ("rank 0 up", "importing torch and megatron-core"),
+    ("ranks up", "building the model and optimizer"),
+    ("building sample indices", "building sample indices"),
+    ("sample indices built", "forking the ranks"),
+    ("forked; joining", "joining the process group"),
+    ("loading checkpoint", "loading the checkpoint"),
+    ("training iterations", "first training step"),
+    ("saving checkpoint", "saving the checkpoint"),
+    ("waiting for ranks to exit", "waiting for the ranks to exit"),
+)
 """(words in a rank-0 line, the phase it starts): what the heartbeat says is going on."""
 
 
@@ -89,8 +91,16 @@ class Progress:
     SMOOTHING = 0.3
     """Weight of the newest step time in the smoothed step time behind the ETA."""
 
-    def __init__(self, path: Path, total: int, enabled: bool = True, log: Optional[Path] = None,
-                 world_size: int = 0, ranks_up: Optional[Callable[[], int]] = None, every: float = HEARTBEAT_S):
+    def __init__(
+        self,
+        path: Path,
+        total: int,
+        enabled: bool = True,
+        log: Optional[Path] = None,
+        world_size: int = 0,
+        ranks_up: Optional[Callable[[], int]] = None,
+        every: float = HEARTBEAT_S,
+    ):
         self.total = total
         self.metrics, self.log = _Tail(path), _Tail(log, from_start=True)
         self.last: Optional[Dict[str, Any]] = None
@@ -104,8 +114,9 @@ class Progress:
         if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.description}"))
+            self.bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}")
+            )
             self.task = self.bar.add_task("", total=total)
             self.bar.start()
 
@@ -166,33 +177,46 @@ class Progress:
             self.last = rec
             step = rec.get("step_time_s")
             if isinstance(step, (int, float)):
-                self.step_s = step if self.step_s is None else self.SMOOTHING * step + (1 - self.SMOOTHING) * self.step_s
+                self.step_s = (
+                    step if self.step_s is None else self.SMOOTHING * step + (1 - self.SMOOTHING) * self.step_s
+                )
             self._show(rec)
         elif event == "start":
             if self.bar is not None:
                 self.bar.update(self.task, completed=rec["iteration"], total=self.total)
             if rec.get("iteration"):
                 loaded = f", loaded in {rec['load_s']:.2f} s" if rec.get("load_s") is not None else ""
-                self._say(f"[orchestrator] training iterations {rec['iteration'] + 1}..{self.total} "
-                          f"(resumed at iteration {rec['iteration']}{loaded})")
+                self._say(
+                    f"[orchestrator] training iterations {rec['iteration'] + 1}..{self.total} "
+                    f"(resumed at iteration {rec['iteration']}{loaded})"
+                )
         elif event == "saved":
             self._say(saved_line(rec))
         elif event == "eval":
-            self._say(f"[orchestrator] validation at iteration {rec['iteration']}: lm loss {rec['lm_loss']:.4f} | "
-                      f"ppl {rec['ppl']:.2f}")
+            self._say(
+                f"[orchestrator] validation at iteration {rec['iteration']}: lm loss {rec['lm_loss']:.4f} | "
+                f"ppl {rec['ppl']:.2f}"
+            )
         elif event == "summary":
-            self._say(f"[orchestrator] training {rec.get('status')} at iteration {rec.get('iteration')}; "
-                      "waiting for ranks to exit")
+            self._say(
+                f"[orchestrator] training {rec.get('status')} at iteration {rec.get('iteration')}; "
+                "waiting for ranks to exit"
+            )
 
     def _show(self, rec: Dict[str, Any]) -> None:
-        self._enter(f"iteration {rec['iteration'] + 1}/{self.total}" if rec["iteration"] < self.total
-                    else "finishing: validation, the last checkpoint")
+        self._enter(
+            f"iteration {rec['iteration'] + 1}/{self.total}"
+            if rec["iteration"] < self.total
+            else "finishing: validation, the last checkpoint"
+        )
         self.said = time.monotonic()
         if not self.enabled:
             return
         eta = f" | ETA {_eta(self.step_s * (self.total - rec['iteration']))}" if self.step_s is not None else ""
-        text = (f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "
-                f"{rec['tokens_per_s']:.0f} tok/s{eta}")
+        text = (
+            f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "
+            f"{rec['tokens_per_s']:.0f} tok/s{eta}"
+        )
         if self.bar is not None:
             self.bar.update(self.task, completed=rec["iteration"], description=text)
         else:
@@ -208,9 +232,12 @@ def saved_line(rec: Dict[str, Any]) -> str:
     from orchestrator.ckpt.space import size_text
 
     name = Path(str(rec.get("path", ""))).name or f"iteration {rec.get('iteration')}"
-    how = (f"training blocked {rec['blocking_s']:.2f} s, written in {rec['write_s']:.2f} s (async, completed "
-           f"{time.strftime('%H:%M:%S', time.localtime(rec['completed']))})" if rec.get("async") else
-           f"training blocked {rec['blocking_s']:.2f} s")
+    how = (
+        f"training blocked {rec['blocking_s']:.2f} s, written in {rec['write_s']:.2f} s (async, completed "
+        f"{time.strftime('%H:%M:%S', time.localtime(rec['completed']))})"
+        if rec.get("async")
+        else f"training blocked {rec['blocking_s']:.2f} s"
+    )
     removed = f" | removed {', '.join(rec['removed'])}" if rec.get("removed") else ""
     return f"[orchestrator] saved {name}: {size_text(rec.get('bytes'))} | {how} (slowest rank){removed}"
 

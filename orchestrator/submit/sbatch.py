@@ -152,9 +152,13 @@ def _additional_parameters(cfg) -> Dict[str, Any]:
         key = str(raw_key).strip().lstrip("-").replace("_", "-").lower()
         where = f"cluster.additional_parameters.{raw_key}"
         if not _OPTION_RE.match(key):
-            raise ConfigError(f"{where}: {raw_key!r} is not an sbatch option name; fix: use e.g. reservation or mail-type")
+            raise ConfigError(
+                f"{where}: {raw_key!r} is not an sbatch option name; fix: use e.g. reservation or mail-type"
+            )
         if key in seen:
-            raise ConfigError(f"{where}: the same sbatch option as cluster.additional_parameters.{seen[key]} (--{key}); fix: keep one")
+            raise ConfigError(
+                f"{where}: the same sbatch option as cluster.additional_parameters.{seen[key]} (--{key}); fix: keep one"
+            )
         seen[key] = str(raw_key)
         if key in MANAGED_OPTIONS:
             raise ConfigError(
@@ -171,14 +175,18 @@ def _additional_parameters(cfg) -> Dict[str, Any]:
                 f"fix: use a valid sbatch long option name (see `man sbatch`)"
             )
         if key in ("mem-per-cpu", "mem-per-gpu") and c.mem is not None:
-            raise ConfigError(f"{where} and cluster.mem={c.mem!r} both set the memory; fix: keep one (cluster.mem=null)")
+            raise ConfigError(
+                f"{where} and cluster.mem={c.mem!r} both set the memory; fix: keep one (cluster.mem=null)"
+            )
         if value is None or value is False:
             continue
         if value is True:
             out[key] = True
             continue
         if isinstance(value, (list, dict)):
-            raise ConfigError(f"{where}={value!r}: sbatch option values are scalars; fix: e.g. a comma-separated string")
+            raise ConfigError(
+                f"{where}={value!r}: sbatch option values are scalars; fix: e.g. a comma-separated string"
+            )
         out[key] = _no_control(where, value)
     if c.max_num_timeout > 0:
         out["requeue"] = True
@@ -218,7 +226,9 @@ def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
     """
     c = cfg.cluster
     if c.kind != "slurm":
-        raise ConfigError(f"cluster.kind={c.kind!r}: there is no sbatch script for it; fix: cluster=slurm or cluster=slurm_dev")
+        raise ConfigError(
+            f"cluster.kind={c.kind!r}: there is no sbatch script for it; fix: cluster=slurm or cluster=slurm_dev"
+        )
     if not isinstance(c.nodes, int) or c.nodes < 1:
         raise ConfigError(f"cluster.nodes={c.nodes!r} must be a positive integer")
     tasks = tasks_per_node(cfg)
@@ -314,7 +324,7 @@ def _renderer_kwargs(params: Dict[str, Any]) -> Dict[str, Any]:
         if value is None:
             continue
         if key.startswith("slurm_"):
-            out[key[len("slurm_"):]] = value
+            out[key[len("slurm_") :]] = value
         elif key == "mem_gb":
             out["mem"] = _convert_mem(value)
         elif key in generic:

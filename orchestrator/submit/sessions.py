@@ -49,7 +49,6 @@ def failure(job_file: Path, found: Dict[int, Tuple[str, Any]], headline: str) ->
     return JobFailedError(headline + detail)
 
 
-
 def _how(rc: int) -> str:
     if rc < 0:
         return f"the SSH client was killed by {signal.Signals(-rc).name}"
@@ -73,8 +72,13 @@ class Sessions:
     def start(self, script: str) -> None:
         for host in self.hosts:
             with open(self.log(host), "ab") as out:  # the child keeps its own descriptor
-                self.procs[host] = subprocess.Popen(self.ssh + [host, script], stdin=subprocess.PIPE, stdout=out,
-                                                    stderr=subprocess.STDOUT, start_new_session=True)
+                self.procs[host] = subprocess.Popen(
+                    self.ssh + [host, script],
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
 
     def ended(self) -> Dict[str, int]:
         return {h: p.returncode for h, p in self.procs.items() if p.poll() is not None}
@@ -102,8 +106,16 @@ class Sessions:
         pattern = shlex.quote(str(self.job_file).replace(".", "[.]"))  # a regex that does not match this shell
         script = f"pkill -KILL -f {pattern} && echo left || true"
         left: List[str] = []
-        procs = {h: subprocess.Popen(self.ssh + [h, script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True) for h in self.hosts}
+        procs = {
+            h: subprocess.Popen(
+                self.ssh + [h, script],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for h in self.hosts
+        }
         for host, p in procs.items():
             try:
                 out, _ = p.communicate(timeout=CLEANUP_TIMEOUT_S)
@@ -126,17 +138,28 @@ class Sessions:
         from orchestrator.submit.signals import WaitSignals
 
         run_dir = cfg.run.dir
-        progress = Progress(Path(run_dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress,
-                            log=self.log(self.hosts[0]), world_size=world_size,
-                            ranks_up=ranks_up(Path(run_dir), job_id), every=2.0)
+        progress = Progress(
+            Path(run_dir) / METRICS_FILE,
+            cfg.training.train_iters,
+            enabled=show_progress,
+            log=self.log(self.hosts[0]),
+            world_size=world_size,
+            ranks_up=ranks_up(Path(run_dir), job_id),
+            every=2.0,
+        )
         signals = WaitSignals(cfg, job_id)
         try:
             with signals:
                 first, asked = self._watch(cfg, job_id, progress, signals)
         except KeyboardInterrupt:  # a second signal, or one before the handlers were in place
-            outcome.record_end(run_dir, job_id, "interrupted",  # first: ranks cut off by the stop record a crash
-                               "the launcher was interrupted a second time: stopped at once, unsaved" if signals.again
-                               else "the launcher was interrupted (Ctrl-C or a signal)")
+            outcome.record_end(
+                run_dir,
+                job_id,
+                "interrupted",  # first: ranks cut off by the stop record a crash
+                "the launcher was interrupted a second time: stopped at once, unsaved"
+                if signals.again
+                else "the launcher was interrupted (Ctrl-C or a signal)",
+            )
             self.stop(0.0 if signals.again else STOP_WAIT_S)
             self._finish(run_dir, job_id)
             if signals.again:
@@ -147,7 +170,9 @@ class Sessions:
             progress.close()
         self._finish(run_dir, job_id)
         if asked is not None:  # the ranks saved and exited on request (the job recorded why, unless they died first)
-            outcome.record_end(run_dir, job_id, str(asked.get("cause") or "interrupted"), f"stopped by {asked.get('by')}")
+            outcome.record_end(
+                run_dir, job_id, str(asked.get("cause") or "interrupted"), f"stopped by {asked.get('by')}"
+            )
             raise signals.stopped(asked)
         return self._outcome(run_dir, world_size, job_id, first)
 
@@ -173,8 +198,10 @@ class Sessions:
                     self.stop(0.0)
                     return None, asked
             elif bad:
-                print(f"[orchestrator] {bad[0]}: session ended: {_how(ended[bad[0]])}; stopping the other hosts' "
-                      "ranks", flush=True)
+                print(
+                    f"[orchestrator] {bad[0]}: session ended: {_how(ended[bad[0]])}; stopping the other hosts' ranks",
+                    flush=True,
+                )
                 self.stop(STOP_WAIT_S)
                 return bad[0], None
             time.sleep(cfg.cluster.poll_interval_s)
@@ -188,15 +215,22 @@ class Sessions:
         if first is None and len(found) == world_size and all(o[0] == "success" for o in found.values()):
             return [found[r][1] for r in range(world_size)]
         rc = self.procs[first].returncode if first else None
-        headline = (f"host {first}: {_how(rc)}; the job's ranks on every host were stopped" if first else
-                    f"the job ended without every rank's result ({len(found)} of {world_size})")
+        headline = (
+            f"host {first}: {_how(rc)}; the job's ranks on every host were stopped"
+            if first
+            else f"the job ended without every rank's result ({len(found)} of {world_size})"
+        )
         known = outcome.known_failure(run_dir, job_id, [o[1] for o in found.values() if o[0] == "error"])
         lost = rc is not None and (rc < 0 or rc == 255)
         outcome.record_end(run_dir, job_id, "node failure" if lost else "crashed", headline)
         if known and not lost:
             headline = known
         if first:
-            tail = "\n".join(self.log(first).read_text(errors="replace").splitlines()[-6:]) if self.log(first).exists() else ""
+            tail = (
+                "\n".join(self.log(first).read_text(errors="replace").splitlines()[-6:])
+                if self.log(first).exists()
+                else ""
+            )
             headline += f"\n{first}'s last lines ({self.log(first)}):\n{tail}" if tail else ""
         RunLock(run_dir).release_for(job_id)
         raise failure(self.job_file, {} if lost else found, headline)  # a lost session: its peers' errors are echoes

@@ -123,9 +123,11 @@ def detach_line(cfg: JobConfig, job_id: str, signum: int) -> str:
     root, name = cfg.run.root, cfg.run.name
     named = Path(cfg.run.dir) == Path(root) / name  # a sweep point's run dir is not: name it by its path
     which = f"{name} --root {root}" if named else str(cfg.run.dir)
-    return (f"detached ({signal.Signals(signum).name}): SLURM job {job_id} runs on, untouched; follow it with "
-            f"`python -m orchestrator status {root}` (logs: {cfg.run.dir}/submitit/); stop it with "
-            f"`python -m orchestrator stop {which}` (saves first; --now: at once)")
+    return (
+        f"detached ({signal.Signals(signum).name}): SLURM job {job_id} runs on, untouched; follow it with "
+        f"`python -m orchestrator status {root}` (logs: {cfg.run.dir}/submitit/); stop it with "
+        f"`python -m orchestrator stop {which}` (saves first; --now: at once)"
+    )
 
 
 class WaitSignals:
@@ -161,8 +163,10 @@ class WaitSignals:
         self.signum = signum
         name = signal.Signals(signum).name
         stop.request(self.cfg.run.dir, self.job_id, by=f"{name} to the launcher", cause="interrupted")
-        tell(f"[orchestrator] {name}: the ranks save at the next iteration and exit "
-             f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop at once, unsaved)")
+        tell(
+            f"[orchestrator] {name}: the ranks save at the next iteration and exit "
+            f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop at once, unsaved)"
+        )
 
     def stopped(self, asked: Optional[Dict[str, Any]]) -> JobStopped:
         """The job ended after the stop ``asked`` (this launcher's signal, or ``orchestrator stop``)."""
@@ -174,8 +178,10 @@ class WaitSignals:
     def ended_at_once(self) -> JobStopped:
         """A second signal ended the job at once (SIGKILL): nothing of the iteration in progress is saved."""
         name = signal.Signals(self.again or signal.SIGINT).name
-        return JobStopped(f"stopped at once ({name} a second time), unsaved; {checkpoint_words(self.cfg)}",
-                          128 + (self.again or signal.SIGINT))
+        return JobStopped(
+            f"stopped at once ({name} a second time), unsaved; {checkpoint_words(self.cfg)}",
+            128 + (self.again or signal.SIGINT),
+        )
 
 
 class DetachSignals:
@@ -213,8 +219,14 @@ def say_detached(exc: Detached, runs: Dict[str, str]) -> None:
 
     for run_dir, job_id in runs.items():
         try:
-            record_event(run_dir, "detached", job_id=job_id, message=exc.line, signal=signal.Signals(exc.signum).name,
-                         time_local=time.strftime("%Y-%m-%d %H:%M:%S"))
+            record_event(
+                run_dir,
+                "detached",
+                job_id=job_id,
+                message=exc.line,
+                signal=signal.Signals(exc.signum).name,
+                time_local=time.strftime("%Y-%m-%d %H:%M:%S"),
+            )
         except OSError:
             pass
     tell(f"[orchestrator] {exc.line}")

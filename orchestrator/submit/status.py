@@ -168,10 +168,16 @@ def latest_breakdown(run_dir: PathLike) -> Optional[Dict[str, Any]]:
         return None
     window = next(_records_from_end(path, only='"event": "breakdown"'), None)
     summary = next(_records_from_end(path, only='"event": "summary"'), None)
-    if summary and (summary.get("breakdown") or {}).get("stages") and \
-            float(summary.get("time", 0)) >= float((window or {}).get("time", 0)):
-        return {**summary["breakdown"], "what": f"over the {summary.get('timed_iterations')} timed iterations "
-                                                f"of the job that ended at iteration {summary.get('iteration')}"}
+    if (
+        summary
+        and (summary.get("breakdown") or {}).get("stages")
+        and float(summary.get("time", 0)) >= float((window or {}).get("time", 0))
+    ):
+        return {
+            **summary["breakdown"],
+            "what": f"over the {summary.get('timed_iterations')} timed iterations "
+            f"of the job that ended at iteration {summary.get('iteration')}",
+        }
     if window and window.get("stages"):
         first, last = window.get("iterations") or ("?", window.get("iteration"))
         return {**window, "what": f"iterations {first}-{last}"}
@@ -185,11 +191,18 @@ def format_breakdown(run: str, b: Dict[str, Any]) -> List[str]:
     cols = (*CATEGORIES, "other")
     rows = [("STAGE", "STEP MS", *(LABELS[c].upper() for c in cols), "MFU")]
     for st in b["stages"]:
-        rows.append((str(st["stage"]), f"{1e3 * st['step_s']:.1f}", *(f"{st[c]:.1%}" for c in cols),
-                     "-" if st.get("mfu") is None else f"{st['mfu']:.1%}"))
+        rows.append(
+            (
+                str(st["stage"]),
+                f"{1e3 * st['step_s']:.1f}",
+                *(f"{st[c]:.1%}" for c in cols),
+                "-" if st.get("mfu") is None else f"{st['mfu']:.1%}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [f"{run}: step breakdown, {b['what']}"] + ["    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                                                       for r in rows]
+    return [f"{run}: step breakdown, {b['what']}"] + [
+        "    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+    ]
 
 
 def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
@@ -202,11 +215,20 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
     records = read_records(run_dir)
     submissions = [r for r in records if r.get("event") == "submitted"]
     iteration, loss, summary = last_metrics(run_dir)
-    rs = RunStatus(run_dir=str(run_dir), job=None, iteration=iteration, lm_loss=loss, jobs=len(submissions),
-                   attempts=[a.as_dict() for a in attempts(records)], slowness=slowness(run_dir))
+    rs = RunStatus(
+        run_dir=str(run_dir),
+        job=None,
+        iteration=iteration,
+        lm_loss=loss,
+        jobs=len(submissions),
+        attempts=[a.as_dict() for a in attempts(records)],
+        slowness=slowness(run_dir),
+    )
     if not submissions:
         if summary is not None:  # a run without records (older runs, direct runtime use)
-            state = {"completed": "completed", "stopped": "stopped", "exited": "stopped"}.get(summary.get("status"), "unknown")
+            state = {"completed": "completed", "stopped": "stopped", "exited": "stopped"}.get(
+                summary.get("status"), "unknown"
+            )
             rs.job = JobStatus(state=state, job_id="-", cluster="?")
         return rs
     last = submissions[-1]
@@ -219,7 +241,10 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
     rs.train_iters, rs.tokens_per_s = rates["train_iters"], rates["tokens_per_s"]
     st = job_status(job_id, cluster, folder, last.get("num_tasks"), events=records)
     if st.state == "running" and stop.read(run_dir, job_id) is not None:
-        st.state, st.slurm_state = "stopping", None  # asked to (`orchestrator stop`, a signal to its launcher): saving, then exiting
+        st.state, st.slurm_state = (
+            "stopping",
+            None,
+        )  # asked to (`orchestrator stop`, a signal to its launcher): saving, then exiting
     if st.state == "running" and rates["step_time_s"] and rs.train_iters and iteration is not None:
         rs.eta_s = max(0, rs.train_iters - iteration) * rates["step_time_s"]
     if st.state == "unknown" and summary is not None and summary.get("status") == "completed":
@@ -232,8 +257,9 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
     return rs
 
 
-def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any]]
-                      ) -> Tuple[JobStatus, Optional[Tuple[int, List[str]]]]:
+def warm_trial_status(
+    submitted: Dict[str, Any], records: Sequence[Dict[str, Any]]
+) -> Tuple[JobStatus, Optional[Tuple[int, List[str]]]]:
     """(state, (the failing rank, its last lines)) of a trial run on warm ranks (:mod:`orchestrator.submit.pool`):
     its result file (the logging rank's summary), a rank's error file, else the pool job alive or not.
     Of several error files (a killed rank's peers fail in their broken collectives), the first rank whose
@@ -252,7 +278,9 @@ def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any
     errors = sorted(pool.glob(f"trial_{num}.rank*.error"), key=_error_rank)
     if summaries:
         best = next((x for x in summaries if isinstance(x, dict) and x.get("logging_rank")), summaries[-1]) or {}
-        st.state = {"completed": "completed", "exited": "stopped", "stopped": "stopped"}.get(best.get("status"), "unknown")
+        st.state = {"completed": "completed", "exited": "stopped", "stopped": "stopped"}.get(
+            best.get("status"), "unknown"
+        )
     elif errors:
         tails = {_error_rank(p): p.read_text(errors="replace").rstrip().splitlines() for p in errors}
         rank = min(tails, key=lambda r: (any("ProcessGroup" in t or "Connection" in t for t in tails[r]), r))
@@ -271,7 +299,7 @@ def warm_trial_status(submitted: Dict[str, Any], records: Sequence[Dict[str, Any
 
 def _error_rank(path: Path) -> int:
     """The rank of a warm trial's error file ``trial_<n>.rank<r>.error`` (:func:`~orchestrator.runtime.start.pool.error_path`)."""
-    return int(path.name.split(".")[1][len("rank"):])
+    return int(path.name.split(".")[1][len("rank") :])
 
 
 def find_runs(root: PathLike) -> List[Path]:
@@ -287,6 +315,7 @@ def find_runs(root: PathLike) -> List[Path]:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
+
 def _fmt_loss(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
 
@@ -298,16 +327,27 @@ def _fmt_eta(seconds: Optional[float]) -> str:
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{sec:02d}s"
 
 
-def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False,
-                 detail: bool = False) -> str:
+def format_table(
+    statuses: Sequence[RunStatus], root: Optional[Path] = None, history: bool = False, detail: bool = False
+) -> str:
     rows = [("RUN", "STATE", "JOB", "CLUSTER", "REQUEUES", "ITER", "LOSS", "TOK/S", "ETA")]
     for s in statuses:
         name = str(Path(s.run_dir).relative_to(root)) if root and Path(s.run_dir) != root else str(s.run_dir)
         j = s.job
         it = "-" if s.iteration is None else str(s.iteration) + (f"/{s.train_iters}" if s.train_iters else "")
-        rows.append((name or ".", j.describe() if j else "unknown", j.job_id if j else "-", j.cluster if j else "-",
-                     str(j.restarts) if j else "-", it, _fmt_loss(s.lm_loss),
-                     "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}", _fmt_eta(s.eta_s)))
+        rows.append(
+            (
+                name or ".",
+                j.describe() if j else "unknown",
+                j.job_id if j else "-",
+                j.cluster if j else "-",
+                str(j.restarts) if j else "-",
+                it,
+                _fmt_loss(s.lm_loss),
+                "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
+                _fmt_eta(s.eta_s),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in statuses:
@@ -316,8 +356,11 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
             lines.extend(f"{s.run_dir}: {line}" for line in s.slowness)
         if detail:
             lines.append("")
-            lines.extend(format_breakdown(s.run_dir, s.breakdown) if s.breakdown else
-                         [f"{s.run_dir}: no step breakdown recorded yet (training.breakdown_interval, default 10)"])
+            lines.extend(
+                format_breakdown(s.run_dir, s.breakdown)
+                if s.breakdown
+                else [f"{s.run_dir}: no step breakdown recorded yet (training.breakdown_interval, default 10)"]
+            )
         if s.job is not None and s.job.state in ("failed", "stopped") and s.job.message:
             lines.append("")
             cause = "" if s.job.message.startswith(f"{s.job.cause}:") else f"{s.job.cause}: "
@@ -328,9 +371,11 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
             lines.append("")
             items = [Attempt(**a) for a in s.attempts]
             restarts = sum(1 for a in items if a.restart)
-            lines.append(f"{s.run_dir}: {len(s.attempts)} attempt(s)"
-                         + (f" ({restarts} in-place restart(s))" if restarts else "")
-                         + f"; {iterations_lost(items)} iteration(s) lost to failures")
+            lines.append(
+                f"{s.run_dir}: {len(s.attempts)} attempt(s)"
+                + (f" ({restarts} in-place restart(s))" if restarts else "")
+                + f"; {iterations_lost(items)} iteration(s) lost to failures"
+            )
             lines.extend("    " + t for t in format_attempts(items))
         if s.failure:
             rank, tail = s.failure
@@ -341,25 +386,36 @@ def format_table(statuses: Sequence[RunStatus], root: Optional[Path] = None, his
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = OneLineArgumentParser(prog="python -m orchestrator status",
-                                     description="List runs with their job state, last iteration and last loss.")
-    parser.add_argument("runs_root", nargs="?", default="runs", help="directory holding run directories (default: runs)")
+    parser = OneLineArgumentParser(
+        prog="python -m orchestrator status",
+        description="List runs with their job state, last iteration and last loss.",
+    )
+    parser.add_argument(
+        "runs_root", nargs="?", default="runs", help="directory holding run directories (default: runs)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
-    parser.add_argument("--history", action="store_true",
-                        help="every attempt of each run: job id, start, end, cause, iteration reached")
-    parser.add_argument("--detail", action="store_true",
-                        help="each run's newest step breakdown per pipeline stage: compute, pipeline bubble, DP "
-                             "communication, optimizer, data, other (shares of the step), MFU on a GPU")
+    parser.add_argument(
+        "--history", action="store_true", help="every attempt of each run: job id, start, end, cause, iteration reached"
+    )
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="each run's newest step breakdown per pipeline stage: compute, pipeline bubble, DP "
+        "communication, optimizer, data, other (shares of the step), MFU on a GPU",
+    )
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
     if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
         if not args.json:
-            print(f"no runs under {root}: no such directory yet (a run creates run.root/run.name; run.root is "
-                  f"runs, relative to where it was launched, unless set)")
+            print(
+                f"no runs under {root}: no such directory yet (a run creates run.root/run.name; run.root is "
+                f"runs, relative to where it was launched, unless set)"
+            )
         return 0
     if not root.is_dir():
-        print(f"error: runs_root={root}: not a directory; fix: the run.root of your runs (default: runs)",
-              file=sys.stderr)
+        print(
+            f"error: runs_root={root}: not a directory; fix: the run.root of your runs (default: runs)", file=sys.stderr
+        )
         return 2
     statuses = [run_status(d, detail=args.detail) for d in find_runs(root)]
     if args.json:

@@ -35,8 +35,10 @@ def run_dir_of(run: str, root: str) -> Path:
     for candidate in (Path(run), Path(root) / run):
         if (candidate / JOBS_FILE).is_file():
             return candidate.absolute()
-    raise ConfigError(f"RUN={run}: no run directory {run} or {Path(root) / run} (none holds {JOBS_FILE}); "
-                      f"fix: `python -m orchestrator status {root}` lists the runs (--root DIR for another run.root)")
+    raise ConfigError(
+        f"RUN={run}: no run directory {run} or {Path(root) / run} (none holds {JOBS_FILE}); "
+        f"fix: `python -m orchestrator status {root}` lists the runs (--root DIR for another run.root)"
+    )
 
 
 def latest_job(run_dir: Path) -> Tuple[Dict[str, Any], JobStatus, List[Dict[str, Any]]]:
@@ -46,8 +48,13 @@ def latest_job(run_dir: Path) -> Tuple[Dict[str, Any], JobStatus, List[Dict[str,
     if not submissions:
         raise ConfigError(f"RUN={run_dir}: no job was ever submitted for this run; fix: nothing to stop")
     last = submissions[-1]
-    st = job_status(str(last["job_id"]), str(last.get("cluster", "slurm")), last.get("folder"),
-                    last.get("num_tasks"), events=records)
+    st = job_status(
+        str(last["job_id"]),
+        str(last.get("cluster", "slurm")),
+        last.get("folder"),
+        last.get("num_tasks"),
+        events=records,
+    )
     return last, st, records
 
 
@@ -99,7 +106,7 @@ def command_of(run_dir: Path) -> str:
     try:
         for line in (run_dir / CONFIG_FILE).read_text().splitlines()[:3]:
             if line.startswith("# command: "):
-                return line[len("# command: "):]
+                return line[len("# command: ") :]
     except OSError:
         pass
     return "the run's command"
@@ -125,12 +132,18 @@ def _stop(run_dir: Path, last: Dict[str, Any], st: JobStatus, now: bool) -> str:
     if not now and not (slurm and st.state != "running"):
         stop.request(run_dir, job_id, by="orchestrator stop", cause=stop.BY_REQUEST)
         return "the ranks save at their next iteration and exit"
-    stop.request(run_dir, job_id, by="orchestrator stop --now" if now else "orchestrator stop", cause=stop.BY_REQUEST,
-                 now=True)
+    stop.request(
+        run_dir, job_id, by="orchestrator stop --now" if now else "orchestrator stop", cause=stop.BY_REQUEST, now=True
+    )
     scancel(job_id) if slurm else kill_local(job_id)
-    outcome.record_end(str(run_dir), job_id, stop.BY_REQUEST,
-                       "stopped at once by orchestrator stop --now, unsaved" if now
-                       else f"cancelled by orchestrator stop while {st.state} (no rank had started)")
+    outcome.record_end(
+        str(run_dir),
+        job_id,
+        stop.BY_REQUEST,
+        "stopped at once by orchestrator stop --now, unsaved"
+        if now
+        else f"cancelled by orchestrator stop while {st.state} (no rank had started)",
+    )
     return ("scancel" if slurm else "SIGKILL") + (", unsaved" if now else f" (it was {st.state})")
 
 
@@ -138,29 +151,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineArgumentParser(
         prog="python -m orchestrator stop",
         description="Stop a live run (local or SLURM): its ranks save at their next iteration and exit, not "
-                    "requeued; rerunning the run's command resumes. Exit 0 once stopped, 2 when the run is "
-                    "not live.")
+        "requeued; rerunning the run's command resumes. Exit 0 once stopped, 2 when the run is "
+        "not live.",
+    )
     parser.add_argument("run", metavar="RUN", help="a run name under --root, or a run directory")
     parser.add_argument("--now", action="store_true", help="end it at once, unsaved (scancel / SIGKILL)")
     parser.add_argument("--root", default="runs", help="the runs root RUN is under (run.root; default: runs)")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds to wait for the ranks to save and exit (default 900); exit 1 after it")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the ranks to save and exit (default 900); exit 1 after it",
+    )
     args = parser.parse_args(argv)
     try:
         run_dir = run_dir_of(args.run, args.root)
         last, st, _ = latest_job(run_dir)
         job_id = str(last["job_id"])
         if last.get("warm_pool"):
-            raise ConfigError(f"RUN={args.run}: {run_dir} is a sweep point or tune trial on warm ranks (job {job_id}), "
-                              "which `stop` does not reach; fix: Ctrl-C the sweep's launcher")
+            raise ConfigError(
+                f"RUN={args.run}: {run_dir} is a sweep point or tune trial on warm ranks (job {job_id}), "
+                "which `stop` does not reach; fix: Ctrl-C the sweep's launcher"
+            )
         if st.state not in LIVE:
-            raise ConfigError(f"RUN={args.run}: run {run_dir} is not live: its latest job {job_id} is "
-                              f"{st.describe()}; fix: nothing to stop (rerun its command to resume it)")
+            raise ConfigError(
+                f"RUN={args.run}: run {run_dir} is not live: its latest job {job_id} is "
+                f"{st.describe()}; fix: nothing to stop (rerun its command to resume it)"
+            )
         asked = stop.read(run_dir, job_id)
         if asked is not None and not args.now:
-            raise ConfigError(f"RUN={args.run}: job {job_id} is stopping already (asked by {asked.get('by')} at "
-                              f"{time.strftime('%H:%M:%S', time.localtime(asked.get('time', 0)))}); fix: "
-                              f"`python -m orchestrator stop {args.run} --now` ends it at once, unsaved")
+            raise ConfigError(
+                f"RUN={args.run}: job {job_id} is stopping already (asked by {asked.get('by')} at "
+                f"{time.strftime('%H:%M:%S', time.localtime(asked.get('time', 0)))}); fix: "
+                f"`python -m orchestrator stop {args.run} --now` ends it at once, unsaved"
+            )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -168,8 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"[orchestrator] stopping job {job_id} ({st.cluster}) of {run_dir}: {how}", flush=True)
     end = wait_ended(run_dir, args.timeout)
     if end is None:
-        print(f"error: job {job_id} is still live after {args.timeout:.0f} s; fix: wait, or "
-              f"`python -m orchestrator stop {args.run} --now`", file=sys.stderr, flush=True)
+        print(
+            f"error: job {job_id} is still live after {args.timeout:.0f} s; fix: wait, or "
+            f"`python -m orchestrator stop {args.run} --now`",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     from orchestrator.runtime.faults.diskspace import latest_checkpoint
 

@@ -49,8 +49,18 @@ def _slurm_state(job_id: str) -> Tuple[str, int]:
     return "UNKNOWN", 0
 
 
-_SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                "DEADLINE", "PREEMPTED", "UNKNOWN"}
+_SLURM_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "UNKNOWN",
+}
 
 
 def _stderr_tail(job, task: int, lines: int = 25) -> str:
@@ -84,8 +94,9 @@ def _local_alive_ranks(job) -> Optional[set]:
     try:
         controller = psutil.Process(process.pid)
         if "submitit.local._local" not in " ".join(controller.cmdline()):  # started through a shell
-            controller = next((c for c in controller.children()
-                               if "submitit.local._local" in " ".join(c.cmdline())), None)
+            controller = next(
+                (c for c in controller.children() if "submitit.local._local" in " ".join(c.cmdline())), None
+            )
             if controller is None:
                 return None
         alive = set()
@@ -231,18 +242,26 @@ class _Wait:
                 raise kind(refused)
         known = outcome.known_failure(self.run_dir, self.job_id, errors)
         if known:
-            raise self.fail(f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)",
-                            "crashed", known)  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
+            raise self.fail(
+                f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)", "crashed", known
+            )  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
         # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
         dead = _dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
-        cause = f"{ranks_died(dead, '' if self.local else 'exit by signal 9, SIGKILL, per srun')}; then " if dead else ""
+        cause = (
+            f"{ranks_died(dead, '' if self.local else 'exit by signal 9, SIGKILL, per srun')}; then " if dead else ""
+        )
         srun = "" if self.local else outcome.srun_errors(job)
-        raise self.fail(f"job {job.job_id}: {cause}rank {rank} failed:\n" + "\n".join(tail)
-                        + (f"\n{srun}" if srun else "") + f"\nlogs: {job.task(rank).paths.stderr}",
-                        "crashed", f"{cause}rank {rank} failed: {tail[-1] if tail else ''}")  # status names the dead
+        raise self.fail(
+            f"job {job.job_id}: {cause}rank {rank} failed:\n"
+            + "\n".join(tail)
+            + (f"\n{srun}" if srun else "")
+            + f"\nlogs: {job.task(rank).paths.stderr}",
+            "crashed",
+            f"{cause}rank {rank} failed: {tail[-1] if tail else ''}",
+        )  # status names the dead
 
     def check_stopped(self, ended: bool, signals) -> None:
         """The job ended after a stop asked of it (a signal to this launcher, ``orchestrator stop``):
@@ -268,8 +287,11 @@ class _Wait:
         errors = [r[1] for r in self.results.values() if r[0] != "success"]  # a forking rank 0 names the signal
         if known := stopped or outcome.known_failure(self.run_dir, self.job_id, errors):
             raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)", None if stopped else "crashed", known)
-        raise self.fail(f"job {self.job.job_id}: {ranks_died(dead)}; the other ranks were stopped.\nlogs: {logs}/",
-                        "crashed", ranks_died(dead))
+        raise self.fail(
+            f"job {self.job.job_id}: {ranks_died(dead)}; the other ranks were stopped.\nlogs: {logs}/",
+            "crashed",
+            ranks_died(dead),
+        )
 
     def poll_scheduler(self) -> bool:
         """Read the job's state; report a requeue; True once the job has ended."""
@@ -284,13 +306,19 @@ class _Wait:
             failure = outcome.failed_attempt_message(self.run_dir, self.job_id)
             if failure is not None:  # srun's lines name the node and the tasks that died
                 srun = outcome.srun_errors(self.job)
-                print(f"[orchestrator] job {self.job_id} failed: {failure}" + (f"\n{srun}" if srun else "")
-                      + f"\n[orchestrator] job {self.job_id} requeued after a failure (cluster.max_failures="
-                      f"{self.c.max_failures}); it resumes from its latest checkpoint", flush=True)
+                print(
+                    f"[orchestrator] job {self.job_id} failed: {failure}"
+                    + (f"\n{srun}" if srun else "")
+                    + f"\n[orchestrator] job {self.job_id} requeued after a failure (cluster.max_failures="
+                    f"{self.c.max_failures}); it resumes from its latest checkpoint",
+                    flush=True,
+                )
             else:
-                print(f"[orchestrator] job {self.job_id} requeued ({self.requeues} of at most "
-                      f"{self.c.max_num_timeout}); it resumes from its latest checkpoint when SLURM restarts it",
-                      flush=True)
+                print(
+                    f"[orchestrator] job {self.job_id} requeued ({self.requeues} of at most "
+                    f"{self.c.max_num_timeout}); it resumes from its latest checkpoint when SLURM restarts it",
+                    flush=True,
+                )
         return self.state in _SLURM_ENDED
 
     def check_ended(self, ended: bool) -> None:
@@ -313,17 +341,24 @@ class _Wait:
             if not stopped:  # e.g. a full disk the ranks could not record (kept if they did)
                 outcome.record_end(self.run_dir, self.job_id, "crashed", known)
             raise JobFailedError(f"job {self.job_id}{'' if stopped else f' ({state})'}: {known} (logs: {logs}/)")
-        outcome.record_end(self.run_dir, self.job_id, "crashed" if self.local else outcome.slurm_cause(state),
-                           f"job ended ({state}) without results from rank(s) {missing}")
+        outcome.record_end(
+            self.run_dir,
+            self.job_id,
+            "crashed" if self.local else outcome.slurm_cause(state),
+            f"job ended ({state}) without results from rank(s) {missing}",
+        )
         if cancelled:
             raise JobFailedError(
                 f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
                 f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
-                f"logs: {logs}/")
+                f"logs: {logs}/"
+            )
         srun = "" if self.local else outcome.srun_errors(job)
-        raise JobFailedError(f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
-                             + (f"{srun}\n" if srun else "")
-                             + f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}")
+        raise JobFailedError(
+            f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
+            + (f"{srun}\n" if srun else "")
+            + f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}"
+        )
 
     def check_hang_and_bound(self, ended: bool) -> None:
         """Every rank silent past the hang allowance, or the launcher's time bound spent: cancel."""
@@ -334,13 +369,23 @@ class _Wait:
                 raise self.fail(f"job {self.job_id}: {hung}", "hang", hung)
         if self.counted_s > self.bound_s:
             c = self.c
-            raise self.fail(f"job {self.job.job_id} did not finish before the launcher's bound "
-                            f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min "
-                            f"of running time); cancelled", "interrupted", "the launcher's time bound ran out")
+            raise self.fail(
+                f"job {self.job.job_id} did not finish before the launcher's bound "
+                f"(cluster.timeout_min={c.timeout_min} x {c.max_num_timeout + 1} + 5 min "
+                f"of running time); cancelled",
+                "interrupted",
+                "the launcher's time bound ran out",
+            )
 
 
-def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = None,
-         tasks: Optional[int] = None, own_signals: bool = True) -> List[Dict[str, Any]]:
+def wait(
+    job,
+    cfg: JobConfig,
+    world_size: int,
+    progress: Optional[Progress] = None,
+    tasks: Optional[int] = None,
+    own_signals: bool = True,
+) -> List[Dict[str, Any]]:
     """Block until every task of ``job`` ends; return the per-task summaries (``tasks``: the job's number of tasks
     when it is not one per rank, e.g. one torch elastic agent a node; default ``world_size``).
 
@@ -384,9 +429,14 @@ def wait(job, cfg: JobConfig, world_size: int, progress: Optional[Progress] = No
         raise
     except KeyboardInterrupt:  # a second signal, or one before the handlers were in place: stop at once
         cancel(job, cfg)
-        outcome.record_end(w.run_dir, w.job_id, "interrupted",
-                           "the launcher was interrupted a second time: stopped at once, unsaved" if signals.again
-                           else "the launcher was interrupted (Ctrl-C or a signal)")
+        outcome.record_end(
+            w.run_dir,
+            w.job_id,
+            "interrupted",
+            "the launcher was interrupted a second time: stopped at once, unsaved"
+            if signals.again
+            else "the launcher was interrupted (Ctrl-C or a signal)",
+        )
         if signals.again:
             raise signals.ended_at_once() from None
         raise

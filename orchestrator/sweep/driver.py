@@ -74,8 +74,18 @@ from orchestrator.sweep.table import (
     write_summary,
 )
 
-__all__ = ["COLUMNS", "Point", "current_point", "detached", "exit_code", "finish", "main", "measured", "run_point",
-           "write_summary"]
+__all__ = [
+    "COLUMNS",
+    "Point",
+    "current_point",
+    "detached",
+    "exit_code",
+    "finish",
+    "main",
+    "measured",
+    "run_point",
+    "write_summary",
+]
 
 
 def say(message: str) -> None:
@@ -90,7 +100,7 @@ def _tail(text: str, lines: int = 15) -> str:
     all_lines = str(text).rstrip().splitlines()
     if len(all_lines) <= lines:
         return "\n".join(all_lines)
-    return "\n".join([all_lines[0], "..."] + all_lines[-(lines - 1):])
+    return "\n".join([all_lines[0], "..."] + all_lines[-(lines - 1) :])
 
 
 # ====================================================================== one point (in the driver)
@@ -141,7 +151,7 @@ _DRIVER = _Driver()
 def announce(points: int, swept: List[str], cluster_kind: str) -> None:
     """The sweep's first line (Hydra's own launcher lines are off: conf/config.yaml)."""
     _DRIVER.points = points
-    how = ("all queued at once on SLURM" if cluster_kind == "slurm" else "one after another on this machine")
+    how = "all queued at once on SLURM" if cluster_kind == "slurm" else "one after another on this machine"
     say(f"{points} point{'s' * (points != 1)} ({' x '.join(swept) or 'no swept key'}), {how}")
 
 
@@ -157,8 +167,12 @@ def current_point() -> Optional[Point]:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return None
-    return Point(sweep_dir=Path(hc.sweep.dir).absolute(), run_dir=Path(hc.runtime.output_dir).absolute(),
-                 num=int(hc.job.num), overrides=[str(o) for o in hc.overrides.task])
+    return Point(
+        sweep_dir=Path(hc.sweep.dir).absolute(),
+        run_dir=Path(hc.runtime.output_dir).absolute(),
+        num=int(hc.job.num),
+        overrides=[str(o) for o in hc.overrides.task],
+    )
 
 
 def _write_point(point: Point, record: Dict[str, Any]) -> None:
@@ -174,8 +188,9 @@ def _rebuild(sweep_dir: Path) -> None:
         say(f"warning: could not rebuild the summary of {sweep_dir}: {exc!r}")
 
 
-def _record(point: Point, record: Dict[str, Any], status: str, reason: str = "", quiet: bool = False,
-            **extra: Any) -> None:
+def _record(
+    point: Point, record: Dict[str, Any], status: str, reason: str = "", quiet: bool = False, **extra: Any
+) -> None:
     """Write the point's status (``quiet``: no line, no table: a detach says one line for all points)."""
     record.update(status=status, reason=reason, **extra)
     if status in FINAL:
@@ -206,8 +221,13 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     of = f" ({point.num + 1} of {_DRIVER.points})" if _DRIVER.points else ""
     say(f"point {point.num}{of}: {' '.join(point.overrides)} -> {point.run_dir}")
     record: Dict[str, Any] = {
-        "point": point.num, "overrides": point.overrides, "status": "running", "reason": "", "job_id": None,
-        "run_dir": str(point.run_dir), "driver": {"pid": os.getpid(), "host": socket.gethostname()},
+        "point": point.num,
+        "overrides": point.overrides,
+        "status": "running",
+        "reason": "",
+        "job_id": None,
+        "run_dir": str(point.run_dir),
+        "driver": {"pid": os.getpid(), "host": socket.gethostname()},
         "started": time.time(),
     }
     try:
@@ -215,8 +235,10 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         if cfg.sweep.trace_iteration:  # the table's measured bubble (runtime.training.trace)
             cfg.training.trace_iteration = cfg.sweep.trace_iteration
         layout = validate_planned(cfg)[0] if cfg.plan and not cfg.dry_run else validate(cfg)  # as pipeline.run
-        record["training"] = {"train_iters": cfg.training.train_iters,
-                              "timing_warmup_iters": cfg.training.timing_warmup_iters}
+        record["training"] = {
+            "train_iters": cfg.training.train_iters,
+            "timing_warmup_iters": cfg.training.timing_warmup_iters,
+        }
         record["layout"] = layout_record(layout)
         record["cluster"] = cfg.cluster.kind
         plan = planner.plan(cfg)
@@ -232,8 +254,12 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     record["plan_preset"] = plan_record(plan)
     if not runs_on.fits and not cfg.sweep.run_predicted_oom:
         fix = "gpu=<a larger preset>" if device == cfg.gpu else "fewer ranks on this machine, or a smaller model"
-        _record(point, record, "skipped_oom_predicted",
-                f"{runs_on.reason}; to run it anyway: sweep.run_predicted_oom=true (or {fix})")
+        _record(
+            point,
+            record,
+            "skipped_oom_predicted",
+            f"{runs_on.reason}; to run it anyway: sweep.run_predicted_oom=true (or {fix})",
+        )
         return None
     if cfg.cluster.kind in ("local", "hosts"):
         cfg.cluster.wait = True  # one point at a time on this machine (on these hosts)
@@ -255,8 +281,7 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
         _record(point, record, "interrupted", "interrupted (KeyboardInterrupt) while running")
         raise
     except OrchestratorError as exc:
-        _record(point, record, "failed", _tail(f"{type(exc).__name__}: {exc}"),
-                job_id=_job_id_from_message(str(exc)))
+        _record(point, record, "failed", _tail(f"{type(exc).__name__}: {exc}"), job_id=_job_id_from_message(str(exc)))
         return None
     except Exception as exc:
         _record(point, record, "failed", _exception_reason(exc))
@@ -274,8 +299,9 @@ def run_point(dcfg: Any, point: Point, run_fn: Callable[[Any], Optional[dict]]) 
     return float(loss) if isinstance(loss, (int, float)) else None
 
 
-def _queued(point: Point, record: Dict[str, Any], cfg: Any, world_size: int, job_id: Optional[str],
-            detaching: bool = False) -> None:
+def _queued(
+    point: Point, record: Dict[str, Any], cfg: Any, world_size: int, job_id: Optional[str], detaching: bool = False
+) -> None:
     """A SLURM point's job is queued (``job_id``; None: ``detaching`` came first): waited on at the end, detachable."""
     from orchestrator.submit.signals import DetachSignals
 
@@ -283,8 +309,13 @@ def _queued(point: Point, record: Dict[str, Any], cfg: Any, world_size: int, job
         _DRIVER.submitted.append((point, cfg, world_size, job_id))
         _DRIVER.signals = _DRIVER.signals or DetachSignals().hold()
     if detaching:
-        _record(point, record, "submitted" if job_id else "interrupted", "" if job_id else
-                "not queued: the launcher detached from the sweep's queued points before this one was", quiet=True)
+        _record(
+            point,
+            record,
+            "submitted" if job_id else "interrupted",
+            "" if job_id else "not queued: the launcher detached from the sweep's queued points before this one was",
+            quiet=True,
+        )
     else:
         _record(point, record, "submitted", job_id=job_id)
 
@@ -314,7 +345,9 @@ def _wait_submitted(point: Point, cfg: Any, world_size: int, job_id: str) -> Non
     record = json.loads((point.run_dir / POINT_FILE).read_text())
     job = submitit.SlurmJob(folder=point.run_dir / SUBMITIT_DIR, job_id=job_id, tasks=tuple(range(world_size)))
     try:
-        summaries = wait(job, cfg, world_size, progress=None, own_signals=not (_DRIVER.signals and _DRIVER.signals.held))
+        summaries = wait(
+            job, cfg, world_size, progress=None, own_signals=not (_DRIVER.signals and _DRIVER.signals.held)
+        )
     except Detached:  # the launcher leaves; the jobs run on (submit.signals): detached() records the open points
         raise
     except KeyboardInterrupt:
@@ -341,8 +374,10 @@ def finish() -> Optional[int]:
     if _DRIVER.submitted and _DRIVER.wait_at_end:
         from orchestrator.submit.signals import raise_if_interrupted
 
-        say(f"waiting for {len(_DRIVER.submitted)} SLURM job(s): "
-            + ", ".join(f"point {p.num} = job {j}" for p, _, _, j in _DRIVER.submitted))
+        say(
+            f"waiting for {len(_DRIVER.submitted)} SLURM job(s): "
+            + ", ".join(f"point {p.num} = job {j}" for p, _, _, j in _DRIVER.submitted)
+        )
         for point, cfg, world_size, job_id in _DRIVER.submitted:
             raise_if_interrupted()  # a detach a callee swallowed (as Python does in at-fork hooks)
             _wait_submitted(point, cfg, world_size, job_id)
@@ -376,13 +411,21 @@ def detached(exc: BaseException) -> None:
             _wait_submitted(point, cfg, world_size, job_id)  # it has ended: every rank's result is there, read now
         else:
             open_.append((point, job_id))
-            _record(point, record, "submitted", f"the launcher detached ({name}); job {job_id} runs on; "
-                    f"`python -m orchestrator.sweep summarize {sweep_dir}` reads it", quiet=True)
+            _record(
+                point,
+                record,
+                "submitted",
+                f"the launcher detached ({name}); job {job_id} runs on; "
+                f"`python -m orchestrator.sweep summarize {sweep_dir}` reads it",
+                quiet=True,
+            )
     jobs = ", ".join(f"{job_id} (point {point.num})" for point, job_id in open_) or "none left"
-    exc.line = (f"detached ({name}) from the sweep: SLURM job(s) {jobs} run on, untouched; follow them with "
-                f"`python -m orchestrator status {sweep_dir}`; the table once they have ended: "
-                f"`python -m orchestrator.sweep summarize {sweep_dir}`; stop one with "
-                f"`python -m orchestrator stop {sweep_dir}/<point>` (saves first; --now: at once)")
+    exc.line = (
+        f"detached ({name}) from the sweep: SLURM job(s) {jobs} run on, untouched; follow them with "
+        f"`python -m orchestrator status {sweep_dir}`; the table once they have ended: "
+        f"`python -m orchestrator.sweep summarize {sweep_dir}`; stop one with "
+        f"`python -m orchestrator stop {sweep_dir}/<point>` (saves first; --now: at once)"
+    )
     exc.signum, exc.job_id = held.signum, ",".join(job_id for _, job_id in open_)
     _rebuild(sweep_dir)
     say_detached(exc, {str(point.run_dir): job_id for point, job_id in open_})
@@ -396,13 +439,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("sweep_dir", type=Path)
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
-        print(f"error: {args.sweep_dir} is not a directory (expected <run.root>/sweeps/<run.name>/<time>)",
-              file=sys.stderr)
+        print(
+            f"error: {args.sweep_dir} is not a directory (expected <run.root>/sweeps/<run.name>/<time>)",
+            file=sys.stderr,
+        )
         return 2
     rows, swept = write_summary(args.sweep_dir)
     if not rows:
-        print(f"error: no sweep points under {args.sweep_dir} (no numbered point directories, no multirun.yaml)",
-              file=sys.stderr)
+        print(
+            f"error: no sweep points under {args.sweep_dir} (no numbered point directories, no multirun.yaml)",
+            file=sys.stderr,
+        )
         return 2
     print(format_report(args.sweep_dir, rows, swept), flush=True)
     return 0

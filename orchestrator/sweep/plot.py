@@ -50,17 +50,36 @@ def plot(rows: Sequence[Dict[str, Any]], swept: Sequence[str], path: Path, title
             line = ax_t.plot([xpos(r) for r in got], [r["tokens_per_s"] for r in got], marker="o", label=label)[0]
             color = line.get_color()
             mem = [r for r in got if r["peak_rss_mib"] is not None]
-            ax_m.plot([xpos(r) for r in mem], [r["peak_rss_mib"] for r in mem], marker="o", color=color,
-                      label=f"measured peak RSS {label or ''}".strip())
+            ax_m.plot(
+                [xpos(r) for r in mem],
+                [r["peak_rss_mib"] for r in mem],
+                marker="o",
+                color=color,
+                label=f"measured peak RSS {label or ''}".strip(),
+            )
         pred = sorted((r for r in members if r["predicted_mib"] is not None), key=xpos)
         if pred:
-            ax_m.plot([xpos(r) for r in pred], [r["predicted_mib"] for r in pred], linestyle="--", marker="s",
-                      alpha=0.7, color=color, label=f"predicted ({pred[0].get('gpu')}) {label or ''}".strip())
+            ax_m.plot(
+                [xpos(r) for r in pred],
+                [r["predicted_mib"] for r in pred],
+                linestyle="--",
+                marker="s",
+                alpha=0.7,
+                color=color,
+                label=f"predicted ({pred[0].get('gpu')}) {label or ''}".strip(),
+            )
         for r in members:
             if r["tokens_per_s"] is None:
                 ax_t.scatter([xpos(r)], [0], marker="x", color="red")
-                ax_t.annotate(r["status"], (xpos(r), 0), textcoords="offset points", xytext=(3, 6), fontsize=7,
-                              rotation=45, color="red")
+                ax_t.annotate(
+                    r["status"],
+                    (xpos(r), 0),
+                    textcoords="offset points",
+                    xytext=(3, 6),
+                    fontsize=7,
+                    rotation=45,
+                    color="red",
+                )
     for ax, ylabel in ((ax_t, "tokens/s (median step after warm-up)"), (ax_m, "peak memory per rank, MiB")):
         ax.set_xlabel(xkey)
         ax.set_ylabel(ylabel)

@@ -27,7 +27,7 @@ from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
 
-MiB = 2 ** 20
+MiB = 2**20
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None), "full": ("full", "uniform", 1)}
 """tune.recompute values -> (model.recompute_granularity, recompute_method, recompute_num_layers)."""
 
@@ -82,8 +82,15 @@ class TuneConfig:
     trial); false: each trial a fresh ``python -m orchestrator`` job."""
 
 
-_LISTS = {"tp": int, "pp": int, "vpp": int, "mbs": int, "recompute": str, "distributed_optimizer": bool,
-          "sequence_parallel": bool}
+_LISTS = {
+    "tp": int,
+    "pp": int,
+    "vpp": int,
+    "mbs": int,
+    "recompute": str,
+    "distributed_optimizer": bool,
+    "sequence_parallel": bool,
+}
 
 
 def _scalar(text: str, kind: type, key: str) -> Any:
@@ -99,8 +106,11 @@ def _scalar(text: str, kind: type, key: str) -> Any:
         return float(value)
     if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
-    noun, hint = {int: ("an integer", "<integer>"), float: ("a number", "<number>"),
-                  bool: ("true or false", "true")}.get(kind, (kind.__name__, f"<{kind.__name__}>"))
+    noun, hint = {
+        int: ("an integer", "<integer>"),
+        float: ("a number", "<number>"),
+        bool: ("true or false", "true"),
+    }.get(kind, (kind.__name__, f"<{kind.__name__}>"))
     raise ConfigError(f"tune.{key}={text!r} is not {noun}; fix: tune.{key}={hint}")
 
 
@@ -111,30 +121,39 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
     values: Dict[str, Any] = {}
     for arg in args:
         key, eq, text = arg.partition("=")
-        key = key[len("tune."):]
+        key = key[len("tune.") :]
         if not eq or key not in types:
             raise ConfigError(f"tune.{key}: unknown tune option; fix: one of {', '.join('tune.' + k for k in types)}")
         if key in _LISTS:
             parts = [p for p in re.split(r"\s*,\s*", text.strip().strip("[]")) if p]
             values[key] = [_scalar(p, _LISTS[key], key) for p in parts]
             if key == "recompute" and any(v not in RECOMPUTE for v in values[key]):
-                raise ConfigError(f"tune.recompute={text}: values must be among {', '.join(RECOMPUTE)}; "
-                                  "fix: tune.recompute=none,selective")
+                raise ConfigError(
+                    f"tune.recompute={text}: values must be among {', '.join(RECOMPUTE)}; "
+                    "fix: tune.recompute=none,selective"
+                )
         else:
             default = getattr(defaults, key)
-            kind = type(default) if default is not None else {"name": str, "out": str, "trace_iteration": int}.get(
-                key, float)
+            kind = (
+                type(default)
+                if default is not None
+                else {"name": str, "out": str, "trace_iteration": int}.get(key, float)
+            )
             values[key] = _scalar(text, kind, key)
     opts = TuneConfig(**values)
     for key in ("max_trials", "iters", "patience", "trial_timeout_min"):
         if getattr(opts, key) < 1:
             raise ConfigError(f"tune.{key}={getattr(opts, key)} must be >= 1; fix: tune.{key}=<a positive integer>")
     if not 0 <= opts.warmup_iters < opts.iters:
-        raise ConfigError(f"tune.warmup_iters={opts.warmup_iters} must be < tune.iters={opts.iters} (some "
-                          "iterations must be timed); fix: tune.warmup_iters=1")
+        raise ConfigError(
+            f"tune.warmup_iters={opts.warmup_iters} must be < tune.iters={opts.iters} (some "
+            "iterations must be timed); fix: tune.warmup_iters=1"
+        )
     if opts.trace_iteration is not None and not 1 <= opts.trace_iteration <= opts.iters:
-        raise ConfigError(f"tune.trace_iteration={opts.trace_iteration} must be one of the trial's iterations "
-                          f"1..tune.iters={opts.iters}; fix: tune.trace_iteration={opts.iters}")
+        raise ConfigError(
+            f"tune.trace_iteration={opts.trace_iteration} must be one of the trial's iterations "
+            f"1..tune.iters={opts.iters}; fix: tune.trace_iteration={opts.iters}"
+        )
     if opts.explore < 0:
         raise ConfigError(f"tune.explore={opts.explore} must be >= 0 (standard deviations); fix: tune.explore=2")
     if opts.max_minutes <= 0:
@@ -145,6 +164,7 @@ def parse_tune_args(args: Sequence[str]) -> TuneConfig:
 
 
 # ---- candidates --------------------------------------------------------------------------------
+
 
 @dataclass
 class Candidate:
@@ -184,9 +204,13 @@ class Candidate:
         """Options that depart from the plainest layout (for :func:`blocked`)."""
         lay = self.layout
         out = {f"mbs={lay.micro_batch_size}"}
-        for name, on in (("tp", lay.tensor_model_parallel_size > 1), ("pp", lay.pipeline_model_parallel_size > 1),
-                         ("vpp", bool(lay.virtual_pipeline_model_parallel_size)), ("sp", lay.sequence_parallel),
-                         ("distopt", self.cfg.optimizer.use_distributed_optimizer)):
+        for name, on in (
+            ("tp", lay.tensor_model_parallel_size > 1),
+            ("pp", lay.pipeline_model_parallel_size > 1),
+            ("vpp", bool(lay.virtual_pipeline_model_parallel_size)),
+            ("sp", lay.sequence_parallel),
+            ("distopt", self.cfg.optimizer.use_distributed_optimizer),
+        ):
             if on:
                 out.add(name)
         if self.cfg.model.recompute_granularity:
@@ -235,13 +259,20 @@ def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict
         if world % (tp * pp * cp) or (sp and tp == 1):
             continue  # not a layout of this world size / not an option
         g, method, n = RECOMPUTE[rec]
-        cfg = replace(base,
-                      parallelism=replace(base.parallelism, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
-                                          data_parallel_size=world // (tp * pp * cp)),
-                      training=replace(base.training, micro_batch_size=mbs),
-                      model=replace(base.model, recompute_granularity=g, recompute_method=method, recompute_num_layers=n),
-                      optimizer=replace(base.optimizer, use_distributed_optimizer=distopt))
+        cfg = replace(
+            base,
+            parallelism=replace(
+                base.parallelism,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
+                sequence_parallel=sp,
+                data_parallel_size=world // (tp * pp * cp),
+            ),
+            training=replace(base.training, micro_batch_size=mbs),
+            model=replace(base.model, recompute_granularity=g, recompute_method=method, recompute_num_layers=n),
+            optimizer=replace(base.optimizer, use_distributed_optimizer=distopt),
+        )
         try:
             layout = validate(cfg)
             problems = recipe_problems(recipe_of(cfg), layout)
@@ -251,17 +282,24 @@ def candidates(base: JobConfig, opts: TuneConfig) -> Tuple[List[Candidate], Dict
             reason = str(exc).split(";")[0][:100]
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        overrides = [f"parallelism.tensor_model_parallel_size={tp}", f"parallelism.pipeline_model_parallel_size={pp}",
-                     f"parallelism.virtual_pipeline_model_parallel_size={_show(vpp)}",
-                     f"parallelism.data_parallel_size={world // (tp * pp * cp)}",
-                     f"parallelism.sequence_parallel={_show(sp)}", f"training.micro_batch_size={mbs}",
-                     f"model.recompute_granularity={_show(g)}", f"model.recompute_method={_show(method)}",
-                     f"model.recompute_num_layers={_show(n)}", f"optimizer.use_distributed_optimizer={_show(distopt)}"]
+        overrides = [
+            f"parallelism.tensor_model_parallel_size={tp}",
+            f"parallelism.pipeline_model_parallel_size={pp}",
+            f"parallelism.virtual_pipeline_model_parallel_size={_show(vpp)}",
+            f"parallelism.data_parallel_size={world // (tp * pp * cp)}",
+            f"parallelism.sequence_parallel={_show(sp)}",
+            f"training.micro_batch_size={mbs}",
+            f"model.recompute_granularity={_show(g)}",
+            f"model.recompute_method={_show(method)}",
+            f"model.recompute_num_layers={_show(n)}",
+            f"optimizer.use_distributed_optimizer={_show(distopt)}",
+        ]
         found.append(Candidate(overrides, cfg, layout))
     return found, rejected
 
 
 # ---- pricing, pruning, ranking -------------------------------------------------------------------
+
 
 def price(cands: Sequence[Candidate], device: str, profile: Any, spread: Any = None) -> None:
     """Plan every candidate on ``device`` (a preset name; ``cpu``) with ``profile``; ``spread``
@@ -331,8 +369,14 @@ class TrialOutcome:
     (only its uncertainty made it a contender); ``patience`` does not count it."""
 
 
-def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_predicted_s: Sequence[float],
-                elapsed_s: float, next_trial_s: float = 0.0, remaining_spread: Sequence[float] = ()) -> Optional[str]:
+def stop_reason(
+    opts: TuneConfig,
+    trials: Sequence[TrialOutcome],
+    remaining_predicted_s: Sequence[float],
+    elapsed_s: float,
+    next_trial_s: float = 0.0,
+    remaining_spread: Sequence[float] = (),
+) -> Optional[str]:
     """Why to stop now, or None to run the next candidate.
 
     Budget: ``max_trials`` trials run, or ``max_minutes`` would be passed by another trial of the
@@ -368,7 +412,9 @@ def stop_reason(opts: TuneConfig, trials: Sequence[TrialOutcome], remaining_pred
     allowance = [max(error, opts.explore * s) for s in spreads]
     floor, i = min((p * (1 - a), i) for i, (p, a) in enumerate(zip(remaining_predicted_s, allowance)))
     if floor >= best:
-        return (f"model bound: the best remaining candidate is predicted at {remaining_predicted_s[i] * 1e3:.1f} ms "
-                f"(>= {floor * 1e3:.1f} ms allowing the model's {allowance[i]:.0%} error) vs {best * 1e3:.1f} ms "
-                "measured")
+        return (
+            f"model bound: the best remaining candidate is predicted at {remaining_predicted_s[i] * 1e3:.1f} ms "
+            f"(>= {floor * 1e3:.1f} ms allowing the model's {allowance[i]:.0%} error) vs {best * 1e3:.1f} ms "
+            "measured"
+        )
     return None

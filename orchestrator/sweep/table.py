@@ -56,37 +56,74 @@ from orchestrator.io import read_jsonl, write_atomic
 
 POINT_FILE = "point.json"
 SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"
-MiB = 2 ** 20
+MiB = 2**20
 
 FINAL = ("completed", "planned", "invalid", "skipped_oom_predicted", "failed", "interrupted", "stopped")
 FAILURES = ("failed", "interrupted", "stopped")
 UNFINISHED = ("pending", "running", "submitted", "requeued")
 
-COLUMNS = ["rank", "point", "overrides", "job_id", "status", "step_time_median_s", "tokens_per_s",
-           "samples_per_s", "tflops_per_device", "peak_rss_mib", "predicted_mib", "memory_error_pct",
-           "predicted_step_time_s", "step_time_error_pct", "bubble_fraction", "measured_bubble_fraction", "reason"]
+COLUMNS = [
+    "rank",
+    "point",
+    "overrides",
+    "job_id",
+    "status",
+    "step_time_median_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops_per_device",
+    "peak_rss_mib",
+    "predicted_mib",
+    "memory_error_pct",
+    "predicted_step_time_s",
+    "step_time_error_pct",
+    "bubble_fraction",
+    "measured_bubble_fraction",
+    "reason",
+]
 """The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
-EXTRA_COLUMNS = ["peak_gpu_mib", "timed_iterations", "iteration", "lm_loss", "world_size", "global_batch_size",
-                 "tokens_per_step", "model_flops_per_step", "gpu", "run_dir"]
+EXTRA_COLUMNS = [
+    "peak_gpu_mib",
+    "timed_iterations",
+    "iteration",
+    "lm_loss",
+    "world_size",
+    "global_batch_size",
+    "tokens_per_step",
+    "model_flops_per_step",
+    "gpu",
+    "run_dir",
+]
 
 
 def layout_record(layout) -> Dict[str, Any]:
     """The layout numbers a point records (a :class:`~orchestrator.config.layout.ParallelLayout` in)."""
-    return {"world_size": layout.world_size, "tensor_model_parallel_size": layout.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,
-            "data_parallel_size": layout.data_parallel_size, "micro_batch_size": layout.micro_batch_size,
-            "global_batch_size": layout.global_batch_size, "num_microbatches": layout.num_microbatches,
-            "tokens_per_step": layout.tokens_per_step}
+    return {
+        "world_size": layout.world_size,
+        "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,
+        "data_parallel_size": layout.data_parallel_size,
+        "micro_batch_size": layout.micro_batch_size,
+        "global_batch_size": layout.global_batch_size,
+        "num_microbatches": layout.num_microbatches,
+        "tokens_per_step": layout.tokens_per_step,
+    }
 
 
 def plan_record(plan) -> Dict[str, Any]:
     """The planner numbers a point records (an :class:`~orchestrator.plan.memory.Plan` in)."""
-    return {"gpu": plan.gpu.name, "fits": plan.fits, "peak_bytes": plan.peak_bytes,
-            "bubble_fraction": plan.bubble_fraction, "model_flops": plan.model_flops,
-            "step_time_s": plan.step_time_s, "verdict": plan.reason,
-            "profile": plan.profile.device if plan.profile is not None else None,
-            "calibrated": bool(plan.profile is not None and plan.profile.calibrated)}
+    return {
+        "gpu": plan.gpu.name,
+        "fits": plan.fits,
+        "peak_bytes": plan.peak_bytes,
+        "bubble_fraction": plan.bubble_fraction,
+        "model_flops": plan.model_flops,
+        "step_time_s": plan.step_time_s,
+        "verdict": plan.reason,
+        "profile": plan.profile.device if plan.profile is not None else None,
+        "calibrated": bool(plan.profile is not None and plan.profile.calibrated),
+    }
 
 
 def _error_pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
@@ -149,21 +186,36 @@ def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
         s = records[last_event]
         per_rank = [x for x in s.get("peak_rss_mb_per_rank") or [] if isinstance(x, (int, float))]
         gpu_rank = [x for x in s.get("peak_gpu_mem_mb_per_rank") or [] if isinstance(x, (int, float))]
-        return {"source": "summary", "job_status": s.get("status"), "iteration": s.get("iteration"),
-                "lm_loss": s.get("lm_loss"), "step_time_median_s": s.get("step_time_median_s"),
-                "timed_iterations": s.get("timed_iterations"), "tokens_per_step": s.get("tokens_per_step"),
-                "peak_rss_mib": max(per_rank) if per_rank else None,
-                "peak_gpu_mib": max(gpu_rank) if gpu_rank else None,
-                "measured_bubble": statistics.mean(x) if (x := (s.get("schedule_trace") or {}).get("measured_idle_share")) else None}
+        return {
+            "source": "summary",
+            "job_status": s.get("status"),
+            "iteration": s.get("iteration"),
+            "lm_loss": s.get("lm_loss"),
+            "step_time_median_s": s.get("step_time_median_s"),
+            "timed_iterations": s.get("timed_iterations"),
+            "tokens_per_step": s.get("tokens_per_step"),
+            "peak_rss_mib": max(per_rank) if per_rank else None,
+            "peak_gpu_mib": max(gpu_rank) if gpu_rank else None,
+            "measured_bubble": statistics.mean(x)
+            if (x := (s.get("schedule_trace") or {}).get("measured_idle_share"))
+            else None,
+        }
     start = int(records[last_event].get("iteration") or 0) if last_event >= 0 else 0
-    iters = [r for r in records[last_event + 1:] if "step_time_s" in r and "iteration" in r]
+    iters = [r for r in records[last_event + 1 :] if "step_time_s" in r and "iteration" in r]
     if not iters:
         return {}
     timed = [r["step_time_s"] for r in iters if r["iteration"] - start > warmup_iters]
     rss = [r["max_rss_mb"] for r in iters if isinstance(r.get("max_rss_mb"), (int, float))]
-    return {"source": "running", "job_status": "running", "iteration": iters[-1]["iteration"],
-            "lm_loss": iters[-1].get("lm_loss"), "step_time_median_s": statistics.median(timed) if timed else None,
-            "timed_iterations": len(timed), "tokens_per_step": None, "peak_rss_mib": max(rss) if rss else None}
+    return {
+        "source": "running",
+        "job_status": "running",
+        "iteration": iters[-1]["iteration"],
+        "lm_loss": iters[-1].get("lm_loss"),
+        "step_time_median_s": statistics.median(timed) if timed else None,
+        "timed_iterations": len(timed),
+        "tokens_per_step": None,
+        "peak_rss_mib": max(rss) if rss else None,
+    }
 
 
 def _split(override: str) -> Tuple[str, str]:
@@ -250,7 +302,9 @@ def collect(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     point number) and the swept keys."""
     sweep_dir = Path(sweep_dir)
     expected, swept = expected_points(sweep_dir)
-    dirs = {int(p.name): p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()} if sweep_dir.is_dir() else {}
+    dirs = (
+        {int(p.name): p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()} if sweep_dir.is_dir() else {}
+    )
     points: Dict[int, Dict[str, Any]] = {}
     for num in sorted(set(dirs) | set(range(len(expected)))):
         path = dirs.get(num, sweep_dir / str(num)) / POINT_FILE
@@ -258,8 +312,12 @@ def collect(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
             points[num] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             started = num in dirs
-            points[num] = {"point": num, "overrides": expected[num] if num < len(expected) else [],
-                           "status": "running" if started else "pending", "run_dir": str(sweep_dir / str(num))}
+            points[num] = {
+                "point": num,
+                "overrides": expected[num] if num < len(expected) else [],
+                "status": "running" if started else "pending",
+                "run_dir": str(sweep_dir / str(num)),
+            }
     if not swept:  # no multirun.yaml: the keys whose values differ between points
         values: Dict[str, set] = {}
         for p in points.values():
@@ -289,29 +347,45 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
     predicted_step = _number(pl.get("step_time_s"))
     measured_mib = _number(meas.get("peak_gpu_mib")) or _number(meas.get("peak_rss_mib"))
     tokens_per_step = _number(meas.get("tokens_per_step")) or _number(lay.get("tokens_per_step"))
-    gbs, world, flops = _number(lay.get("global_batch_size")), _number(lay.get("world_size")), _number(pl.get("model_flops"))
+    gbs, world, flops = (
+        _number(lay.get("global_batch_size")),
+        _number(lay.get("world_size")),
+        _number(pl.get("model_flops")),
+    )
     row: Dict[str, Any] = {
-        "rank": None, "point": num,
+        "rank": None,
+        "point": num,
         "overrides": " ".join(f"{k}={ov[k]}" for k in swept if k in ov) or " ".join(point.get("overrides", [])),
-        "job_id": point.get("job_id") or job_id_in(run_dir), "status": status,
+        "job_id": point.get("job_id") or job_id_in(run_dir),
+        "status": status,
         "step_time_median_s": step,
         "tokens_per_s": tokens_per_step / step if step and tokens_per_step else None,
         "samples_per_s": gbs / step if step and gbs else None,
         "tflops_per_device": flops / step / world / 1e12 if step and flops and world else None,
         "peak_rss_mib": _number(meas.get("peak_rss_mib")),
         "peak_gpu_mib": _number(meas.get("peak_gpu_mib")),  # GPU runs: torch.cuda.max_memory_allocated
-        "predicted_mib": predicted_mib, "memory_error_pct": _error_pct(predicted_mib, measured_mib),
-        "predicted_step_time_s": predicted_step, "step_time_error_pct": _error_pct(predicted_step, step),
-        "bubble_fraction": _number(pl.get("bubble_fraction")), "measured_bubble_fraction": _number(meas.get("measured_bubble")),
+        "predicted_mib": predicted_mib,
+        "memory_error_pct": _error_pct(predicted_mib, measured_mib),
+        "predicted_step_time_s": predicted_step,
+        "step_time_error_pct": _error_pct(predicted_step, step),
+        "bubble_fraction": _number(pl.get("bubble_fraction")),
+        "measured_bubble_fraction": _number(meas.get("measured_bubble")),
         "reason": reason or "",
-        "timed_iterations": meas.get("timed_iterations"), "iteration": meas.get("iteration"),
-        "lm_loss": _number(meas.get("lm_loss")), "world_size": lay.get("world_size"),
-        "global_batch_size": lay.get("global_batch_size"), "tokens_per_step": tokens_per_step,
-        "model_flops_per_step": flops, "gpu": pl.get("gpu"), "run_dir": str(run_dir),
+        "timed_iterations": meas.get("timed_iterations"),
+        "iteration": meas.get("iteration"),
+        "lm_loss": _number(meas.get("lm_loss")),
+        "world_size": lay.get("world_size"),
+        "global_batch_size": lay.get("global_batch_size"),
+        "tokens_per_step": tokens_per_step,
+        "model_flops_per_step": flops,
+        "gpu": pl.get("gpu"),
+        "run_dir": str(run_dir),
     }
     if status == "running" and meas.get("source") == "running" and not row["reason"]:
-        row["reason"] = (f"running: iteration {meas.get('iteration')}/{(point.get('training') or {}).get('train_iters')}"
-                         " (memory: logging rank so far)")
+        row["reason"] = (
+            f"running: iteration {meas.get('iteration')}/{(point.get('training') or {}).get('train_iters')}"
+            " (memory: logging rank so far)"
+        )
     for k in swept:
         row[k] = ov.get(k)
     return row
@@ -348,21 +422,46 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> str:
-    head = ["rank", "point", "overrides", "job id", "status", "step time median (ms)", "tokens/s", "samples/s",
-            "TFLOP/s per device", "peak memory per rank (MiB, measured)",
-            f"predicted memory (MiB, {gpu or 'planner'})", "memory error", "predicted step (ms)", "step error",
-            "bubble", "measured bubble", "reason"]
+    head = [
+        "rank",
+        "point",
+        "overrides",
+        "job id",
+        "status",
+        "step time median (ms)",
+        "tokens/s",
+        "samples/s",
+        "TFLOP/s per device",
+        "peak memory per rank (MiB, measured)",
+        f"predicted memory (MiB, {gpu or 'planner'})",
+        "memory error",
+        "predicted step (ms)",
+        "step error",
+        "bubble",
+        "measured bubble",
+        "reason",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        cells = [_cell(r["rank"]) or "-", str(r["point"]), f"`{r['overrides']}`" if r["overrides"] else "",
-                 _cell(r["job_id"]) or "-", r["status"],
-                 _fmt(r["step_time_median_s"] * 1000 if r["step_time_median_s"] is not None else None, ".1f"),
-                 _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["samples_per_s"], ".2f"),
-                 _fmt(r["tflops_per_device"], ".3g"), _fmt(r["peak_rss_mib"], ",.0f"),
-                 _fmt(r["predicted_mib"], ",.0f"), _fmt(r["memory_error_pct"], "+.1f"),
-                 _fmt(r["predicted_step_time_s"] * 1000 if r["predicted_step_time_s"] is not None else None, ".1f"),
-                 _fmt(r["step_time_error_pct"], "+.0f"), _fmt(r["bubble_fraction"], ".1%"),
-                 _fmt(r["measured_bubble_fraction"], ".1%"), short_reason(r["reason"])]
+        cells = [
+            _cell(r["rank"]) or "-",
+            str(r["point"]),
+            f"`{r['overrides']}`" if r["overrides"] else "",
+            _cell(r["job_id"]) or "-",
+            r["status"],
+            _fmt(r["step_time_median_s"] * 1000 if r["step_time_median_s"] is not None else None, ".1f"),
+            _fmt(r["tokens_per_s"], ",.0f"),
+            _fmt(r["samples_per_s"], ".2f"),
+            _fmt(r["tflops_per_device"], ".3g"),
+            _fmt(r["peak_rss_mib"], ",.0f"),
+            _fmt(r["predicted_mib"], ",.0f"),
+            _fmt(r["memory_error_pct"], "+.1f"),
+            _fmt(r["predicted_step_time_s"] * 1000 if r["predicted_step_time_s"] is not None else None, ".1f"),
+            _fmt(r["step_time_error_pct"], "+.0f"),
+            _fmt(r["bubble_fraction"], ".1%"),
+            _fmt(r["measured_bubble_fraction"], ".1%"),
+            short_reason(r["reason"]),
+        ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -373,8 +472,10 @@ def write_summary(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     rows, swept = collect(sweep_dir)
     gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
     write_atomic(sweep_dir / SUMMARY_CSV, to_csv(rows, swept))
-    md = (f"# Sweep {sweep_dir}\n\nRanked by measured tokens/s (median step time after warm-up). "
-          f"Swept: {', '.join(swept) or '-'}.\n\n" + to_markdown(rows, ", ".join(gpus) or None))
+    md = (
+        f"# Sweep {sweep_dir}\n\nRanked by measured tokens/s (median step time after warm-up). "
+        f"Swept: {', '.join(swept) or '-'}.\n\n" + to_markdown(rows, ", ".join(gpus) or None)
+    )
     write_atomic(sweep_dir / SUMMARY_MD, md)
     from orchestrator.sweep.plot import plot
 
@@ -388,12 +489,16 @@ def format_report(sweep_dir: Path, rows: Sequence[Dict[str, Any]], swept: Sequen
     counts: Dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    lines = [f"[sweep] {len(rows)} point(s) in {sweep_dir}: "
-             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-             "[sweep] ranked by measured tokens/s:", to_markdown(rows, ", ".join(gpus) or None).rstrip()]
+    lines = [
+        f"[sweep] {len(rows)} point(s) in {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+        "[sweep] ranked by measured tokens/s:",
+        to_markdown(rows, ", ".join(gpus) or None).rstrip(),
+    ]
     best = min((r for r in rows if r["rank"] and r["status"] == "completed"), key=lambda r: r["rank"], default=None)
     if best is not None:
-        lines.append(f"[sweep] fastest: point {best['point']} ({best['overrides']}): "
-                     f"{best['tokens_per_s']:,.0f} tokens/s, median step {best['step_time_median_s'] * 1000:.1f} ms")
+        lines.append(
+            f"[sweep] fastest: point {best['point']} ({best['overrides']}): "
+            f"{best['tokens_per_s']:,.0f} tokens/s, median step {best['step_time_median_s'] * 1000:.1f} ms"
+        )
     lines.append(f"[sweep] table: {sweep_dir / SUMMARY_CSV}, {sweep_dir / SUMMARY_MD}; plot: {sweep_dir / SUMMARY_PNG}")
     return "\n".join(lines)

@@ -33,12 +33,23 @@ LOG = "tune_trial.log"
 
 def trial_overrides(opts: TuneConfig, root: Path, num: int) -> List[str]:
     """What every trial adds: its run directory, few iterations, no evaluation, no checkpoint, a bounded job."""
-    return [f"run.root={root}", f"run.name={num}", f"training.train_iters={opts.iters}",
-            f"training.timing_warmup_iters={opts.warmup_iters}", "training.exit_after_iters=null",
-            "training.eval_iters=0",
-            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
-            "checkpoint.init_from=null", f"cluster.timeout_min={opts.trial_timeout_min}", "cluster.wait=true",
-            "plan=false", "dry_run=false", f"training.trace_iteration={opts.trace_iteration or 'null'}"]
+    return [
+        f"run.root={root}",
+        f"run.name={num}",
+        f"training.train_iters={opts.iters}",
+        f"training.timing_warmup_iters={opts.warmup_iters}",
+        "training.exit_after_iters=null",
+        "training.eval_iters=0",
+        "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false",
+        "checkpoint.auto_resume=false",
+        "checkpoint.init_from=null",
+        f"cluster.timeout_min={opts.trial_timeout_min}",
+        "cluster.wait=true",
+        "plan=false",
+        "dry_run=false",
+        f"training.trace_iteration={opts.trace_iteration or 'null'}",
+    ]
 
 
 def job_summary(run_dir: Path) -> Optional[Dict[str, Any]]:
@@ -55,8 +66,12 @@ def run_cli(args: List[str], log_path: Path, timeout_s: float) -> Tuple[int, flo
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
@@ -75,7 +90,7 @@ def log_reason(log_path: Path, lines: int = 15) -> str:
     """The CLI's ``error:`` line and what follows it, else the log's last lines."""
     text = log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else []
     start = next((i for i, line in enumerate(text) if line.startswith("error:")), None)
-    return "\n".join(text[start:start + lines] if start is not None else text[-lines:])
+    return "\n".join(text[start : start + lines] if start is not None else text[-lines:])
 
 
 class TrialRunner:
@@ -88,8 +103,9 @@ class TrialRunner:
             from orchestrator.submit.pool import PoolLauncher
 
             # SLURM: every trial in one allocation, as long as the whole tune may take
-            self.pool = PoolLauncher(self.root / ".pool",
-                                     allocation_min=int(math.ceil(opts.max_minutes)) + opts.trial_timeout_min)
+            self.pool = PoolLauncher(
+                self.root / ".pool", allocation_min=int(math.ceil(opts.max_minutes)) + opts.trial_timeout_min
+            )
 
     def run(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
         """(summary of a completed job or None, the failure's reason, wall seconds)."""
@@ -98,8 +114,11 @@ class TrialRunner:
             summary = job_summary(run_dir)
             if rc == 0 and summary and summary.get("status") == "completed":
                 return summary, "", wall
-            return None, (f"timed out after {wall:.0f} s" if rc == 124 else log_reason(run_dir / LOG)) \
-                or f"exit code {rc}", wall
+            return (
+                None,
+                (f"timed out after {wall:.0f} s" if rc == 124 else log_reason(run_dir / LOG)) or f"exit code {rc}",
+                wall,
+            )
         return self._warm(args, run_dir)
 
     def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
@@ -114,8 +133,11 @@ class TrialRunner:
         with (run_dir / LOG).open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
                 summary = run(compose_config(args), launcher=self.pool)
-                reason = "" if summary and summary.get("status") == "completed" else \
-                    f"the job ended {(summary or {}).get('status')}"
+                reason = (
+                    ""
+                    if summary and summary.get("status") == "completed"
+                    else f"the job ended {(summary or {}).get('status')}"
+                )
             except OrchestratorError as exc:
                 summary, reason = None, f"error: {exc}"
             except Exception as exc:  # noqa: BLE001 - recorded as the trial's failure

@@ -115,8 +115,10 @@ class Tuner:
         self.overrides = [o for o in overrides if not o.lstrip("+~").startswith(_SKIP_BASE)]
         self.name = opts.name or re.sub(r"[^A-Za-z0-9_]+", "_", str(base.run.name)) + "_tuned"
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name):
-            raise ConfigError(f"tune.name={self.name!r}: must be a file and experiment name (letters, digits, _ . -); "
-                              "fix: tune.name=my_tuned")
+            raise ConfigError(
+                f"tune.name={self.name!r}: must be a file and experiment name (letters, digits, _ . -); "
+                "fix: tune.name=my_tuned"
+            )
         self.root = Path(base.run.root) / "tune" / self.name
         self.device = device_of(base)
         layout = layout_from_config(base)
@@ -136,8 +138,9 @@ class Tuner:
     # ---- choosing ---------------------------------------------------------------------------
     def _price(self) -> None:
         """Re-plan every candidate with the current profile; mark those over the memory margin."""
-        search.price(self.cands, self.device, self.profile, step_spread(self.prior, self.profile,
-                                                                        self.opts.model_error_floor))
+        search.price(
+            self.cands, self.device, self.profile, step_spread(self.prior, self.profile, self.opts.model_error_floor)
+        )
         for c in self.cands:
             if c.status in ("candidate", "pruned_memory"):
                 c.status = "candidate" if search.fits(c, self.opts, self.margin) else "pruned_memory"
@@ -151,8 +154,10 @@ class Tuner:
         out = []
         for c in self.cands:
             if c.status == "candidate" and search.blocked(c, sus):
-                c.status, c.note = "blocked", "shares the options " + ", ".join(sorted(search.blocked(c, sus))) + \
-                    " of a crashed trial"
+                c.status, c.note = (
+                    "blocked",
+                    "shares the options " + ", ".join(sorted(search.blocked(c, sus))) + " of a crashed trial",
+                )
             if c.status == "candidate":
                 out.append(c)
         return search.ranked(out, self.opts.explore)
@@ -160,34 +165,57 @@ class Tuner:
     def stop(self) -> Optional[str]:
         done = [t for t in self.trials if t.wall_s]
         next_s = sum(t.wall_s for t in done) / len(done) if done else 0.0
-        outcomes = [search.TrialOutcome(t.step_s, t.predicted_step_s, t.calibrated, t.predicted_sd, t.exploring)
-                    for t in self.trials]
+        outcomes = [
+            search.TrialOutcome(t.step_s, t.predicted_step_s, t.calibrated, t.predicted_sd, t.exploring)
+            for t in self.trials
+        ]
         left = self.remaining()
-        return search.stop_reason(self.opts, outcomes, [c.plan.step_time_s for c in left],
-                                  time.time() - self.start, next_s, [c.spread for c in left])
+        return search.stop_reason(
+            self.opts,
+            outcomes,
+            [c.plan.step_time_s for c in left],
+            time.time() - self.start,
+            next_s,
+            [c.spread for c in left],
+        )
 
     # ---- running ----------------------------------------------------------------------------
     def run_trial(self, cand: Candidate) -> Trial:
         best = min((t.step_s for t in self.trials if t.step_s), default=None)
-        trial = Trial(len(self.trials), cand, cand.plan.step_time_s, cand.plan.peak_bytes, self.profile.calibrated,
-                      cand.spread, exploring=best is not None and cand.plan.step_time_s >= best)
+        trial = Trial(
+            len(self.trials),
+            cand,
+            cand.plan.step_time_s,
+            cand.plan.peak_bytes,
+            self.profile.calibrated,
+            cand.spread,
+            exploring=best is not None and cand.plan.step_time_s >= best,
+        )
         cand.status = "running"
         self.trials.append(trial)
         run_dir = self.root / str(trial.num)
         self._record(trial)
-        say(f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step ± {trial.predicted_sd:.0%}, "
-            f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank{'; exploring' if trial.exploring else ''})")
+        say(
+            f"trial {trial.num}: {cand.label} (predicted {trial.predicted_step_s * 1e3:.1f} ms/step ± {trial.predicted_sd:.0%}, "
+            f"{trial.predicted_peak_bytes / search.MiB:,.0f} MiB/rank{'; exploring' if trial.exploring else ''})"
+        )
         args = [*self.overrides, *cand.overrides, *trial_overrides(self.opts, self.root, trial.num)]
         trial.summary, trial.reason, trial.wall_s = self.runner.run(args, run_dir)
         trial.status = "completed" if trial.summary else "failed"
         cand.status = trial.status
         self._record(trial)
         step = trial.step_s
-        say(f"trial {trial.num}: {trial.status} in {trial.wall_s:.0f} s"
+        say(
+            f"trial {trial.num}: {trial.status} in {trial.wall_s:.0f} s"
             + (f" ({trial.startup_s:.1f} s start-up)" if trial.startup_s is not None else "")
-            + (f": {step * 1e3:.1f} ms/step (predicted {(trial.predicted_step_s - step) / step:+.0%} off, as the "
-               f"table's step error), "
-               f"{cand.layout.tokens_per_step / step:,.0f} tokens/s" if step else f": {short_reason(trial.reason)}"))
+            + (
+                f": {step * 1e3:.1f} ms/step (predicted {(trial.predicted_step_s - step) / step:+.0%} off, as the "
+                f"table's step error), "
+                f"{cand.layout.tokens_per_step / step:,.0f} tokens/s"
+                if step
+                else f": {short_reason(trial.reason)}"
+            )
+        )
         return trial
 
     def learn(self, trial: Trial) -> None:
@@ -210,15 +238,31 @@ class Tuner:
     def _record(self, trial: Trial) -> None:
         """The trial as a sweep point (``point.json``), then the sweep table rebuilt."""
         c, run_dir = trial.cand, self.root / str(trial.num)
-        record = {"point": trial.num, "overrides": c.overrides, "status": trial.status, "reason": trial.reason,
-                  "job_id": (trial.summary or {}).get("job_id"), "run_dir": str(run_dir),
-                  "driver": {"pid": os.getpid(), "host": os.uname().nodename}, "started": trial.started,
-                  "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
-                  "layout": layout_record(c.layout), "cluster": c.cfg.cluster.kind, "plan": plan_record(c.plan),
-                  "tune": {"label": c.label, "predicted_step_s": trial.predicted_step_s, "predicted_step_sd": trial.predicted_sd,
-                           "predicted_peak_bytes": trial.predicted_peak_bytes, "calibrated": trial.calibrated,
-                           "exploring": trial.exploring,
-                           "wall_s": trial.wall_s, "startup_s": trial.startup_s, "warm": self.opts.warm_pool}}
+        record = {
+            "point": trial.num,
+            "overrides": c.overrides,
+            "status": trial.status,
+            "reason": trial.reason,
+            "job_id": (trial.summary or {}).get("job_id"),
+            "run_dir": str(run_dir),
+            "driver": {"pid": os.getpid(), "host": os.uname().nodename},
+            "started": trial.started,
+            "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
+            "layout": layout_record(c.layout),
+            "cluster": c.cfg.cluster.kind,
+            "plan": plan_record(c.plan),
+            "tune": {
+                "label": c.label,
+                "predicted_step_s": trial.predicted_step_s,
+                "predicted_step_sd": trial.predicted_sd,
+                "predicted_peak_bytes": trial.predicted_peak_bytes,
+                "calibrated": trial.calibrated,
+                "exploring": trial.exploring,
+                "wall_s": trial.wall_s,
+                "startup_s": trial.startup_s,
+                "warm": self.opts.warm_pool,
+            },
+        }
         if trial.status != "running":
             record["ended"] = time.time()
             record["measured"] = measured(run_dir, self.opts.warmup_iters)
@@ -235,19 +279,25 @@ class Tuner:
     def preflight(self) -> None:
         """Refuse, before anything is created, what would overwrite or cannot run (ConfigError)."""
         if self.root.exists() and any(self.root.iterdir()):
-            raise ConfigError(f"tune.name={self.name}: {self.root} already holds a tune; "
-                              f"fix: tune.name=<another name>, or remove {self.root}")
+            raise ConfigError(
+                f"tune.name={self.name}: {self.root} already holds a tune; "
+                f"fix: tune.name=<another name>, or remove {self.root}"
+            )
         out = self.winner_path()
         if out.exists():
             key = f"tune.out={self.opts.out}" if self.opts.out else f"tune.name={self.name}"
-            raise ConfigError(f"{key}: {out} exists (the winner would replace it); "
-                              "fix: tune.name=<a new experiment name> or tune.out=<a new file>")
+            raise ConfigError(
+                f"{key}: {out} exists (the winner would replace it); "
+                "fix: tune.name=<a new experiment name> or tune.out=<a new file>"
+            )
         if not self.cands:
             refused = ", ".join(f"{n} x {why}" for why, n in sorted(self.rejected.items())[:3])
-            raise ConfigError(f"tune.tp/pp/vpp/mbs/...: no layout of world size "
-                              f"{self.cands_world} and global batch {self.base.training.global_batch_size} passes "
-                              f"validate ({refused or 'nothing to enumerate'}); fix: widen the tune.* lists or "
-                              "change the base config's parallelism / training.global_batch_size")
+            raise ConfigError(
+                f"tune.tp/pp/vpp/mbs/...: no layout of world size "
+                f"{self.cands_world} and global batch {self.base.training.global_batch_size} passes "
+                f"validate ({refused or 'nothing to enumerate'}); fix: widen the tune.* lists or "
+                "change the base config's parallelism / training.global_batch_size"
+            )
 
     def run(self) -> int:
         self.preflight()
@@ -279,15 +329,21 @@ class Tuner:
     def _announce(self) -> None:
         pruned = sum(c.status == "pruned_memory" for c in self.cands)
         rank = self.remaining()
-        say(f"{self.name}: {len(self.cands)} valid candidates on {self.device} "
+        say(
+            f"{self.name}: {len(self.cands)} valid candidates on {self.device} "
             f"({sum(self.rejected.values())} combinations refused by validate), {pruned} predicted over "
-            f"{self.margin:.0%} of the memory per rank, {len(rank)} to choose from")
+            f"{self.margin:.0%} of the memory per rank, {len(rank)} to choose from"
+        )
         say(f"device profile {self.profile.summary()}")
-        say(f"the first 10 in the order tune runs them (lowest prediction less tune.explore={self.opts.explore:g} sd "
-            "first): predicted step ± sd, predicted peak per rank")
+        say(
+            f"the first 10 in the order tune runs them (lowest prediction less tune.explore={self.opts.explore:g} sd "
+            "first): predicted step ± sd, predicted peak per rank"
+        )
         for c in rank[:10]:
-            say(f"  {c.plan.step_time_s * 1e3:8.1f} ms ± {c.spread:4.0%}  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  "
-                f"{c.label}")
+            say(
+                f"  {c.plan.step_time_s * 1e3:8.1f} ms ± {c.spread:4.0%}  {c.plan.peak_bytes / search.MiB:8,.0f} MiB  "
+                f"{c.label}"
+            )
 
     def finish(self, reason: str) -> int:
         """Table, candidates.csv, the winner's experiment file; the exit code."""
@@ -305,24 +361,47 @@ class Tuner:
             return 1
         best = min(done, key=lambda t: t.step_s)
         path = self.write_winner(best, reason)
-        say(f"winner: trial {best.num}: {best.cand.label}: {best.cand.layout.tokens_per_step / best.step_s:,.0f} "
-            f"tokens/s, {best.step_s * 1e3:.1f} ms/step")
+        say(
+            f"winner: trial {best.num}: {best.cand.label}: {best.cand.layout.tokens_per_step / best.step_s:,.0f} "
+            f"tokens/s, {best.step_s * 1e3:.1f} ms/step"
+        )
         say(f"written: {path}\nrun it: python -m orchestrator {run_flags(path)}+experiment={self.name}")
-        say(f"table: {self.root / 'summary.md'}, {self.root / 'summary.csv'}, {self.root / 'summary.png'}; "
-            f"candidates: {self.root / CANDIDATES_CSV}")
+        say(
+            f"table: {self.root / 'summary.md'}, {self.root / 'summary.csv'}, {self.root / 'summary.png'}; "
+            f"candidates: {self.root / CANDIDATES_CSV}"
+        )
         return 0
 
     def candidates_csv(self) -> str:
         by_cand = {id(t.cand): t for t in self.trials}
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["candidate", "predicted_step_time_s", "predicted_step_sd_pct", "predicted_peak_mib", "status",
-                    "trial", "measured_step_time_s", "overrides"])
+        w.writerow(
+            [
+                "candidate",
+                "predicted_step_time_s",
+                "predicted_step_sd_pct",
+                "predicted_peak_mib",
+                "status",
+                "trial",
+                "measured_step_time_s",
+                "overrides",
+            ]
+        )
         for c in search.ranked(self.cands):
             t = by_cand.get(id(c))
-            w.writerow([c.label, c.plan.step_time_s, round(100 * c.spread, 1), c.plan.peak_bytes / search.MiB, c.status,
-                        "" if t is None else t.num, "" if t is None or t.step_s is None else t.step_s,
-                        " ".join(c.overrides)])
+            w.writerow(
+                [
+                    c.label,
+                    c.plan.step_time_s,
+                    round(100 * c.spread, 1),
+                    c.plan.peak_bytes / search.MiB,
+                    c.status,
+                    "" if t is None else t.num,
+                    "" if t is None or t.step_s is None else t.step_s,
+                    " ".join(c.overrides),
+                ]
+            )
         return buf.getvalue()
 
     def write_winner(self, best: Trial, reason: str) -> Path:
@@ -337,17 +416,21 @@ class Tuner:
         done = sorted((t for t in self.trials if t.step_s), key=lambda t: t.step_s)
         lay = best.cand.layout
         peak = max((best.summary or {}).get("peak_rss_mb_per_rank") or [0])
-        lines = [f"Tuned by `python -m orchestrator tune {' '.join(self.overrides + self.tune_args)}` on "
-                 f"{time.strftime('%Y-%m-%d %H:%M')}, device {self.key}.",
-                 f"{len(self.cands)} valid candidates, {sum(c.status == 'pruned_memory' for c in self.cands)} "
-                 f"pruned by memory (margin {self.margin:.2f}), {len(self.trials)} trials of {self.opts.iters} "
-                 f"iterations ({self.opts.warmup_iters} untimed); stopped: {reason}.",
-                 f"Winner (trial {best.num}): {best.cand.label}: {lay.tokens_per_step / best.step_s:,.0f} tokens/s, "
-                 f"median step {best.step_s * 1e3:.1f} ms (predicted {best.predicted_step_s * 1e3:.1f} ms), "
-                 f"peak {peak:,.0f} MiB/rank (predicted {best.predicted_peak_bytes / search.MiB:,.0f} MiB).",
-                 "Measured trials, fastest first:"]
+        lines = [
+            f"Tuned by `python -m orchestrator tune {' '.join(self.overrides + self.tune_args)}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, device {self.key}.",
+            f"{len(self.cands)} valid candidates, {sum(c.status == 'pruned_memory' for c in self.cands)} "
+            f"pruned by memory (margin {self.margin:.2f}), {len(self.trials)} trials of {self.opts.iters} "
+            f"iterations ({self.opts.warmup_iters} untimed); stopped: {reason}.",
+            f"Winner (trial {best.num}): {best.cand.label}: {lay.tokens_per_step / best.step_s:,.0f} tokens/s, "
+            f"median step {best.step_s * 1e3:.1f} ms (predicted {best.predicted_step_s * 1e3:.1f} ms), "
+            f"peak {peak:,.0f} MiB/rank (predicted {best.predicted_peak_bytes / search.MiB:,.0f} MiB).",
+            "Measured trials, fastest first:",
+        ]
         lines += [f"  {t.step_s * 1e3:8.1f} ms  {t.cand.label}" for t in done]
-        lines += [f"  failed: {t.cand.label}: {short_reason(t.reason, 100)}" for t in self.trials if t.status == "failed"]
+        lines += [
+            f"  failed: {t.cand.label}: {short_reason(t.reason, 100)}" for t in self.trials if t.status == "failed"
+        ]
         lines.append(f"Evidence: {self.root} (summary.md, candidates.csv, each trial's metrics.jsonl).")
         return lines
 
@@ -366,13 +449,18 @@ def compose_base(overrides: List[str]):
 
     flags = [o for o in overrides if o.startswith("-")]
     try:
-        sweeps = [o.input_line for o in OverridesParser.create().parse_overrides([o for o in overrides if o not in flags])
-                  if o.is_sweep_override()]
+        sweeps = [
+            o.input_line
+            for o in OverridesParser.create().parse_overrides([o for o in overrides if o not in flags])
+            if o.is_sweep_override()
+        ]
     except Exception:
         sweeps = []  # compose_config names the bad override below
     if sweeps or flags:
-        raise ConfigError(f"{(sweeps or flags)[0]}: tune takes one base config, not a sweep or a flag; fix: drop it "
-                          "(tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)")
+        raise ConfigError(
+            f"{(sweeps or flags)[0]}: tune takes one base config, not a sweep or a flag; fix: drop it "
+            "(tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)"
+        )
     try:
         return compose_config([*overrides, "run.dir=."])
     except OrchestratorError:

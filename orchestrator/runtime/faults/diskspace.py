@@ -64,7 +64,7 @@ def explain_write_failure(exc: BaseException, run_dir: "str | os.PathLike") -> O
 def out_of_space(path: "str | os.PathLike") -> bool:
     """Whether the filesystem holding ``path`` has less than 1 MiB (or 0.1 %) free."""
     free, total, _ = _disk_space(Path(path))
-    return free is not None and (free < 2 ** 20 or bool(total) and free < total / 1000)
+    return free is not None and (free < 2**20 or bool(total) and free < total / 1000)
 
 
 def _space(path: Path) -> str:
@@ -80,8 +80,10 @@ def disk_full_message(path: "str | os.PathLike") -> str:
     path = Path(path)
     latest = latest_checkpoint(path.parent.parent)
     resume = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
-    return (f"{DISK_FULL} saving checkpoint {path}: {_space(path)}; the torn save has no "
-            f"manifest and is skipped on resume, {resume}; {_FIX}")
+    return (
+        f"{DISK_FULL} saving checkpoint {path}: {_space(path)}; the torn save has no "
+        f"manifest and is skipped on resume, {resume}; {_FIX}"
+    )
 
 
 def write_full_message(path: "str | os.PathLike", run_dir: "str | os.PathLike") -> str:

@@ -81,8 +81,16 @@ class Guard:
     torch.distributed's; ``start_iteration``: the iteration training starts from (for the record).
     """
 
-    def __init__(self, cfg, run_dir, rank: int, host: Optional[str] = None, *, world_size: Optional[int] = None,
-                 start_iteration: Optional[int] = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir,
+        rank: int,
+        host: Optional[str] = None,
+        *,
+        world_size: Optional[int] = None,
+        start_iteration: Optional[int] = None,
+    ):
         global _ACTIVE
         from orchestrator.runtime.faults.requeue import job_identity
 
@@ -100,8 +108,16 @@ class Guard:
         self.watchdog: Optional[Watchdog] = None
         self._born, self._restart = time.time(), {}  # rank 0 of ranks restarted in place: restart number, failure
         if t.hang_timeout_s:
-            self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.host, self.job_id, self.attempt,
-                                     float(t.hang_timeout_s), on_hang=self._requeue_failure).start()
+            self.watchdog = Watchdog(
+                self.run_dir,
+                self.rank,
+                self.world_size,
+                self.host,
+                self.job_id,
+                self.attempt,
+                float(t.hang_timeout_s),
+                on_hang=self._requeue_failure,
+            ).start()
         _ACTIVE = self
         if start_iteration is not None:
             self.begin(start_iteration)
@@ -113,10 +129,21 @@ class Guard:
         self.iteration = start_iteration
         if self.rank == 0:
             _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
-            _quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt)))
-            _quietly(lambda: history.record_attempt_started(
-                self.run_dir, self.job_id, self.attempt, iteration=start_iteration, host=self.host,
-                world_size=self.world_size, train_iters=self.cfg.training.train_iters, **self._restart))
+            _quietly(
+                lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt))
+            )
+            _quietly(
+                lambda: history.record_attempt_started(
+                    self.run_dir,
+                    self.job_id,
+                    self.attempt,
+                    iteration=start_iteration,
+                    host=self.host,
+                    world_size=self.world_size,
+                    train_iters=self.cfg.training.train_iters,
+                    **self._restart,
+                )
+            )
 
     # ---- per iteration ---------------------------------------------------------------------------
     def beat(self, iteration: int) -> None:
@@ -159,10 +186,20 @@ class Guard:
             self.skipped_in_row += 1
             self.skipped_total += 1
             if self.rank == 0:
-                _say(f"iteration {iteration}: non-finite {what} {value}: update skipped "
-                     f"({self.skipped_in_row} in a row of at most training.max_skipped_steps={self.max_skipped})")
-                _quietly(lambda: history.record_event(self.run_dir, "nan_skipped", job_id=self.job_id,
-                                                      attempt=self.attempt, iteration=iteration, value=str(value)))
+                _say(
+                    f"iteration {iteration}: non-finite {what} {value}: update skipped "
+                    f"({self.skipped_in_row} in a row of at most training.max_skipped_steps={self.max_skipped})"
+                )
+                _quietly(
+                    lambda: history.record_event(
+                        self.run_dir,
+                        "nan_skipped",
+                        job_id=self.job_id,
+                        attempt=self.attempt,
+                        iteration=iteration,
+                        value=str(value),
+                    )
+                )
             return False
         self._stop_nan(iteration, what, value, lm_loss, state)
         return False  # not reached
@@ -183,29 +220,52 @@ class Guard:
         head, loss_ranks, grad_ranks = f"non-finite {what} {value} at iteration {iteration}", [], []
         try:
             loss_ranks, grad_ranks = self._bad_ranks(lm_loss)
-            parts = [head] + [f"{n} non-finite on rank(s) {_ranks(r)}" for n, r in
-                              (("lm loss", loss_ranks), ("gradients", grad_ranks)) if r]
+            parts = [head] + [
+                f"{n} non-finite on rank(s) {_ranks(r)}"
+                for n, r in (("lm loss", loss_ranks), ("gradients", grad_ranks))
+                if r
+            ]
             latest = latest_checkpoint(self.run_dir)
             keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
         except Exception as exc:  # noqa: BLE001 - a NaN stays a NaN, never a retried crash (0.19's rename was one)
             parts, keep = [head, f"ranks not attributed ({type(exc).__name__}: {exc})"], "the latest checkpoint stays"
         tail = ""
         if self.policy == "skip":
-            tail = (f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
-                    if state == "skipped" else
-                    " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)")
+            tail = (
+                f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
+                if state == "skipped"
+                else " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)"
+            )
         o = self.cfg.optimizer  # clipping is tightened by a *smaller* clip_grad (0 turns it off)
-        clip = ("turn gradient clipping on with optimizer.clip_grad=1.0" if not o.clip_grad else
-                f"clip harder with optimizer.clip_grad below {o.clip_grad:g}")
-        message = (f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
-                   f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
-                   f"{clip}) and rerun to resume")
+        clip = (
+            "turn gradient clipping on with optimizer.clip_grad=1.0"
+            if not o.clip_grad
+            else f"clip harder with optimizer.clip_grad below {o.clip_grad:g}"
+        )
+        message = (
+            f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
+            f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
+            f"{clip}) and rerun to resume"
+        )
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            _quietly(lambda: history.record_event(self.run_dir, "nan", job_id=self.job_id, attempt=self.attempt,
-                                                  iteration=iteration, value=str(value), what=what,
-                                                  loss_ranks=loss_ranks, grad_ranks=grad_ranks))
-            _quietly(lambda: history.record_attempt_ended(self.run_dir, self.job_id, self.attempt, "nan",
-                                                          iteration=iteration, message=message))
+            _quietly(
+                lambda: history.record_event(
+                    self.run_dir,
+                    "nan",
+                    job_id=self.job_id,
+                    attempt=self.attempt,
+                    iteration=iteration,
+                    value=str(value),
+                    what=what,
+                    loss_ranks=loss_ranks,
+                    grad_ranks=grad_ranks,
+                )
+            )
+            _quietly(
+                lambda: history.record_attempt_ended(
+                    self.run_dir, self.job_id, self.attempt, "nan", iteration=iteration, message=message
+                )
+            )
         raise NonFiniteLossError(message)
 
     def _bad_ranks(self, lm_loss: Optional[float]) -> Tuple[List[int], List[int]]:
@@ -254,8 +314,9 @@ class Guard:
     def history(self, iteration: int) -> List[Dict[str, Any]]:
         """This run's attempts for a manifest saved at ``iteration`` (this attempt: still running, or
         ``completed`` when ``iteration`` is the last)."""
-        return history.history_for_manifest(self.run_dir, iteration, self.cfg.training.train_iters,
-                                             current=(self.job_id, self.attempt))
+        return history.history_for_manifest(
+            self.run_dir, iteration, self.cfg.training.train_iters, current=(self.job_id, self.attempt)
+        )
 
     # ---- the end ---------------------------------------------------------------------------------
     def abandon(self) -> None:
@@ -300,14 +361,29 @@ class Guard:
     def _end(self, cause: str, message: str, **fields: Any) -> bool:
         if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             return False
-        _quietly(lambda: history.record_attempt_ended(self.run_dir, self.job_id, self.attempt, cause,
-                                                      iteration=self.iteration, message=message, **fields))
+        _quietly(
+            lambda: history.record_attempt_ended(
+                self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message, **fields
+            )
+        )
         return True
 
-    def _requeue_failure(self, message: str, cause: str = "hang", failed_at: Optional[float] = None) -> Tuple[bool, str]:
+    def _requeue_failure(
+        self, message: str, cause: str = "hang", failed_at: Optional[float] = None
+    ) -> Tuple[bool, str]:
         """After a failure: restart in place, or the requeue policy (:func:`~orchestrator.runtime.faults.inplace.decide`)."""
-        return inplace.decide(self.run_dir, self.job_id, self.attempt, self.cfg.cluster, message, since=self._born,
-                              world_size=self.world_size, failed_at=failed_at or time.time(), cause=cause, iteration=self.iteration)
+        return inplace.decide(
+            self.run_dir,
+            self.job_id,
+            self.attempt,
+            self.cfg.cluster,
+            message,
+            since=self._born,
+            world_size=self.world_size,
+            failed_at=failed_at or time.time(),
+            cause=cause,
+            iteration=self.iteration,
+        )
 
     def _after_crash(self, exc: BaseException) -> None:
         """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
@@ -318,17 +394,36 @@ class Guard:
 
         failed_at, first = time.time(), (str(exc).strip().splitlines() or [""])[0][:300]  # (decided seconds later)
         message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
-        slurm = (on_slurm() or bool(inplace.agent_restarts())) and self.watchdog is not None  # the heartbeats name hosts
+        slurm = (
+            on_slurm() or bool(inplace.agent_restarts())
+        ) and self.watchdog is not None  # the heartbeats name hosts
         slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            cause, message = crash_cause(self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm,
-                                         since=self._born)
-            history_ok = _quietly(lambda: history.record_attempt_ended(
-                self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message,
-                decided=False))
+            cause, message = crash_cause(
+                self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm, since=self._born
+            )
+            history_ok = _quietly(
+                lambda: history.record_attempt_ended(
+                    self.run_dir,
+                    self.job_id,
+                    self.attempt,
+                    cause,
+                    iteration=self.iteration,
+                    message=message,
+                    decided=False,
+                )
+            )
             requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
-            _quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
-                                                  attempt=self.attempt, requeued=requeued, detail=detail))
+            _quietly(
+                lambda: history.record_event(
+                    self.run_dir,
+                    "requeue_decision",
+                    job_id=self.job_id,
+                    attempt=self.attempt,
+                    requeued=requeued,
+                    detail=detail,
+                )
+            )
             if requeued or inplace.restart_decided() is not None:
                 _say(f"{message}; {detail}")
             if requeued:
@@ -344,6 +439,7 @@ class Guard:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
 
 def _print_traceback(exc: BaseException) -> None:
     import traceback

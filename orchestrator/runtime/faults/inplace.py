@@ -39,12 +39,25 @@ def restart_decided() -> Optional[bool]:
 
 def decisions(records: List[Dict[str, Any]], job_id: str, attempt: int) -> List[Dict[str, Any]]:
     """The ``restart_decision`` records of one attempt of one job, in file order."""
-    return [r for r in records if r.get("event") == "restart_decision" and str(r.get("job_id")) == str(job_id)
-            and int(r.get("attempt") or 0) == int(attempt)]
+    return [
+        r
+        for r in records
+        if r.get("event") == "restart_decision"
+        and str(r.get("job_id")) == str(job_id)
+        and int(r.get("attempt") or 0) == int(attempt)
+    ]
 
 
-def decide(run_dir: str, job_id: str, attempt: int, cluster: Any, message: str, since: float = 0.0,
-           world_size: int = 0, **fields: Any) -> Tuple[bool, str]:
+def decide(
+    run_dir: str,
+    job_id: str,
+    attempt: int,
+    cluster: Any,
+    message: str,
+    since: float = 0.0,
+    world_size: int = 0,
+    **fields: Any,
+) -> Tuple[bool, str]:
     """After this attempt's failure (its end recorded): restart in place, or requeue per ``cluster.max_failures``.
     ``cluster``: the job's ClusterConfig (``max_restarts``, ``max_failures``).
     Returns (requeued?, one line saying which and why). ``fields`` (cause, reporter, iteration) go in the record,
@@ -65,14 +78,24 @@ def decide(run_dir: str, job_id: str, attempt: int, cluster: Any, message: str, 
         if alive == before:
             break
     failed = sorted(set(range(world_size)) - alive) if alive else []
-    record = dict(job_id=str(job_id), attempt=int(attempt), used=used, max_restarts=max_restarts, message=message,
-                  failed=failed, **fields)
+    record = dict(
+        job_id=str(job_id),
+        attempt=int(attempt),
+        used=used,
+        max_restarts=max_restarts,
+        message=message,
+        failed=failed,
+        **fields,
+    )
     if used < max_restarts:
         _DECIDED = True
-        detail = (f"restarting all ranks in place: restart {used + 1} of cluster.max_restarts={max_restarts}, "
-                  "from the last complete checkpoint")
-        history.record_event(run_dir, "restart_decision", restart=True, restart_number=used + 1, detail=detail,
-                             **record)
+        detail = (
+            f"restarting all ranks in place: restart {used + 1} of cluster.max_restarts={max_restarts}, "
+            "from the last complete checkpoint"
+        )
+        history.record_event(
+            run_dir, "restart_decision", restart=True, restart_number=used + 1, detail=detail, **record
+        )
         return False, detail
     _DECIDED = False
     requeued, detail = requeue_for_failure(run_dir, max_failures)
@@ -98,10 +121,18 @@ def await_decision(run_dir: str, job_id: str, attempt: int, since: float, timeou
     as this rank's own (:func:`follow`) under an agent. None when none came."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        decision = next((r for r in reversed(history.read_records(run_dir))
-                         if r.get("event") in ("requeue_decision", "attempt_ended") and r.get("job_id") == job_id
-                         and r.get("attempt") == attempt and r.get("decided") is not False
-                         and float(r.get("time") or 0) >= since), None)
+        decision = next(
+            (
+                r
+                for r in reversed(history.read_records(run_dir))
+                if r.get("event") in ("requeue_decision", "attempt_ended")
+                and r.get("job_id") == job_id
+                and r.get("attempt") == attempt
+                and r.get("decided") is not False
+                and float(r.get("time") or 0) >= since
+            ),
+            None,
+        )
         if decision is not None:
             if agent_restarts():  # end as the claimer decided: restarted, or not (the agent reads the exit status)
                 follow(run_dir, job_id, attempt, since)
@@ -129,8 +160,12 @@ def record_restart_start(run_dir: str, job_id: str, attempt: int) -> Dict[str, A
         hang_path(run_dir, job_id, attempt).unlink()
     except OSError:
         pass
-    return {"restart": number, "failed_at": asked.get("failed_at") or asked.get("time"), "failure": asked.get("cause"),
-            "failed_ranks": asked.get("failed")}
+    return {
+        "restart": number,
+        "failed_at": asked.get("failed_at") or asked.get("time"),
+        "failure": asked.get("cause"),
+        "failed_ranks": asked.get("failed"),
+    }
 
 
 def record_resumed(run_dir: str, attempt: Tuple[str, int], started: Dict[str, Any], iteration: int) -> None:
@@ -138,6 +173,14 @@ def record_resumed(run_dir: str, attempt: Tuple[str, int], started: Dict[str, An
     ``started``: what :func:`record_restart_start` returned): ``restart_resumed`` with the recovery time."""
     failed_at = started.get("failed_at")
     now = time.time()
-    history.record_event(run_dir, "restart_resumed", job_id=str(attempt[0]), attempt=int(attempt[1]),
-                         restart=started.get("restart"), resumed_from=iteration - 1, first_iteration=iteration,
-                         failed_at=failed_at, recovery_s=round(now - float(failed_at), 3) if failed_at else None)
+    history.record_event(
+        run_dir,
+        "restart_resumed",
+        job_id=str(attempt[0]),
+        attempt=int(attempt[1]),
+        restart=started.get("restart"),
+        resumed_from=iteration - 1,
+        first_iteration=iteration,
+        failed_at=failed_at,
+        recovery_s=round(now - float(failed_at), 3) if failed_at else None,
+    )

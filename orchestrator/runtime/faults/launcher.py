@@ -57,14 +57,19 @@ def launcher_alive(owner: Dict[str, Any]) -> bool:
 
     try:
         process = psutil.Process(int(owner["pid"]))
-        return (process.create_time() <= float(owner["pid_created"]) + 1.0
-                and process.status() != psutil.STATUS_ZOMBIE)
+        return process.create_time() <= float(owner["pid_created"]) + 1.0 and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, ValueError, TypeError):
         return False
 
 
-def watch_launcher(owner: Optional[Dict[str, Any]], on_gone: Callable[[str], None], *, poll_s: float = POLL_S,
-                   grace_s: float = GRACE_S, exit: Callable[[int], None] = os._exit) -> Optional[threading.Thread]:
+def watch_launcher(
+    owner: Optional[Dict[str, Any]],
+    on_gone: Callable[[str], None],
+    *,
+    poll_s: float = POLL_S,
+    grace_s: float = GRACE_S,
+    exit: Callable[[int], None] = os._exit,
+) -> Optional[threading.Thread]:
     """Start the daemon thread that watches the launcher ``owner`` (:func:`launcher_identity`): once it
     is gone, ``on_gone(reason)`` (the graceful stop), then ``exit(code)`` after ``grace_s`` if this
     process still runs. No owner (a detached or SLURM job): nothing is watched, None."""
@@ -75,12 +80,19 @@ def watch_launcher(owner: Optional[Dict[str, Any]], on_gone: Callable[[str], Non
         while launcher_alive(owner):
             time.sleep(poll_s)
         reason = f"the launcher (pid {owner.get('pid')}) died"
-        print(f"[orchestrator] {reason}: stopping the job at the next iteration (saving a checkpoint first); "
-              f"it is ended in {grace_s:.0f} s otherwise", file=sys.stderr, flush=True)
+        print(
+            f"[orchestrator] {reason}: stopping the job at the next iteration (saving a checkpoint first); "
+            f"it is ended in {grace_s:.0f} s otherwise",
+            file=sys.stderr,
+            flush=True,
+        )
         on_gone(reason)
         time.sleep(grace_s)
-        print(f"[orchestrator] {reason} and the job did not stop within {grace_s:.0f} s: ending it",
-              file=sys.stderr, flush=True)
+        print(
+            f"[orchestrator] {reason} and the job did not stop within {grace_s:.0f} s: ending it",
+            file=sys.stderr,
+            flush=True,
+        )
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -95,8 +107,9 @@ def watch_launcher(owner: Optional[Dict[str, Any]], on_gone: Callable[[str], Non
     return thread
 
 
-def watch_stop(run_dir: str, job_id: str, on_request: Callable[[str, str], None], *,
-               poll_s: float = POLL_S) -> threading.Thread:
+def watch_stop(
+    run_dir: str, job_id: str, on_request: Callable[[str, str], None], *, poll_s: float = POLL_S
+) -> threading.Thread:
     """Start the daemon thread that polls ``<run_dir>/stop.json`` every ``poll_s`` and, once it asks job
     ``job_id`` to stop, calls ``on_request(who asked, cause)`` (the graceful stop) and ends."""
     from orchestrator.ckpt import stop
@@ -108,8 +121,11 @@ def watch_stop(run_dir: str, job_id: str, on_request: Callable[[str, str], None]
             asked = stop.read(run_dir, job_id) if path.exists() else None
             if asked is not None:
                 who = str(asked.get("by") or "a stop request")
-                print(f"[orchestrator] stop asked by {who}: stopping at the next iteration (saving a checkpoint "
-                      "first)", file=sys.stderr, flush=True)
+                print(
+                    f"[orchestrator] stop asked by {who}: stopping at the next iteration (saving a checkpoint first)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 on_request(who, str(asked.get("cause") or stop.BY_REQUEST))
                 return
             time.sleep(poll_s)

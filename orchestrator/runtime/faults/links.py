@@ -33,9 +33,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import SlowLinkError
 
-FIX = ("fix: check that the interface is the fast fabric (`ip -s link`, `ib_write_bw` between the two hosts), "
-       "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in cluster.env to the fast one, or leave a host out "
-       "(cluster.exclude={hosts})")
+FIX = (
+    "fix: check that the interface is the fast fabric (`ip -s link`, `ib_write_bw` between the two hosts), "
+    "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in cluster.env to the fast one, or leave a host out "
+    "(cluster.exclude={hosts})"
+)
 
 
 # ---------------------------------------------------------------- which links
@@ -47,8 +49,9 @@ def ring_pairs(ranks: Sequence[int], wrap: bool) -> List[Tuple[int, int]]:
     return pairs
 
 
-def plan_links(groups: Sequence[Dict[str, List[int]]], hosts: Sequence[str], vpp: bool
-               ) -> Tuple[List[Tuple[str, int, int]], List[List[int]]]:
+def plan_links(
+    groups: Sequence[Dict[str, List[int]]], hosts: Sequence[str], vpp: bool
+) -> Tuple[List[Tuple[str, int, int]], List[List[int]]]:
     """(p2p measurements, all-reduce groups) for the layout.
 
     ``groups``: every rank's ``{"pp": [...], "dp": [...]}`` (global ranks, by rank); ``hosts``: every
@@ -102,8 +105,10 @@ def describe(link: Dict[str, object], min_fraction: float, min_gbps: Optional[fl
         versus.append(f"{ref:.3g} Gbit/s, the median of the other {link['kind']} links (below {min_fraction:g}x)")
     if min_gbps and float(link["gbps"]) < min_gbps:  # type: ignore[arg-type]
         versus.append(f"cluster.link_check.min_gbps={min_gbps:g}")
-    return (f"slow link: {where} over {link['interface']}: {float(link['gbps']):.3g} Gbit/s vs "  # type: ignore
-            f"{' and '.join(versus)}; {FIX.format(hosts=' or '.join(map(str, hosts)))}")
+    return (
+        f"slow link: {where} over {link['interface']}: {float(link['gbps']):.3g} Gbit/s vs "  # type: ignore
+        f"{' and '.join(versus)}; {FIX.format(hosts=' or '.join(map(str, hosts)))}"
+    )
 
 
 def interface_to(peer_host: str, backend: str) -> str:
@@ -210,8 +215,10 @@ def measure(rank, nbytes: int) -> Dict[str, object]:
 
     hosts, me, backend = list(rank.info.hosts), rank.info.rank, rank.info.backend
     meta = dist.new_group(backend="gloo")  # ours: the job's groups carry the measurements only
-    mine = {"pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
-            "dp": dist.get_process_group_ranks(ps.get_data_parallel_group())}
+    mine = {
+        "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+        "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+    }
     groups: List[Dict[str, List[int]]] = [{} for _ in hosts]
     dist.all_gather_object(groups, mine, group=meta)
     vpp = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
@@ -233,15 +240,31 @@ def measure(rank, nbytes: int) -> Dict[str, object]:
     links: List[Dict[str, object]] = []
     for i, (kind, src, dst) in enumerate(p2p):
         gbps, interface = gathered[src][f"p2p{i}"]  # type: ignore[misc]
-        links.append({"kind": "p2p", "used_by": kind, "src": hosts[src], "dst": hosts[dst], "ranks": [src, dst],
-                      "gbps": round(gbps, 4), "interface": interface})
+        links.append(
+            {
+                "kind": "p2p",
+                "used_by": kind,
+                "src": hosts[src],
+                "dst": hosts[dst],
+                "ranks": [src, dst],
+                "gbps": round(gbps, 4),
+                "interface": interface,
+            }
+        )
     for i, ranks in enumerate(reduce_groups):
         took = max(gathered[r][f"ar{i}"][0] for r in ranks)  # type: ignore[index]
         interface = next((gathered[r][f"ar{i}"][1] for r in ranks if gathered[r][f"ar{i}"][1]), None)  # type: ignore
         n = len(ranks)
-        links.append({"kind": "allreduce", "used_by": "dp", "hosts": sorted({hosts[r] for r in ranks}),
-                      "ranks": list(ranks), "gbps": round(8 * nbytes * 2 * (n - 1) / n / took / 1e9, 4),
-                      "interface": interface})
+        links.append(
+            {
+                "kind": "allreduce",
+                "used_by": "dp",
+                "hosts": sorted({hosts[r] for r in ranks}),
+                "ranks": list(ranks),
+                "gbps": round(8 * nbytes * 2 * (n - 1) / n / took / 1e9, 4),
+                "interface": interface,
+            }
+        )
     return {"event": "link_check", "links": links, "megabytes": nbytes / 1e6, "seconds": round(seconds, 3)}
 
 
@@ -263,14 +286,17 @@ def check_links(rank) -> Optional[Dict[str, object]]:
         for link in record["links"]:  # type: ignore[union-attr]
             kinds.setdefault(link["kind"], []).append(link["gbps"])
         said = "; ".join(f"{k} {min(v):.3g}..{max(v):.3g} Gbit/s ({len(v)})" for k, v in kinds.items())
-        print(f"[orchestrator] link check: {said} in {record['seconds']} s"
-              f"{'' if lines else '; no slow link'}", flush=True)
+        print(
+            f"[orchestrator] link check: {said} in {record['seconds']} s{'' if lines else '; no slow link'}", flush=True
+        )
         for line in lines if lc.action == "warn" else []:  # refuse: the error is the one line
             print(f"[orchestrator] warning: {line}", flush=True)
     if lines and lc.action == "refuse":
-        raise SlowLinkError(f"cluster.link_check.action=refuse: {lines[0]}"
-                            f"{f' (and {len(lines) - 1} more)' if len(lines) > 1 else ''}; "
-                            f"or cluster.link_check.action=warn to train anyway")
+        raise SlowLinkError(
+            f"cluster.link_check.action=refuse: {lines[0]}"
+            f"{f' (and {len(lines) - 1} more)' if len(lines) > 1 else ''}; "
+            f"or cluster.link_check.action=warn to train anyway"
+        )
     return record
 
 
@@ -290,10 +316,21 @@ def links_only(cfg) -> Dict[str, object]:
         cpu.activate()  # megatron's CUDA-only spots (its RNG tracker) on CPU, as build_rank does
     try:
         initialize_parallel_state(cfg, cfg.training.seed, info.device)
-        rank = Rank(cfg=cfg, layout=layout_from_config(cfg), info=info, tokenizer=None, built=None,  # type: ignore
-                    is_logger=info.rank == 0)
+        rank = Rank(
+            cfg=cfg,
+            layout=layout_from_config(cfg),
+            info=info,
+            tokenizer=None,
+            built=None,  # type: ignore
+            is_logger=info.rank == 0,
+        )
         record = check_links(rank)
     finally:
         shutdown()
-    return {"status": "completed", "iteration": 0, "logging_rank": info.rank == 0, "link_check": record,
-            "hosts": list(info.hosts)}
+    return {
+        "status": "completed",
+        "iteration": 0,
+        "logging_rank": info.rank == 0,
+        "link_check": record,
+        "hosts": list(info.hosts),
+    }

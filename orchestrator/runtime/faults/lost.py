@@ -45,13 +45,26 @@ def _hosts(run_dir: str, job_id: str, attempt: int, world_size: int) -> Dict[int
 def alive_since(run_dir: str, job_id: str, attempt: int, since: float = 0.0) -> Set[int]:
     """Ranks that reported :func:`report_alive` for attempt ``attempt`` of ``job_id`` at or after ``since`` (an
     in-place restart keeps the attempt: its ranks' start)."""
-    return {int(r["rank"]) for r in history.read_records(run_dir)
-            if r.get("event") == ALIVE_EVENT and str(r.get("job_id")) == str(job_id) and r.get("attempt") == attempt
-            and float(r.get("time") or 0) >= since}
+    return {
+        int(r["rank"])
+        for r in history.read_records(run_dir)
+        if r.get("event") == ALIVE_EVENT
+        and str(r.get("job_id")) == str(job_id)
+        and r.get("attempt") == attempt
+        and float(r.get("time") or 0) >= since
+    }
 
 
-def crash_cause(run_dir: str, job_id: str, attempt: int, world_size: int, message: str = "", look: bool = True,
-                wait_s: float = 3.0, since: float = 0.0) -> Tuple[str, str]:
+def crash_cause(
+    run_dir: str,
+    job_id: str,
+    attempt: int,
+    world_size: int,
+    message: str = "",
+    look: bool = True,
+    wait_s: float = 3.0,
+    since: float = 0.0,
+) -> Tuple[str, str]:
     """(``node failure`` or ``crashed``, ``message`` led by the lost nodes: ``node node2 lost (ranks
     2,3): ...``) for the crash of attempt ``attempt``; call after :func:`report_alive`. Waits at most
     ``wait_s`` seconds, only for a job whose ranks span several hosts; ``look=False``: ``crashed``."""

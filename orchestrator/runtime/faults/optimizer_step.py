@@ -42,8 +42,11 @@ def _clip(optimizer, clip: float, grad_norm: float) -> None:
         params = sub.get_parameters()
         if params:
             mopt.clip_grad_by_total_norm_fp32(
-                params, max_norm=clip, total_norm=grad_norm,
-                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                params,
+                max_norm=clip,
+                total_norm=grad_norm,
+                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
 
 
 def local_grads_bad(optimizer) -> bool:
@@ -52,5 +55,6 @@ def local_grads_bad(optimizer) -> bool:
 
     from orchestrator.runtime.rank.mcore import grads_for_grad_norm
 
-    return optimizer is not None and any(not bool(torch.isfinite(g).all())
-                                         for sub in _sub_optimizers(optimizer) for g in grads_for_grad_norm(sub))
+    return optimizer is not None and any(
+        not bool(torch.isfinite(g).all()) for sub in _sub_optimizers(optimizer) for g in grads_for_grad_norm(sub)
+    )

@@ -163,8 +163,10 @@ class StopRequest:
         if on_slurm() and _rank() == 0:
             count = restart_count()
             if count:
-                self._log(f"SLURM job {slurm_job_id()} restarted: requeue {count} of at most {self.max_requeues} "
-                          f"(SLURM_RESTART_COUNT={count})")
+                self._log(
+                    f"SLURM job {slurm_job_id()} restarted: requeue {count} of at most {self.max_requeues} "
+                    f"(SLURM_RESTART_COUNT={count})"
+                )
         return self
 
     def uninstall(self) -> None:
@@ -260,12 +262,16 @@ class StopRequest:
 
             count = count_ended(read_records(self.run_dir), job_identity()[0], TIMEOUT_CAUSES)
         if count >= self.max_requeues:
-            return False, (f"requeues used up: {count} timeout/preemption requeue(s) >= cluster.max_num_timeout="
-                           f"{self.max_requeues}")
+            return False, (
+                f"requeues used up: {count} timeout/preemption requeue(s) >= cluster.max_num_timeout="
+                f"{self.max_requeues}"
+            )
         state = _slurm_job_state(job_id)
         if state is not None and state != "RUNNING":
-            return False, (f"job {job_id} is {state} (cancelled, or its time limit passed before this stop was "
-                           f"done: start-up and save took longer than cluster.signal_delay_s), not requeued")
+            return False, (
+                f"job {job_id} is {state} (cancelled, or its time limit passed before this stop was "
+                f"done: start-up and save took longer than cluster.signal_delay_s), not requeued"
+            )
         return True, f"requeue {count + 1} of at most {self.max_requeues}"
 
     def _requeued_by_slurm(self) -> bool:
@@ -309,8 +315,11 @@ class StopRequest:
         done = self._all_max(done, group) if want == 1 else done
         event = "requeued" if done else "stopped"
         if rank == 0:
-            self._log(f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}" if on_slurm()
-                      else f"{why}: checkpoint saved; {event}: {detail}")
+            self._log(
+                f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}"
+                if on_slurm()
+                else f"{why}: checkpoint saved; {event}: {detail}"
+            )
             self._record(event, why, detail, iteration)
         _flush_streams()
         if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task: this process must end now
@@ -327,21 +336,40 @@ class StopRequest:
             from orchestrator.ckpt import history
 
             job_id, attempt = job_identity()
-            history.record_event(self.run_dir, event, job_id=job_id, restart_count=restart_count(), reason=why,
-                                 detail=detail, signal=self.signal_name)
+            history.record_event(
+                self.run_dir,
+                event,
+                job_id=job_id,
+                restart_count=restart_count(),
+                reason=why,
+                detail=detail,
+                signal=self.signal_name,
+            )
             if iteration is None:
                 from orchestrator.runtime.faults import guard
 
                 iteration = guard.last_iteration()
             requeued = event == "requeued"
-            cause = (self.asked_cause if self.asked_cause and not requeued else "preempted" if self._preempted else
-                     "timeout" if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
-                     else "preempted" if requeued else "interrupted")
+            cause = (
+                self.asked_cause
+                if self.asked_cause and not requeued
+                else "preempted"
+                if self._preempted
+                else "timeout"
+                if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
+                else "preempted"
+                if requeued
+                else "interrupted"
+            )
             if history.claim_attempt_end(self.run_dir, job_id, attempt):
-                history.record_attempt_ended(self.run_dir, job_id, attempt, cause, iteration=iteration,
-                                             message=f"{why}: {event}" + (f" ({detail})" if detail else ""),
-                                             requeued=requeued)
+                history.record_attempt_ended(
+                    self.run_dir,
+                    job_id,
+                    attempt,
+                    cause,
+                    iteration=iteration,
+                    message=f"{why}: {event}" + (f" ({detail})" if detail else ""),
+                    requeued=requeued,
+                )
         except Exception as exc:  # never let bookkeeping block the exit
             self._log(f"could not record the {event} event: {exc}")
-
-

@@ -52,8 +52,11 @@ def job_identity() -> "tuple[str, int]":
 
         job_id = str(submitit.JobEnvironment().job_id)
     except Exception:  # not a submitit task
-        job_id = (os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
-                  or os.environ.get("ORCHESTRATOR_JOB_ID"))  # a job of torchrun agents (runtime.start.agent)
+        job_id = (
+            os.environ.get("SLURM_JOB_ID")
+            or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+            or os.environ.get("ORCHESTRATOR_JOB_ID")
+        )  # a job of torchrun agents (runtime.start.agent)
     return job_id or f"pid-{os.getpid()}", restart_count()
 
 
@@ -98,8 +101,9 @@ def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
         return False, "SLURM_JOB_ID is not set"
     before = _slurm_restarts(job_id)
     try:
-        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
-                             preexec_fn=_ignore_sigterm)
+        out = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, preexec_fn=_ignore_sigterm
+        )
         if out.returncode == 0:
             return True, ""
         problem = f"`scontrol requeue {job_id}` failed: {out.stderr.strip() or out.returncode}"

@@ -69,8 +69,9 @@ def shared_loss(lm_loss: Optional[float], device) -> Optional[float]:
     return None if value == -math.inf else value
 
 
-def check(guard, watch: SpikeWatch, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float],
-          device) -> None:
+def check(
+    guard, watch: SpikeWatch, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float], device
+) -> None:
     """Raise :class:`~orchestrator.errors.LossSpikeError` on every rank when this iteration's loss or
     gradient norm is a spike (call BEFORE any save of ``iteration``, after the NaN guard's check).
     ``guard``: the rank's :class:`~orchestrator.runtime.faults.guard.Guard` (the attempt's record)."""
@@ -92,15 +93,28 @@ def _stop(guard, iteration: int, what: str, value: float, reference: float, n: i
     lr, factor = cfg.optimizer.lr, cfg.training.spike.factor
     latest = latest_checkpoint(guard.run_dir)
     keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
-    message = (f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x "
-               f"{REFERENCE[what][0]} {reference:.6g} of the last {n} iteration(s): stopped before anything of "
-               f"iteration {iteration} was saved, {keep}; fix: lower the learning rate (optimizer.lr={lr:g} -> "
-               f"optimizer.lr={lr / 10:g}) and rerun to resume, or training.spike.factor=null to train through spikes")
+    message = (
+        f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x "
+        f"{REFERENCE[what][0]} {reference:.6g} of the last {n} iteration(s): stopped before anything of "
+        f"iteration {iteration} was saved, {keep}; fix: lower the learning rate (optimizer.lr={lr:g} -> "
+        f"optimizer.lr={lr / 10:g}) and rerun to resume, or training.spike.factor=null to train through spikes"
+    )
     if history.claim_attempt_end(guard.run_dir, guard.job_id, guard.attempt):
-        for write in (lambda: history.record_event(guard.run_dir, "spike", job_id=guard.job_id, attempt=guard.attempt,
-                                                   iteration=iteration, what=what, value=value, reference=reference),
-                      lambda: history.record_attempt_ended(guard.run_dir, guard.job_id, guard.attempt, "spike",
-                                                           iteration=iteration, message=message)):
+        for write in (
+            lambda: history.record_event(
+                guard.run_dir,
+                "spike",
+                job_id=guard.job_id,
+                attempt=guard.attempt,
+                iteration=iteration,
+                what=what,
+                value=value,
+                reference=reference,
+            ),
+            lambda: history.record_attempt_ended(
+                guard.run_dir, guard.job_id, guard.attempt, "spike", iteration=iteration, message=message
+            ),
+        ):
             try:
                 write()
             except OSError:

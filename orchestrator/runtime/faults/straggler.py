@@ -62,7 +62,7 @@ def judge(scores: List[float], threshold: float) -> List[Optional[float]]:
     when that exceeds ``threshold``, else None. Fewer than 2 ranks: nobody."""
     out: List[Optional[float]] = []
     for r, score in enumerate(scores):
-        others = scores[:r] + scores[r + 1:]
+        others = scores[:r] + scores[r + 1 :]
         ref = statistics.median(others) if others else 0.0
         slower = score / ref - 1.0 if ref > 0 else 0.0
         out.append(slower if slower > threshold else None)
@@ -119,6 +119,7 @@ class StragglerWatch:
                 self._iter_wall += time.perf_counter() - w0
             self._iter_cpu += time.thread_time() - c0
             return out
+
         return timed
 
     @contextlib.contextmanager
@@ -165,18 +166,39 @@ class StragglerWatch:
         for r, s in enumerate(slower):
             self.streak[r] = self.streak[r] + 1 if s is not None else 0
             if s is not None and self.streak[r] == self.windows:
-                self._name({"event": "straggler", "iteration": iteration, "rank": r, "host": hosts[r],
-                            "pp_rank": int(rows[r][3]), "dp_rank": int(rows[r][4]), "slower_by": round(s, 4),
-                            "compute_ms": round(rows[r][1] * 1e3, 3), "cpu_ms": round(rows[r][2] * 1e3, 3),
-                            "windows": self.windows, "interval": self.interval, "time": time.time()})
+                self._name(
+                    {
+                        "event": "straggler",
+                        "iteration": iteration,
+                        "rank": r,
+                        "host": hosts[r],
+                        "pp_rank": int(rows[r][3]),
+                        "dp_rank": int(rows[r][4]),
+                        "slower_by": round(s, 4),
+                        "compute_ms": round(rows[r][1] * 1e3, 3),
+                        "cpu_ms": round(rows[r][2] * 1e3, 3),
+                        "windows": self.windows,
+                        "interval": self.interval,
+                        "time": time.time(),
+                    }
+                )
         self._name_hosts(iteration, hosts)
 
     def _name_hosts(self, iteration: int, hosts: List[str]) -> None:
         for host, ranks in straggling_hosts(hosts, self.streak, self.windows):
             if host not in self._named_hosts:
                 self._named_hosts.add(host)
-                self._name({"event": "straggler", "iteration": iteration, "host": host, "ranks": ranks,
-                            "windows": self.windows, "interval": self.interval, "time": time.time()})
+                self._name(
+                    {
+                        "event": "straggler",
+                        "iteration": iteration,
+                        "host": host,
+                        "ranks": ranks,
+                        "windows": self.windows,
+                        "interval": self.interval,
+                        "time": time.time(),
+                    }
+                )
 
     def _name(self, record: Dict[str, object]) -> None:
         record["line"] = describe(record, self.threshold)  # what the log says, for ``status``
@@ -188,21 +210,30 @@ class StragglerWatch:
 
 def describe(record: Dict[str, object], threshold: float) -> str:
     """One line naming a straggling rank or host, with its numbers and what to look at."""
-    span = f"{record['windows']} windows of {record['interval']} iterations in a row, to iteration {record['iteration']}"
+    span = (
+        f"{record['windows']} windows of {record['interval']} iterations in a row, to iteration {record['iteration']}"
+    )
     if "rank" not in record:
-        return (f"straggler: host {record['host']} (all its ranks {record['ranks']}) computes slower than the other "
-                f"hosts' ranks for {span}; fix: check that host (CPU quota or frequency, GPU clocks and "
-                f"temperature: nvidia-smi -q -d PERFORMANCE), or leave it out (cluster.exclude={record['host']})")
+        return (
+            f"straggler: host {record['host']} (all its ranks {record['ranks']}) computes slower than the other "
+            f"hosts' ranks for {span}; fix: check that host (CPU quota or frequency, GPU clocks and "
+            f"temperature: nvidia-smi -q -d PERFORMANCE), or leave it out (cluster.exclude={record['host']})"
+        )
     compute, cpu = float(record["compute_ms"]), float(record["cpu_ms"])  # type: ignore[arg-type]
     if compute > 1.5 * cpu:  # it waited for a core
-        seen, look = f", {cpu:g} ms of it on a CPU", "a CPU quota (cgroup cpu.cfs_quota_us / cpu.max) or other processes"
+        seen, look = (
+            f", {cpu:g} ms of it on a CPU",
+            "a CPU quota (cgroup cpu.cfs_quota_us / cpu.max) or other processes",
+        )
     else:
         seen, look = "", "that device (clocks, temperature: nvidia-smi -q -d PERFORMANCE; other processes)"
-    return (f"straggler: rank {record['rank']} (host {record['host']}, pipeline stage {record['pp_rank']}, DP rank "
-            f"{record['dp_rank']}) computes {float(record['slower_by']) * 100:.0f}% slower than the median of the "  # type: ignore
-            f"other ranks per planned FLOP (threshold {threshold * 100:.0f}%; {compute:g} ms of compute per "
-            f"iteration{seen}) for {span}; fix: check {look} on {record['host']}, or leave the host out "
-            f"(cluster.exclude={record['host']})")
+    return (
+        f"straggler: rank {record['rank']} (host {record['host']}, pipeline stage {record['pp_rank']}, DP rank "
+        f"{record['dp_rank']}) computes {float(record['slower_by']) * 100:.0f}% slower than the median of the "  # type: ignore
+        f"other ranks per planned FLOP (threshold {threshold * 100:.0f}%; {compute:g} ms of compute per "
+        f"iteration{seen}) for {span}; fix: check {look} on {record['host']}, or leave the host out "
+        f"(cluster.exclude={record['host']})"
+    )
 
 
 def watch_for(rank, trackers, start: int) -> Optional[StragglerWatch]:

@@ -101,9 +101,19 @@ class Watchdog:
     reporting rank before it exits (the SLURM requeue). ``exit`` is ``os._exit`` (tests replace it).
     """
 
-    def __init__(self, run_dir: PathLike, rank: int, world_size: int, host: str, job_id: str, attempt: int,
-                 timeout_s: float, on_hang: Optional[Callable[[str], Tuple[bool, str]]] = None,
-                 poll_s: Optional[float] = None, exit: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        run_dir: PathLike,
+        rank: int,
+        world_size: int,
+        host: str,
+        job_id: str,
+        attempt: int,
+        timeout_s: float,
+        on_hang: Optional[Callable[[str], Tuple[bool, str]]] = None,
+        poll_s: Optional[float] = None,
+        exit: Callable[[int], None] = os._exit,
+    ):
         self.run_dir, self.rank, self.world_size, self.host = Path(run_dir), rank, world_size, host
         self.job_id, self.attempt, self.timeout_s = str(job_id), int(attempt), float(timeout_s)
         self.poll_s = poll_s or min(5.0, max(0.25, self.timeout_s / 10))
@@ -158,9 +168,19 @@ class Watchdog:
 
     # ---- the thread ----------------------------------------------------------------------------
     def _record(self) -> Dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "job_id": self.job_id,
-                "attempt": self.attempt, "iteration": self.iteration, "beats": self.beats, "phase": self.phase,
-                "allowance_s": self.allowance_s, "alive": self._alive, "time": time.time()}
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "iteration": self.iteration,
+            "beats": self.beats,
+            "phase": self.phase,
+            "allowance_s": self.allowance_s,
+            "alive": self._alive,
+            "time": time.time(),
+        }
 
     def _write(self) -> None:
         self._alive += 1
@@ -212,14 +232,20 @@ class Watchdog:
         """Ranks whose heartbeat thread wrote in this attempt, then stopped for half of
         ``training.hang_timeout_s`` while watched (rule 2 of the module docstring)."""
         now = time.monotonic()
-        return sorted(r for r, (_, since, rec) in self._seen.items()
-                      if r != self.rank and rec is not None and now - since > max(3 * self.poll_s, self.timeout_s / 2))
+        return sorted(
+            r
+            for r, (_, since, rec) in self._seen.items()
+            if r != self.rank and rec is not None and now - since > max(3 * self.poll_s, self.timeout_s / 2)
+        )
 
     def stalled(self) -> Tuple[List[int], str]:
         """(stalled ranks, why) from what :meth:`_observe` saw."""
         now = time.monotonic()
-        silent = self._frozen() or sorted(r for r, (alive, since, rec) in self._seen.items()
-                                          if r != self.rank and (rec is None or now - since > 3 * self.poll_s))
+        silent = self._frozen() or sorted(
+            r
+            for r, (alive, since, rec) in self._seen.items()
+            if r != self.rank and (rec is None or now - since > 3 * self.poll_s)
+        )
         if silent:
             return silent, "not responding (process stopped, frozen or dead)"
         its = {r: (rec or {}).get("iteration") for r, (_, _, rec) in self._seen.items()}
@@ -228,7 +254,9 @@ class Watchdog:
         low, high = (min(known), max(known)) if known else (None, None)
         if low is not None and low != high:
             return sorted(r for r, v in its.items() if v == low), f"behind the others (they reached iteration {high})"
-        return list(range(self.world_size)), "every rank waits after the same iteration (a collective or I/O that never completes)"
+        return list(
+            range(self.world_size)
+        ), "every rank waits after the same iteration (a collective or I/O that never completes)"
 
     def _hosts(self, ranks: List[int]) -> str:
         hosts = []
@@ -243,17 +271,30 @@ class Watchdog:
             where = f"the start of the attempt ({self.phase})"
         else:
             where = f"iteration {self.iteration}" + ("" if self.phase == "train" else f" ({self.phase})")
-        message = (f"hang: rank(s) {_ranks(ranks)} on host(s) {self._hosts(ranks)} made no progress for "
-                   f"{stale:.0f} s after {where} (training.hang_timeout_s={self.timeout_s:g}): {why}; "
-                   f"Python stacks of the live ranks in {self.run_dir / STACKS_DIR}/")
+        message = (
+            f"hang: rank(s) {_ranks(ranks)} on host(s) {self._hosts(ranks)} made no progress for "
+            f"{stale:.0f} s after {where} (training.hang_timeout_s={self.timeout_s:g}): {why}; "
+            f"Python stacks of the live ranks in {self.run_dir / STACKS_DIR}/"
+        )
         self.declared = message
         if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             self._follow(None)
             return
-        frozen = [{"rank": r, "host": rec.get("host"), "pid": rec.get("pid")}
-                  for r in (ranks if why.startswith("not responding") else []) if (rec := self._seen.get(r, (0, 0, None))[2])]
-        info = {"stalled": ranks, "hosts": self._hosts(ranks), "message": message, "reporter": self.rank,
-                "iteration": self.iteration, "frozen": frozen, "done": False, "time": time.time()}
+        frozen = [
+            {"rank": r, "host": rec.get("host"), "pid": rec.get("pid")}
+            for r in (ranks if why.startswith("not responding") else [])
+            if (rec := self._seen.get(r, (0, 0, None))[2])
+        ]
+        info = {
+            "stalled": ranks,
+            "hosts": self._hosts(ranks),
+            "message": message,
+            "reporter": self.rank,
+            "iteration": self.iteration,
+            "frozen": frozen,
+            "done": False,
+            "time": time.time(),
+        }
         hpath = hang_path(self.run_dir, self.job_id, self.attempt)
         write_atomic(hpath, json.dumps(info), fsync=False)
         declared_at = time.time()
@@ -261,15 +302,40 @@ class Watchdog:
         silent = ranks if why.startswith("not responding") else []
         live = [r for r, (_, _, rec) in self._seen.items() if rec is not None and r not in silent]
         self._await_stacks(live if self._seen else [r for r in range(self.world_size) if r not in silent], declared_at)
-        _record_quietly(lambda: history.record_event(
-            self.run_dir, "hang", job_id=self.job_id, attempt=self.attempt, stalled=ranks, hosts=info["hosts"],
-            iteration=self.iteration, reporter=self.rank))
-        _record_quietly(lambda: history.record_attempt_ended(  # first: the failure limit counts this one
-            self.run_dir, self.job_id, self.attempt, "hang", iteration=self.iteration, message=message,
-            decided=False))
+        _record_quietly(
+            lambda: history.record_event(
+                self.run_dir,
+                "hang",
+                job_id=self.job_id,
+                attempt=self.attempt,
+                stalled=ranks,
+                hosts=info["hosts"],
+                iteration=self.iteration,
+                reporter=self.rank,
+            )
+        )
+        _record_quietly(
+            lambda: history.record_attempt_ended(  # first: the failure limit counts this one
+                self.run_dir,
+                self.job_id,
+                self.attempt,
+                "hang",
+                iteration=self.iteration,
+                message=message,
+                decided=False,
+            )
+        )
         requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
-        _record_quietly(lambda: history.record_event(self.run_dir, "requeue_decision", job_id=self.job_id,
-                                                     attempt=self.attempt, requeued=requeued, detail=detail))
+        _record_quietly(
+            lambda: history.record_event(
+                self.run_dir,
+                "requeue_decision",
+                job_id=self.job_id,
+                attempt=self.attempt,
+                requeued=requeued,
+                detail=detail,
+            )
+        )
         write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
         _say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))
         self._end_frozen(frozen)
@@ -311,8 +377,10 @@ class Watchdog:
         path = stacks_path(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            f.write(f"# rank {self.rank} on {self.host}, pid {os.getpid()}, iteration {self.iteration}, "
-                    f"phase {self.phase}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n# {header}\n")
+            f.write(
+                f"# rank {self.rank} on {self.host}, pid {os.getpid()}, iteration {self.iteration}, "
+                f"phase {self.phase}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n# {header}\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         return path
@@ -342,8 +410,15 @@ class JobWatch:
     most every ``every_s``; once a record of the job was seen, a poll only compares the file's bytes with
     the last poll's (every write bumps its rank's ``alive`` counter), and parses them only for the message."""
 
-    def __init__(self, run_dir: PathLike, job_id: str, world_size: int, timeout_s: float,
-                 grace_s: float = 60.0, every_s: float = 5.0):
+    def __init__(
+        self,
+        run_dir: PathLike,
+        job_id: str,
+        world_size: int,
+        timeout_s: float,
+        grace_s: float = 60.0,
+        every_s: float = 5.0,
+    ):
         self.run_dir, self.job_id, self.world_size = Path(run_dir), str(job_id), world_size
         self.limit_s, self.every_s = timeout_s + grace_s, every_s
         self._raw = b""
@@ -354,8 +429,11 @@ class JobWatch:
     @property
     def last(self) -> Dict[int, Dict[str, Any]]:
         """rank -> the job's latest heartbeat record, as last read."""
-        return {r: rec for r, rec in read_slots(slots_path(self.run_dir), self.world_size, self._raw).items()
-                if str(rec.get("job_id")) == self.job_id}
+        return {
+            r: rec
+            for r, rec in read_slots(slots_path(self.run_dir), self.world_size, self._raw).items()
+            if str(rec.get("job_id")) == self.job_id
+        }
 
     def silent_for(self) -> Optional[float]:
         """Seconds since any rank of the job last wrote its heartbeat (None before the first one)."""
@@ -380,5 +458,7 @@ class JobWatch:
             return None
         its = sorted({rec.get("iteration") for rec in self.last.values()}, key=lambda v: (v is None, v))
         hosts = ",".join(sorted({str(rec.get("host")) for rec in self.last.values()}))
-        return (f"hang: no rank of job {self.job_id} (hosts {hosts}) wrote its heartbeat for {silent:.0f} s "
-                f"(last iteration {its[-1] if its else '?'}): every process stopped, frozen or lost; cancelled")
+        return (
+            f"hang: no rank of job {self.job_id} (hosts {hosts}) wrote its heartbeat for {silent:.0f} s "
+            f"(last iteration {its[-1] if its else '?'}): every process stopped, frozen or lost; cancelled"
+        )

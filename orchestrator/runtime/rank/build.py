@@ -99,8 +99,12 @@ def build_rank(cfg: JobConfig) -> Rank:
     tf.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     tf.finalize_model_grads_func = finalize_model_grads
     tf.grad_scale_func = built.optimizer.scale_loss
-    is_logger = (ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0
-                 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+    is_logger = (
+        ps.is_pipeline_last_stage()
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
     return Rank(cfg=cfg, layout=layout, info=info, tokenizer=tokenizer, built=built, is_logger=is_logger)
 
 
@@ -121,8 +125,9 @@ def _iterators(rank: Rank, dataset, consumed: int) -> object:
 
     mbs = rank.cfg.training.micro_batch_size
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    its: List[object] = [MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device)
-                         for _ in rank.built.model]
+    its: List[object] = [
+        MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device) for _ in rank.built.model
+    ]
     return its if len(its) > 1 else its[0]
 
 
@@ -145,5 +150,9 @@ def versions() -> dict:
 
     import orchestrator
 
-    return {"orchestrator": orchestrator.__version__, "megatron-core": version("megatron-core"),
-            "torch": torch.__version__, "python": sys.version.split()[0]}
+    return {
+        "orchestrator": orchestrator.__version__,
+        "megatron-core": version("megatron-core"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }

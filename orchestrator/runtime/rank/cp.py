@@ -33,7 +33,9 @@ def cp_size() -> int:
     return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
-def batch_on_this_cp_rank(batch: Optional[Dict[str, Optional[torch.Tensor]]]) -> Optional[Dict[str, Optional[torch.Tensor]]]:
+def batch_on_this_cp_rank(
+    batch: Optional[Dict[str, Optional[torch.Tensor]]],
+) -> Optional[Dict[str, Optional[torch.Tensor]]]:
     """This CP rank's share of a micro-batch (``tokens``, ``labels``, ``loss_mask``, ``position_ids``:
     ``[b, s]`` → ``[b, s / CP]``); the batch itself when CP = 1 or there is none (middle stages)."""
     if batch is None or cp_size() == 1:

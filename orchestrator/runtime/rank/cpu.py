@@ -186,8 +186,7 @@ def _make_cuda_namespace() -> _CudaOnCpu:
         manual_seed=lambda seed: torch.manual_seed(seed),
         memory_allocated=lambda *a, **k: 0,
         max_memory_allocated=lambda *a, **k: 0,
-        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
-                                   range=null_ctx),
+        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None, range=null_ctx),
     )
 
 
@@ -197,8 +196,20 @@ class _TorchOnCpu(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _make_cuda_namespace()
-        for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
-                     "zeros_like", "ones_like", "empty_like", "as_tensor"):
+        for name in (
+            "zeros",
+            "ones",
+            "empty",
+            "full",
+            "tensor",
+            "arange",
+            "randn",
+            "rand",
+            "zeros_like",
+            "ones_like",
+            "empty_like",
+            "as_tensor",
+        ):
             setattr(self, name, _factory(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:
@@ -286,7 +297,9 @@ def activate() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original_setup = LanguageModule.setup_embeddings_and_output_layer
-    _ORIGINALS["megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer"] = original_setup
+    _ORIGINALS[
+        "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer"
+    ] = original_setup
 
     def setup_embeddings_and_output_layer_cpu(self):
         saved = torch.Tensor.cuda

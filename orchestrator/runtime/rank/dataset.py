@@ -73,9 +73,11 @@ def _check_splits(cfg: JobConfig, config, prepared: PreparedData) -> None:
         n = len(IndexedDataset(prefix, mmap=True))
         for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
             if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
-                raise DataError(f"data.split={cfg.data.split!r}: the {name} part of {Path(prefix).name} gets none "
-                                f"of its {n} documents; fix: \"data.split='100,0,0'\" training.eval_iters=0 (quoted: a bare comma list is a sweep) "
-                                "(no held-out data), or more documents")
+                raise DataError(
+                    f"data.split={cfg.data.split!r}: the {name} part of {Path(prefix).name} gets none "
+                    f"of its {n} documents; fix: \"data.split='100,0,0'\" training.eval_iters=0 (quoted: a bare comma list is a sweep) "
+                    "(no held-out data), or more documents"
+                )
 
 
 def build_datasets(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
@@ -100,8 +102,9 @@ def build_datasets(cfg: JobConfig, prepared: PreparedData, tokenizer, num_sample
     except IndexError as exc:  # megatron: "The train blend oversamples the contributing datasets ..."
         raise DataError(f"data.weights: {str(exc).split('. ')[0]}; fix: change data.weights or add data") from None
     if train is None:
-        raise DataError(f"data.split: the train split is empty (data.split={cfg.data.split!r}); "
-                        "fix: give the train split weight")
+        raise DataError(
+            f"data.split: the train split is empty (data.split={cfg.data.split!r}); fix: give the train split weight"
+        )
     return train, (valid if sizes[1] else None)
 
 
@@ -117,8 +120,9 @@ class MicroBatchIterator:
     ``[micro_batch_size, seq_length]``.
     """
 
-    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 device: str = "cpu"):
+    def __init__(
+        self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, device: str = "cpu"
+    ):
         self.dataset = dataset
         self.next_sample = consumed_samples
         self.mbs, self.dp_rank, self.dp_size, self.device = micro_batch_size, dp_rank, dp_size, device

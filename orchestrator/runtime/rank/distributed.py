@@ -62,9 +62,14 @@ class Rendezvous:
 
     def as_env(self) -> Dict[str, str]:
         """The torch.distributed variables (``env://`` names) for this rank."""
-        return {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), "RANK": str(self.rank),
-                "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-                "LOCAL_WORLD_SIZE": str(self.local_world_size)}
+        return {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+        }
 
 
 def reserve_local_port(host: str = "127.0.0.1") -> int:
@@ -128,8 +133,7 @@ def _resolve(host: str) -> str:
         return host  # let the store report it, naming the host
 
 
-def rendezvous_from_env(environ: Mapping[str, str],
-                        resolve: Callable[[str], str] = _resolve) -> Rendezvous:
+def rendezvous_from_env(environ: Mapping[str, str], resolve: Callable[[str], str] = _resolve) -> Rendezvous:
     """The rendezvous of this rank from its environment (pure but for ``resolve``, a name lookup).
 
     Raises :class:`BackendError` when a SLURM task has no node list.
@@ -140,28 +144,53 @@ def rendezvous_from_env(environ: Mapping[str, str],
     if executor == "slurm" or (not executor and "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ):
         rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
         nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)
-        per_node = _tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""),
-                                  int(environ.get("SLURM_NODEID", 0)))
+        per_node = _tasks_on_node(
+            environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""),
+            int(environ.get("SLURM_NODEID", 0)),
+        )
         node_list = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if not node_list:
             raise BackendError("SLURM task without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: cannot find rank 0's host")
-        port = environ.get("MASTER_PORT") or _derived_port(environ.get("SLURM_JOB_ID", "0"),
-                                                           environ.get("SLURM_RESTART_COUNT", "0"))
-        return Rendezvous(rank, world, int(environ.get("SLURM_LOCALID", 0)), per_node or max(1, world // nodes),
-                          resolve(first_host(node_list)), int(port), "slurm")
+        port = environ.get("MASTER_PORT") or _derived_port(
+            environ.get("SLURM_JOB_ID", "0"), environ.get("SLURM_RESTART_COUNT", "0")
+        )
+        return Rendezvous(
+            rank,
+            world,
+            int(environ.get("SLURM_LOCALID", 0)),
+            per_node or max(1, world // nodes),
+            resolve(first_host(node_list)),
+            int(port),
+            "slurm",
+        )
     if executor == "local":
         world = int(environ.get("SUBMITIT_LOCAL_NTASKS", 1))
         port = environ.get(LOCAL_PORT_VAR) or _derived_port(environ.get("SUBMITIT_LOCAL_JOB_ID", "0"))
-        return Rendezvous(int(environ.get("SUBMITIT_LOCAL_GLOBALID", 0)), world,
-                          int(environ.get("SUBMITIT_LOCAL_LOCALID", 0)), world, "127.0.0.1", int(port), "local")
+        return Rendezvous(
+            int(environ.get("SUBMITIT_LOCAL_GLOBALID", 0)),
+            world,
+            int(environ.get("SUBMITIT_LOCAL_LOCALID", 0)),
+            world,
+            "127.0.0.1",
+            int(port),
+            "local",
+        )
     world = int(environ.get("WORLD_SIZE", 1))
     port = environ.get("MASTER_PORT") or environ.get(LOCAL_PORT_VAR)
     if port is None and world > 1:
-        raise BackendError(f"WORLD_SIZE={world} but MASTER_PORT is not set; fix: launch through orchestrator "
-                           "(python -m orchestrator ...) or torchrun")
-    return Rendezvous(int(environ.get("RANK", 0)), world, int(environ.get("LOCAL_RANK", 0)),
-                      int(environ.get("LOCAL_WORLD_SIZE", world)), environ.get("MASTER_ADDR", "127.0.0.1"),
-                      int(port) if port is not None else reserve_local_port(), "env")
+        raise BackendError(
+            f"WORLD_SIZE={world} but MASTER_PORT is not set; fix: launch through orchestrator "
+            "(python -m orchestrator ...) or torchrun"
+        )
+    return Rendezvous(
+        int(environ.get("RANK", 0)),
+        world,
+        int(environ.get("LOCAL_RANK", 0)),
+        int(environ.get("LOCAL_WORLD_SIZE", world)),
+        environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(port) if port is not None else reserve_local_port(),
+        "env",
+    )
 
 
 # ---- 2. device binding ----------------------------------------------------------------------------
@@ -188,8 +217,16 @@ def _gpu_env(environ: Mapping[str, str]) -> str:
     return ", ".join(shown) or "no CUDA_VISIBLE_DEVICES/SLURM GPU variables"
 
 
-def choose_binding(environ: Mapping[str, str], *, want: str, backend: str, device_count: int,
-                   gpus_per_node: int = 0, local_rank: int = 0, rank: int = 0) -> DeviceBinding:
+def choose_binding(
+    environ: Mapping[str, str],
+    *,
+    want: str,
+    backend: str,
+    device_count: int,
+    gpus_per_node: int = 0,
+    local_rank: int = 0,
+    rank: int = 0,
+) -> DeviceBinding:
     """Pick this rank's device and backend; never changes ``CUDA_VISIBLE_DEVICES``.
 
     ``want``: ``training.device`` (auto/cpu/cuda); ``backend``: ``parallelism.distributed_backend``
@@ -202,30 +239,40 @@ def choose_binding(environ: Mapping[str, str], *, want: str, backend: str, devic
     node_gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0) or gpus_per_node or device_count
     who = f"rank {rank} (local rank {local_rank}) on {socket.gethostname()}"
     if device_count == 0 and want == "cuda":
-        raise BackendError(f"training.device=cuda but {who} sees no GPU ({_gpu_env(environ)}); "
-                           "fix: request GPUs (cluster.gpus_per_node) or set training.device=cpu")
+        raise BackendError(
+            f"training.device=cuda but {who} sees no GPU ({_gpu_env(environ)}); "
+            "fix: request GPUs (cluster.gpus_per_node) or set training.device=cpu"
+        )
     if device_count == 0 and want == "auto" and (gpus_per_node or int(environ.get("SLURM_GPUS_ON_NODE") or 0)):
-        raise BackendError(f"the job asked for GPUs but {who} sees none ({_gpu_env(environ)}); it would run on "
-                           "CPU + gloo while other ranks use GPUs; fix: check the GPU binding "
-                           "(cluster.additional_parameters.gpu_bind), or set cluster.gpus_per_node=0 and "
-                           "training.device=cpu")
+        raise BackendError(
+            f"the job asked for GPUs but {who} sees none ({_gpu_env(environ)}); it would run on "
+            "CPU + gloo while other ranks use GPUs; fix: check the GPU binding "
+            "(cluster.additional_parameters.gpu_bind), or set cluster.gpus_per_node=0 and "
+            "training.device=cpu"
+        )
     if want == "cpu" or device_count == 0:
         if backend == "nccl":
-            raise ConfigError("parallelism.distributed_backend=nccl needs GPUs but this job runs on CPU; "
-                              "fix: parallelism.distributed_backend=gloo or auto")
+            raise ConfigError(
+                "parallelism.distributed_backend=nccl needs GPUs but this job runs on CPU; "
+                "fix: parallelism.distributed_backend=gloo or auto"
+            )
         return DeviceBinding("cpu", None, "gloo", None, visible)
     if device_count == 1:
         index = 0
     elif device_count == node_gpus and local_rank < device_count:
         index = local_rank
     elif device_count == node_gpus:
-        raise BackendError(f"{who} has no GPU of its own: this node's {device_count} GPUs are fewer than its "
-                           f"tasks; fix: cluster.tasks_per_node <= cluster.gpus_per_node ({_gpu_env(environ)})")
+        raise BackendError(
+            f"{who} has no GPU of its own: this node's {device_count} GPUs are fewer than its "
+            f"tasks; fix: cluster.tasks_per_node <= cluster.gpus_per_node ({_gpu_env(environ)})"
+        )
     else:
-        raise BackendError(f"{who} sees {device_count} of the node's {node_gpus} GPUs ({_gpu_env(environ)}) and "
-                           "cannot tell which is its own; fix: bind one GPU per task "
-                           "(cluster.additional_parameters.gpu_bind=single:1) or let every task see all of the "
-                           "node's GPUs (no gpu_bind)")
+        raise BackendError(
+            f"{who} sees {device_count} of the node's {node_gpus} GPUs ({_gpu_env(environ)}) and "
+            "cannot tell which is its own; fix: bind one GPU per task "
+            "(cluster.additional_parameters.gpu_bind=single:1) or let every task see all of the "
+            "node's GPUs (no gpu_bind)"
+        )
     entries = [e.strip() for e in visible.split(",")] if visible else []
     gpu = entries[index] if index < len(entries) else str(index)
     return DeviceBinding("cuda", index, "nccl" if backend == "auto" else backend, gpu, visible)
@@ -261,18 +308,26 @@ def check_agreement(records: Sequence[Mapping[str, object]]) -> None:
         for (device, backend), ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
             hosts = sorted({str(records[r]["host"]) for r in ranks})
             visible = sorted({str(records[r].get("visible")) for r in ranks})
-            parts.append(f"{device}/{backend} on rank(s) {_ranks(ranks)} (host {','.join(hosts)}; "
-                         f"CUDA_VISIBLE_DEVICES {'|'.join(visible)})")
-        raise BackendError("ranks disagree on device/backend: " + "; ".join(parts) +
-                           "; fix: give every task a GPU (check cluster.gpus_per_node / cluster.additional_parameters.gpu_bind) or run all on CPU")
+            parts.append(
+                f"{device}/{backend} on rank(s) {_ranks(ranks)} (host {','.join(hosts)}; "
+                f"CUDA_VISIBLE_DEVICES {'|'.join(visible)})"
+            )
+        raise BackendError(
+            "ranks disagree on device/backend: "
+            + "; ".join(parts)
+            + "; fix: give every task a GPU (check cluster.gpus_per_node / cluster.additional_parameters.gpu_bind) or run all on CPU"
+        )
     shared: Dict[Tuple[object, object], List[int]] = {}
     for rank, rec in enumerate(records):
         if rec["device"] == "cuda":
             shared.setdefault((rec["host"], rec["gpu"]), []).append(rank)
     clashes = [f"rank(s) {_ranks(r)} on {host} all use GPU {gpu}" for (host, gpu), r in shared.items() if len(r) > 1]
     if clashes:
-        raise BackendError("several ranks bound to one GPU: " + "; ".join(clashes) +
-                           "; fix: one task per GPU (cluster.tasks_per_node = cluster.gpus_per_node)")
+        raise BackendError(
+            "several ranks bound to one GPU: "
+            + "; ".join(clashes)
+            + "; fix: one task per GPU (cluster.tasks_per_node = cluster.gpus_per_node)"
+        )
 
 
 # ---- init -------------------------------------------------------------------------------------------
@@ -303,11 +358,14 @@ def open_store(rv: Rendezvous, timeout: datetime.timedelta):
     # torchrun's agent hosts the store already (TORCHELASTIC_USE_AGENT_STORE): every rank is its client
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0 and not agent, timeout,
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0 and not agent, timeout, wait_for_workers=False
+        )
     except (RuntimeError, OSError) as exc:
-        raise BackendError(f"rank {rv.rank}: rendezvous store {rv.master_addr}:{rv.master_port} "
-                           f"({rv.source}) failed: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        raise BackendError(
+            f"rank {rv.rank}: rendezvous store {rv.master_addr}:{rv.master_port} "
+            f"({rv.source}) failed: {str(exc).splitlines()[0] if str(exc) else exc}"
+        ) from None
 
 
 def init_distributed(cfg: JobConfig) -> RankInfo:
@@ -320,30 +378,56 @@ def init_distributed(cfg: JobConfig) -> RankInfo:
     rv = rendezvous_from_env(os.environ)
     os.environ.update(rv.as_env())
     device_count = torch.cuda.device_count() if cfg.training.device != "cpu" else 0
-    binding = choose_binding(os.environ, want=cfg.training.device, backend=cfg.parallelism.distributed_backend,
-                             device_count=device_count, gpus_per_node=cfg.cluster.gpus_per_node,
-                             local_rank=rv.local_rank, rank=rv.rank)
+    binding = choose_binding(
+        os.environ,
+        want=cfg.training.device,
+        backend=cfg.parallelism.distributed_backend,
+        device_count=device_count,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        local_rank=rv.local_rank,
+        rank=rv.rank,
+    )
     if binding.device == "cuda":
         torch.cuda.set_device(binding.index)
     timeout = datetime.timedelta(minutes=cfg.training.distributed_timeout_minutes)
     if torch.distributed.is_initialized() and _STARTED.get("info") is not None:  # a warm rank's next trial
         return _STARTED["info"]
     if torch.distributed.is_initialized():  # a caller (test, notebook) made the group already
-        return RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
-                        (socket.gethostname(),) * rv.world_size, binding.gpu)
+        return RankInfo(
+            rv.rank,
+            rv.world_size,
+            rv.local_rank,
+            binding.device,
+            binding.backend,
+            (socket.gethostname(),) * rv.world_size,
+            binding.gpu,
+        )
     store = open_store(rv, timeout)
     gpu_id = binding.gpu
     if binding.device == "cuda":
         uuid = getattr(torch.cuda.get_device_properties(binding.index), "uuid", None)
         gpu_id = str(uuid) if uuid is not None else binding.gpu
-    record = {"host": socket.gethostname(), "device": binding.device, "backend": binding.backend,
-              "gpu": gpu_id, "visible": binding.visible}
+    record = {
+        "host": socket.gethostname(),
+        "device": binding.device,
+        "backend": binding.backend,
+        "gpu": gpu_id,
+        "visible": binding.visible,
+    }
     records = _exchange(store, rv, record, timeout)
     check_agreement(records)
-    torch.distributed.init_process_group(backend=binding.backend, store=store, rank=rv.rank,
-                                         world_size=rv.world_size, timeout=timeout)
-    _STARTED["info"] = RankInfo(rv.rank, rv.world_size, rv.local_rank, binding.device, binding.backend,
-                                tuple(str(r["host"]) for r in records), binding.gpu)
+    torch.distributed.init_process_group(
+        backend=binding.backend, store=store, rank=rv.rank, world_size=rv.world_size, timeout=timeout
+    )
+    _STARTED["info"] = RankInfo(
+        rv.rank,
+        rv.world_size,
+        rv.local_rank,
+        binding.device,
+        binding.backend,
+        tuple(str(r["host"]) for r in records),
+        binding.gpu,
+    )
     return _STARTED["info"]
 
 

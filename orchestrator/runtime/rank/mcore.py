@@ -58,13 +58,15 @@ CLIP_GRAD_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimi
 in both lines: the CPU layer replaces it in each."""
 
 IGNORED_WARNINGS = (
-    "Transformer Engine and Apex are not installed", "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
     "The pad token id in the tokenizer collides",
     # 0.19: TransformerConfig's own default (cuda_graph_modules="full"; CUDA graphs are off)
     "full scope is deprecated",
     # 0.19: importing megatron.core.models.mimo (get_megatron_optimizer does), and
     # log_single_rank before torch.distributed is up (GPTDatasetConfig in the launcher)
-    "MimoModelConfig is experimental", "Could not determine rank from torch.distributed",
+    "MimoModelConfig is experimental",
+    "Could not determine rank from torch.distributed",
 )
 """megatron-core's warnings at import on every rank: expected on CPU and without Apex/Transformer Engine,
 and otherwise burying the training log."""
@@ -102,10 +104,12 @@ def cpu_line_problem(version: str) -> Optional[str]:
     """Why megatron-core ``version`` cannot run a CPU job (one sentence with the fix), or None."""
     if version.startswith(LINES):
         return None
-    return (f"a CPU run needs megatron-core {', '.join(v + 'x' for v in LINES)} (the CPU compatibility layer, "
-            f"orchestrator/runtime/rank/cpu.py, is tested only there), found {version}; fix: pip install "
-            "'megatron-core>=0.16.1,<0.17' (0.19.x needs Python 3.12), or run on GPUs (cluster.gpus_per_node=<n>), "
-            "which megatron-core 0.16.1-0.19.x serve without this layer")
+    return (
+        f"a CPU run needs megatron-core {', '.join(v + 'x' for v in LINES)} (the CPU compatibility layer, "
+        f"orchestrator/runtime/rank/cpu.py, is tested only there), found {version}; fix: pip install "
+        "'megatron-core>=0.16.1,<0.17' (0.19.x needs Python 3.12), or run on GPUs (cluster.gpus_per_node=<n>), "
+        "which megatron-core 0.16.1-0.19.x serve without this layer"
+    )
 
 
 def version() -> str:

@@ -64,8 +64,10 @@ def installed(transformer_impl: str = "auto") -> Installed:
         return Installed(False, importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None, version())
     problem = transformer_engine_problem()
     if problem:
-        raise BackendError(f"Transformer Engine is installed but its import fails ({problem}); fix: repair it "
-                           "(pip install --force-reinstall transformer-engine[pytorch]) or model.transformer_impl=local")
+        raise BackendError(
+            f"Transformer Engine is installed but its import fails ({problem}); fix: repair it "
+            "(pip install --force-reinstall transformer-engine[pytorch]) or model.transformer_impl=local"
+        )
     te = importlib.util.find_spec("transformer_engine") is not None
     return Installed(te, importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None, version())
 
@@ -79,13 +81,15 @@ def resolve_transformer_impl(cfg: JobConfig, device: str, facts: Installed) -> s
     if impl == "transformer_engine" and not te_ok:
         raise BackendError(
             "model.transformer_impl=transformer_engine but Transformer Engine is not importable here "
-            f"(device={device}); fix: install transformer-engine on the GPU nodes or set model.transformer_impl=local")
+            f"(device={device}); fix: install transformer-engine on the GPU nodes or set model.transformer_impl=local"
+        )
     cp = cfg.parallelism.context_parallel_size
     if cp > 1 and not te_ok:
         raise BackendError(
             f"parallelism.context_parallel_size={cp} needs Transformer Engine attention, but this job uses the "
             f"local layer spec (model.transformer_impl={impl}, device={device}); fix: install transformer-engine "
-            "on the GPU nodes, or parallelism.context_parallel_size=1")
+            "on the GPU nodes, or parallelism.context_parallel_size=1"
+        )
     return "transformer_engine" if te_ok else "local"
 
 
@@ -106,8 +110,11 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         # as built: the runtime later hangs its hooks on the TransformerConfig (no_sync_func,
         # finalize_model_grads_func, grad_scale_func), which are not configuration
-        self._json = {"transformer": fields_of(self.transformer), "ddp": fields_of(self.ddp),
-                      "optimizer": fields_of(self.optimizer)}
+        self._json = {
+            "transformer": fields_of(self.transformer),
+            "ddp": fields_of(self.ddp),
+            "optimizer": fields_of(self.optimizer),
+        }
 
     def as_json(self) -> Dict[str, Dict[str, object]]:
         """``{"transformer", "ddp", "optimizer"}``: every field by megatron-core's name, as built
@@ -117,11 +124,14 @@ class MegatronConfig:
 
 def _check_device(cfg: JobConfig, device: str) -> None:
     if device == "cpu" and cfg.training.precision != "fp32":
-        raise ConfigError(f"training.precision={cfg.training.precision} needs a GPU; fix: training.precision=fp32 on CPU")
+        raise ConfigError(
+            f"training.precision={cfg.training.precision} needs a GPU; fix: training.precision=fp32 on CPU"
+        )
     if device == "cpu" and cfg.optimizer.use_distributed_optimizer:
         raise ConfigError(
             "optimizer.use_distributed_optimizer=true is rejected on CPU by megatron-core 0.16.1's tensor-type "
-            "checks; fix: optimizer.use_distributed_optimizer=false (or run on GPU)")
+            "checks; fix: optimizer.use_distributed_optimizer=false (or run on GPU)"
+        )
 
 
 def _moe_fields(m) -> dict:
@@ -130,8 +140,12 @@ def _moe_fields(m) -> dict:
     group (gloo on CPU, nccl on GPU; exported as ``--moe-token-dispatcher-type alltoall``)."""
     if not m.num_moe_experts:
         return {}
-    return {"moe_router_topk": m.moe_router_topk, "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
-            "moe_router_load_balancing_type": "aux_loss", "moe_token_dispatcher_type": "alltoall"}
+    return {
+        "moe_router_topk": m.moe_router_topk,
+        "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_token_dispatcher_type": "alltoall",
+    }
 
 
 def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str):
@@ -145,31 +159,51 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     rope_fusion = gpu and impl == "transformer_engine" and m.position_embedding_type == "rope"
     interleaved = gpu and vpp is not None  # Megatron-LM overlaps the interleaved schedule's p2p on GPU
     config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
-        normalization=m.normalization, gated_linear_unit=swiglu,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        normalization=m.normalization,
+        gated_linear_unit=swiglu,
         activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear, num_moe_experts=m.num_moe_experts,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_bias_linear,
+        num_moe_experts=m.num_moe_experts,
         **_moe_fields(m),
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size, virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        use_cpu_initialization=None if gpu else True, perform_initialization=True,  # None: Megatron-LM's
-        inference_sampling_seed=t.seed, cp_comm_type="p2p",
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        use_cpu_initialization=None if gpu else True,
+        perform_initialization=True,  # None: Megatron-LM's
+        inference_sampling_seed=t.seed,
+        cp_comm_type="p2p",
         # math, Megatron-LM's on every device: the fused bias-GELU is GELU's tanh approximation
         # (--bias-gelu-fusion, off without biases as validate_args turns it off); SwiGLU's is exact
         bias_activation_fusion=swiglu or m.add_bias_linear,
         attention_softmax_in_fp32=False,
         # speed only: CUDA kernels on GPU (fp32 weight-gradient GEMMs where the kernel exists)
         gradient_accumulation_fusion=gpu and facts.fused_wgrad,
-        masked_softmax_fusion=gpu, bias_dropout_fusion=gpu, persist_layer_norm=gpu,
+        masked_softmax_fusion=gpu,
+        bias_dropout_fusion=gpu,
+        persist_layer_norm=gpu,
         apply_rope_fusion=False,  # set below: its check looks for TE in *this* process
-        deallocate_pipeline_outputs=gpu, overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
+        deallocate_pipeline_outputs=gpu,
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
     # TransformerConfig refuses apply_rope_fusion where TE's fused RoPE does not import; a GPU job's
     # config computed on a login node is about the GPU nodes (facts.transformer_engine), not this one
@@ -185,12 +219,16 @@ def ddp_config(cfg: JobConfig, device: str):
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
         # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
-        grad_reduce_in_fp32=cfg.training.precision == "bf16", overlap_grad_reduce=grad, overlap_param_gather=gather,
+        grad_reduce_in_fp32=cfg.training.precision == "bf16",
+        overlap_grad_reduce=grad,
+        overlap_param_gather=gather,
         align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer, average_in_collective=False,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        average_in_collective=False,
         # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before
         # training.nan_policy's guard (faults/guard.py) can stop naming the ranks, or skip the step
-        check_for_nan_in_grad=False)
+        check_for_nan_in_grad=False,
+    )
 
 
 def optimizer_config(cfg: JobConfig, device: str):
@@ -200,15 +238,27 @@ def optimizer_config(cfg: JobConfig, device: str):
     o, t = cfg.optimizer, cfg.training
     _, gather = overlaps(cfg, device == "cuda")
     return OptimizerConfig(
-        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad,
-        bf16=t.precision == "bf16", fp16=t.precision == "fp16", params_dtype=params_dtype(cfg),
-        use_distributed_optimizer=o.use_distributed_optimizer, overlap_param_gather=gather)
+        optimizer=o.name,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        params_dtype=params_dtype(cfg),
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        overlap_param_gather=gather,
+    )
 
 
 def build(cfg: JobConfig, device: str, facts: Installed) -> MegatronConfig:
     """The job's megatron config for ``device`` on a machine with ``facts``; no CUDA call, no process
     group. Raises ConfigError / BackendError for what the device cannot run."""
     impl = resolve_transformer_impl(cfg, device, facts)
-    return MegatronConfig(transformer_config(cfg, device, facts, impl), ddp_config(cfg, device),
-                          optimizer_config(cfg, device), impl)
+    return MegatronConfig(
+        transformer_config(cfg, device, facts, impl), ddp_config(cfg, device), optimizer_config(cfg, device), impl
+    )

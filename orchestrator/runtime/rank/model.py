@@ -90,8 +90,9 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str, mc) -> tuple:
 
     tf_config = mc.transformer
     spec = layer_spec(cfg, mc)
-    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
-                               cfg.parallelism.tensor_model_parallel_size)
+    padded = padded_vocab_size(
+        vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallelism.tensor_model_parallel_size
+    )
     vpp = tf_config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -126,15 +127,21 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl))
-    if (device == "cuda" and cfg.model.transformer_impl == "auto" and mc.transformer_impl == "local"
-            and torch.distributed.get_rank() == 0):  # said once, by rank 0
-        print("[orchestrator] model.transformer_impl=auto: Transformer Engine is not installed here; megatron-core's "
-              "local layer spec (no TE kernels, no fused RoPE)", flush=True)
+    if (
+        device == "cuda"
+        and cfg.model.transformer_impl == "auto"
+        and mc.transformer_impl == "local"
+        and torch.distributed.get_rank() == 0
+    ):  # said once, by rank 0
+        print(
+            "[orchestrator] model.transformer_impl=auto: Transformer Engine is not installed here; megatron-core's "
+            "local layer spec (no TE kernels, no fused RoPE)",
+            flush=True,
+        )
     chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
     o, ddp_config = cfg.optimizer, mc.ddp
     model = [
-        DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk,
-                                disable_bucketing=(i > 0))
+        DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
     optimizer = get_megatron_optimizer(mc.optimizer, model)
@@ -155,8 +162,14 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> B
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
-    return Built(model=model, optimizer=optimizer, scheduler=scheduler, tf_config=tf_config,
-                 padded_vocab_size=padded, megatron=mc)
+    return Built(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tf_config=tf_config,
+        padded_vocab_size=padded,
+        megatron=mc,
+    )
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -32,13 +32,35 @@ JOB_ID_VAR = "ORCHESTRATOR_JOB_ID"
 """The job id every rank of an agent-started job reads (no submitit there): records, lock, heartbeats."""
 
 
-def agent_command(python: str, job_file: str, *, nnodes: int, nproc_per_node: int, rdzv_endpoint: str,
-                  rdzv_id: str, node_rank: Optional[int] = None, max_restarts: int = 0,
-                  watch_stdin: bool = False) -> List[str]:
+def agent_command(
+    python: str,
+    job_file: str,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    node_rank: Optional[int] = None,
+    max_restarts: int = 0,
+    watch_stdin: bool = False,
+) -> List[str]:
     """The argv of the per-node agent (see the module docstring); pure."""
-    argv = [python, "-m", "orchestrator.runtime.start.agent", "node", "--nnodes", str(nnodes),
-            "--nproc-per-node", str(nproc_per_node), "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
-            "--max-restarts", str(max_restarts)]
+    argv = [
+        python,
+        "-m",
+        "orchestrator.runtime.start.agent",
+        "node",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--max-restarts",
+        str(max_restarts),
+    ]
     if node_rank is not None:
         argv += ["--node-rank", str(node_rank)]
     if watch_stdin:
@@ -58,7 +80,7 @@ def exit_code_of(outcome: Any) -> Optional[int]:
     text = str(outcome[1]) if isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] == "error" else ""
     if not (text.startswith("SystemExit(") and text.endswith(")")):
         return None
-    value = text[len("SystemExit("):-1]
+    value = text[len("SystemExit(") : -1]
     return int(value) if value.lstrip("-").isdigit() else 1
 
 
@@ -91,23 +113,36 @@ def run_node(args: argparse.Namespace) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     static = args.node_rank is not None
-    config = LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                          run_id=args.rdzv_id, role="orchestrator", rdzv_endpoint=args.rdzv_endpoint,
-                          rdzv_backend="static" if static else getattr(args, "rdzv_backend", "c10d"),
-                          rdzv_configs={"rank": args.node_rank} if static else {"join_timeout": 300},
-                          max_restarts=args.max_restarts, monitor_interval=0.5, start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=args.nnodes,
+        max_nodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        run_id=args.rdzv_id,
+        role="orchestrator",
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend="static" if static else getattr(args, "rdzv_backend", "c10d"),
+        rdzv_configs={"rank": args.node_rank} if static else {"join_timeout": 300},
+        max_restarts=args.max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
     if args.watch_stdin:
         _watch_stdin()
     try:
         elastic_launch(config, sys.executable)("-m", "orchestrator.runtime.start.agent", "rank", args.job_file)
     except ChildFailedError as exc:
-        failures = ", ".join(f"rank {rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'}"
-                             f" {f.exitcode})" for rank, f in exc.failures.items())
+        failures = ", ".join(
+            f"rank {rank} ({'signal ' + f.signal_name() if f.signal_name() else 'exit'} {f.exitcode})"
+            for rank, f in exc.failures.items()
+        )
         print(f"[orchestrator] agent on {os.uname().nodename}: {failures}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
-        print(f"[orchestrator] agent on {os.uname().nodename}: stopped by signal {exc.sigval.name}; ranks ended",
-              file=sys.stderr, flush=True)
+        print(
+            f"[orchestrator] agent on {os.uname().nodename}: stopped by signal {exc.sigval.name}; ranks ended",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(exc.sigval)
     return 0
 

@@ -33,18 +33,33 @@ from orchestrator.runtime.rank.process import die_with_parent, flush_and_exit, r
 
 PRELOADED = (
     "torch._dynamo",  # torch.optim's step imports it (the first step of every rank otherwise)
-    "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
-    "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel", "megatron.core.tokenizers.text", "megatron.core.tokenizers.text.models",
+    "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.datasets.gpt_dataset",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tokenizers.text",
+    "megatron.core.tokenizers.text.models",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel", "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.torch",
     "psutil",
-    "orchestrator.runtime.rank.build", "orchestrator.runtime.training.loop", "orchestrator.runtime.training.run",
-    "orchestrator.runtime.training.checkpoint", "orchestrator.runtime.training.resume",
-    "orchestrator.runtime.faults.diskspace", "orchestrator.runtime.faults.guard",
-    "orchestrator.runtime.faults.requeue", "orchestrator.runtime.faults.watchdog",
-    "orchestrator.runtime.faults.preempt", "orchestrator.ckpt.lock", "orchestrator.ckpt.manifest",
-    "orchestrator.ckpt.resume", "orchestrator.plan.ckpt_size", "orchestrator.plan.memory",
+    "orchestrator.runtime.rank.build",
+    "orchestrator.runtime.training.loop",
+    "orchestrator.runtime.training.run",
+    "orchestrator.runtime.training.checkpoint",
+    "orchestrator.runtime.training.resume",
+    "orchestrator.runtime.faults.diskspace",
+    "orchestrator.runtime.faults.guard",
+    "orchestrator.runtime.faults.requeue",
+    "orchestrator.runtime.faults.watchdog",
+    "orchestrator.runtime.faults.preempt",
+    "orchestrator.ckpt.lock",
+    "orchestrator.ckpt.manifest",
+    "orchestrator.ckpt.resume",
+    "orchestrator.plan.ckpt_size",
+    "orchestrator.plan.memory",
 )
 """What a rank imports to train, save and resume: imported once before forking, the forks share it. A
 module a rank imports after the fork costs every rank its import again (megatron's tokenizers, layer
@@ -99,8 +114,14 @@ def _redirect_output(log_prefix: str) -> None:
         os.close(out)
 
 
-def fork_child(rank: int, world_size: int, env: Dict[str, str], log_prefix: Optional[str], pages: List[int],
-               body: Callable[[], Any]) -> int:
+def fork_child(
+    rank: int,
+    world_size: int,
+    env: Dict[str, str],
+    log_prefix: Optional[str],
+    pages: List[int],
+    body: Callable[[], Any],
+) -> int:
     """Fork rank ``rank``; returns the child's pid in the parent. In the child: die with the parent,
     count the shared pages, take the rank's environment and its logs (``log_prefix``; None keeps the
     parent's), run ``body()`` and exit: 0 when it returned, a ``SystemExit``'s status, 1 when it raised
@@ -115,8 +136,12 @@ def fork_child(rank: int, world_size: int, env: Dict[str, str], log_prefix: Opti
     try:
         die_with_parent(parent)
         touch_pages(pages)
-        os.environ.update(env, SUBMITIT_LOCAL_NTASKS=str(world_size), SUBMITIT_LOCAL_GLOBALID=str(rank),
-                          SUBMITIT_LOCAL_LOCALID=str(rank))
+        os.environ.update(
+            env,
+            SUBMITIT_LOCAL_NTASKS=str(world_size),
+            SUBMITIT_LOCAL_GLOBALID=str(rank),
+            SUBMITIT_LOCAL_LOCALID=str(rank),
+        )
         if log_prefix is not None:
             _redirect_output(log_prefix)
         body()
@@ -145,8 +170,10 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
     gc.freeze()  # the forks' collectors leave the imported objects alone: fewer copy-on-write copies
     pages = resident_file_pages()
     os.environ["SUBMITIT_LOCAL_NTASKS"] = str(world_size)
-    pids = {rank: fork_child(rank, world_size, {}, str(folder / f"{job_id}_{rank}_log"), pages, body)
-            for rank in range(1, world_size)}
+    pids = {
+        rank: fork_child(rank, world_size, {}, str(folder / f"{job_id}_{rank}_log"), pages, body)
+        for rank in range(1, world_size)
+    }
     from orchestrator.io import write_atomic
 
     write_atomic(ranks_path(folder, job_id), json.dumps({0: os.getpid(), **pids}))

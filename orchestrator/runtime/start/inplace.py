@@ -45,8 +45,9 @@ class NodeAgent:
     summary}}`` for the ranks whose outcome it found. Raises ``SystemExit(code)`` for a stop or requeue and
     ``RuntimeError`` (the first failed rank's last lines) for a failure."""
 
-    def __init__(self, job: Any, run_dir: str, nproc_per_node: int, nnodes: int, max_restarts: int,
-                 spare_nodes: int = 0):
+    def __init__(
+        self, job: Any, run_dir: str, nproc_per_node: int, nnodes: int, max_restarts: int, spare_nodes: int = 0
+    ):
         self.job, self.run_dir = job, run_dir
         self.nproc_per_node, self.nnodes, self.max_restarts = nproc_per_node, nnodes, max_restarts
         self.spare_nodes = spare_nodes
@@ -84,9 +85,17 @@ class NodeAgent:
         # SLURM signals every process of the step: the workers save and stop (or requeue) themselves; the agent
         # must outlive them (submitit's own USR2 handler would end this task, and with it the workers)
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        args = argparse.Namespace(nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, rdzv_endpoint=endpoint,
-                                  rdzv_id=f"{job_id}-{attempt}", node_rank=None, max_restarts=self.max_restarts,
-                                  watch_stdin=False, job_file=str(job_file), rdzv_backend="c10d")
+        args = argparse.Namespace(
+            nnodes=self.nnodes,
+            nproc_per_node=self.nproc_per_node,
+            rdzv_endpoint=endpoint,
+            rdzv_id=f"{job_id}-{attempt}",
+            node_rank=None,
+            max_restarts=self.max_restarts,
+            watch_stdin=False,
+            job_file=str(job_file),
+            rdzv_backend="c10d",
+        )
         if getattr(env, "cluster", "") != "local":  # SLURM: a health check before each start; spares wait
             from orchestrator.runtime.start import spares
 
@@ -123,8 +132,9 @@ class NodeAgent:
             max_failures = int(self.job.config["cluster"]["max_failures"])
             requeued, detail = requeue_for_failure(self.run_dir, max_failures)
             why = f"{why}; no spare node left (cluster.spare_nodes={self.spare_nodes}): {detail}"
-            history.record_event(self.run_dir, "requeue_decision", job_id=job_id, attempt=attempt, requeued=requeued,
-                                 detail=detail)
+            history.record_event(
+                self.run_dir, "requeue_decision", job_id=job_id, attempt=attempt, requeued=requeued, detail=detail
+            )
         print(f"[orchestrator] {why}", flush=True)
         raise RuntimeError(why)
 
@@ -140,6 +150,8 @@ class NodeAgent:
             rank, text = next(iter(errors.items()))
             raise RuntimeError(f"rank {rank} failed:\n{text}")
         if code != 0:
-            raise RuntimeError(f"the ranks on {socket.gethostname()} failed and their agent ended (exit {code}) "
-                               f"after cluster.max_restarts={self.max_restarts} restarts; see the log above")
+            raise RuntimeError(
+                f"the ranks on {socket.gethostname()} failed and their agent ended (exit {code}) "
+                f"after cluster.max_restarts={self.max_restarts} restarts; see the log above"
+            )
         return {"ranks": {r: o[1] for r, o in found.items()}}

@@ -49,8 +49,15 @@ class TrainJob:
     gracefully when it dies (:mod:`orchestrator.runtime.faults.launcher`; forked ranks die with the task).
     """
 
-    def __init__(self, config: Dict[str, Any], prepared: Dict[str, Any], env: Optional[Dict[str, str]] = None,
-                 fork_ranks: int = 0, build_indices: bool = False, launcher: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        config: Dict[str, Any],
+        prepared: Dict[str, Any],
+        env: Optional[Dict[str, str]] = None,
+        fork_ranks: int = 0,
+        build_indices: bool = False,
+        launcher: Optional[Dict[str, Any]] = None,
+    ):
         self.config = config
         self.prepared = prepared
         self.env = dict(env or {})
@@ -264,8 +271,9 @@ def hold_run_lock(run_dir: str, since: Optional[float] = None) -> Iterator[None]
             lock.release()
 
 
-def _await_decision(path: Path, attempt: int, timeout_s: float = DECISION_TIMEOUT_S,
-                    since: Optional[float] = None) -> None:
+def _await_decision(
+    path: Path, attempt: int, timeout_s: float = DECISION_TIMEOUT_S, since: Optional[float] = None
+) -> None:
     """Wait for rank 0's decision of this attempt (written after this process started, so a file
     left by an earlier job that had the same id is never read); raise its refusal."""
     import psutil
@@ -285,5 +293,6 @@ def _await_decision(path: Path, attempt: int, timeout_s: float = DECISION_TIMEOU
                 raise RunLockedError(decision.get("error") or "rank 0 could not take the run lock")
             return
         time.sleep(0.2)
-    raise RunLockedError(f"rank 0 did not decide on the run lock within {timeout_s:.0f} s ({path} not written); "
-                         "fix: see rank 0's log")
+    raise RunLockedError(
+        f"rank 0 did not decide on the run lock within {timeout_s:.0f} s ({path} not written); fix: see rank 0's log"
+    )

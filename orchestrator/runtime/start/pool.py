@@ -108,8 +108,13 @@ class PoolJob:
       default process group between trials (``train.run(keep_process_group=True)``).
     """
 
-    def __init__(self, pool_dir: str, env: Optional[Dict[str, str]] = None,
-                 owner: Optional[Dict[str, Any]] = None, fork_ranks: int = 0):
+    def __init__(
+        self,
+        pool_dir: str,
+        env: Optional[Dict[str, str]] = None,
+        owner: Optional[Dict[str, Any]] = None,
+        fork_ranks: int = 0,
+    ):
         self.pool_dir, self.env, self.owner = str(pool_dir), dict(env or {}), dict(owner or {})
         self.fork_ranks = fork_ranks
 
@@ -149,9 +154,17 @@ class PoolJob:
                 return num
             ranks_env = {LOCAL_PORT_VAR: str(reserve_local_port())}
             pages = resident_file_pages()
-            pids = [fork_child(rank, self.fork_ranks, ranks_env, None if rank == 0 else str(log_dir / f"{job_id}_{rank}_log"),
-                               pages, lambda rank=rank, num=num, spec=spec: self._forked_trial(spec, num, rank))
-                    for rank in range(self.fork_ranks)]
+            pids = [
+                fork_child(
+                    rank,
+                    self.fork_ranks,
+                    ranks_env,
+                    None if rank == 0 else str(log_dir / f"{job_id}_{rank}_log"),
+                    pages,
+                    lambda rank=rank, num=num, spec=spec: self._forked_trial(spec, num, rank),
+                )
+                for rank in range(self.fork_ranks)
+            ]
             for pid in pids:
                 os.waitpid(pid, 0)
             num += 1

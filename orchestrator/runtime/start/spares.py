@@ -126,8 +126,9 @@ def _record(run_dir: str, event: str, **fields: Any) -> None:
     from orchestrator.slurm import restart_count
 
     try:
-        history.record_event(run_dir, event, job_id=os.environ.get("ORCHESTRATOR_JOB_ID"), attempt=restart_count(),
-                             **fields)
+        history.record_event(
+            run_dir, event, job_id=os.environ.get("ORCHESTRATOR_JOB_ID"), attempt=restart_count(), **fields
+        )
     except OSError:
         pass
 
@@ -135,8 +136,13 @@ def _record(run_dir: str, event: str, **fields: Any) -> None:
 def leave(run_dir: str, job_dir: Path, host: str, problem: str) -> None:
     """Say that ``host`` is left out (for the spares, and in ``jobs.jsonl``)."""
     (job_dir / f"left_out_{host}.json").write_text(json.dumps({"host": host, "problem": problem, "time": time.time()}))
-    _record(run_dir, "node_left_out", host=host, problem=problem,
-            message=f"node {host} failed its health check and is left out: {problem}")
+    _record(
+        run_dir,
+        "node_left_out",
+        host=host,
+        problem=problem,
+        message=f"node {host} failed its health check and is left out: {problem}",
+    )
 
 
 def wait_for_a_place(run_dir: str, job_dir: Path, poll_s: float = 0.5) -> Optional[str]:
@@ -150,8 +156,13 @@ def wait_for_a_place(run_dir: str, job_dir: Path, poll_s: float = 0.5) -> Option
                 os.close(os.open(job_dir / f"taken_{left}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             except FileExistsError:
                 continue
-            _record(run_dir, "spare_joined", host=host, replaces=left,
-                    message=f"spare node {host} takes the place of node {left}")
+            _record(
+                run_dir,
+                "spare_joined",
+                host=host,
+                replaces=left,
+                message=f"spare node {host} takes the place of node {left}",
+            )
             return left
         time.sleep(poll_s)
     return None
@@ -160,4 +171,3 @@ def wait_for_a_place(run_dir: str, job_dir: Path, poll_s: float = 0.5) -> Option
 def mark_done(job_dir: Path) -> None:
     """The job's ranks ended (an active node's agent returned): the spares stop waiting."""
     (job_dir / "done").write_text(f"{time.time()}\n")
-

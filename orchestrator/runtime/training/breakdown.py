@@ -50,11 +50,18 @@ import torch
 
 from orchestrator.plan.step_breakdown import CATEGORIES, per_stage
 
-_NAMES = {"forward-compute": "compute", "backward-compute": "compute", "batch-generator": "data",
-          "all-grads-sync": "dp_comm", "embedding-grads-all-reduce": "dp_comm",
-          "non-tensor-parallel-grads-all-reduce": "dp_comm", "conditional-embedder-grads-all-reduce": "dp_comm",
-          "optimizer": "optimizer", "loss-all-reduce": "dp_comm",
-          "loop-sync": "sync"}
+_NAMES = {
+    "forward-compute": "compute",
+    "backward-compute": "compute",
+    "batch-generator": "data",
+    "all-grads-sync": "dp_comm",
+    "embedding-grads-all-reduce": "dp_comm",
+    "non-tensor-parallel-grads-all-reduce": "dp_comm",
+    "conditional-embedder-grads-all-reduce": "dp_comm",
+    "optimizer": "optimizer",
+    "loss-all-reduce": "dp_comm",
+    "loop-sync": "sync",
+}
 """megatron-core's timer names (and the loop's own sections) -> category; p2p names are found by :func:`category`."""
 
 
@@ -189,10 +196,15 @@ class StepClock:
         resets the window. Collective over every rank."""
         self._resolve()
         totals = self.run if run else self.window
-        mine = torch.tensor([float(self.stage), float(totals.iterations), totals.step_s]
-                            + [totals.seconds[c] for c in CATEGORIES], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())] \
-            if self.rank.info.rank == self.logger else None
+        mine = torch.tensor(
+            [float(self.stage), float(totals.iterations), totals.step_s] + [totals.seconds[c] for c in CATEGORIES],
+            dtype=torch.float64,
+        )
+        everyone = (
+            [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+            if self.rank.info.rank == self.logger
+            else None
+        )
         torch.distributed.gather(mine, everyone, dst=self.logger, group=self.group)
         first = self.first
         if not run:

@@ -65,8 +65,10 @@ class _Watchdog:
     def __enter__(self):
         def watch():
             if not self._done.wait(self.timeout_s):
-                sys.stderr.write(f"[orchestrator] {self.what} did not finish within {self.timeout_s:.0f}s "
-                                 f"(checkpoint.save_timeout_s); aborting this rank\n")
+                sys.stderr.write(
+                    f"[orchestrator] {self.what} did not finish within {self.timeout_s:.0f}s "
+                    f"(checkpoint.save_timeout_s); aborting this rank\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -99,8 +101,7 @@ def _prepare(cfg: JobConfig, model, optimizer, scheduler, iteration: int, consum
     return path, state
 
 
-def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int,
-         manifest_fn) -> Path:
+def save(cfg: JobConfig, model, optimizer, scheduler, *, iteration: int, consumed_samples: int, manifest_fn) -> Path:
     """Save model + optimizer + scheduler state at ``iteration``; rank 0 writes the manifest last.
 
     ``manifest_fn(checkpoint_dir) -> None`` is called on rank 0 after every rank finished writing.
@@ -196,13 +197,21 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
     except BaseException as exc:  # noqa: BLE001 - reworded in one line, the traceback kept as its cause
         if _peer_lost(exc):  # a peer died during the load: a crash like any other (restarted, requeued), not the file
             raise RuntimeError(f"checkpoint {path}: a peer was lost during the load ({load_failure(exc)})") from exc
-        raise CheckpointLoadError(f"checkpoint {path} could not be loaded ({load_failure(exc)}); it is damaged or "
-                                  f"does not fit this model: restore it, or move it aside (mv {path} {path}.bad) "
-                                  f"and rerun to resume from the checkpoint before it") from exc
+        raise CheckpointLoadError(
+            f"checkpoint {path} could not be loaded ({load_failure(exc)}); it is damaged or "
+            f"does not fit this model: restore it, or move it aside (mv {path} {path}.bad) "
+            f"and rerun to resume from the checkpoint before it"
+        ) from exc
 
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "Socket Timeout", "timed out")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+    "timed out",
+)
 """What gloo / NCCL / the store say when another rank is gone (torch 2.13's own messages)."""
 
 
@@ -214,7 +223,8 @@ def _peer_lost(exc: BaseException) -> bool:
     for error in errors:
         while error is not None:
             if isinstance(error, getattr(torch.distributed, "DistError", ())) or any(
-                    m in str(error) for m in _PEER_LOST):
+                m in str(error) for m in _PEER_LOST
+            ):
                 return True
             error = error.__cause__ or error.__context__
     return False

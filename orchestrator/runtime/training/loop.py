@@ -96,8 +96,9 @@ class StopPoll:
             self._work.wait()
             decided = bool(self._flag[0])
         self._flag = torch.tensor([int(self.stop.local_flag)], dtype=torch.int32)
-        self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
-                                                  group=self.group, async_op=True)
+        self._work = torch.distributed.all_reduce(
+            self._flag, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True
+        )
         if decided and not self.stop.local_flag:
             self.stop.trigger("peer")  # another rank got the signal; requeue_or_exit names it
         return decided
@@ -140,9 +141,14 @@ def evaluate(rank: Rank, forward_backward, data: Data) -> Optional[float]:
     with torch.no_grad():
         for _ in range(t.eval_iters):
             losses = forward_backward(
-                forward_step_func=_forward_step, data_iterator=iterators, model=model,
-                num_microbatches=rank.layout.num_microbatches, seq_length=rank.cfg.model.seq_length,
-                micro_batch_size=t.micro_batch_size, forward_only=True)
+                forward_step_func=_forward_step,
+                data_iterator=iterators,
+                model=model,
+                num_microbatches=rank.layout.num_microbatches,
+                seq_length=rank.cfg.model.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                forward_only=True,
+            )
             loss = _step_loss(losses)
             if loss is not None:
                 per_step.append(loss)
@@ -215,18 +221,28 @@ class _Log:
             return
         r = self.rank
         rec: Dict[str, object] = {
-            "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss, "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm), "step_time_s": step,
-            "tokens_per_s": r.layout.tokens_per_step / step, "batch_size": r.cfg.training.global_batch_size,
+            "iteration": iteration,
+            "consumed_samples": consumed,
+            "lm_loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "step_time_s": step,
+            "tokens_per_s": r.layout.tokens_per_step / step,
+            "batch_size": r.cfg.training.global_batch_size,
             "throughput_tflops": self.flops / (step * r.layout.world_size * 1e12) if self.flops else None,
-            "skipped": not update_ok, "max_rss_mb": max_rss_mb(), "max_gpu_mem_mb": max_gpu_mb(r.device),
+            "skipped": not update_ok,
+            "max_rss_mb": max_rss_mb(),
+            "max_gpu_mem_mb": max_gpu_mb(r.device),
             "time": time.time(),
         }
         self.trackers.train(rec)
         gn = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
-        print(f"iteration {iteration:6d}/{r.cfg.training.train_iters} | consumed samples {consumed:8d} | "
-              f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
-              f"tokens/s {rec['tokens_per_s']:.0f}", flush=True)
+        print(
+            f"iteration {iteration:6d}/{r.cfg.training.train_iters} | consumed samples {consumed:8d} | "
+            f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
+            f"tokens/s {rec['tokens_per_s']:.0f}",
+            flush=True,
+        )
 
     def whole_run(self) -> Optional[Dict[str, object]]:
         """The breakdown over the timed iterations, said on the logging rank (collective); None when off."""
@@ -238,9 +254,17 @@ class _Log:
     def eval(self, iteration: int, consumed: int, loss: Optional[float]) -> None:
         if self.trackers.enabled and loss is not None:
             t = self.rank.cfg.training
-            self.trackers.eval({"event": "eval", "iteration": iteration, "consumed_samples": consumed,
-                                "lm_loss": loss, "ppl": perplexity(loss), "eval_iters": t.eval_iters,
-                                "time": time.time()})
+            self.trackers.eval(
+                {
+                    "event": "eval",
+                    "iteration": iteration,
+                    "consumed_samples": consumed,
+                    "lm_loss": loss,
+                    "ppl": perplexity(loss),
+                    "eval_iters": t.eval_iters,
+                    "time": time.time(),
+                }
+            )
             print(f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {perplexity(loss):.3f}", flush=True)
 
 
@@ -254,8 +278,9 @@ def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
     return data.valid is not None and (completed or bool(t.eval_interval) and iteration % t.eval_interval == 0)
 
 
-def _step(rank: Rank, data: Data, forward_backward, iteration: int, guard, clock, watch, tracer
-          ) -> Tuple[list, float, bool, Optional[float]]:
+def _step(
+    rank: Rank, data: Data, forward_backward, iteration: int, guard, clock, watch, tracer
+) -> Tuple[list, float, bool, Optional[float]]:
     """Iteration ``iteration``'s forward/backward (megatron-core's schedule) and optimizer step, timed for the
     breakdown (``clock``), the straggler watch and the trace; ``(losses, lr applied, update_ok, grad_norm)``."""
     cfg, t, b = rank.cfg, rank.cfg.training, rank.built
@@ -267,9 +292,14 @@ def _step(rank: Rank, data: Data, forward_backward, iteration: int, guard, clock
         b.optimizer.zero_grad()
     with straggler.timing(watch, _forward_step) as timed, trace.around(tracer, iteration, timed) as forward_step:
         losses = forward_backward(
-            forward_step_func=forward_step, data_iterator=data.train, model=b.model,
-            num_microbatches=rank.layout.num_microbatches, seq_length=cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=data.train,
+            model=b.model,
+            num_microbatches=rank.layout.num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
     _inject_nonfinite_grad(b.model, iteration)
     lr = b.optimizer.param_groups[0]["lr"]  # what this step applies
     # guard.step: megatron's optimizer step that never applies a non-finite update
@@ -344,6 +374,15 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
             break
     poll.close()
     whole = log.whole_run()  # collective
-    return Outcome(status, it, consumed, last_loss, log.timed, log.cpu, time.perf_counter() - loop_start,
-                   tracer.result if tracer is not None else None, breakdown=whole,
-                   stragglers=watch.named if watch is not None else [])
+    return Outcome(
+        status,
+        it,
+        consumed,
+        last_loss,
+        log.timed,
+        log.cpu,
+        time.perf_counter() - loop_start,
+        tracer.result if tracer is not None else None,
+        breakdown=whole,
+        stragglers=watch.named if watch is not None else [],
+    )

@@ -52,20 +52,28 @@ def perplexity(lm_loss: float) -> float:
 
 def train_scalars(record: Dict[str, object]) -> Dict[str, float]:
     """TensorBoard/W&B scalars (Megatron-LM names) of one metrics.jsonl training record."""
-    tags = {"lm loss": record["lm_loss"], "learning-rate": record["lr"], "grad-norm": record["grad_norm"],
-            "throughput": record.get("throughput_tflops"), "tokens-per-sec": record["tokens_per_s"],
-            "iteration-time": record["step_time_s"], "batch-size": record.get("batch_size")}
+    tags = {
+        "lm loss": record["lm_loss"],
+        "learning-rate": record["lr"],
+        "grad-norm": record["grad_norm"],
+        "throughput": record.get("throughput_tflops"),
+        "tokens-per-sec": record["tokens_per_s"],
+        "iteration-time": record["step_time_s"],
+        "batch-size": record.get("batch_size"),
+    }
     if record.get("max_gpu_mem_mb") is not None:
-        tags["mem-max-allocated-bytes"] = float(record["max_gpu_mem_mb"]) * 2 ** 20  # type: ignore[arg-type]
+        tags["mem-max-allocated-bytes"] = float(record["max_gpu_mem_mb"]) * 2**20  # type: ignore[arg-type]
     elif record.get("max_rss_mb") is not None:
-        tags["mem-max-rss-bytes"] = float(record["max_rss_mb"]) * 2 ** 20  # type: ignore[arg-type]
+        tags["mem-max-rss-bytes"] = float(record["max_rss_mb"]) * 2**20  # type: ignore[arg-type]
     return {k: float(v) for k, v in tags.items() if v is not None}  # type: ignore[arg-type]
 
 
 def eval_scalars(record: Dict[str, object]) -> Dict[str, float]:
     """TensorBoard/W&B scalars (Megatron-LM names) of one metrics.jsonl ``eval`` record."""
-    return {"lm loss validation": float(record["lm_loss"]),  # type: ignore[arg-type]
-            "lm loss validation ppl": float(record["ppl"])}  # type: ignore[arg-type]
+    return {
+        "lm loss validation": float(record["lm_loss"]),  # type: ignore[arg-type]
+        "lm loss validation ppl": float(record["ppl"]),
+    }  # type: ignore[arg-type]
 
 
 class _TensorBoard:
@@ -98,16 +106,26 @@ class _Wandb:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.wandb.project is set but wandb is not installed; "
-                              "fix: pip install 'orchestrator[wandb]' or logging.wandb.project=null") from None
+            raise ConfigError(
+                "logging.wandb.project is set but wandb is not installed; "
+                "fix: pip install 'orchestrator[wandb]' or logging.wandb.project=null"
+            ) from None
         import hashlib
 
         from orchestrator.config.schema import to_dict
 
         w = cfg.logging.wandb
         run_id = f"{cfg.run.name}-{hashlib.sha256(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]}"
-        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or cfg.run.name, id=run_id,
-                              resume="allow", dir=str(cfg.run.dir), mode=w.mode, config=to_dict(cfg))
+        self.run = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name or cfg.run.name,
+            id=run_id,
+            resume="allow",
+            dir=str(cfg.run.dir),
+            mode=w.mode,
+            config=to_dict(cfg),
+        )
 
     def write(self, scalars: Dict[str, float], iteration: int, samples: int) -> None:
         self.run.log({**scalars, "samples": samples}, step=iteration)

@@ -59,9 +59,12 @@ def _verdict(rank: Rank, prepared):
     if rank.rank0:
         try:
             info = preflight.preflight(
-                rank.cfg, rank.layout, data_fingerprint=prepared.fingerprint,
+                rank.cfg,
+                rank.layout,
+                data_fingerprint=prepared.fingerprint,
                 tokenizer=tokenizer_identity(rank.cfg.data),
-                warn=_warn_in_job)
+                warn=_warn_in_job,
+            )
             if info is not None and rank.built.megatron is not None:
                 check_megatron_config(info.manifest, rank.built.megatron.as_json(), str(info.path), rank.say)
             verdict[0] = ("ok", info)
@@ -102,8 +105,10 @@ def restore(rank: Rank, prepared) -> Start:
         load_s = slowest(rank, time.perf_counter() - t0)
         apply_config_schedule(rank)
         iteration = progress["iteration"]
-        rank.say(f"resumed from {latest.path} at iteration {iteration} (loaded in {load_s:.2f} s, slowest rank); "
-                 f"{lr_schedule(cfg).describe(iteration + 1)}")
+        rank.say(
+            f"resumed from {latest.path} at iteration {iteration} (loaded in {load_s:.2f} s, slowest rank); "
+            f"{lr_schedule(cfg).describe(iteration + 1)}"
+        )
         return Start(iteration, progress["consumed_samples"], origin_of(latest), str(latest.path), load_s)
     if cfg.checkpoint.init_from:
         ckpt.load(Path(cfg.checkpoint.init_from), built.model)

@@ -1,13 +1,13 @@
 """One rank's job, top to bottom: build → resume → data → loop → final save → summary.
 
-    stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
-    rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
-    links   = check_links(rank)                runtime.faults.links: cross-node bandwidth (multi-node jobs)
-    guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
-    start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
-    data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
-    outcome = loop.train(...)                  runtime.loop: the iterations, evaluation, saves, stop
-    summary = summarize(rank, outcome, ...)    runtime.summary: the record every rank returns
+stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
+rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
+links   = check_links(rank)                runtime.faults.links: cross-node bandwidth (multi-node jobs)
+guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
+start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
+data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
+outcome = loop.train(...)                  runtime.loop: the iterations, evaluation, saves, stop
+summary = summarize(rank, outcome, ...)    runtime.summary: the record every rank returns
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ def write_megatron_config(run_dir: str, mc) -> None:
 
     from orchestrator.io import write_atomic
 
-    write_atomic(os.path.join(run_dir, "megatron_config.json"),
-                 json.dumps(mc.as_json(), indent=1, sort_keys=True) + "\n", fsync=False)
+    write_atomic(
+        os.path.join(run_dir, "megatron_config.json"),
+        json.dumps(mc.as_json(), indent=1, sort_keys=True) + "\n",
+        fsync=False,
+    )
 
 
 def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[str, object]:
@@ -88,10 +91,20 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     if rank.rank0:  # for the job's own log (the launcher printed it before submission)
         print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
         write_megatron_config(cfg.run.dir, rank.built.megatron)
-    rank.say(f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
-             f"{start.iteration + 1}..{cfg.training.train_iters}")
-    trackers.event({"event": "start", "iteration": start.iteration, "train_iters": cfg.training.train_iters,
-                    "resumed_from": start.resumed_from, "load_s": start.load_s, "time": time.time()})
+    rank.say(
+        f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
+        f"{start.iteration + 1}..{cfg.training.train_iters}"
+    )
+    trackers.event(
+        {
+            "event": "start",
+            "iteration": start.iteration,
+            "train_iters": cfg.training.train_iters,
+            "resumed_from": start.resumed_from,
+            "load_s": start.load_s,
+            "time": time.time(),
+        }
+    )
     if rank.link_check is not None:
         trackers.event(rank.link_check)
     try:

@@ -53,9 +53,11 @@ def room_problem(run_dir: str, path: Path, expected: int) -> Optional[str]:
         return None
     latest = latest_checkpoint(run_dir)
     resume = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint yet"
-    return (f"checkpoint {path.name} not started: it needs ~{size_text(expected)} and {mount} has "
-            f"{size_text(free)} free of {size_text(total)}; {resume}; fix: free space there (or set run.root to a "
-            f"larger filesystem, or lower checkpoint.keep_last) and rerun to resume")
+    return (
+        f"checkpoint {path.name} not started: it needs ~{size_text(expected)} and {mount} has "
+        f"{size_text(free)} free of {size_text(total)}; {resume}; fix: free space there (or set run.root to a "
+        f"larger filesystem, or lower checkpoint.keep_last) and rerun to resume"
+    )
 
 
 def _dying_with_parent(write, *args, **kwargs):
@@ -119,12 +121,20 @@ class Saver:
         save = _Save(iteration, consumed, path, time.perf_counter(), time.time(), self.async_saves is not None)
         with self._guarded(iteration):
             if self.async_saves is None:
-                ckpt.save(r.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration, consumed_samples=consumed,
-                          manifest_fn=lambda p: self._write_manifest(save, time.perf_counter() - save.t0))
+                ckpt.save(
+                    r.cfg,
+                    b.model,
+                    b.optimizer,
+                    b.scheduler,
+                    iteration=iteration,
+                    consumed_samples=consumed,
+                    manifest_fn=lambda p: self._write_manifest(save, time.perf_counter() - save.t0),
+                )
                 self._complete(save)
             else:
-                _, request = ckpt.save_async(r.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration,
-                                             consumed_samples=consumed)
+                _, request = ckpt.save_async(
+                    r.cfg, b.model, b.optimizer, b.scheduler, iteration=iteration, consumed_samples=consumed
+                )
                 request.add_finalize_fn(lambda: self._finalize_async(save))
                 if request.async_fn is not None:  # None: nothing for this rank to write
                     request = request._replace(async_fn=partial(_dying_with_parent, request.async_fn))
@@ -182,14 +192,27 @@ class Saver:
         if not save.is_async:
             save.blocking_s = write_s  # training waited for all of it
         manifest = mf.build_manifest(
-            r.cfg, r.layout, iteration=save.iteration, consumed_samples=save.consumed, checkpoint_dir=str(save.path),
-            vocab_size=model_vocab_size(r.cfg, r.tokenizer.vocab_size)[0], padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
-            tokenizer=self.tokenizer, data=self.data_identity, versions=self.versions, origin=self.origin,
+            r.cfg,
+            r.layout,
+            iteration=save.iteration,
+            consumed_samples=save.consumed,
+            checkpoint_dir=str(save.path),
+            vocab_size=model_vocab_size(r.cfg, r.tokenizer.vocab_size)[0],
+            padded_vocab_size=r.built.padded_vocab_size,  # type: ignore[attr-defined]
+            tokenizer=self.tokenizer,
+            data=self.data_identity,
+            versions=self.versions,
+            origin=self.origin,
             rng_and_data_state={"scheduler": r.built.scheduler.state_dict()},
             history=self.guard.history(save.iteration) if self.guard is not None else None,
             hosts=list(getattr(r.info, "hosts", ()) or []) or None,
-            save={"async": save.is_async, "started": save.started, "completed": time.time(),
-                  "write_s": round(write_s, 4), "blocking_s": round(save.blocking_s, 4)},
+            save={
+                "async": save.is_async,
+                "started": save.started,
+                "completed": time.time(),
+                "write_s": round(write_s, 4),
+                "blocking_s": round(save.blocking_s, 4),
+            },
             megatron=r.built.megatron.as_json() if r.built.megatron is not None else None,
             link_check=r.link_check,
         )
@@ -212,6 +235,13 @@ class Saver:
         manifest = read_manifest(save.path, verify=False)
         t0 = time.perf_counter()
         removed = self.pruner.after_save(save.iteration) if self.pruner is not None else []
-        return {"event": "saved", "iteration": save.iteration, "path": str(save.path),
-                "bytes": manifest["files"]["bytes"], **manifest["save"], "prune_s": round(time.perf_counter() - t0, 4),
-                "removed": [p.name for p in removed], "time": time.time()}
+        return {
+            "event": "saved",
+            "iteration": save.iteration,
+            "path": str(save.path),
+            "bytes": manifest["files"]["bytes"],
+            **manifest["save"],
+            "prune_s": round(time.perf_counter() - t0, 4),
+            "removed": [p.name for p in removed],
+            "time": time.time(),
+        }

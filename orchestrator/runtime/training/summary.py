@@ -69,7 +69,7 @@ def reset_peak_memory(device: str) -> None:
 
 def max_gpu_mb(device: str) -> Optional[float]:
     """Peak CUDA memory allocated by torch on this rank's GPU, MiB (None on CPU)."""
-    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None
+    return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
 
 
 def model_flops_per_step(rank) -> Optional[float]:
@@ -87,22 +87,30 @@ def model_flops_per_step(rank) -> Optional[float]:
 def summarize(rank, outcome, resumed_from: Optional[str]) -> Dict[str, object]:
     """This rank's summary record (collective: gathers every rank's peak memory and host)."""
     world = rank.info.world_size
-    peaks = torch.tensor([max_rss_mb(), max_gpu_mb(rank.device) or 0.0], dtype=torch.float64,
-                         device=rank.tensor_device)
+    peaks = torch.tensor([max_rss_mb(), max_gpu_mb(rank.device) or 0.0], dtype=torch.float64, device=rank.tensor_device)
     gathered = [torch.zeros(2, dtype=torch.float64, device=rank.tensor_device) for _ in range(world)]
     torch.distributed.all_gather(gathered, peaks)
     times = outcome.step_times
     return {
-        "event": "summary", "status": outcome.status, "iteration": outcome.iteration, "lm_loss": outcome.lm_loss if math.isfinite(outcome.lm_loss) else None,  # None: no iteration ran
+        "event": "summary",
+        "status": outcome.status,
+        "iteration": outcome.iteration,
+        "lm_loss": outcome.lm_loss if math.isfinite(outcome.lm_loss) else None,  # None: no iteration ran
         "step_time_median_s": statistics.median(times) if times else None,
         "step_cpu_time_median_s": statistics.median(outcome.cpu_times) if outcome.cpu_times else None,
-        "timed_iterations": len(times), "train_wall_s": outcome.train_wall_s,
+        "timed_iterations": len(times),
+        "train_wall_s": outcome.train_wall_s,
         "tokens_per_step": rank.layout.tokens_per_step,
         "peak_rss_mb_per_rank": [float(g[0]) for g in gathered],
         "peak_gpu_mem_mb_per_rank": [float(g[1]) for g in gathered] if rank.device == "cuda" else None,
-        "hosts": list(rank.info.hosts), "host": socket.gethostname(), "device": rank.device,
-        "rank": rank.info.rank, "logging_rank": rank.is_logger, "resumed_from": resumed_from,
-        "schedule_trace": outcome.schedule_trace, "breakdown": outcome.breakdown,
+        "hosts": list(rank.info.hosts),
+        "host": socket.gethostname(),
+        "device": rank.device,
+        "rank": rank.info.rank,
+        "logging_rank": rank.is_logger,
+        "resumed_from": resumed_from,
+        "schedule_trace": outcome.schedule_trace,
+        "breakdown": outcome.breakdown,
         "stragglers": outcome.stragglers,  # training.straggler's named ranks and hosts (runtime.faults.straggler)
         "time": time.time(),
     }

@@ -42,9 +42,17 @@ from orchestrator.plan.pipeline_schedule import (
 )
 
 SCHEDULE_FILE, CHROME_FILE, PICTURE_FILE = "schedule.json", "schedule_trace.json", "schedule.png"
-_P2P = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
-        "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
-        "send_forward_backward_recv_forward_backward")
+_P2P = (
+    "recv_forward",
+    "recv_backward",
+    "send_forward",
+    "send_backward",
+    "send_forward_recv_backward",
+    "send_backward_recv_forward",
+    "send_forward_recv_forward",
+    "send_backward_recv_backward",
+    "send_forward_backward_recv_forward_backward",
+)
 
 
 class Tracer:
@@ -132,8 +140,13 @@ class Tracer:
 
     def _finish(self) -> None:
         """Gather every rank's events (collective); the logging rank writes the files."""
-        mine = {"rank": self.rank.info.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "tp_rank": self.tp_rank, "events": self.events}
+        mine = {
+            "rank": self.rank.info.rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.tp_rank,
+            "events": self.events,
+        }
         everyone: List[Optional[dict]] = [None] * torch.distributed.get_world_size(self.group)
         torch.distributed.all_gather_object(everyone, mine, group=self.group)
         lay = self.rank.layout
@@ -157,25 +170,38 @@ def bubble_record(measured: Schedule, iteration: int) -> Dict[str, object]:
     ``schedule_trace``."""
     overhead, fraction = measured.formula()
     ops = predict_measured(measured)
-    return {"iteration": iteration, "schedule": measured.name, "pp": measured.pp, "vpp": measured.vpp,
-            "num_microbatches": measured.num_microbatches, "iteration_s": measured.window[1] - measured.window[0],
-            "measured_bubble_overhead": measured.bubble_overhead(), "measured_idle_share": measured.idle_share(),
-            "predicted_bubble_overhead": overhead, "predicted_idle_share": fraction,
-            "ops_bubble_overhead": ops.bubble_overhead(), "ops_iteration_s": ops.window[1] - ops.window[0],
-            "ops": measured_costs(measured)}
+    return {
+        "iteration": iteration,
+        "schedule": measured.name,
+        "pp": measured.pp,
+        "vpp": measured.vpp,
+        "num_microbatches": measured.num_microbatches,
+        "iteration_s": measured.window[1] - measured.window[0],
+        "measured_bubble_overhead": measured.bubble_overhead(),
+        "measured_idle_share": measured.idle_share(),
+        "predicted_bubble_overhead": overhead,
+        "predicted_idle_share": fraction,
+        "ops_bubble_overhead": ops.bubble_overhead(),
+        "ops_iteration_s": ops.window[1] - ops.window[0],
+        "ops": measured_costs(measured),
+    }
 
 
 def describe(measured: Schedule, iteration: int) -> List[str]:
     """Lines: the measured bubble per stage next to (p-1)/(v m) and (p-1)/(v m + p-1)."""
     p, v, m = measured.pp, measured.vpp, measured.num_microbatches
     overhead, fraction = measured.formula()
-    lines = [f"schedule of iteration {iteration} ({measured.name}, PP{p}, m={m}, v={v}; "
-             f"{1e3 * (measured.window[1] - measured.window[0]):.1f} ms), measured bubble per stage vs "
-             f"(p-1)/(v m) = {p - 1}/({v} x {m}) = {overhead:.1%} and idle share (p-1)/(v m + p-1) = {fraction:.1%}:"]
+    lines = [
+        f"schedule of iteration {iteration} ({measured.name}, PP{p}, m={m}, v={v}; "
+        f"{1e3 * (measured.window[1] - measured.window[0]):.1f} ms), measured bubble per stage vs "
+        f"(p-1)/(v m) = {p - 1}/({v} x {m}) = {overhead:.1%} and idle share (p-1)/(v m + p-1) = {fraction:.1%}:"
+    ]
     ops = predict_measured(measured).bubble_overhead()
-    lines += [f"  stage {r}: idle/busy {o:.1%} vs {overhead:.1%} (predicted from the measured operations: {q:.1%}); "
-              f"idle share {i:.1%} vs {fraction:.1%}"
-              for r, (o, i, q) in enumerate(zip(measured.bubble_overhead(), measured.idle_share(), ops))]
+    lines += [
+        f"  stage {r}: idle/busy {o:.1%} vs {overhead:.1%} (predicted from the measured operations: {q:.1%}); "
+        f"idle share {i:.1%} vs {fraction:.1%}"
+        for r, (o, i, q) in enumerate(zip(measured.bubble_overhead(), measured.idle_share(), ops))
+    ]
     return lines
 
 
@@ -183,14 +209,31 @@ def _chrome(ranks: List[dict]) -> Dict[str, object]:
     events: List[Dict[str, object]] = []
     for r in ranks:
         pid = r["rank"]
-        events.append({"name": "process_name", "ph": "M", "pid": pid,
-                       "args": {"name": f"rank {r['rank']} (pp {r['pp_rank']}, dp {r['dp_rank']}, tp {r['tp_rank']})"}})
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": pid,
+                "args": {"name": f"rank {r['rank']} (pp {r['pp_rank']}, dp {r['dp_rank']}, tp {r['tp_rank']})"},
+            }
+        )
         for e in r["events"]:
-            name = (f"{e['kind']} mb {e['microbatch']} chunk {e['chunk']}" if e["kind"] in (FORWARD, BACKWARD)
-                    else str(e["kind"]))
-            events.append({"name": name, "ph": "X", "pid": pid, "tid": 0 if e["kind"] != "iteration" else 1,
-                           "ts": 1e6 * float(e["start"]), "dur": 1e6 * (float(e["end"]) - float(e["start"])),
-                           "cat": "compute" if e["kind"] in (FORWARD, BACKWARD) else "pipeline"})
+            name = (
+                f"{e['kind']} mb {e['microbatch']} chunk {e['chunk']}"
+                if e["kind"] in (FORWARD, BACKWARD)
+                else str(e["kind"])
+            )
+            events.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": 0 if e["kind"] != "iteration" else 1,
+                    "ts": 1e6 * float(e["start"]),
+                    "dur": 1e6 * (float(e["end"]) - float(e["start"])),
+                    "cat": "compute" if e["kind"] in (FORWARD, BACKWARD) else "pipeline",
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -200,13 +243,19 @@ def write(run_dir: str, ranks: List[dict], measured: Schedule, result: Dict[str,
     from orchestrator.plan import picture
 
     predicted = predict_measured(measured)
-    doc = {"bubble": result, "ranks": ranks,
-           "predicted": [vars(s) for s in predicted.steps], "measured": [vars(s) for s in measured.steps]}
+    doc = {
+        "bubble": result,
+        "ranks": ranks,
+        "predicted": [vars(s) for s in predicted.steps],
+        "measured": [vars(s) for s in measured.steps],
+    }
     write_atomic(os.path.join(run_dir, SCHEDULE_FILE), json.dumps(doc))
     write_atomic(os.path.join(run_dir, CHROME_FILE), json.dumps(_chrome(ranks)))
-    picture.draw_schedules(os.path.join(run_dir, PICTURE_FILE), [predicted, measured],
-                           [f"predicted ({measured.name}, from the measured operations)",
-                            f"measured, iteration {result['iteration']}"])
+    picture.draw_schedules(
+        os.path.join(run_dir, PICTURE_FILE),
+        [predicted, measured],
+        [f"predicted ({measured.name}, from the measured operations)", f"measured, iteration {result['iteration']}"],
+    )
 
 
 def tracer_for(rank) -> Optional[Tracer]:
