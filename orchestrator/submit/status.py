@@ -403,8 +403,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="each run's newest step breakdown per pipeline stage: compute, pipeline bubble, DP "
         "communication, optimizer, data, other (shares of the step), MFU on a GPU",
     )
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="for RUN (a run directory): the goodput account over all its attempts: ETTR and where the wall went",
+    )
+    parser.add_argument(
+        "--timeline", metavar="PNG", help="for RUN (a run directory): draw its timeline (attempts x time, by cause)"
+    )
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
+    if args.goodput or args.timeline:
+        from orchestrator.submit.goodput_cli import goodput_main
+
+        return goodput_main(root, show=args.goodput, timeline=args.timeline)
     if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
         if not args.json:
             print(
