@@ -102,7 +102,7 @@ def to_job_config(cfg: Any) -> JobConfig:
             "config: the composed config is not an orchestrator JobConfig; "
             "fix: keep `orchestrator_schema` first in conf/config.yaml's defaults"
         )
-    from orchestrator.config.layout import virtual_stages
+    from orchestrator.config.vpp import virtual_stages
 
     p = obj.parallelism  # Megatron-LM's name for VPP resolved here, so every reader sees VPP
     p.virtual_pipeline_model_parallel_size = virtual_stages(
