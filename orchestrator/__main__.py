@@ -41,7 +41,7 @@ from typing import Any, Callable, List, Optional
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import OrchestratorError
-from orchestrator.pipeline import _Current, run  # run: the single-run pipeline
+from orchestrator.pipeline import Current, run  # run: the single-run pipeline
 
 TOOLS = {
     "manifest": ("orchestrator.ckpt.cli", "list a run's checkpoints; check one against a config"),
@@ -118,7 +118,7 @@ def guarded(body: Callable[[], int]) -> int:
         return exc.code
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
-        print(interrupted(_Current.cfg), file=sys.stderr, flush=True)
+        print(interrupted(Current.cfg), file=sys.stderr, flush=True)
         return 130
     except _user_error_types() as exc:
         return report(exc)

@@ -54,7 +54,7 @@ def say(message: str) -> None:
     print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
 
 
-class _Current:
+class Current:
     """The config of the run in progress, for the interrupt message."""
 
     cfg: Optional[JobConfig] = None
@@ -206,7 +206,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     :class:`~orchestrator.submit.pool.PoolLauncher` (warm ranks)."""
     from orchestrator.plan.inputs import gpu_preset
 
-    _Current.cfg = cfg
+    Current.cfg = cfg
     if cfg.plan and not cfg.dry_run:  # a plan describes the job: data files not here are a warning
         layout, warnings = validate_planned(cfg)
         for warning in warnings:
