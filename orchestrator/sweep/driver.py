@@ -69,17 +69,9 @@ from orchestrator.sweep.points import (
     tail,
 )
 from orchestrator.sweep.queue import detached, finish, queued
-from orchestrator.sweep.table import (
-    COLUMNS,
-    exit_code,
-    format_report,
-    job_id_in,
-    layout_record,
-    measured,
-    plan_record,
-    status_of_summary,
-    write_summary,
-)
+from orchestrator.sweep.records import exit_code, job_id_in, layout_record, measured, plan_record, status_of_summary
+from orchestrator.sweep.render import COLUMNS, format_report
+from orchestrator.sweep.table import write_summary
 
 __all__ = [
     "COLUMNS",

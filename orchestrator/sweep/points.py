@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.io import write_atomic
-from orchestrator.sweep.table import FINAL, POINT_FILE, job_id_in, measured, short_reason, write_summary
+from orchestrator.sweep.records import FINAL, POINT_FILE, job_id_in, measured
+from orchestrator.sweep.render import short_reason
+from orchestrator.sweep.table import write_summary
 
 
 def say(message: str) -> None:

@@ -11,7 +11,9 @@ from typing import Any, Dict, Optional
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.sweep.points import DRIVER, Point, rebuild, record_point, say, tail
-from orchestrator.sweep.table import FINAL, POINT_FILE, exit_code, format_report, status_of_summary, write_summary
+from orchestrator.sweep.records import FINAL, POINT_FILE, exit_code, status_of_summary
+from orchestrator.sweep.render import format_report
+from orchestrator.sweep.table import write_summary
 
 
 def queued(

@@ -49,16 +49,10 @@ from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.io import write_atomic
 from orchestrator.plan.calibrate import fit_profile, sample_of, step_spread
 from orchestrator.sweep import search
+from orchestrator.sweep.records import POINT_FILE, layout_record, measured, plan_record
+from orchestrator.sweep.render import short_reason, to_markdown
 from orchestrator.sweep.search import Candidate, TuneConfig
-from orchestrator.sweep.table import (
-    POINT_FILE,
-    layout_record,
-    measured,
-    plan_record,
-    short_reason,
-    to_markdown,
-    write_summary,
-)
+from orchestrator.sweep.table import write_summary
 from orchestrator.sweep.trial import TrialRunner, trial_overrides
 from orchestrator.sweep.winner import experiment_yaml, run_flags
 
