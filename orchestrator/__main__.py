@@ -62,7 +62,7 @@ def _user_error_types() -> tuple:
 def report(exc: BaseException) -> int:
     """Print a user error as one ``error:`` line (a resume diff follows it); return the exit code."""
     if not isinstance(exc, OrchestratorError):
-        from orchestrator.config.compose import hydra_error
+        from orchestrator.config.hydra_errors import hydra_error
 
         exc = hydra_error(exc)
     first, *rest = str(exc).strip().splitlines() or [type(exc).__name__]

@@ -27,7 +27,7 @@ def help_text() -> str:
     """The tool's own ``--help``: usage, the groups and options read from ``conf/``, the sub-tools."""
     import textwrap
 
-    from orchestrator.config.compose import group_options
+    from orchestrator.config.hydra_errors import group_options
     from orchestrator.config.schema import JobConfig as _J
     from orchestrator.plan.inputs import GPU_PRESETS
 
