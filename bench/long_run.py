@@ -163,7 +163,7 @@ def faithful_copy(source: Path, iteration: int) -> Path:
 
 
 def bench_saves(root: Path, saves: int = 20) -> None:
-    from orchestrator.ckpt.manifest import list_checkpoints
+    from orchestrator.ckpt.catalogue import list_checkpoints
 
     print(
         f"2. saves (gpt_tiny, 1 rank, a save per iteration, every checkpoint kept; {saves} saves per job):", flush=True

@@ -78,7 +78,8 @@ def interrupted(cfg: Optional[JobConfig]) -> str:
     if cfg is None:
         return line
     try:
-        from orchestrator.ckpt.manifest import latest_complete, save_dir_of
+        from orchestrator.ckpt.catalogue import latest_complete
+        from orchestrator.ckpt.manifest import save_dir_of
 
         latest = latest_complete(save_dir_of(cfg), lambda _: None, verify=False)
     except Exception:  # a torn directory must not turn an interrupt into a traceback

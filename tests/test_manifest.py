@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.ckpt.compare import compare
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.ckpt.manifest import (
     MANIFEST_NAME,
@@ -25,7 +26,8 @@ from orchestrator.ckpt.manifest import (
     save_dir_of,
     write_manifest,
 )
-from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
+from orchestrator.ckpt.mismatch import blocking, format_mismatch_table
+from orchestrator.ckpt.resume import origin_of, preflight
 from orchestrator.config.layout import layout_from_config, padded_vocab_size
 from orchestrator.config.schema import DataConfig, JobConfig, from_dict
 from orchestrator.data.prepare import PreparedData
