@@ -157,7 +157,7 @@ def test_sha256_mode_hashes_each_file_once_across_ranks(cfg):
 
     import torch  # noqa: F401  (imported before forking: the ranks inherit it)
 
-    from orchestrator.ckpt.manifest import checkpoint_files, file_digest
+    from orchestrator.ckpt.digest import checkpoint_files, file_digest
     from orchestrator.runtime.rank.distributed import reserve_local_port
 
     path = save_checkpoint(cfg, 50, manifest=False)

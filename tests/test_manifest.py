@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.ckpt.catalogue import latest_complete, list_checkpoints
 from orchestrator.ckpt.compare import compare
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.ckpt.manifest import (
@@ -20,8 +21,6 @@ from orchestrator.ckpt.manifest import (
     SCHEMA,
     build_manifest,
     iteration_dir,
-    latest_complete,
-    list_checkpoints,
     read_manifest,
     save_dir_of,
     write_manifest,
