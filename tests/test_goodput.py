@@ -101,3 +101,14 @@ def test_the_forecast_is_young_daly():
     assert f.best_ettr >= f.ettr and f.restart_s == 125.0 and f.best_interval_iters > 0
     with pytest.raises(ValueError):
         expected_ettr(0.0, c, m, r)
+
+
+def test_a_slurm_state_that_cannot_be_read_is_never_taken_as_the_jobs_end():
+    """issue 39: scontrol and squeue both unanswered (the controller unreachable) -> UNREADABLE, which the launcher's
+    wait polls again; only SLURM's own word that it does not know the job (purged) is an end."""
+    from orchestrator.submit.jobs import SLURM_ENDED, UNREADABLE, slurm_state
+
+    down = ("sh", "-c", "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1")
+    purged = ("sh", "-c", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
+    assert slurm_state("424242", squeue=down) == (UNREADABLE, 0) and UNREADABLE not in SLURM_ENDED
+    assert slurm_state("424242", squeue=purged) == ("UNKNOWN", 0) and "UNKNOWN" in SLURM_ENDED
