@@ -147,7 +147,8 @@ def faithful_copy(source: Path, iteration: int) -> Path:
     (iteration, file digest, checksum) rewritten, so that the copy is what a save at ``iteration`` writes."""
     import torch
 
-    from orchestrator.ckpt.manifest import MANIFEST_NAME, file_digest, iteration_dir, write_manifest
+    from orchestrator.ckpt.digest import file_digest
+    from orchestrator.ckpt.manifest import MANIFEST_NAME, iteration_dir, write_manifest
 
     target = iteration_dir(source.parent, iteration)
     shutil.copytree(source, target, copy_function=os.link, ignore=shutil.ignore_patterns(MANIFEST_NAME, "common.pt"))
@@ -163,7 +164,7 @@ def faithful_copy(source: Path, iteration: int) -> Path:
 
 
 def bench_saves(root: Path, saves: int = 20) -> None:
-    from orchestrator.ckpt.manifest import list_checkpoints
+    from orchestrator.ckpt.catalogue import list_checkpoints
 
     print(
         f"2. saves (gpt_tiny, 1 rank, a save per iteration, every checkpoint kept; {saves} saves per job):", flush=True

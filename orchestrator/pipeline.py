@@ -22,11 +22,39 @@ from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError, ResumeMismatchError
 
 
+def goodput_forecast(cfg: JobConfig, step_s: float):
+    """The plan's goodput forecast (plan.goodput) for ``cfg``'s nodes, its predicted step time ``step_s`` (s),
+    its checkpoint's predicted bytes at the stated write bandwidth, and how it restarts."""
+    from orchestrator.plan.ckpt_size import checkpoint_bytes
+    from orchestrator.plan.goodput import checkpoint_seconds, forecast
+
+    nodes = max(1, int(cfg.cluster.nodes or 1))
+    io_s = checkpoint_seconds(checkpoint_bytes(cfg), nodes)
+    return forecast(
+        nodes=nodes,
+        step_s=step_s,
+        save_s=io_s,
+        load_s=io_s,
+        interval_iters=int(cfg.checkpoint.save_interval or cfg.training.train_iters),
+        in_place=bool(cfg.cluster.max_restarts),
+    )
+
+
+def goodput_line(run_dir) -> str:
+    """The run's goodput over all its attempts (``status --goodput`` has the whole account), said at the job's
+    end."""
+    from orchestrator.ckpt.goodput import account
+    from orchestrator.ckpt.goodput_report import one_line
+
+    acc = account(run_dir)
+    return one_line(acc) if acc is not None else "goodput: no records"
+
+
 def say(message: str) -> None:
     print("\n".join(f"[orchestrator] {line}" for line in message.splitlines()), flush=True)
 
 
-class _Current:
+class Current:
     """The config of the run in progress, for the interrupt message."""
 
     cfg: Optional[JobConfig] = None
@@ -45,6 +73,7 @@ def show_plan(cfg: JobConfig) -> None:
 
         picture.draw_plan(cfg.plan_picture, plan, predict_for_plan(plan))
         say(f"wrote {cfg.plan_picture}: the predicted schedule and the memory per stage")
+    print("\n".join(goodput_forecast(cfg, plan.step_time_s).lines()), flush=True)
     suggestions = suggest.suggest(cfg)
     if suggestions:
         print(suggest.format_suggestions(suggestions), flush=True)
@@ -177,7 +206,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     :class:`~orchestrator.submit.pool.PoolLauncher` (warm ranks)."""
     from orchestrator.plan.inputs import gpu_preset
 
-    _Current.cfg = cfg
+    Current.cfg = cfg
     if cfg.plan and not cfg.dry_run:  # a plan describes the job: data files not here are a warning
         layout, warnings = validate_planned(cfg)
         for warning in warnings:
@@ -226,6 +255,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             from orchestrator.plan.step_breakdown import describe
 
             say(describe(summary["breakdown"], f"over {summary.get('timed_iterations')} timed iterations"))
+        say(goodput_line(cfg.run.dir))
         say(
             f"{summary['status']}: iteration {summary.get('iteration')}"
             + (f" | lm loss {loss:.4f}" if loss is not None else "")

@@ -14,8 +14,10 @@ import pytest
 from test_manifest import BYTE_VOCAB, changed, pp2_dp2, save_checkpoint
 
 from orchestrator.ckpt import cli as manifest_cli
-from orchestrator.ckpt.manifest import METADATA_FILES, SMALL_FILE_BYTES, build_manifest, read_manifest, write_manifest
-from orchestrator.ckpt.resume import REFUSE, WARN, blocking, compare
+from orchestrator.ckpt.compare import compare
+from orchestrator.ckpt.digest import METADATA_FILES, SMALL_FILE_BYTES
+from orchestrator.ckpt.manifest import build_manifest, read_manifest, write_manifest
+from orchestrator.ckpt.mismatch import REFUSE, WARN, blocking
 from orchestrator.config.layout import layout_from_config, padded_vocab_size
 from orchestrator.errors import ManifestError
 
@@ -135,7 +137,7 @@ def _hash_rank(rank: int, port: int, path: str, out) -> None:
     )
     import torch
 
-    from orchestrator.ckpt import manifest as mf
+    from orchestrator.ckpt import digest as mf
     from orchestrator.config.schema import JobConfig
     from orchestrator.runtime.rank.distributed import init_distributed
     from orchestrator.runtime.training import checkpoint as ckpt
@@ -143,7 +145,7 @@ def _hash_rank(rank: int, port: int, path: str, out) -> None:
     try:
         init_distributed(JobConfig())
         ckpt._hash_in_parallel(Path(path))
-        known = sorted(os.path.relpath(k, os.path.realpath(path)) for k in mf._KNOWN_HASHES)
+        known = sorted(os.path.relpath(k, os.path.realpath(path)) for k in mf.KNOWN_HASHES)
         out.put((rank, known, mf.file_digest(path, "sha256")["sha256"] if rank == 0 else None))
         torch.distributed.destroy_process_group()
     except BaseException as exc:  # reported to the parent
@@ -155,7 +157,7 @@ def test_sha256_mode_hashes_each_file_once_across_ranks(cfg):
 
     import torch  # noqa: F401  (imported before forking: the ranks inherit it)
 
-    from orchestrator.ckpt.manifest import checkpoint_files, file_digest
+    from orchestrator.ckpt.digest import checkpoint_files, file_digest
     from orchestrator.runtime.rank.distributed import reserve_local_port
 
     path = save_checkpoint(cfg, 50, manifest=False)

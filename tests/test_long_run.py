@@ -153,6 +153,7 @@ def test_set_aside_directories_keep_the_newest_and_never_one_still_changing(tmp_
 def test_the_pruner_verifies_only_the_new_checkpoint_and_deletes_off_the_callers_thread(tmp_path, monkeypatch):
     from test_manifest import pp2_dp2, save_checkpoint
 
+    from orchestrator.ckpt import catalogue
     from orchestrator.ckpt import manifest as mf
     from orchestrator.ckpt.retention import TRASH_PREFIX, Pruner
 
@@ -168,7 +169,7 @@ def test_the_pruner_verifies_only_the_new_checkpoint_and_deletes_off_the_callers
     verified = []
     monkeypatch.setattr(
         "orchestrator.ckpt.retention.inspect_checkpoint",
-        lambda path, verify=True: verified.append(Path(path).name) or mf.inspect_checkpoint(path, verify),
+        lambda path, verify=True: verified.append(Path(path).name) or catalogue.inspect_checkpoint(path, verify),
     )
     save_checkpoint(cfg, 130, digest="size")
     removed = pruner.after_save(130)

@@ -13,19 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.ckpt.catalogue import latest_complete, list_checkpoints
+from orchestrator.ckpt.compare import compare
 from orchestrator.ckpt.lock import RunLock
 from orchestrator.ckpt.manifest import (
     MANIFEST_NAME,
     SCHEMA,
     build_manifest,
     iteration_dir,
-    latest_complete,
-    list_checkpoints,
     read_manifest,
     save_dir_of,
     write_manifest,
 )
-from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table, origin_of, preflight
+from orchestrator.ckpt.mismatch import blocking, format_mismatch_table
+from orchestrator.ckpt.resume import origin_of, preflight
 from orchestrator.config.layout import layout_from_config, padded_vocab_size
 from orchestrator.config.schema import DataConfig, JobConfig, from_dict
 from orchestrator.data.prepare import PreparedData

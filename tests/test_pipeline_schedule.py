@@ -26,10 +26,10 @@ from orchestrator.plan.pipeline_schedule import (
     predict_like,
     predict_measured,
     schedule_table,
-    shared_core_stretch,
     stage_order,
     warmup_count,
 )
+from orchestrator.plan.shared_cores import shared_core_stretch
 
 
 def test_schedule_table_is_megatrons_own_example():

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, losses_by_iteration, mounted_tmpfs, run_cli
 
-from orchestrator.ckpt.manifest import CheckpointInfo, list_checkpoints, read_manifest
+from orchestrator.ckpt.catalogue import CheckpointInfo, list_checkpoints
+from orchestrator.ckpt.manifest import read_manifest
 from orchestrator.ckpt.retention import TRASH_PREFIX, clear_trash, remove_safely, verdicts
 from orchestrator.config.schema import JobConfig
 from orchestrator.plan.ckpt_size import checkpoint_bytes, held_at_peak, save_iterations

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import losses_by_iteration, read_metrics, run_cli
 
+from orchestrator.io import read_jsonl
+
 pytestmark = pytest.mark.slow
 
 SMALL = ["data.stdlib_max_mb=2", "training.log_interval=1", "training.eval_iters=0"]
@@ -441,6 +443,7 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     from conftest import REPO, agent_worker
 
     from orchestrator.ckpt import history
+    from orchestrator.ckpt.goodput import account
 
     run_dir = tmp_path / "restart"
     args = resume_args + [
@@ -492,6 +495,12 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
     assert "(1 in-place restart(s)); " in listing and "crashed (restarted in place" in listing, listing
     assert " restart 1 " in listing and "s from the failure to its first iteration" in listing, listing
+    acc = account(run_dir)  # goodput: every second of the wall has one cause; the redone iterations are lost work
+    assert abs(sum(acc.seconds.values()) - acc.wall_s) <= 0.01 * acc.wall_s, acc.seconds
+    assert acc.lost_iterations >= 2 and [f.cause for f in acc.failures] == ["crashed", "crashed"], acc
+    assert acc.seconds["failure detection and restart"] > 0 and acc.seconds["checkpoint load"] > 0, acc.seconds
+    shown = run_cli(["status", str(run_dir), "--goodput", "--timeline", str(tmp_path / "t.png")], cache=cache_dir)
+    assert f"ETTR {100 * acc.ettr:.1f}%" in shown.stdout and (tmp_path / "t.png").stat().st_size > 5000, shown.stdout
 
 
 def _megatron_lr(steps: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:
@@ -530,6 +539,9 @@ def test_resume_follows_the_new_schedule_and_dp_reshard_too(tmp_path, cache_dir)
         cache=cache_dir,
     )
     assert "lr schedule: cosine over 16 its, warmup 2 its, max 0.0005, min 0.0001, from iteration 9" in second.stdout
+    assert "goodput: ETTR " in second.stdout and "(2 attempts, 0 failures)" in second.stdout, second.stdout[-2000:]
+    summary = [r for r in read_jsonl(tmp_path / "lr" / "metrics.jsonl") if r.get("event") == "summary"][-1]
+    assert summary["goodput"]["attempts"] == 2 and 0 < summary["goodput"]["ettr"] < 1, summary["goodput"]
     lr = {r["iteration"]: r["lr"] for r in read_metrics(tmp_path / "lr")}
     assert sorted(lr) == list(range(1, 17))
     for it in range(1, 9):

@@ -344,7 +344,7 @@ def test_ranks_sharing_cores_are_priced_by_the_mean_stage_and_the_fill_and_drain
     """PP4 gpt_tiny, m = 4, on 4 CPU ranks: with a core per rank the slowest stage (the last: the logits) paces the
     step and the bubble is (p-1)/m; time-sharing 2 cores every stage's work queues for the same cores (the mean
     stage) and only the schedule's fill and drain idles them."""
-    from orchestrator.plan.pipeline_schedule import shared_core_stretch
+    from orchestrator.plan.shared_cores import shared_core_stretch
 
     plan = planner.plan(compose(["+experiment=gpt_pp2_dp2", "parallelism=pp4", "data=mock"]), gpu="cpu", profile=None)
     terms = plan.terms

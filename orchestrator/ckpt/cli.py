@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from orchestrator.ckpt.manifest import MANIFEST_NAME, list_checkpoints, read_manifest
+from orchestrator.ckpt.catalogue import list_checkpoints
+from orchestrator.ckpt.manifest import MANIFEST_NAME, read_manifest
 from orchestrator.errors import OneLineArgumentParser
 
 
@@ -98,7 +99,8 @@ def show(args) -> int:
 
 def check(args) -> int:
     """``manifest check``: the resume comparison of a composed config with a checkpoint; 1 when refused."""
-    from orchestrator.ckpt.resume import blocking, compare, format_mismatch_table
+    from orchestrator.ckpt.compare import compare
+    from orchestrator.ckpt.mismatch import blocking, format_mismatch_table
     from orchestrator.config.compose import compose_config
     from orchestrator.config.confdirs import with_config_dir_flags
     from orchestrator.config.layout import layout_from_config

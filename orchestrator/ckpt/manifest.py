@@ -25,14 +25,19 @@ import os
 import platform
 import re
 import socket
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
+from orchestrator.ckpt.digest import (
+    MANIFEST_NAME,
+    METADATA_FILES,
+    SMALL_FILE_BYTES,
+    checkpoint_files,
+    file_digest,
+    hash_files,
+)
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.megatron_fields import config_hash
@@ -41,15 +46,7 @@ from orchestrator.errors import ManifestError
 from orchestrator.io import write_atomic
 
 SCHEMA = "orchestrator.manifest/1"
-MANIFEST_NAME = "manifest.json"
 CHECKPOINT_FORMAT = "torch_dist"
-DIGEST_MODES = ("size", "sha256")
-METADATA_FILES = frozenset({".metadata", "metadata.json", "common.pt"})
-"""dist_checkpointing's description of a checkpoint (torch DCP's ``.metadata``: every tensor's
-shards, files and byte ranges; megatron's ``metadata.json`` and ``common.pt``): always hashed."""
-SMALL_FILE_BYTES = 1 << 20
-"""Files up to this size whose hash is recorded are re-hashed by every (cheap) verification."""
-_ITER_RE = re.compile(r"^iter_(\d+)$")
 _ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVTE_", "GLOO_", "UCX_", "FI_", "ORCHESTRATOR_")
 _ENV_NAMES = (
     "MASTER_ADDR",
@@ -104,95 +101,33 @@ def collect_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     }
 
 
-def _hash_file(path: Path) -> str:
-    """sha256 of a file, read in 8 MiB blocks (``hashlib.file_digest`` needs Python 3.11; 3.10 is admitted)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-_KNOWN_HASHES: Dict[str, tuple] = {}
-"""Absolute path -> (size, mtime_ns, sha256) of files hashed elsewhere (:func:`remember_hashes`)."""
-
-
-def remember_hashes(checkpoint_dir: "str | os.PathLike", hashes: Dict[str, str]) -> None:
-    """Record sha256 digests computed elsewhere (every rank hashed its share of a checkpoint's files,
-    in parallel); :func:`file_digest` uses them while a file keeps its size and mtime."""
-    root = Path(checkpoint_dir)
-    for rel, digest in hashes.items():
-        st = os.stat(root / rel)
-        _KNOWN_HASHES[str((root / rel).resolve())] = (st.st_size, st.st_mtime_ns, digest)
-
-
-def checkpoint_files(checkpoint_dir: "str | os.PathLike") -> List[str]:
-    """Every file under ``checkpoint_dir`` except the manifest (and its temporary files), relative, sorted."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise ManifestError(f"{root}: checkpoint directory does not exist; nothing to digest")
-    files: List[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if rel == MANIFEST_NAME or rel.startswith(f".{MANIFEST_NAME}."):
-                continue
-            files.append(rel)
-    return sorted(files)
-
-
-def hash_files(checkpoint_dir: "str | os.PathLike", rels: List[str], use_known: bool = True) -> Dict[str, str]:
-    """sha256 of each of ``rels`` (threads; hashlib releases the GIL), from :func:`remember_hashes`
-    where the file is unchanged and ``use_known``."""
-    root = Path(checkpoint_dir)
-    out: Dict[str, str] = {}
-    todo: List[str] = []
-    for rel in rels:
-        known = _KNOWN_HASHES.get(str((root / rel).resolve())) if use_known else None
-        st = os.stat(root / rel)
-        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
-            out[rel] = known[2]
-        else:
-            todo.append(rel)
-    if todo:
-        with ThreadPoolExecutor(max_workers=max(1, min(8, len(todo)))) as pool:
-            out.update(zip(todo, pool.map(lambda rel: _hash_file(root / rel), todo)))
-    return out
-
-
-def file_digest(checkpoint_dir: "str | os.PathLike", mode: str = "size") -> dict:
-    """Sizes of every file under ``checkpoint_dir`` (the manifest excluded) and sha256 digests.
-
-    ``mode="size"`` (the default, ``checkpoint.digest=size``) hashes only dist_checkpointing's
-    metadata (:data:`METADATA_FILES`, kilobytes to megabytes): cheap at any checkpoint size, and
-    still catches a missing, extra, truncated or re-written-with-another-layout checkpoint.
-    ``mode="sha256"`` hashes every file (opt-in; the runtime has every rank hash its share in
-    parallel first, see :func:`remember_hashes`), for ``manifest check --deep``.
-    The ``sha256`` field is over ``relpath<TAB>size<TAB>hash`` lines in sorted path order.
-    """
-    if mode not in DIGEST_MODES:
-        raise ManifestError(f"digest mode {mode!r} is not one of {DIGEST_MODES}")
-    root = Path(checkpoint_dir)
-    files = checkpoint_files(root)
-    sizes = [os.stat(root / rel).st_size for rel in files]
-    hashed = hash_files(root, [rel for rel in files if mode == "sha256" or rel in METADATA_FILES])
-    hashes = [hashed.get(rel) for rel in files]
-    lines = "".join(f"{rel}\t{size}\t{h or '-'}\n" for rel, size, h in zip(files, sizes, hashes))
-    return {
-        "mode": mode,
-        "count": len(files),
-        "bytes": sum(sizes),
-        "sha256": hashlib.sha256(lines.encode()).hexdigest(),
-        "entries": [
-            {"path": rel, "size": size, **({"sha256": h} if h else {})} for rel, size, h in zip(files, sizes, hashes)
-        ],
-    }
-
-
 def _canonical(manifest: dict) -> bytes:
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def model_record(m, vocab_size: int, padded_vocab_size: int) -> dict:
+    """The model's shape as a manifest records it (``m``: the config's ``model`` section)."""
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups or m.num_attention_heads,
+        "ffn_hidden_size": m.ffn_hidden_size or 4 * m.hidden_size,
+        "seq_length": m.seq_length,
+        "max_position_embeddings": m.max_position_embeddings,
+        "vocab_size": int(vocab_size),
+        "padded_vocab_size": int(padded_vocab_size),
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "position_embedding_type": m.position_embedding_type,
+        "normalization": m.normalization,
+        "activation": m.activation,
+        "add_bias_linear": m.add_bias_linear,
+        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
+        "num_moe_experts": m.num_moe_experts,
+        # the layer spec that ran: the job resolves "auto" before it saves (runtime.model.layer_spec)
+        "transformer_impl": None if m.transformer_impl == "auto" else m.transformer_impl,
+    }
 
 
 # ---- build / write / read ---------------------------------------------------------
@@ -244,26 +179,7 @@ def build_manifest(
         "host": socket.gethostname(),
         "hosts": list(hosts) if hosts is not None else None,
         "layout": layout.as_dict(),
-        "model": {
-            "num_layers": m.num_layers,
-            "hidden_size": m.hidden_size,
-            "num_attention_heads": m.num_attention_heads,
-            "num_query_groups": m.num_query_groups or m.num_attention_heads,
-            "ffn_hidden_size": m.ffn_hidden_size or 4 * m.hidden_size,
-            "seq_length": m.seq_length,
-            "max_position_embeddings": m.max_position_embeddings,
-            "vocab_size": int(vocab_size),
-            "padded_vocab_size": int(padded_vocab_size),
-            "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-            "position_embedding_type": m.position_embedding_type,
-            "normalization": m.normalization,
-            "activation": m.activation,
-            "add_bias_linear": m.add_bias_linear,
-            "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-            "num_moe_experts": m.num_moe_experts,
-            # the layer spec that ran: the job resolves "auto" before it saves (runtime.model.layer_spec)
-            "transformer_impl": None if m.transformer_impl == "auto" else m.transformer_impl,
-        },
+        "model": model_record(m, vocab_size, padded_vocab_size),
         "tokenizer": {"spec": d.tokenizer, **tokenizer},
         "data": {
             "kind": d.kind,
@@ -381,89 +297,3 @@ def _verify_files(directory: Path, manifest: dict, deep: bool = False) -> None:
 
 
 # ---- discovery ----------------------------------------------------------------------
-@dataclass
-class CheckpointInfo:
-    """One ``iter_*`` directory: ``status`` is ``complete``, ``torn`` (no manifest) or ``corrupt``."""
-
-    iteration: int
-    path: Path
-    status: str
-    reason: Optional[str] = None
-    manifest: Optional[dict] = field(default=None, repr=False)
-    mismatches: list = field(default_factory=list, repr=False)
-    """Filled by :func:`orchestrator.resume.preflight`: differences accepted for this resume."""
-
-
-def inspect_checkpoint(path: "str | os.PathLike", verify: bool = True, deep: bool = False) -> CheckpointInfo:
-    """Status of one checkpoint directory (never raises for a bad manifest)."""
-    path = Path(path)
-    match = _ITER_RE.match(path.name)
-    iteration = int(match.group(1)) if match else -1
-    if not (path / MANIFEST_NAME).exists():
-        return CheckpointInfo(iteration, path, "torn", f"{path}: no {MANIFEST_NAME} (save did not finish)")
-    try:
-        manifest = read_manifest(path, verify=verify, deep=deep)
-    except ManifestError as exc:
-        return CheckpointInfo(iteration, path, "corrupt", str(exc))
-    if match and manifest.get("iteration") != iteration:
-        return CheckpointInfo(
-            iteration,
-            path,
-            "corrupt",
-            f"{path / MANIFEST_NAME}: records iteration {manifest.get('iteration')}, directory says {iteration}",
-        )
-    return CheckpointInfo(iteration, path, "complete", None, manifest)
-
-
-def set_aside(path: "str | os.PathLike", tag: str = "torn") -> Path:
-    """Rename a checkpoint directory to ``<name>.<tag>.<timestamp>`` (no longer listed; not deleted)."""
-    path = Path(path)
-    target = path.with_name(f"{path.name}.{tag}.{time.strftime('%Y%m%d_%H%M%S')}")
-    os.rename(path, target)
-    return target
-
-
-def _iter_dirs(save_dir: "str | os.PathLike") -> List[Path]:
-    root = Path(save_dir)
-    if not root.is_dir():
-        return []
-    return sorted(
-        (p for p in root.iterdir() if p.is_dir() and _ITER_RE.match(p.name)),
-        key=lambda p: int(_ITER_RE.match(p.name).group(1)),
-    )
-
-
-def list_checkpoints(save_dir: "str | os.PathLike", verify: bool = True, deep: bool = False) -> List[CheckpointInfo]:
-    """Every ``iter_*`` directory of ``save_dir``, oldest first, with its status."""
-    return [inspect_checkpoint(p, verify, deep) for p in _iter_dirs(save_dir)]
-
-
-def latest_complete(
-    save_dir: "str | os.PathLike",
-    warn: Optional[Callable[[str], None]] = None,
-    *,
-    verify: bool = True,
-    skip_corrupt: bool = True,
-) -> Optional[CheckpointInfo]:
-    """The newest checkpoint whose manifest exists and verifies; ``None`` when there is none.
-
-    Newer torn saves are skipped with a warning naming them (nothing is deleted). A newer
-    *corrupt* checkpoint (manifest present but failing) is skipped with a warning too, or
-    raises :class:`ManifestError` with ``skip_corrupt=False``.
-    """
-    warn = warn or _default_warn
-    for path in reversed(_iter_dirs(save_dir)):
-        info = inspect_checkpoint(path, verify)
-        if info.status == "complete":
-            return info
-        if info.status == "corrupt" and not skip_corrupt:
-            raise ManifestError(
-                f"{info.reason}\nfix: restore {path}, or move it aside "
-                f"(mv {path} {path}.bad) to resume from the previous complete checkpoint"
-            )
-        warn(f"skipping {info.status} checkpoint {path}: {info.reason}")
-    return None
-
-
-def _default_warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)

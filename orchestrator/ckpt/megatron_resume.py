@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from orchestrator.ckpt.resume import REFUSE, WARN, Mismatch, format_mismatch_table
+from orchestrator.ckpt.mismatch import REFUSE, WARN, Mismatch, format_mismatch_table
 from orchestrator.config.megatron_fields import split_diff
 from orchestrator.errors import ResumeMismatchError
 

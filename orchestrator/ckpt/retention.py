@@ -45,7 +45,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.ckpt.manifest import CheckpointInfo, _iter_dirs, inspect_checkpoint, iteration_dir
+from orchestrator.ckpt.catalogue import CheckpointInfo, inspect_checkpoint, iter_dirs
+from orchestrator.ckpt.manifest import iteration_dir
 
 TRASH_PREFIX = ".trash-"
 SET_ASIDE_RE = re.compile(r"^iter_\d+\.(torn|replaced)\.(\d{8}_\d{6})(\.\d+)?$")
@@ -111,7 +112,7 @@ class Pruner:
         self._work.put(self._tidy)  # what an earlier job left: trash, old set-aside directories
 
     def _scan_existing(self) -> None:
-        for path in _iter_dirs(self.root):
+        for path in iter_dirs(self.root):
             try:
                 self._known.setdefault(path.name, _light(inspect_checkpoint(path, verify=True)))
             except OSError:  # moved away meanwhile (a save set it aside): looked at again by after_save
@@ -131,7 +132,7 @@ class Pruner:
         removed: the next save does it."""
         if self._scan.is_alive():
             return []
-        names = {p.name: p for p in _iter_dirs(self.root)}
+        names = {p.name: p for p in iter_dirs(self.root)}
         self._known = {name: info for name, info in self._known.items() if name in names}
         just = iteration_dir(self.root, just_saved)
         self._known[just.name] = _light(inspect_checkpoint(just, verify=True))  # what was just written

@@ -4,7 +4,8 @@ Pure Python (no torch, no megatron import) so it runs on a login node in
 milliseconds. :class:`ParallelLayout` is a small frozen value type: the degrees
 and batch settings are fields, the derived values are properties, and
 :meth:`ParallelLayout.validate` raises one :class:`~orchestrator.errors.LayoutError`
-listing every broken rule with the keys, the values and a fix.
+listing every broken rule with the keys, the values and a fix. Where the world size comes from is
+:mod:`orchestrator.config.world`; VPP as a config spells it, :mod:`orchestrator.config.vpp`.
 
 Rules (megatron-core 0.16.1, Megatron-LM ``arguments.validate_args``):
 
@@ -31,7 +32,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from orchestrator.config.divisors import divisors, nearby_multiples
+from orchestrator.config.vpp import virtual_stages, vpp_no_op
+from orchestrator.config.world import world_size_of
 from orchestrator.errors import LayoutError
+
+__all__ = [  # virtual_stages, vpp_no_op (config/vpp.py) and world_size_of (config/world.py): read here too
+    "ParallelLayout",
+    "layout_from_config",
+    "padded_vocab_size",
+    "virtual_stages",
+    "vpp_no_op",
+    "world_size_of",
+]
 
 
 def padded_vocab_size(
@@ -41,67 +54,6 @@ def padded_vocab_size(
     ``make_vocab_size_divisible_by x TP`` rows (so every TP shard gets an equal, aligned slice)."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
-
-
-def virtual_stages(
-    num_layers: int,
-    pipeline_model_parallel_size: int,
-    virtual_pipeline_model_parallel_size: Optional[int],
-    num_layers_per_virtual_pipeline_stage: Optional[int],
-) -> Optional[int]:
-    """VPP, also from Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` (n layers per chunk).
-
-    n null: VPP as given. Else VPP = num_layers / (PP x n) (layer counts), which must divide and
-    agree with a stated VPP; otherwise :class:`LayoutError` naming the keys, the arithmetic and a fix.
-    """
-    n, pp = num_layers_per_virtual_pipeline_stage, pipeline_model_parallel_size
-    if n is None:
-        return virtual_pipeline_model_parallel_size
-    per_stage = num_layers // pp if isinstance(pp, int) and pp > 0 and num_layers % pp == 0 else None
-    if per_stage is None or not isinstance(n, int) or n < 1 or per_stage % n:
-        ok = _divisors(per_stage) if per_stage else ["null"]
-        raise LayoutError(
-            f"parallelism.num_layers_per_virtual_pipeline_stage={n}: does not divide the layers of a pipeline stage "
-            f"(model.num_layers / PP = {num_layers} / {pp}); fix: one of {ok}"
-        )
-    vpp = per_stage // n
-    if virtual_pipeline_model_parallel_size not in (None, vpp):
-        raise LayoutError(
-            f"parallelism.virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}: disagrees with "
-            f"parallelism.num_layers_per_virtual_pipeline_stage={n} (VPP = {num_layers} / ({pp} x {n}) = {vpp}); "
-            "fix: set one of them and the other to null"
-        )
-    return vpp
-
-
-def vpp_no_op(cfg) -> Optional[str]:
-    """A line saying that the VPP keys of ``cfg`` (a composed JobConfig) leave VPP = 1: one model chunk per
-    pipeline rank, the plain 1F1B schedule, as if neither key were set; None when they do not."""
-    p, layers = cfg.parallelism, cfg.model.num_layers
-    if p.virtual_pipeline_model_parallel_size != 1:
-        return None
-    pp = p.pipeline_model_parallel_size
-    if p.num_layers_per_virtual_pipeline_stage is not None:
-        n = p.num_layers_per_virtual_pipeline_stage
-        said = (
-            f"parallelism.num_layers_per_virtual_pipeline_stage={n} leaves VPP = num_layers / (PP x {n}) = "
-            f"{layers} / ({pp} x {n}) = 1"
-        )
-        fix = f"one of {[d for d in _divisors(layers // pp) if d < n]} for VPP > 1" if pp > 1 else "PP > 1 first"
-    else:
-        said, fix = "parallelism.virtual_pipeline_model_parallel_size=1", "2 or more chunks per rank"
-    return f"{said}: one model chunk per rank, no interleaving (a no-op; fix: {fix}, or null)"
-
-
-def _nearby_multiples(value: int, step: int, count: int = 2) -> List[int]:
-    """The ``count`` multiples of ``step`` just below and above ``value`` (positive only)."""
-    below = [(value // step - i) * step for i in range(count)]
-    above = [(value // step + 1 + i) * step for i in range(count)]
-    return sorted({v for v in below + above if v > 0})
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -196,7 +148,7 @@ class ParallelLayout:
         tp, pp, cp, ep, vpp, out = self._degrees()
         mp = self.model_parallel_size
         if self.world_size % mp:
-            valid = [d for d in _divisors(self.world_size)]
+            valid = [d for d in divisors(self.world_size)]
             out.append(
                 f"world size {self.world_size} ({self.world_size_source}) is not divisible by "
                 f"TP x PP x CP = {tp} x {pp} x {cp} = {mp}; fix: choose degrees whose product divides "
@@ -222,14 +174,14 @@ class ParallelLayout:
                 f"training.global_batch_size={self.global_batch_size} is not divisible by "
                 f"training.micro_batch_size x DP = {self.micro_batch_size} x {dp} = {step} "
                 f"({self.global_batch_size} % {step} = {self.global_batch_size % step}); "
-                f"fix: training.global_batch_size one of {_nearby_multiples(self.global_batch_size, step)}"
+                f"fix: training.global_batch_size one of {nearby_multiples(self.global_batch_size, step)}"
             )
         if self.num_layers % pp:
             out.append(
                 f"model.num_layers={self.num_layers} does not split evenly over "
                 f"parallelism.pipeline_model_parallel_size={pp} ({self.num_layers} % {pp} = {self.num_layers % pp}); "
-                f"fix: pipeline_model_parallel_size one of {[d for d in _divisors(self.num_layers) if d <= 64]} "
-                f"or num_layers one of {_nearby_multiples(self.num_layers, pp)}"
+                f"fix: pipeline_model_parallel_size one of {[d for d in divisors(self.num_layers) if d <= 64]} "
+                f"or num_layers one of {nearby_multiples(self.num_layers, pp)}"
             )
         elif vpp is not None and vpp > 1 and self.num_layers % (pp * vpp):
             chunks = pp * vpp
@@ -237,7 +189,7 @@ class ParallelLayout:
                 f"model.num_layers={self.num_layers} layers do not split into {chunks} chunks of equal size "
                 f"(PP x VPP = {pp} x {vpp}; {self.num_layers} % {chunks} = {self.num_layers % chunks}); "
                 f"fix: virtual_pipeline_model_parallel_size one of "
-                f"{[v for v in _divisors(self.num_layers // pp) if v > 1] or ['null']}"
+                f"{[v for v in divisors(self.num_layers // pp) if v > 1] or ['null']}"
             )
         if vpp is not None:
             if vpp < 1:
@@ -265,7 +217,7 @@ class ParallelLayout:
         if heads % tp:
             out.append(
                 f"model.num_attention_heads={heads} is not divisible by parallelism.tensor_model_parallel_size={tp}; "
-                f"fix: tensor_model_parallel_size one of {[d for d in _divisors(heads) if d <= 64]}"
+                f"fix: tensor_model_parallel_size one of {[d for d in divisors(heads) if d <= 64]}"
             )
         groups = self.num_query_groups
         if groups is not None:
@@ -275,7 +227,7 @@ class ParallelLayout:
                 out.append(
                     f"model.num_query_groups={groups} is neither a multiple nor a divisor of "
                     f"parallelism.tensor_model_parallel_size={tp}; "
-                    f"fix: tensor_model_parallel_size one of {_divisors(groups)} or a multiple of {groups}"
+                    f"fix: tensor_model_parallel_size one of {divisors(groups)} or a multiple of {groups}"
                 )
         if self.sequence_parallel and tp == 1:
             out.append("parallelism.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set it to false")
@@ -310,7 +262,7 @@ class ParallelLayout:
                 out.append(
                     f"expert grid TP x EP x PP = {tp} x {ep} x {pp} = {grid} does not divide "
                     f"world size {self.world_size}; fix: expert_model_parallel_size one of "
-                    f"{[e for e in _divisors(self.world_size) if self.world_size % (tp * e * pp) == 0]}"
+                    f"{[e for e in divisors(self.world_size) if self.world_size % (tp * e * pp) == 0]}"
                 )
             if tp > 1 and not self.sequence_parallel:
                 out.append(
@@ -363,38 +315,6 @@ class ParallelLayout:
             "layers_per_stage": self.layers_per_stage,
             "layers_per_virtual_stage": self.layers_per_virtual_stage,
         }
-
-
-def world_size_of(cfg) -> "tuple[int, str]":
-    """World size implied by the cluster config, and a phrase saying where it came from.
-
-    ``cluster.kind=local``: ``cluster.tasks_per_node`` if set, else TP x PP x CP x DP with
-    DP = ``parallelism.data_parallel_size`` (1 when null). ``cluster.kind=slurm``:
-    ``nodes x tasks_per_node`` (tasks_per_node defaults to ``gpus_per_node``).
-    Raises :class:`LayoutError` when the allocation is under-specified.
-    """
-    p, c = cfg.parallelism, cfg.cluster
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if c.kind == "local":
-        if c.nodes != 1:
-            raise LayoutError(
-                f"cluster.nodes={c.nodes}: cluster=local runs on one machine; fix: cluster.nodes=1 or cluster=slurm"
-            )
-        if c.tasks_per_node is not None:
-            return c.tasks_per_node, f"cluster.tasks_per_node={c.tasks_per_node}"
-        dp = p.data_parallel_size or 1
-        return mp * dp, f"TP x PP x CP x DP = {mp} x {dp}"
-    if c.kind in ("hosts", "torchrun"):
-        from orchestrator.config.hosts import nodes_world_size
-
-        return nodes_world_size(c, mp * (p.data_parallel_size or 0))
-    tasks = c.tasks_per_node if c.tasks_per_node is not None else c.gpus_per_node
-    if not tasks:
-        raise LayoutError(
-            "cluster.tasks_per_node is null and cluster.gpus_per_node=0, so the number of tasks is unknown; "
-            "fix: set cluster.tasks_per_node (CPU jobs) or cluster.gpus_per_node (one task per GPU)"
-        )
-    return c.nodes * tasks, f"cluster.nodes x cluster.tasks_per_node = {c.nodes} x {tasks}"
 
 
 def layout_from_config(cfg) -> ParallelLayout:

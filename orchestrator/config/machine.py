@@ -30,6 +30,50 @@ def runs_on_cpu(cfg: JobConfig) -> bool:
     return cfg.training.device == "cpu" or not cfg.cluster.gpus_per_node
 
 
+def check_cpu_device(cfg: JobConfig) -> None:
+    """What a CPU job cannot run (ConfigError naming the key, why and the fix): see :func:`check_device`."""
+    t, m = cfg.training, cfg.model
+    where = (
+        "training.device=cpu"
+        if t.device == "cpu"
+        else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU"
+    )
+    gpus = "cluster.gpus_per_node=<n>"
+    if t.device == "cuda":
+        raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
+    if t.precision != "fp32":
+        raise ConfigError(
+            f"training.precision={t.precision}: needs a GPU ({where}); fix: training.precision=fp32, or {gpus}"
+        )
+    if cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError(
+            f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
+            "fix: optimizer.use_distributed_optimizer=false"
+        )
+    if cfg.parallelism.context_parallel_size > 1:
+        raise ConfigError(
+            f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
+            f"Transformer Engine attention on GPUs ({where}); "
+            "fix: parallelism.context_parallel_size=1"
+        )
+    if cfg.parallelism.distributed_backend == "nccl":
+        raise ConfigError(
+            f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
+            "fix: parallelism.distributed_backend=auto (gloo on CPU)"
+        )
+    if m.transformer_impl == "transformer_engine":
+        raise ConfigError(
+            f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
+            f"({where}); fix: model.transformer_impl=local (or auto)"
+        )
+    if cfg.parallelism.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
+            f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
+            "fix: parallelism.sequence_parallel=false"
+        )
+
+
 def check_device(cfg: JobConfig) -> None:
     """Refuse, before submission, what the job's device and installed packages cannot run (ConfigError).
 
@@ -39,47 +83,9 @@ def check_device(cfg: JobConfig) -> None:
     cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
     package installed, checked for local jobs only (SLURM nodes have their own Python).
     """
-    t, m = cfg.training, cfg.model
+    m = cfg.model
     if runs_on_cpu(cfg):
-        where = (
-            "training.device=cpu"
-            if t.device == "cpu"
-            else f"cluster={cfg.cluster.name} without cluster.gpus_per_node runs on CPU"
-        )
-        gpus = "cluster.gpus_per_node=<n>"
-        if t.device == "cuda":
-            raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
-        if t.precision != "fp32":
-            raise ConfigError(
-                f"training.precision={t.precision}: needs a GPU ({where}); fix: training.precision=fp32, or {gpus}"
-            )
-        if cfg.optimizer.use_distributed_optimizer:
-            raise ConfigError(
-                f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
-                "fix: optimizer.use_distributed_optimizer=false"
-            )
-        if cfg.parallelism.context_parallel_size > 1:
-            raise ConfigError(
-                f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "
-                f"Transformer Engine attention on GPUs ({where}); "
-                "fix: parallelism.context_parallel_size=1"
-            )
-        if cfg.parallelism.distributed_backend == "nccl":
-            raise ConfigError(
-                f"parallelism.distributed_backend=nccl: needs GPUs ({where}); "
-                "fix: parallelism.distributed_backend=auto (gloo on CPU)"
-            )
-        if m.transformer_impl == "transformer_engine":
-            raise ConfigError(
-                f"model.transformer_impl=transformer_engine: Transformer Engine runs on GPUs only "
-                f"({where}); fix: model.transformer_impl=local (or auto)"
-            )
-        if cfg.parallelism.sequence_parallel:
-            raise ConfigError(
-                f"parallelism.sequence_parallel=true: megatron-core's sequence-parallel layers need "
-                f"GPUs ({where}: torch's LayerNorm has no sequence_parallel); "
-                "fix: parallelism.sequence_parallel=false"
-            )
+        check_cpu_device(cfg)
     p = cfg.parallelism
     if p.overlap_param_gather and not cfg.optimizer.use_distributed_optimizer:
         raise ConfigError(

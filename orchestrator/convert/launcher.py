@@ -154,7 +154,7 @@ def _assume_world(conv) -> None:
 
 def _sbatch(conv, L, ranks) -> None:
     """The ``#SBATCH`` options that are not the topology: cluster keys, additional_parameters, or listed."""
-    from orchestrator.submit.sbatch import MANAGED_OPTIONS, SBATCH_OPTIONS
+    from orchestrator.submit.sbatch_options import MANAGED_OPTIONS, SBATCH_OPTIONS
 
     extra: Dict[str, Any] = {}
     one_task_per_node = L.torchrun is not None and (_int(L.option("ntasks-per-node")) or (1, ""))[0] == 1

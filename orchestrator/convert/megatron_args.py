@@ -27,7 +27,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.submit.sbatch import MANAGED_OPTIONS
+from orchestrator.submit.sbatch_options import MANAGED_OPTIONS
 
 
 class _Keep:

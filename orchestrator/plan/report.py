@@ -5,7 +5,8 @@ Pure Python; formats a :class:`orchestrator.plan.memory.Plan`.
 
 from __future__ import annotations
 
-from orchestrator.plan.memory import GiB, Plan, _gib
+from orchestrator.plan.inputs import gib
+from orchestrator.plan.memory import GiB, Plan
 from orchestrator.plan.params import active_params
 from orchestrator.text import table
 
@@ -23,7 +24,7 @@ def format_plan(plan: Plan) -> str:
     p, m, v, t = lay.pipeline_model_parallel_size, lay.num_microbatches, lay.vpp, lay.tensor_model_parallel_size
     peak = gpu.peak_flops(rec.precision)
     lines = [
-        f"plan: {lay.world_size} x {gpu.name} ({_gib(gpu.memory_bytes)}, {peak / 1e12:g} TFLOP/s dense "
+        f"plan: {lay.world_size} x {gpu.name} ({gib(gpu.memory_bytes)}, {peak / 1e12:g} TFLOP/s dense "
         f"{'fp32' if rec.precision == 'fp32' else 'bf16/fp16'}), precision {rec.precision}",
         *("  " + s for s in lay.summary().splitlines()),
         "parameters",
@@ -70,7 +71,7 @@ def format_plan(plan: Plan) -> str:
     )
     lines.append(
         "  activations on the worst stage by recomputation: "
-        + ", ".join(f"{k} {_gib(val)}" for k, val in plan.activations_by_recompute.items())
+        + ", ".join(f"{k} {gib(val)}" for k, val in plan.activations_by_recompute.items())
     )
     sched = f"interleaved, v={v}" if lay.interleaved else "1F1B"
     lines += [

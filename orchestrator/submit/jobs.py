@@ -16,12 +16,14 @@ import os
 import pickle
 import re
 import socket
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from orchestrator.errors import RANKS_DIED
 from orchestrator.slurm import parse_scontrol_job, restarts_of, scontrol_job
+from orchestrator.submit.liveness import pid_alive
 
 STATES = ("pending", "running", "stopping", "requeued", "completed", "failed", "cancelled", "stopped", "unknown")
 ENDED = frozenset({"completed", "failed", "cancelled", "stopped"})
@@ -187,33 +189,18 @@ def failed_rank_tail(
         path = folder / f"{job_id}_{rank}_log.err"
         if not path.exists():
             continue
-        text = _tail_text(path)
+        text = tail_text(path)
         if re.search(r"Traceback|Error|error:|Killed|CANCELLED", text):
             return rank, text.rstrip().splitlines()[-lines:]
     return None
 
 
-def _tail_text(path: Path, max_bytes: int = 65536) -> str:
+def tail_text(path: Path, max_bytes: int = 65536) -> str:
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - max_bytes))
         return f.read().decode(errors="replace")
-
-
-def _local_alive(pid: str) -> bool:
-    try:
-        p = int(pid)
-        os.kill(p, 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    try:  # a recycled pid is not our job
-        cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
-        return b"submitit" in cmdline or b"python" in cmdline
-    except OSError:
-        return True
 
 
 # ---- status of a job / a run ---------------------------------------------------------------------
@@ -231,7 +218,7 @@ def job_status(
     # Ask the scheduler / the process first, read result files second: a job that ends in between
     # has written its results before it is seen as ended, never the other way round.
     st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
-    alive = cluster == "local" and st is None and _local_alive(job_id)
+    alive = cluster == "local" and st is None and pid_alive(job_id)
     if cluster == "hosts":  # its launcher waits on the SSH sessions: alive while it is
         launcher = (
             next(
@@ -240,7 +227,7 @@ def job_status(
             )
             or {}
         )
-        alive = launcher.get("host") == socket.gethostname() and _local_alive(str(launcher.get("pid")))
+        alive = launcher.get("host") == socket.gethostname() and pid_alive(str(launcher.get("pid")))
     outcomes = result_outcomes(folder, job_id) if folder else {}
     own_events = [e for e in events if str(e.get("job_id")) == job_id]
     stopped = any(e.get("event") == "stopped" for e in own_events)
@@ -264,11 +251,11 @@ def job_status(
         st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
     elif st.state == "unknown" and cluster in ("local", "hosts"):  # (a hosts job ends with its launcher)
         st.state, st.detail = "failed", f"the {cluster} job ended without result files"
-    _attach_cause(st, events)
+    attach_cause(st, events)
     return st
 
 
-def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
+def attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     """Fill ``cause``/``message`` from the latest attempt's end; a NaN or hang is a failure with that name."""
     from orchestrator.ckpt.history import attempts
 
@@ -288,3 +275,42 @@ def _attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"
+
+
+UNREADABLE = "UNREADABLE"
+"""What :func:`slurm_state` says when neither ``scontrol`` nor ``squeue`` answered (timed out, the controller
+unreachable): not an end — the launcher asks again at its next poll, within the wait's own bound."""
+
+
+def slurm_state(job_id: str, squeue=("squeue",)) -> Tuple[str, int]:
+    """(SLURM state, requeues so far) of ``job_id``: from ``scontrol show job``, else from ``squeue``.
+
+    ``("UNKNOWN", 0)`` when SLURM answered that it does not know the job (ended and purged: an end);
+    ``(UNREADABLE, 0)`` when neither command answered (a timeout, an error other than an invalid job id),
+    which is never taken as the job's end. ``squeue``: the command (a test's stand-in for a hung one).
+    """
+    fields = scontrol_job(job_id)
+    if fields.get("JobState"):
+        return fields["JobState"], restarts_of(fields) or 0
+    try:
+        out = subprocess.run([*squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return UNREADABLE, 0
+    state = out.stdout.strip().splitlines()
+    if out.returncode == 0:
+        return (state[0].strip(), 0) if state else ("UNKNOWN", 0)
+    return ("UNKNOWN", 0) if "invalid job id" in out.stderr.lower() else (UNREADABLE, 0)
+
+
+SLURM_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "UNKNOWN",
+}

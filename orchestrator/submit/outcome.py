@@ -155,7 +155,7 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
                     recorded_by="launcher",
                 )
         return
-    from orchestrator.submit.status import last_metrics
+    from orchestrator.submit.run_records import last_metrics
 
     reached = last_metrics(run_dir)[0]  # the iteration reached (the attempt's start when it logged none)
     if latest is not None and latest.iteration is not None and (reached is None or reached < latest.iteration):

@@ -185,10 +185,10 @@ class WarmPool:
         """Local ranks of trial ``num`` whose process is alive (None: the job's controller is gone). Forked
         ranks are found by their pid files (:func:`~orchestrator.runtime.start.pool.pid_path`), others as
         submitit tasks."""
-        from orchestrator.submit.wait import _local_alive_ranks
+        from orchestrator.submit.liveness import local_alive_ranks
 
         if not self.forked:
-            return _local_alive_ranks(self.job)
+            return local_alive_ranks(self.job)
         import psutil
 
         from orchestrator.runtime.start.pool import pid_path
@@ -212,12 +212,12 @@ class WarmPool:
         return self._slurm_ended()
 
     def _slurm_ended(self) -> bool:
-        from orchestrator.submit.wait import _SLURM_ENDED, _slurm_state
+        from orchestrator.submit.jobs import SLURM_ENDED, slurm_state
 
         if time.time() - getattr(self, "_polled", 0.0) < 5.0:
             return False
         self._polled = time.time()
-        return _slurm_state(str(self.job.job_id))[0] in _SLURM_ENDED
+        return slurm_state(str(self.job.job_id))[0] in SLURM_ENDED
 
     def cancel(self) -> None:
         from orchestrator.submit.stop import cancel

@@ -244,7 +244,7 @@ def saved_line(rec: Dict[str, Any]) -> str:
 
 def final_lines(cfg: JobConfig) -> str:
     """Where to look after a run: run directory, metrics file, TensorBoard command, latest checkpoint."""
-    from orchestrator.ckpt.manifest import latest_complete
+    from orchestrator.ckpt.catalogue import latest_complete
 
     run_dir = Path(cfg.run.dir)
     latest = latest_complete(run_dir / CHECKPOINTS_DIR, lambda _: None, verify=False)

@@ -30,100 +30,27 @@ the ``cluster.env`` exports (so presets win over whatever a ``module load`` sets
 
 from __future__ import annotations
 
-import difflib
-import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from orchestrator.errors import ConfigError, LayoutError
+from orchestrator.submit.sbatch_options import (
+    ENV_KEY_RE,
+    MEM_RE,
+    additional_parameters,
+    no_control,
+)
 
 # Variables a submitting shell may carry that would confuse the job's torch.distributed setup.
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-# sbatch long options (slurm 22.05 `sbatch --help`, plus options of later releases). A key of
-# cluster.additional_parameters must be one of them (after `_` -> `-`), so a typo fails before
-# the job is queued instead of being rejected by sbatch or, worse, silently ignored.
-SBATCH_OPTIONS = frozenset(
-    """
-    account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment
-    constraint container container-id contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu
-    cpus-per-task deadline delay-boot dependency distribution error exclude exclusive export
-    export-file extra extra-node-info get-user-env gid gpu-bind gpu-freq gpus gpus-per-node
-    gpus-per-socket gpus-per-task gres gres-flags hint hold ignore-pbs input job-name
-    kill-on-invalid-dep licenses mail-type mail-user mcs-label mem mem-bind mem-per-cpu mem-per-gpu
-    mincpus network nice no-kill no-requeue nodefile nodelist nodes ntasks ntasks-per-core
-    ntasks-per-gpu ntasks-per-node ntasks-per-socket oom-kill-step open-mode output overcommit
-    oversubscribe partition power prefer priority profile propagate qos reboot requeue reservation
-    resv-ports segment signal sockets-per-node spread-job switches thread-spec threads-per-core time
-    time-min tmp tres-bind tres-per-task uid use-min-nodes wait-all-nodes wckey x11
-    """.split()
-)
-
-# Options the orchestrator sets itself (from ClusterConfig or through submitit): giving them in
-# cluster.additional_parameters would silently override the managed value. Value: what to set instead.
-MANAGED_OPTIONS: Dict[str, str] = {
-    "job-name": "run.name",
-    "partition": "cluster.partition",
-    "account": "cluster.account",
-    "qos": "cluster.qos",
-    "constraint": "cluster.constraint",
-    "exclude": "cluster.exclude",
-    "mem": "cluster.mem",
-    "time": "cluster.timeout_min",
-    "nodes": "cluster.nodes",
-    "ntasks": "cluster.nodes and cluster.tasks_per_node",
-    "ntasks-per-node": "cluster.tasks_per_node",
-    "cpus-per-task": "cluster.cpus_per_task",
-    "gpus-per-node": "cluster.gpus_per_node",
-    "gpus": "cluster.gpus_per_node (one task per GPU)",
-    "gpus-per-task": "cluster.gpus_per_node (one task per GPU)",
-    "ntasks-per-gpu": "cluster.gpus_per_node and cluster.tasks_per_node",
-    "signal": "cluster.signal_delay_s",
-    "requeue": "cluster.max_num_timeout (0 disables requeueing)",
-    "no-requeue": "cluster.max_num_timeout=0",
-    "output": "nothing: submitit writes the logs under its folder",
-    "error": "nothing: submitit writes the logs under its folder",
-    "open-mode": "nothing: submitit appends to its logs (a requeued job continues them)",
-    "array": "nothing: one job per run (sweeps submit one job per point)",
-    "wrap": "nothing: the script is generated",
-}
-
-# Keys of submitit's renderer that are not sbatch options: a user putting them into
-# additional_parameters means another config key.
-_NOT_SBATCH = {
-    "setup": "cluster.setup",
-    "srun-args": "cluster.srun_args",
-    "signal-delay-s": "cluster.signal_delay_s",
-    "timeout-min": "cluster.timeout_min",
-    "tasks-per-node": "cluster.tasks_per_node",
-    "max-num-timeout": "cluster.max_num_timeout",
-    "env": "cluster.env",
-    "python": "cluster.python",
-}
-
-_MEM_RE = re.compile(r"^\d+([KMGT]B?)?$", re.IGNORECASE)
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OPTION_RE = re.compile(r"^[a-z][a-z0-9-]*$")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _no_control(key: str, value: Any) -> str:
-    """``str(value)``, refusing control characters (a newline would end an ``#SBATCH`` comment)."""
-    text = str(value)
-    if _CONTROL_RE.search(text):
-        raise ConfigError(
-            f"{key}={text!r} contains a control character (newline, tab, ...), which cannot go into an "
-            f"sbatch directive; fix: remove it"
-        )
-    return text
 
 
 def job_name(cfg) -> str:
     """The SLURM job name of a run: ``run.name`` (validated, quoted later by submitit)."""
     name = cfg.run.name or "orchestrator"
-    return _no_control("run.name", name)
+    return no_control("run.name", name)
 
 
 def tasks_per_node(cfg) -> int:
@@ -139,60 +66,6 @@ def tasks_per_node(cfg) -> int:
     return tasks
 
 
-def _additional_parameters(cfg) -> Dict[str, Any]:
-    """Validated ``cluster.additional_parameters`` plus the managed ``requeue`` flag.
-
-    Keys are normalised to sbatch spelling (``_`` -> ``-``). A ``false`` or ``null`` value means
-    "option not given" and is dropped (submitit would render ``--exclusive=False``).
-    """
-    c = cfg.cluster
-    out: Dict[str, Any] = {}
-    seen: Dict[str, str] = {}
-    for raw_key, value in (c.additional_parameters or {}).items():
-        key = str(raw_key).strip().lstrip("-").replace("_", "-").lower()
-        where = f"cluster.additional_parameters.{raw_key}"
-        if not _OPTION_RE.match(key):
-            raise ConfigError(
-                f"{where}: {raw_key!r} is not an sbatch option name; fix: use e.g. reservation or mail-type"
-            )
-        if key in seen:
-            raise ConfigError(
-                f"{where}: the same sbatch option as cluster.additional_parameters.{seen[key]} (--{key}); fix: keep one"
-            )
-        seen[key] = str(raw_key)
-        if key in MANAGED_OPTIONS:
-            raise ConfigError(
-                f"{where}: --{key} is set by the orchestrator and must not be overridden here; "
-                f"fix: remove it and set {MANAGED_OPTIONS[key]}"
-            )
-        if key in _NOT_SBATCH:
-            raise ConfigError(f"{where}: not an sbatch option; fix: set {_NOT_SBATCH[key]} instead")
-        if key not in SBATCH_OPTIONS:
-            close = difflib.get_close_matches(key, sorted(SBATCH_OPTIONS), n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
-            raise ConfigError(
-                f"{where}: --{key} is not an sbatch option; {hint}"
-                f"fix: use a valid sbatch long option name (see `man sbatch`)"
-            )
-        if key in ("mem-per-cpu", "mem-per-gpu") and c.mem is not None:
-            raise ConfigError(
-                f"{where} and cluster.mem={c.mem!r} both set the memory; fix: keep one (cluster.mem=null)"
-            )
-        if value is None or value is False:
-            continue
-        if value is True:
-            out[key] = True
-            continue
-        if isinstance(value, (list, dict)):
-            raise ConfigError(
-                f"{where}={value!r}: sbatch option values are scalars; fix: e.g. a comma-separated string"
-            )
-        out[key] = _no_control(where, value)
-    if c.max_num_timeout > 0:
-        out["requeue"] = True
-    return out
-
-
 def _setup_lines(cfg) -> List[str]:
     """The ``# setup`` section: unset dist vars, ``cluster.setup`` (shell), ``cluster.env`` exports (quoted)."""
     c = cfg.cluster
@@ -202,7 +75,7 @@ def _setup_lines(cfg) -> List[str]:
             raise ConfigError(f"cluster.setup[{i}]={line!r} must be a shell line (string)")
         lines.append(line)
     for key, value in (c.env or {}).items():
-        if not _ENV_KEY_RE.match(str(key)):
+        if not ENV_KEY_RE.match(str(key)):
             raise ConfigError(
                 f"cluster.env.{key}: {key!r} is not a valid environment variable name "
                 f"(letters, digits, underscore; not starting with a digit)"
@@ -263,8 +136,8 @@ def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
     if c.cpus_per_task is not None:
         params["cpus_per_task"] = c.cpus_per_task * (tasks if agent else 1)
     if c.mem is not None:
-        mem = _no_control("cluster.mem", c.mem).strip()
-        if not _MEM_RE.match(mem):
+        mem = no_control("cluster.mem", c.mem).strip()
+        if not MEM_RE.match(mem):
             raise ConfigError(
                 f"cluster.mem={c.mem!r} is not an sbatch memory size; fix: e.g. 500G, 64000M, or 0 (all of the node's memory)"
             )
@@ -272,15 +145,15 @@ def executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
     for key in ("partition", "account", "qos", "constraint", "exclude"):
         value = getattr(c, key)
         if value is not None and str(value) != "":
-            params[f"slurm_{key}"] = _no_control(f"cluster.{key}", value)
+            params[f"slurm_{key}"] = no_control(f"cluster.{key}", value)
     params["slurm_signal_delay_s"] = int(c.signal_delay_s)
-    additional = _additional_parameters(cfg)
+    additional = additional_parameters(cfg)
     if additional:
         params["slurm_additional_parameters"] = additional
     params["slurm_setup"] = _setup_lines(cfg)
     srun_args = []
     for i, arg in enumerate(c.srun_args or []):
-        srun_args.append(_no_control(f"cluster.srun_args[{i}]", arg))
+        srun_args.append(no_control(f"cluster.srun_args[{i}]", arg))
     if not any(_is_kill_on_bad_exit(a) for a in srun_args):
         srun_args.insert(0, KILL_ON_BAD_EXIT)
     params["slurm_srun_args"] = srun_args
@@ -311,7 +184,7 @@ def slurm_executor_parameters(cfg, world_size: int) -> Dict[str, Any]:
 def python_command(cfg) -> str:
     """The quoted python executable that runs each task (``cluster.python`` or this interpreter)."""
     python = cfg.cluster.python or sys.executable
-    return shlex.quote(_no_control("cluster.python", python))
+    return shlex.quote(no_control("cluster.python", python))
 
 
 def _renderer_kwargs(params: Dict[str, Any]) -> Dict[str, Any]:
@@ -342,7 +215,7 @@ def render_sbatch(cfg, world_size: int, folder: Union[str, Path]) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
     params = executor_parameters(cfg, world_size)
-    folder_path = Path(_no_control("submitit folder", folder)).expanduser().absolute()
+    folder_path = Path(no_control("submitit folder", folder)).expanduser().absolute()
     command = " ".join([python_command(cfg), "-u -m submitit.core._submit", shlex.quote(str(folder_path))])
     return _make_sbatch_string(command=command, folder=folder_path, **_renderer_kwargs(params))
 

@@ -108,7 +108,8 @@ def resume_command() -> str:
 def checkpoint_words(cfg: JobConfig) -> str:
     """``run ... to resume from <checkpoint> (iteration N)``, or that a rerun starts from scratch."""
     try:
-        from orchestrator.ckpt.manifest import latest_complete, save_dir_of
+        from orchestrator.ckpt.catalogue import latest_complete
+        from orchestrator.ckpt.manifest import save_dir_of
 
         latest = latest_complete(save_dir_of(cfg), lambda _: None, verify=False)
     except Exception:  # noqa: BLE001 - a torn directory must not turn a stop into a traceback

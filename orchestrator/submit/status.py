@@ -22,113 +22,8 @@ from orchestrator.ckpt import stop
 from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.errors import OneLineArgumentParser
-from orchestrator.submit.jobs import JobStatus, _tail_text, failed_rank_tail, job_status
-
-TAIL_BYTES = 1 << 20
-"""How much of the end of ``metrics.jsonl`` status reads (~3,000 records at ``log_interval=1``)."""
-_START_PREFIX = b'{"event": "start"'
-"""How a ``start`` record's line begins (records are written with sorted keys, :func:`orchestrator.io.append_jsonl`)."""
-
-
-def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES, only: Optional[str] = None):
-    """The JSON object records of the last ``max_bytes`` of a JSONL file, newest first (torn lines skipped);
-    ``only``: just the lines holding that text (the others are not parsed)."""
-    for line in reversed(_tail_text(path, max_bytes).splitlines()):
-        if only is not None and only not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            yield rec
-
-
-def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Optional[Dict[str, Any]]]:
-    """(last iteration, last lm_loss, last summary record) from ``<run_dir>/metrics.jsonl``."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return None, None, None
-    iteration = loss = None
-    summary = next(_records_from_end(path, only='"event": "summary"'), None)
-    summary = summary if (summary or {}).get("event") == "summary" else None
-    for rec in _records_from_end(path):
-        # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
-        if "iteration" in rec and "lm_loss" in rec and "event" not in rec:
-            iteration, loss = rec["iteration"], rec["lm_loss"]
-            break
-    return iteration, loss, summary
-
-
-def slowness(run_dir: PathLike) -> List[str]:
-    """Lines naming the slow links (``link_check``) and stragglers (``straggler``) of the latest job, oldest first."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    lines: List[str] = []
-    for rec in _records_from_end(path, only='"event": "'):  # events only: iteration records are not parsed
-        if rec.get("event") == "start":
-            break
-        if rec.get("event") == "straggler" and rec.get("line"):
-            lines.append(str(rec["line"]))
-        elif rec.get("event") == "link_check":
-            lines.extend(str(line) for line in reversed(rec.get("slow") or []))
-    return lines[::-1]
-
-
-def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]]:
-    """The newest ``start`` record of a metrics file, searched backwards block by block (the fallback for
-    a run whose ``jobs.jsonl`` does not carry ``train_iters``: runs written before it did)."""
-    needle = b"\n" + _START_PREFIX
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        while end > 0:
-            begin = max(0, end - block)
-            f.seek(begin)
-            chunk = (b"\n" if begin == 0 else b"") + f.read(end - begin + len(needle))  # overlap: no match lost
-            at = chunk.rfind(needle)
-            while at >= 0:
-                f.seek(begin + at + (0 if begin == 0 else 1))
-                try:
-                    rec = json.loads(f.readline())
-                except ValueError:
-                    rec = None
-                if isinstance(rec, dict):
-                    return rec
-                at = chunk.rfind(needle, 0, at)
-            end = begin
-    return None
-
-
-def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Optional[float]]:
-    """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` (the
-    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``.
-
-    Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
-    record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
-    record in ``records`` (``jobs.jsonl``), and only for runs without one is the file searched backwards."""
-    path = Path(run_dir) / METRICS_FILE
-    out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
-    if not path.exists():
-        return out
-    start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
-    recent: List[Dict[str, Any]] = []
-    for rec in _records_from_end(path):
-        if rec.get("event") == "start" or len(recent) == last:
-            break  # the newest ``last`` records of the latest job
-        if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
-            recent.append(rec)
-    if start is not None:
-        out["train_iters"] = start.get("train_iters")
-    else:
-        started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
-        start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
-        out["train_iters"] = (start or {}).get("train_iters")
-    if recent:
-        out["tokens_per_s"] = sum(r["tokens_per_s"] for r in recent) / len(recent)
-        steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
-        out["step_time_s"] = sum(steps) / len(steps) if steps else None
-    return out
+from orchestrator.submit.jobs import JobStatus, failed_rank_tail, job_status
+from orchestrator.submit.run_records import last_metrics, latest_breakdown, live_rates, slowness
 
 
 @dataclass
@@ -157,31 +52,6 @@ class RunStatus:
     @property
     def state(self) -> str:
         return self.job.state if self.job else "unknown"
-
-
-def latest_breakdown(run_dir: PathLike) -> Optional[Dict[str, Any]]:
-    """The newest step breakdown of a run (``metrics.jsonl``): the latest window's ``breakdown`` record, or
-    the job summary's (over its timed iterations) when that came after it; with ``what``, saying which.
-    None when the run recorded none (``training.breakdown_interval=0``, or no window yet)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return None
-    window = next(_records_from_end(path, only='"event": "breakdown"'), None)
-    summary = next(_records_from_end(path, only='"event": "summary"'), None)
-    if (
-        summary
-        and (summary.get("breakdown") or {}).get("stages")
-        and float(summary.get("time", 0)) >= float((window or {}).get("time", 0))
-    ):
-        return {
-            **summary["breakdown"],
-            "what": f"over the {summary.get('timed_iterations')} timed iterations "
-            f"of the job that ended at iteration {summary.get('iteration')}",
-        }
-    if window and window.get("stages"):
-        first, last = window.get("iterations") or ("?", window.get("iteration"))
-        return {**window, "what": f"iterations {first}-{last}"}
-    return None
 
 
 def format_breakdown(run: str, b: Dict[str, Any]) -> List[str]:
@@ -287,13 +157,14 @@ def warm_trial_status(
         st.state, st.detail = "failed", f"rank {rank} raised an exception (warm trial {num})"
         failure = (rank, tails[rank][-15:])
     else:
-        from orchestrator.submit.jobs import _local_alive, slurm_job_status
+        from orchestrator.submit.jobs import slurm_job_status
+        from orchestrator.submit.liveness import pid_alive
 
-        live = _local_alive(job_id) if cluster == "local" else (slurm_job_status(job_id) or st).state == "running"
+        live = pid_alive(job_id) if cluster == "local" else (slurm_job_status(job_id) or st).state == "running"
         st.state, st.detail = ("running", "") if live else ("failed", f"the warm ranks ended before trial {num} did")
-    from orchestrator.submit.jobs import _attach_cause
+    from orchestrator.submit.jobs import attach_cause
 
-    _attach_cause(st, records)
+    attach_cause(st, records)
     return st, failure
 
 
@@ -403,8 +274,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="each run's newest step breakdown per pipeline stage: compute, pipeline bubble, DP "
         "communication, optimizer, data, other (shares of the step), MFU on a GPU",
     )
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="for RUN (a run directory): the goodput account over all its attempts: ETTR and where the wall went",
+    )
+    parser.add_argument(
+        "--timeline", metavar="PNG", help="for RUN (a run directory): draw its timeline (attempts x time, by cause)"
+    )
     args = parser.parse_args(argv)
     root = Path(args.runs_root)
+    if args.goodput or args.timeline:
+        from orchestrator.submit.goodput_cli import goodput_main
+
+        return goodput_main(root, show=args.goodput, timeline=args.timeline)
     if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
         if not args.json:
             print(

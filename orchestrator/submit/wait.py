@@ -17,50 +17,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import JobFailedError, ranks_died
-from orchestrator.slurm import restarts_of, scontrol_job
+from orchestrator.submit.jobs import SLURM_ENDED, slurm_state
+from orchestrator.submit.liveness import dead_ranks, is_stale, read_result, result_mtime
 from orchestrator.submit.progress import Progress
 from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here
-
-
-def _read_result(path: Path) -> Optional[Tuple[str, Any]]:
-    if not path.exists():
-        return None
-    from submitit.core.utils import pickle_load
-
-    try:
-        return pickle_load(path)
-    except Exception:  # being written
-        return None
-
-
-def _slurm_state(job_id: str) -> Tuple[str, int]:
-    """(SLURM state, requeues so far) of ``job_id`` from ``scontrol show job``, else the state from
-    squeue (('UNKNOWN', 0) when neither knows it)."""
-    fields = scontrol_job(job_id)
-    if fields.get("JobState"):
-        return fields["JobState"], restarts_of(fields) or 0
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
-        state = out.stdout.strip().splitlines()
-        if out.returncode == 0 and state:
-            return state[0].strip(), 0
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return "UNKNOWN", 0
-
-
-_SLURM_ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "PREEMPTED",
-    "UNKNOWN",
-}
 
 
 def _stderr_tail(job, task: int, lines: int = 25) -> str:
@@ -75,86 +35,6 @@ def _stderr_tail(job, task: int, lines: int = 25) -> str:
         return "\n".join(text.rstrip().splitlines()[-lines:])
     except Exception:  # pragma: no cover - diagnostics only
         return ""
-
-
-def _local_alive_ranks(job) -> Optional[set]:
-    """Ranks whose local task process is alive (None when the controller is gone or unreadable).
-
-    Tasks are the controller's direct children; each carries its rank in SUBMITIT_LOCAL_GLOBALID
-    (the checkpoint writer's forked helpers are grandchildren and are not counted). Ranks forked by
-    the task (:mod:`orchestrator.runtime.start.forked`) are found by the process ids their job recorded.
-    """
-    import psutil
-
-    from orchestrator.runtime.start.forked import alive_forked_ranks
-
-    process = getattr(job, "_process", None)
-    if process is None or process.poll() is not None:
-        return None
-    try:
-        controller = psutil.Process(process.pid)
-        if "submitit.local._local" not in " ".join(controller.cmdline()):  # started through a shell
-            controller = next(
-                (c for c in controller.children() if "submitit.local._local" in " ".join(c.cmdline())), None
-            )
-            if controller is None:
-                return None
-        alive = set()
-        for child in controller.children():
-            try:
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                rank = child.environ().get("SUBMITIT_LOCAL_GLOBALID")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if rank is not None:
-                alive.add(int(rank))
-        forked = alive_forked_ranks(job.paths.folder, str(job.job_id))
-        if getattr(job, "forks_ranks", False) and forked is None:
-            return None  # the task is still importing: its ranks are not forked yet
-        return alive | (forked or set())
-    except psutil.NoSuchProcess:
-        return None
-
-
-def _dead_ranks(job, world_size: int, results: Dict[int, Any]) -> List[int]:
-    """Local ranks that exited without writing a result (SIGKILL, OOM killer); re-checked after 1 s."""
-    for attempt in range(2):
-        alive = _local_alive_ranks(job)
-        if alive is None and getattr(job, "forks_ranks", False) and 0 not in results:
-            # the task that forked the ranks (rank 0) ended without a result; its forks died with it
-            from orchestrator.runtime.start.forked import read_rank_pids
-
-            forked = bool(read_rank_pids(job.paths.folder, str(job.job_id)))
-            return [0] if forked and _read_result(Path(job.task(0).paths.result_pickle)) is None else []
-        process = getattr(job, "_process", None)
-        ended = alive is None and process is not None and process.poll() is not None
-        if (alive is None and not ended) or (not alive and not results):
-            return []  # not started yet, or nothing ran to compare with (handled by the state check)
-        alive = alive or set()  # a controller that ended with its tasks: a rank without a result died
-        for i in range(world_size):
-            if i not in results:
-                r = _read_result(Path(job.task(i).paths.result_pickle))
-                if r is not None:
-                    results[i] = r
-        dead = [i for i in range(world_size) if i not in results and i not in alive]
-        if not dead:
-            return []
-        if attempt == 0:
-            time.sleep(1.0)  # a rank may have been between writing its result and exiting
-    return [0] if 0 in dead and getattr(job, "forks_ranks", False) else dead  # its forks died with rank 0
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _is_stale(rank: int, path: Path, stale: Dict[int, float]) -> bool:
-    """Rank ``rank``'s result file still holds what a failed, requeued attempt wrote."""
-    return rank in stale and _mtime(path) == stale[rank]
 
 
 def _pause(job, cfg: JobConfig) -> None:
@@ -213,12 +93,12 @@ class _Wait:
             path = Path(self.job.task(i).paths.result_pickle)
             if path.parent not in listed:
                 listed[path.parent] = set(os.listdir(path.parent)) if path.parent.is_dir() else set()
-            if i not in self.results and path.name in listed[path.parent] and not _is_stale(i, path, self.stale):
-                r = _read_result(path)
+            if i not in self.results and path.name in listed[path.parent] and not is_stale(i, path, self.stale):
+                r = read_result(path)
                 if r is not None:
                     self.results[i] = r
         if self.failed() and not self.local and outcome.requeued_after_failure(self.run_dir, self.job_id):
-            self.stale.update({i: _mtime(Path(self.job.task(i).paths.result_pickle)) for i in self.results})
+            self.stale.update({i: result_mtime(Path(self.job.task(i).paths.result_pickle)) for i in self.results})
             self.results.clear()  # the requeued attempt writes its own results
 
     def failed(self) -> List[int]:
@@ -246,7 +126,7 @@ class _Wait:
                 f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)", "crashed", known
             )  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
         # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
-        dead = _dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
+        dead = dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []
@@ -279,7 +159,7 @@ class _Wait:
 
         if not self.local or time.time() - self.started <= 5 or self.asked is not None:
             return  # (ranks that stop on request exit without results: check_stopped waits for the job's end)
-        dead = _dead_ranks(self.job, self.world_size, self.results)
+        dead = dead_ranks(self.job, self.world_size, self.results)
         if not dead:
             return
         logs = Path(self.job.task(dead[0]).paths.stderr).parent
@@ -300,7 +180,7 @@ class _Wait:
         if self.local:
             self.state = self.job.state
             return self.state != "RUNNING"
-        self.state, restarts = _slurm_state(self.job_id)
+        self.state, restarts = slurm_state(self.job_id)
         if restarts > self.requeues:  # PENDING/REQUEUED after a requeue: not an end, keep waiting
             self.requeues = restarts
             failure = outcome.failed_attempt_message(self.run_dir, self.job_id)
@@ -319,7 +199,7 @@ class _Wait:
                     f"{self.c.max_num_timeout}); it resumes from its latest checkpoint when SLURM restarts it",
                     flush=True,
                 )
-        return self.state in _SLURM_ENDED
+        return self.state in SLURM_ENDED
 
     def check_ended(self, ended: bool) -> None:
         """The job ended without every result: after a short grace for result files, explain it."""

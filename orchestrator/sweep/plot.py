@@ -80,20 +80,7 @@ def plot(rows: Sequence[Dict[str, Any]], swept: Sequence[str], path: Path, title
                     rotation=45,
                     color="red",
                 )
-    for ax, ylabel in ((ax_t, "tokens/s (median step after warm-up)"), (ax_m, "peak memory per rank, MiB")):
-        ax.set_xlabel(xkey)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if not numeric:
-            ax.set_xticks(range(len(categories)), categories, rotation=20)
-        else:
-            ticks = sorted({_as_float(v) for v in xs_raw})
-            if len(ticks) > 2 and all(t > 0 and t.is_integer() and (int(t) & (int(t) - 1)) == 0 for t in ticks):
-                ax.set_xscale("log", base=2)  # 1, 2, 4, 8: evenly spaced
-            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-            ax.minorticks_off()
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    _format_axes((ax_t, ax_m), xkey, numeric, categories, xs_raw)
     speeds = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None]
     if speeds:
         ax_t.set_ylim(0, 1.1 * max(speeds))
@@ -108,3 +95,22 @@ def plot(rows: Sequence[Dict[str, Any]], swept: Sequence[str], path: Path, title
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
+
+
+def _format_axes(axes: Tuple[Any, Any], xkey: str, numeric: bool, categories: List[str], xs_raw: List[Any]) -> None:
+    """Labels, grid, x ticks (categories, or the swept values; a log-2 axis for 1, 2, 4, 8) and legends."""
+    ax_t, ax_m = axes
+    for ax, ylabel in ((ax_t, "tokens/s (median step after warm-up)"), (ax_m, "peak memory per rank, MiB")):
+        ax.set_xlabel(xkey)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if not numeric:
+            ax.set_xticks(range(len(categories)), categories, rotation=20)
+        else:
+            ticks = sorted({_as_float(v) for v in xs_raw})
+            if len(ticks) > 2 and all(t > 0 and t.is_integer() and (int(t) & (int(t) - 1)) == 0 for t in ticks):
+                ax.set_xscale("log", base=2)  # 1, 2, 4, 8: evenly spaced
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)

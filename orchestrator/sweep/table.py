@@ -1,7 +1,7 @@
 """The results table of a sweep, rebuilt from the sweep directory alone.
 
 :func:`write_summary` reads every ``<sweep dir>/<num>/point.json`` (written by
-:mod:`orchestrator.sweep`) and the point's ``metrics.jsonl`` and writes ``summary.csv``,
+:mod:`orchestrator.sweep.points`; what it holds: :mod:`orchestrator.sweep.records`) and the point's ``metrics.jsonl`` and writes ``summary.csv``,
 ``summary.md`` and ``summary.png`` atomically. It needs nothing from the process that ran the
 sweep, so it works at any time: a point still running is read from its ``metrics.jsonl`` (and its
 job's state from :mod:`orchestrator.status`); a point whose sweep process is gone is
@@ -36,186 +36,27 @@ the per-iteration records while it runs); predicted ones only from :mod:`orchest
 
 Completed (and still running) points are ranked by measured tokens/s, fastest first; the rest follow
 in point order (a failed, interrupted or stopped point shows what it measured, unranked).
+The table as text (CSV, Markdown, the printed report): :mod:`orchestrator.sweep.render`.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
-import re
 import socket
-import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.ckpt.rundir import METRICS_FILE
-from orchestrator.io import read_jsonl, write_atomic
+from orchestrator.io import write_atomic
+from orchestrator.sweep.records import FINAL, POINT_FILE, UNFINISHED, job_id_in, measured, status_of_summary
+from orchestrator.sweep.render import SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG, to_csv, to_markdown
 
-POINT_FILE = "point.json"
-SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"
 MiB = 2**20
-
-FINAL = ("completed", "planned", "invalid", "skipped_oom_predicted", "failed", "interrupted", "stopped")
-FAILURES = ("failed", "interrupted", "stopped")
-UNFINISHED = ("pending", "running", "submitted", "requeued")
-
-COLUMNS = [
-    "rank",
-    "point",
-    "overrides",
-    "job_id",
-    "status",
-    "step_time_median_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "tflops_per_device",
-    "peak_rss_mib",
-    "predicted_mib",
-    "memory_error_pct",
-    "predicted_step_time_s",
-    "step_time_error_pct",
-    "bubble_fraction",
-    "measured_bubble_fraction",
-    "reason",
-]
-"""The results table; summary.csv adds one column per swept key and the details in EXTRA_COLUMNS."""
-EXTRA_COLUMNS = [
-    "peak_gpu_mib",
-    "timed_iterations",
-    "iteration",
-    "lm_loss",
-    "world_size",
-    "global_batch_size",
-    "tokens_per_step",
-    "model_flops_per_step",
-    "gpu",
-    "run_dir",
-]
-
-
-def layout_record(layout) -> Dict[str, Any]:
-    """The layout numbers a point records (a :class:`~orchestrator.config.layout.ParallelLayout` in)."""
-    return {
-        "world_size": layout.world_size,
-        "tensor_model_parallel_size": layout.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size,
-        "data_parallel_size": layout.data_parallel_size,
-        "micro_batch_size": layout.micro_batch_size,
-        "global_batch_size": layout.global_batch_size,
-        "num_microbatches": layout.num_microbatches,
-        "tokens_per_step": layout.tokens_per_step,
-    }
-
-
-def plan_record(plan) -> Dict[str, Any]:
-    """The planner numbers a point records (an :class:`~orchestrator.plan.memory.Plan` in)."""
-    return {
-        "gpu": plan.gpu.name,
-        "fits": plan.fits,
-        "peak_bytes": plan.peak_bytes,
-        "bubble_fraction": plan.bubble_fraction,
-        "model_flops": plan.model_flops,
-        "step_time_s": plan.step_time_s,
-        "verdict": plan.reason,
-        "profile": plan.profile.device if plan.profile is not None else None,
-        "calibrated": bool(plan.profile is not None and plan.profile.calibrated),
-    }
 
 
 def _error_pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
     return 100.0 * (predicted - measured) / measured if predicted is not None and measured else None
-
-
-def job_id_in(run_dir: Path) -> Optional[str]:
-    """The newest job id of a run: the latest submission in ``jobs.jsonl`` (a point on warm ranks names the
-    pool's job there), else the newest ``<run_dir>/submitit/<id>_submitted.pkl``."""
-    from orchestrator.ckpt.rundir import JOBS_FILE
-
-    submitted = [r for r in read_jsonl(Path(run_dir) / JOBS_FILE) if r.get("event") == "submitted"]
-    if submitted:
-        return str(submitted[-1].get("job_id"))
-    folder = Path(run_dir) / "submitit"
-    if not folder.is_dir():
-        return None
-    found = [(p.stat().st_mtime, p.name.split("_")[0]) for p in folder.glob("*_submitted.pkl")]
-    return max(found)[1] if found else None
-
-
-def status_of_summary(summary: Dict[str, Any]) -> Tuple[str, str]:
-    s = summary.get("status")
-    if s == "completed":
-        return "completed", ""
-    if s == "exited":
-        return "completed", f"stopped early at iteration {summary.get('iteration')} (training.exit_after_iters)"
-    if s == "stopped":
-        return "stopped", f"stopped by a signal at iteration {summary.get('iteration')} and not requeued"
-    return "failed", f"the job ended with status {s!r}"
-
-
-def exit_code(rows: Sequence[Dict[str, Any]], unfinished_ok: bool = False) -> int:
-    """1 if a point failed (or is unfinished, unless ``unfinished_ok``), 2 if one was invalid, else 0."""
-    statuses = {r["status"] for r in rows}
-    bad = set(FAILURES) | (set() if unfinished_ok else set(UNFINISHED))
-    if statuses & bad:
-        return 1
-    if "invalid" in statuses:
-        return 2
-    return 0
-
-
-def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
-    """What the point's job measured, from ``<run_dir>/metrics.jsonl`` only.
-
-    Finished job (its last record is the ``summary`` event): that record's step-time median,
-    timed iterations, tokens per step, and the largest of ``peak_rss_mb_per_rank``.
-    Running job: the per-iteration records after the last event, the first ``warmup_iters`` of
-    this job excluded (as the training loop does), median of their ``step_time_s``; memory is the
-    logging rank's ``max_rss_mb`` (the only rank that writes records).
-    Empty dict when nothing was measured yet.
-    """
-    records = read_jsonl(Path(run_dir) / METRICS_FILE)
-    if not records:
-        return {}
-    # Job boundaries (start, stopped, summary); an evaluation or a save in the middle of a job is not one.
-    last_event = max((i for i, r in enumerate(records) if r.get("event") not in (None, "eval", "saved")), default=-1)
-    if last_event >= 0 and records[last_event].get("event") == "summary":
-        s = records[last_event]
-        per_rank = [x for x in s.get("peak_rss_mb_per_rank") or [] if isinstance(x, (int, float))]
-        gpu_rank = [x for x in s.get("peak_gpu_mem_mb_per_rank") or [] if isinstance(x, (int, float))]
-        return {
-            "source": "summary",
-            "job_status": s.get("status"),
-            "iteration": s.get("iteration"),
-            "lm_loss": s.get("lm_loss"),
-            "step_time_median_s": s.get("step_time_median_s"),
-            "timed_iterations": s.get("timed_iterations"),
-            "tokens_per_step": s.get("tokens_per_step"),
-            "peak_rss_mib": max(per_rank) if per_rank else None,
-            "peak_gpu_mib": max(gpu_rank) if gpu_rank else None,
-            "measured_bubble": statistics.mean(x)
-            if (x := (s.get("schedule_trace") or {}).get("measured_idle_share"))
-            else None,
-        }
-    start = int(records[last_event].get("iteration") or 0) if last_event >= 0 else 0
-    iters = [r for r in records[last_event + 1 :] if "step_time_s" in r and "iteration" in r]
-    if not iters:
-        return {}
-    timed = [r["step_time_s"] for r in iters if r["iteration"] - start > warmup_iters]
-    rss = [r["max_rss_mb"] for r in iters if isinstance(r.get("max_rss_mb"), (int, float))]
-    return {
-        "source": "running",
-        "job_status": "running",
-        "iteration": iters[-1]["iteration"],
-        "lm_loss": iters[-1].get("lm_loss"),
-        "step_time_median_s": statistics.median(timed) if timed else None,
-        "timed_iterations": len(timed),
-        "tokens_per_step": None,
-        "peak_rss_mib": max(rss) if rss else None,
-    }
 
 
 def _split(override: str) -> Tuple[str, str]:
@@ -391,81 +232,6 @@ def _row(num: int, point: Dict[str, Any], swept: List[str]) -> Dict[str, Any]:
     return row
 
 
-# ====================================================================== writing the summary
-def _cell(v: Any) -> str:
-    return "" if v is None else str(v)
-
-
-def to_csv(rows: Sequence[Dict[str, Any]], swept: Sequence[str]) -> str:
-    """CSV with full-precision numbers (Python's repr: they round-trip to the metrics' values)."""
-    buf = io.StringIO()
-    cols = COLUMNS + [k for k in swept if k not in COLUMNS] + EXTRA_COLUMNS
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(cols)
-    for r in rows:
-        w.writerow([_cell(r.get(c)) for c in cols])
-    return buf.getvalue()
-
-
-def short_reason(reason: str, width: int = 160) -> str:
-    """One line of a multi-line reason: the exception line when there is one, else the first line."""
-    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip() and not ln.strip().startswith("logs:")]
-    if not lines:
-        return ""
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*:", ln)]
-    text = errors[-1] if errors else lines[0]
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def to_markdown(rows: Sequence[Dict[str, Any]], gpu: Optional[str] = None) -> str:
-    head = [
-        "rank",
-        "point",
-        "overrides",
-        "job id",
-        "status",
-        "step time median (ms)",
-        "tokens/s",
-        "samples/s",
-        "TFLOP/s per device",
-        "peak memory per rank (MiB, measured)",
-        f"predicted memory (MiB, {gpu or 'planner'})",
-        "memory error",
-        "predicted step (ms)",
-        "step error",
-        "bubble",
-        "measured bubble",
-        "reason",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in rows:
-        cells = [
-            _cell(r["rank"]) or "-",
-            str(r["point"]),
-            f"`{r['overrides']}`" if r["overrides"] else "",
-            _cell(r["job_id"]) or "-",
-            r["status"],
-            _fmt(r["step_time_median_s"] * 1000 if r["step_time_median_s"] is not None else None, ".1f"),
-            _fmt(r["tokens_per_s"], ",.0f"),
-            _fmt(r["samples_per_s"], ".2f"),
-            _fmt(r["tflops_per_device"], ".3g"),
-            _fmt(r["peak_rss_mib"], ",.0f"),
-            _fmt(r["predicted_mib"], ",.0f"),
-            _fmt(r["memory_error_pct"], "+.1f"),
-            _fmt(r["predicted_step_time_s"] * 1000 if r["predicted_step_time_s"] is not None else None, ".1f"),
-            _fmt(r["step_time_error_pct"], "+.0f"),
-            _fmt(r["bubble_fraction"], ".1%"),
-            _fmt(r["measured_bubble_fraction"], ".1%"),
-            short_reason(r["reason"]),
-        ]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def write_summary(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Rebuild summary.csv, summary.md and summary.png from the sweep directory; return (rows, swept keys)."""
     sweep_dir = Path(sweep_dir)
@@ -481,24 +247,3 @@ def write_summary(sweep_dir: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
 
     plot(rows, swept, sweep_dir / SUMMARY_PNG, title=f"{sweep_dir.parent.name}/{sweep_dir.name}")
     return rows, swept
-
-
-def format_report(sweep_dir: Path, rows: Sequence[Dict[str, Any]], swept: Sequence[str]) -> str:
-    """The ranked table as printed at the end of a sweep (and by ``summarize``)."""
-    gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    lines = [
-        f"[sweep] {len(rows)} point(s) in {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-        "[sweep] ranked by measured tokens/s:",
-        to_markdown(rows, ", ".join(gpus) or None).rstrip(),
-    ]
-    best = min((r for r in rows if r["rank"] and r["status"] == "completed"), key=lambda r: r["rank"], default=None)
-    if best is not None:
-        lines.append(
-            f"[sweep] fastest: point {best['point']} ({best['overrides']}): "
-            f"{best['tokens_per_s']:,.0f} tokens/s, median step {best['step_time_median_s'] * 1000:.1f} ms"
-        )
-    lines.append(f"[sweep] table: {sweep_dir / SUMMARY_CSV}, {sweep_dir / SUMMARY_MD}; plot: {sweep_dir / SUMMARY_PNG}")
-    return "\n".join(lines)

@@ -21,12 +21,14 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.io import read_jsonl
-from orchestrator.sweep.search import TuneConfig
+from orchestrator.sweep.records import layout_record, measured, plan_record
+from orchestrator.sweep.search import Candidate, TuneConfig
 
 LOG = "tune_trial.log"
 
@@ -150,3 +152,69 @@ class TrialRunner:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+@dataclass
+class Trial:
+    """One candidate run as a job."""
+
+    num: int
+    cand: Candidate
+    predicted_step_s: float
+    """At selection (the prospective prediction)."""
+    predicted_peak_bytes: float
+    calibrated: bool
+    """Whether the profile that predicted it was calibrated."""
+    predicted_sd: float = 0.0
+    """The prediction's relative standard deviation at selection."""
+    exploring: bool = False
+    """Predicted no faster than the best step measured before it (:class:`~orchestrator.sweep.search.TrialOutcome`)."""
+    status: str = "running"
+    reason: str = ""
+    summary: Optional[Dict[str, Any]] = None
+    wall_s: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def step_s(self) -> Optional[float]:
+        return self.summary.get("step_time_median_s") if self.status == "completed" and self.summary else None
+
+    @property
+    def startup_s(self) -> Optional[float]:
+        """What the trial paid besides its training loop: wall time minus the loop's (s)."""
+        train = (self.summary or {}).get("train_wall_s")
+        return self.wall_s - train if self.wall_s and isinstance(train, (int, float)) else None
+
+
+def trial_record(trial: Trial, run_dir: Path, opts: TuneConfig) -> Dict[str, Any]:
+    """A tune trial as a sweep point's record (``point.json``: :mod:`orchestrator.sweep.records`)."""
+    c = trial.cand
+    record = {
+        "point": trial.num,
+        "overrides": c.overrides,
+        "status": trial.status,
+        "reason": trial.reason,
+        "job_id": (trial.summary or {}).get("job_id"),
+        "run_dir": str(run_dir),
+        "driver": {"pid": os.getpid(), "host": os.uname().nodename},
+        "started": trial.started,
+        "training": {"train_iters": opts.iters, "timing_warmup_iters": opts.warmup_iters},
+        "layout": layout_record(c.layout),
+        "cluster": c.cfg.cluster.kind,
+        "plan": plan_record(c.plan),
+        "tune": {
+            "label": c.label,
+            "predicted_step_s": trial.predicted_step_s,
+            "predicted_step_sd": trial.predicted_sd,
+            "predicted_peak_bytes": trial.predicted_peak_bytes,
+            "calibrated": trial.calibrated,
+            "exploring": trial.exploring,
+            "wall_s": trial.wall_s,
+            "startup_s": trial.startup_s,
+            "warm": opts.warm_pool,
+        },
+    }
+    if trial.status != "running":
+        record["ended"] = time.time()
+        record["measured"] = measured(run_dir, opts.warmup_iters)
+    return record

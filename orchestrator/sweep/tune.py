@@ -34,33 +34,24 @@ a user error (one ``error:`` line, nothing created).
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.io import write_atomic
 from orchestrator.plan.calibrate import fit_profile, sample_of, step_spread
 from orchestrator.sweep import search
+from orchestrator.sweep.records import POINT_FILE
+from orchestrator.sweep.render import short_reason, to_markdown
 from orchestrator.sweep.search import Candidate, TuneConfig
-from orchestrator.sweep.table import (
-    POINT_FILE,
-    layout_record,
-    measured,
-    plan_record,
-    short_reason,
-    to_markdown,
-    write_summary,
-)
-from orchestrator.sweep.trial import TrialRunner, trial_overrides
-from orchestrator.sweep.winner import experiment_yaml, run_flags
+from orchestrator.sweep.table import write_summary
+from orchestrator.sweep.trial import Trial, TrialRunner, trial_overrides, trial_record
+from orchestrator.sweep.tune_options import compose_base, split_args
+from orchestrator.sweep.winner import candidates_csv, evidence, experiment_yaml, run_flags
 
 CANDIDATES_CSV = "candidates.csv"
 _SKIP_BASE = ("run.", "hydra.", "plan=", "dry_run=")
@@ -69,38 +60,6 @@ _SKIP_BASE = ("run.", "hydra.", "plan=", "dry_run=")
 
 def say(message: str) -> None:
     print("\n".join(f"[tune] {line}" for line in str(message).splitlines()), flush=True)
-
-
-@dataclass
-class Trial:
-    """One candidate run as a job."""
-
-    num: int
-    cand: Candidate
-    predicted_step_s: float
-    """At selection (the prospective prediction)."""
-    predicted_peak_bytes: float
-    calibrated: bool
-    """Whether the profile that predicted it was calibrated."""
-    predicted_sd: float = 0.0
-    """The prediction's relative standard deviation at selection."""
-    exploring: bool = False
-    """Predicted no faster than the best step measured before it (:class:`~orchestrator.sweep.search.TrialOutcome`)."""
-    status: str = "running"
-    reason: str = ""
-    summary: Optional[Dict[str, Any]] = None
-    wall_s: float = 0.0
-    started: float = field(default_factory=time.time)
-
-    @property
-    def step_s(self) -> Optional[float]:
-        return self.summary.get("step_time_median_s") if self.status == "completed" and self.summary else None
-
-    @property
-    def startup_s(self) -> Optional[float]:
-        """What the trial paid besides its training loop: wall time minus the loop's (s)."""
-        train = (self.summary or {}).get("train_wall_s")
-        return self.wall_s - train if self.wall_s and isinstance(train, (int, float)) else None
 
 
 class Tuner:
@@ -237,35 +196,8 @@ class Tuner:
 
     def _record(self, trial: Trial) -> None:
         """The trial as a sweep point (``point.json``), then the sweep table rebuilt."""
-        c, run_dir = trial.cand, self.root / str(trial.num)
-        record = {
-            "point": trial.num,
-            "overrides": c.overrides,
-            "status": trial.status,
-            "reason": trial.reason,
-            "job_id": (trial.summary or {}).get("job_id"),
-            "run_dir": str(run_dir),
-            "driver": {"pid": os.getpid(), "host": os.uname().nodename},
-            "started": trial.started,
-            "training": {"train_iters": self.opts.iters, "timing_warmup_iters": self.opts.warmup_iters},
-            "layout": layout_record(c.layout),
-            "cluster": c.cfg.cluster.kind,
-            "plan": plan_record(c.plan),
-            "tune": {
-                "label": c.label,
-                "predicted_step_s": trial.predicted_step_s,
-                "predicted_step_sd": trial.predicted_sd,
-                "predicted_peak_bytes": trial.predicted_peak_bytes,
-                "calibrated": trial.calibrated,
-                "exploring": trial.exploring,
-                "wall_s": trial.wall_s,
-                "startup_s": trial.startup_s,
-                "warm": self.opts.warm_pool,
-            },
-        }
-        if trial.status != "running":
-            record["ended"] = time.time()
-            record["measured"] = measured(run_dir, self.opts.warmup_iters)
+        run_dir = self.root / str(trial.num)
+        record = trial_record(trial, run_dir, self.opts)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / POINT_FILE, json.dumps(record, indent=1, default=str) + "\n")
         write_summary(self.root)
@@ -349,7 +281,7 @@ class Tuner:
         """Table, candidates.csv, the winner's experiment file; the exit code."""
         say(f"stopped: {reason}")
         rows, _ = write_summary(self.root)
-        write_atomic(self.root / CANDIDATES_CSV, self.candidates_csv())
+        write_atomic(self.root / CANDIDATES_CSV, candidates_csv(self.cands, self.trials))
         print(to_markdown(rows, self.device), flush=True)
         done = [t for t in self.trials if t.step_s]
         if self.opts.calibrate and done:
@@ -372,102 +304,13 @@ class Tuner:
         )
         return 0
 
-    def candidates_csv(self) -> str:
-        by_cand = {id(t.cand): t for t in self.trials}
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(
-            [
-                "candidate",
-                "predicted_step_time_s",
-                "predicted_step_sd_pct",
-                "predicted_peak_mib",
-                "status",
-                "trial",
-                "measured_step_time_s",
-                "overrides",
-            ]
-        )
-        for c in search.ranked(self.cands):
-            t = by_cand.get(id(c))
-            w.writerow(
-                [
-                    c.label,
-                    c.plan.step_time_s,
-                    round(100 * c.spread, 1),
-                    c.plan.peak_bytes / search.MiB,
-                    c.status,
-                    "" if t is None else t.num,
-                    "" if t is None or t.step_s is None else t.step_s,
-                    " ".join(c.overrides),
-                ]
-            )
-        return buf.getvalue()
-
     def write_winner(self, best: Trial, reason: str) -> Path:
         path = self.winner_path()
-        header = self.evidence(best, reason)
+        header = evidence(self, best, reason)
         text = experiment_yaml(self.name, self.overrides, best.cand.overrides, header)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text)
         return path
-
-    def evidence(self, best: Trial, reason: str) -> List[str]:
-        done = sorted((t for t in self.trials if t.step_s), key=lambda t: t.step_s)
-        lay = best.cand.layout
-        peak = max((best.summary or {}).get("peak_rss_mb_per_rank") or [0])
-        lines = [
-            f"Tuned by `python -m orchestrator tune {' '.join(self.overrides + self.tune_args)}` on "
-            f"{time.strftime('%Y-%m-%d %H:%M')}, device {self.key}.",
-            f"{len(self.cands)} valid candidates, {sum(c.status == 'pruned_memory' for c in self.cands)} "
-            f"pruned by memory (margin {self.margin:.2f}), {len(self.trials)} trials of {self.opts.iters} "
-            f"iterations ({self.opts.warmup_iters} untimed); stopped: {reason}.",
-            f"Winner (trial {best.num}): {best.cand.label}: {lay.tokens_per_step / best.step_s:,.0f} tokens/s, "
-            f"median step {best.step_s * 1e3:.1f} ms (predicted {best.predicted_step_s * 1e3:.1f} ms), "
-            f"peak {peak:,.0f} MiB/rank (predicted {best.predicted_peak_bytes / search.MiB:,.0f} MiB).",
-            "Measured trials, fastest first:",
-        ]
-        lines += [f"  {t.step_s * 1e3:8.1f} ms  {t.cand.label}" for t in done]
-        lines += [
-            f"  failed: {t.cand.label}: {short_reason(t.reason, 100)}" for t in self.trials if t.status == "failed"
-        ]
-        lines.append(f"Evidence: {self.root} (summary.md, candidates.csv, each trial's metrics.jsonl).")
-        return lines
-
-
-def split_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """(``tune.*`` arguments, Hydra overrides)."""
-    tune = [a for a in argv if a.startswith("tune.")]
-    return tune, [a for a in argv if not a.startswith("tune.")]
-
-
-def compose_base(overrides: List[str]):
-    """The base JobConfig (ConfigError for anything Hydra or the schema refuses)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from orchestrator.config.compose import compose_config
-
-    flags = [o for o in overrides if o.startswith("-")]
-    try:
-        sweeps = [
-            o.input_line
-            for o in OverridesParser.create().parse_overrides([o for o in overrides if o not in flags])
-            if o.is_sweep_override()
-        ]
-    except Exception:
-        sweeps = []  # compose_config names the bad override below
-    if sweeps or flags:
-        raise ConfigError(
-            f"{(sweeps or flags)[0]}: tune takes one base config, not a sweep or a flag; fix: drop it "
-            "(tune chooses TP/PP/VPP/MBS/recompute itself; narrow it with tune.tp=1,2 ...)"
-        )
-    try:
-        return compose_config([*overrides, "run.dir=."])
-    except OrchestratorError:
-        raise
-    except Exception as exc:  # Hydra's and OmegaConf's composition errors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"overrides: {first}; fix: check the override names and values") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

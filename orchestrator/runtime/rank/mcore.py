@@ -39,7 +39,7 @@ Same in both (relied on, tested on both): ``initialize_model_parallel(distribute
 bound in :data:`CLIP_GRAD_MODULES` and the RNG helpers' ``graph_safe`` parameter (what the CPU layer
 replaces). Across the lines' checkpoints: a line reads what its own and older lines saved, not newer
 (0.16.1 fails inside its load on a 0.19.x checkpoint); that rule is applied before a job is queued, so it
-lives torch-free below the runtime, in ``orchestrator/ckpt/resume.py`` (``_version_mismatch``).
+lives torch-free below the runtime, in ``orchestrator/ckpt/compare.py`` (``_version_mismatch``).
 """
 
 from __future__ import annotations

@@ -92,11 +92,23 @@ class TrainJob:
             cfg, prepared = from_dict(self.config), PreparedData(**self.prepared)
             if not indices_cached(cfg, prepared):
                 say("building sample indices (megatron-core GPTDataset)")
+                began = time.monotonic()
                 cache_indices(cfg, prepared)
                 say("sample indices built")
+                self._record("data_prepared", seconds=round(time.monotonic() - began, 3))
         summary = self._train_forked() if self.fork_ranks > 1 else self._train()
         done()
         return summary
+
+    def _record(self, event: str, **fields: Any) -> None:
+        """A job event in ``jobs.jsonl`` (the goodput account reads them); a failed write never stops a rank."""
+        from orchestrator.ckpt.history import record_event
+
+        _, job_id, attempt = _whoami()
+        try:
+            record_event(self.config["run"]["dir"], event, job_id=job_id, attempt=attempt, **fields)
+        except OSError:
+            pass
 
     def _report_up(self) -> None:
         """This rank's process has started (before torch is imported): the launcher counts these."""
@@ -108,6 +120,8 @@ class TrainJob:
             write_atomic(started_path(self.config["run"]["dir"], rank), f"{job_id}\n", fsync=False)
         except OSError:  # a progress display must never stop a rank
             return
+        if rank == 0:  # the end of the queue wait in the run's goodput account (ckpt.goodput)
+            self._record("job_running")
         if rank == 0 and self.fork_ranks > 1:
             from orchestrator.meter import say
 

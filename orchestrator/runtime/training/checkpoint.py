@@ -88,7 +88,7 @@ def _prepare(cfg: JobConfig, model, optimizer, scheduler, iteration: int, consum
         if path.exists():
             # A directory already here is either a torn save (no manifest) or an older save of the
             # same iteration: move it aside (never delete), so the new digest covers only new files.
-            from orchestrator.ckpt.manifest import set_aside
+            from orchestrator.ckpt.catalogue import set_aside
 
             set_aside(path, tag="replaced" if (path / "manifest.json").exists() else "torn")
         path.mkdir(parents=True, exist_ok=True)
@@ -169,8 +169,8 @@ def _forked_results_queue():
 
 def _hash_in_parallel(path: Path) -> None:
     """Every rank sha256-hashes its share of the checkpoint's files; rank 0 keeps them all for the
-    manifest (:func:`orchestrator.ckpt.manifest.remember_hashes`). Collective."""
-    from orchestrator.ckpt.manifest import checkpoint_files, hash_files, remember_hashes
+    manifest (:func:`orchestrator.ckpt.digest.remember_hashes`). Collective."""
+    from orchestrator.ckpt.digest import checkpoint_files, hash_files, remember_hashes
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = hash_files(path, checkpoint_files(path)[rank::world], use_known=False)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from orchestrator.ckpt.rundir import METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.config.schema import JobConfig
@@ -169,6 +169,20 @@ class Trackers:
             return
         append_jsonl(self.path, record)
         self._fan_out(eval_scalars(record), record)
+
+    def goodput(self, run_dir: Path, iteration: int, samples: int) -> Optional[Dict[str, object]]:
+        """The run's goodput so far (every attempt, this one live: ckpt.goodput), for the job summary; its ETTR
+        goes to the trackers as ``goodput ettr`` at ``iteration``. None on a rank that does not log."""
+        if not self.enabled:
+            return None
+        from orchestrator.ckpt.goodput import account
+
+        acc = account(run_dir)
+        if acc is None or acc.ettr is None:
+            return None
+        for sink in self._sinks:
+            sink.write({"goodput ettr": acc.ettr}, iteration, samples)  # type: ignore[attr-defined]
+        return acc.as_dict()
 
     def _fan_out(self, scalars: Dict[str, float], record: Dict[str, object]) -> None:
         for sink in self._sinks:

@@ -114,6 +114,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
             saver(outcome.iteration, outcome.consumed_samples)
         saver.finish()  # a pending asynchronous write completes (manifest, retention) before the job ends
         summary = summarize(rank, outcome, start.resumed_from)
+        summary["goodput"] = trackers.goodput(cfg.run.dir, outcome.iteration, outcome.consumed_samples)
         trackers.event(summary)
     except OSError as exc:  # a write outside a save (metrics, history) ran out of space: say so, the guard records it
         full = explain_write_failure(exc, cfg.run.dir)

@@ -1,0 +1,84 @@
+"""The network and how it is split over ranks: ``model`` and ``parallelism`` (a part of the typed
+configuration; :mod:`orchestrator.config.schema` composes every section into ``JobConfig``).
+
+Megatron's own names (TransformerConfig, Megatron-LM's arguments) for every field. Derived values
+(``data_parallel_size`` when not stated, layers per stage) come from :mod:`orchestrator.config.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ParallelismConfig:
+    """Parallel degrees. ``data_parallel_size`` is derived from the world size when null."""
+
+    name: str = "none"
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's weight matrices are split over this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: the layer stack is split into this many stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """VPP: model chunks per pipeline rank (interleaved 1F1B); null = plain 1F1B."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Megatron-LM's way to say VPP: transformer layers per model chunk. Set, it derives
+    VPP = num_layers / (PP x this), refused unless it divides (and unless a stated VPP agrees)."""
+    context_parallel_size: int = 1
+    """CP: the sequence is split over this many ranks (attention only)."""
+    expert_model_parallel_size: int = 1
+    """EP: MoE experts are split over this many ranks (needs model.num_moe_experts)."""
+    data_parallel_size: Optional[int] = None
+    """DP. Null: derived as world_size / (TP x PP x CP). Stated: must agree with the world size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+    distributed_backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+    overlap_grad_reduce: Optional[bool] = None
+    """Overlap DP gradient reduction with the backward pass (megatron DDP). Null: on for a GPU job with
+    DP > 1 (as NVIDIA's recipes), off on CPU (orchestrator/config/megatron_fields.py)."""
+    overlap_param_gather: Optional[bool] = None
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass. Null: on for a GPU
+    job with DP > 1 and optimizer.use_distributed_optimizer, else off."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT model shape (Megatron TransformerConfig names)."""
+
+    name: str = "gpt_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention groups; null = num_attention_heads (multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; null = 4 x hidden_size."""
+    seq_length: int = 128
+    max_position_embeddings: int = 128
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute or rope."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm."""
+    activation: str = "gelu"
+    """gelu or swiglu."""
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this x TP (Megatron's rule)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2  # experts a token is routed to (MoELayer, alltoall dispatcher; Mixtral: 2 of 8)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)
+    vocab_size: Optional[int] = None
+    """Published tokenizer vocabulary (Llama-3: 128256), used while the data names none (tokenizer.py)."""
+    recompute_granularity: Optional[str] = None
+    """null, full or selective activation recomputation."""
+    recompute_method: Optional[str] = None
+    """uniform or block (with recompute_granularity=full)."""
+    recompute_num_layers: Optional[int] = None
+    transformer_impl: str = "auto"
+    """auto (Transformer Engine on GPU when installed, else local), local or transformer_engine."""

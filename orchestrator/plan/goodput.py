@@ -1,0 +1,123 @@
+"""The goodput forecast: the expected effective training time ratio (ETTR) of a job at its size, and the
+checkpoint interval that maximises it.
+
+Model (first order in the failure rate; Young 1974, Daly 2006; Kokolis et al. 2024 model ETTR the same way):
+the job saves every ``tau`` seconds of training, each save blocks training for ``C`` seconds, failures arrive
+at random with mean time between failures ``M`` (the job's: a node's MTBF / the number of nodes), and each
+failure costs the restart ``R`` (detection, re-queue or in-place restart, start-up, checkpoint load) plus, on
+average, half a save cycle of work redone. Then
+
+    ETTR = tau / (tau + C)  x  1 / (1 + (R + (tau + C) / 2) / M)
+
+and the interval that maximises it is, to first order, Young–Daly's ``tau* = sqrt(2 C M)``.
+
+Pure Python, no torch: ``plan=true`` prints it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+NODE_MTBF_HOURS = 54 * 24 * 2048 / 419
+"""A node's mean time between unexpected interruptions, hours (~6,335): Llama 3 405B's pretraining (Meta,
+"The Llama 3 Herd of Models", 2024, sec. 3.3.4) saw 419 unexpected interruptions in 54 days on 16,384 H100s
+(2,048 nodes of 8 GPUs), ~78% of them hardware. Used when the run's own history has no failures yet."""
+
+RESTART_S_IN_PLACE = 120.0
+"""A failure's cost with in-place restarts (``cluster.max_restarts`` > 0), seconds, before the load: detection
+(a crash is seen at once; the hang watchdog's timeout is extra) and a restart of every rank in the allocation
+(Megatron-LM's in-process restart allows 60/90 s soft/hard)."""
+
+RESTART_S_REQUEUE = 600.0
+"""The same through a SLURM requeue: the job re-enters the queue and starts afresh (an assumption: a busy
+cluster's queue can make it hours)."""
+
+WRITE_GBPS_PER_NODE = 2.0
+"""Checkpoint write bandwidth per node, GB/s (a parallel file system client; torch_dist writes from every rank
+at once), used when no save was measured. Reads (the load after a restart) are assumed as fast."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What a job's goodput is expected to be. Seconds unless named otherwise."""
+
+    nodes: int
+    mtbf_s: float
+    """The job's mean time between failures."""
+    save_s: float
+    """A save's blocking time, C."""
+    restart_s: float
+    """A failure's cost besides the work redone, R (restart + checkpoint load)."""
+    step_s: float
+    interval_iters: int
+    """The configured ``checkpoint.save_interval``."""
+    ettr: float
+    """Expected ETTR at the configured interval."""
+    best_interval_iters: int
+    """Young–Daly's interval, in iterations (at least 1)."""
+    best_ettr: float
+
+    def lines(self) -> list:
+        """The forecast as the plan says it."""
+        return [
+            f"goodput forecast (Young/Daly; ETTR = tau/(tau+C) / (1 + (R + (tau+C)/2)/M)): job MTBF M = "
+            f"{self.mtbf_s / 3600:.1f} h ({self.nodes} node(s), {NODE_MTBF_HOURS:,.0f} node-hours each: Llama 3's "
+            f"fleet), save blocking C = {self.save_s:.3g} s, restart + load R = {self.restart_s:.3g} s",
+            f"  checkpoint.save_interval={self.interval_iters} (tau = {self.interval_iters * self.step_s:.3g} s): "
+            f"expected ETTR {100 * self.ettr:.1f}%; Young-Daly sqrt(2CM) = {self.best_interval_iters} iterations: "
+            f"{100 * self.best_ettr:.1f}%",
+        ]
+
+
+def expected_ettr(interval_s: float, save_s: float, mtbf_s: float, restart_s: float) -> float:
+    """ETTR at save interval ``interval_s`` (training seconds between saves); see the module docstring.
+    Raises ValueError for a non-positive interval or MTBF."""
+    if interval_s <= 0 or mtbf_s <= 0:
+        raise ValueError(f"interval_s={interval_s} and mtbf_s={mtbf_s} must be > 0")
+    cycle = interval_s + save_s
+    return (interval_s / cycle) / (1.0 + (restart_s + cycle / 2.0) / mtbf_s)
+
+
+def young_daly_s(save_s: float, mtbf_s: float) -> float:
+    """Young–Daly's checkpoint interval ``sqrt(2 C M)``, seconds of training between saves."""
+    return math.sqrt(2.0 * max(save_s, 0.0) * mtbf_s)
+
+
+def interval_iterations(save_s: float, mtbf_s: float, step_s: float, lo: int = 1, hi: Optional[int] = None) -> int:
+    """Young–Daly's interval in whole iterations of ``step_s`` seconds, clipped to ``[lo, hi]``."""
+    n = max(lo, int(round(young_daly_s(save_s, mtbf_s) / max(step_s, 1e-9))))
+    return min(n, hi) if hi is not None else n
+
+
+def forecast(
+    nodes: int,
+    step_s: float,
+    save_s: float,
+    load_s: float,
+    interval_iters: int,
+    in_place: bool,
+    node_mtbf_hours: float = NODE_MTBF_HOURS,
+) -> Forecast:
+    """The forecast for a job of ``nodes`` nodes whose step takes ``step_s`` and whose save blocks ``save_s`` and
+    loads in ``load_s``; ``in_place``: failures restart in place (else a requeue)."""
+    mtbf_s = node_mtbf_hours * 3600.0 / max(nodes, 1)
+    restart_s = (RESTART_S_IN_PLACE if in_place else RESTART_S_REQUEUE) + load_s
+    best = interval_iterations(save_s, mtbf_s, step_s)
+    return Forecast(
+        nodes=nodes,
+        mtbf_s=mtbf_s,
+        save_s=save_s,
+        restart_s=restart_s,
+        step_s=step_s,
+        interval_iters=interval_iters,
+        ettr=expected_ettr(interval_iters * step_s, save_s, mtbf_s, restart_s),
+        best_interval_iters=best,
+        best_ettr=expected_ettr(best * step_s, save_s, mtbf_s, restart_s),
+    )
+
+
+def checkpoint_seconds(checkpoint_bytes: int, nodes: int, gbps_per_node: float = WRITE_GBPS_PER_NODE) -> float:
+    """Seconds to write (or read) ``checkpoint_bytes`` from ``nodes`` nodes at ``gbps_per_node`` GB/s each."""
+    return checkpoint_bytes / (max(nodes, 1) * gbps_per_node * 1e9)

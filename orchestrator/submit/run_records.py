@@ -1,0 +1,147 @@
+"""What a run directory's records say, read from their end: the last iteration and loss, the live rates and
+ETA inputs, the latest ``start`` and step breakdown, the straggler and slow-link lines. ``status`` reads them;
+no torch import."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from orchestrator.ckpt.history import PathLike
+from orchestrator.ckpt.rundir import METRICS_FILE
+from orchestrator.submit.jobs import tail_text
+
+TAIL_BYTES = 1 << 20
+"""How much of the end of ``metrics.jsonl`` status reads (~3,000 records at ``log_interval=1``)."""
+
+
+_START_PREFIX = b'{"event": "start"'
+"""How a ``start`` record's line begins (records are written with sorted keys, :func:`orchestrator.io.append_jsonl`)."""
+
+
+def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES, only: Optional[str] = None):
+    """The JSON object records of the last ``max_bytes`` of a JSONL file, newest first (torn lines skipped);
+    ``only``: just the lines holding that text (the others are not parsed)."""
+    for line in reversed(tail_text(path, max_bytes).splitlines()):
+        if only is not None and only not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Optional[Dict[str, Any]]]:
+    """(last iteration, last lm_loss, last summary record) from ``<run_dir>/metrics.jsonl``."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None, None, None
+    iteration = loss = None
+    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    summary = summary if (summary or {}).get("event") == "summary" else None
+    for rec in _records_from_end(path):
+        # Per-iteration records only: a summary of a job that resumed a finished run has no loss (NaN).
+        if "iteration" in rec and "lm_loss" in rec and "event" not in rec:
+            iteration, loss = rec["iteration"], rec["lm_loss"]
+            break
+    return iteration, loss, summary
+
+
+def slowness(run_dir: PathLike) -> List[str]:
+    """Lines naming the slow links (``link_check``) and stragglers (``straggler``) of the latest job, oldest first."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    lines: List[str] = []
+    for rec in _records_from_end(path, only='"event": "'):  # events only: iteration records are not parsed
+        if rec.get("event") == "start":
+            break
+        if rec.get("event") == "straggler" and rec.get("line"):
+            lines.append(str(rec["line"]))
+        elif rec.get("event") == "link_check":
+            lines.extend(str(line) for line in reversed(rec.get("slow") or []))
+    return lines[::-1]
+
+
+def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]]:
+    """The newest ``start`` record of a metrics file, searched backwards block by block (the fallback for
+    a run whose ``jobs.jsonl`` does not carry ``train_iters``: runs written before it did)."""
+    needle = b"\n" + _START_PREFIX
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        while end > 0:
+            begin = max(0, end - block)
+            f.seek(begin)
+            chunk = (b"\n" if begin == 0 else b"") + f.read(end - begin + len(needle))  # overlap: no match lost
+            at = chunk.rfind(needle)
+            while at >= 0:
+                f.seek(begin + at + (0 if begin == 0 else 1))
+                try:
+                    rec = json.loads(f.readline())
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict):
+                    return rec
+                at = chunk.rfind(needle, 0, at)
+            end = begin
+    return None
+
+
+def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Optional[float]]:
+    """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` (the
+    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``.
+
+    Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
+    record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
+    record in ``records`` (``jobs.jsonl``), and only for runs without one is the file searched backwards."""
+    path = Path(run_dir) / METRICS_FILE
+    out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
+    if not path.exists():
+        return out
+    start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
+    recent: List[Dict[str, Any]] = []
+    for rec in _records_from_end(path):
+        if rec.get("event") == "start" or len(recent) == last:
+            break  # the newest ``last`` records of the latest job
+        if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
+            recent.append(rec)
+    if start is not None:
+        out["train_iters"] = start.get("train_iters")
+    else:
+        started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
+        start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
+        out["train_iters"] = (start or {}).get("train_iters")
+    if recent:
+        out["tokens_per_s"] = sum(r["tokens_per_s"] for r in recent) / len(recent)
+        steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
+        out["step_time_s"] = sum(steps) / len(steps) if steps else None
+    return out
+
+
+def latest_breakdown(run_dir: PathLike) -> Optional[Dict[str, Any]]:
+    """The newest step breakdown of a run (``metrics.jsonl``): the latest window's ``breakdown`` record, or
+    the job summary's (over its timed iterations) when that came after it; with ``what``, saying which.
+    None when the run recorded none (``training.breakdown_interval=0``, or no window yet)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None
+    window = next(_records_from_end(path, only='"event": "breakdown"'), None)
+    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    if (
+        summary
+        and (summary.get("breakdown") or {}).get("stages")
+        and float(summary.get("time", 0)) >= float((window or {}).get("time", 0))
+    ):
+        return {
+            **summary["breakdown"],
+            "what": f"over the {summary.get('timed_iterations')} timed iterations "
+            f"of the job that ended at iteration {summary.get('iteration')}",
+        }
+    if window and window.get("stages"):
+        first, last = window.get("iterations") or ("?", window.get("iteration"))
+        return {**window, "what": f"iterations {first}-{last}"}
+    return None
