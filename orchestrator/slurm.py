@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 
 def on_slurm() -> bool:
@@ -73,3 +73,28 @@ def restarts_of(fields: Dict[str, str]) -> Optional[int]:
     """SLURM's ``Restarts`` count in ``scontrol`` fields (None when absent or not a number)."""
     value = fields.get("Restarts", "")
     return int(value) if value.isdigit() else None
+
+
+UNREADABLE = "UNREADABLE"
+"""What :func:`slurm_state` says when neither ``scontrol`` nor ``squeue`` answered (timed out, the controller
+unreachable): not an end — the launcher asks again at its next poll, within the wait's own bound."""
+
+
+def slurm_state(job_id: str, squeue=("squeue",)) -> Tuple[str, int]:
+    """(SLURM state, requeues so far) of ``job_id``: from ``scontrol show job``, else from ``squeue``.
+
+    ``("UNKNOWN", 0)`` when SLURM answered that it does not know the job (ended and purged: an end);
+    ``(UNREADABLE, 0)`` when neither command answered (a timeout, an error other than an invalid job id),
+    which is never taken as the job's end. ``squeue``: the command (a test's stand-in for a hung one).
+    """
+    fields = scontrol_job(job_id)
+    if fields.get("JobState"):
+        return fields["JobState"], restarts_of(fields) or 0
+    try:
+        out = subprocess.run([*squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return UNREADABLE, 0
+    state = out.stdout.strip().splitlines()
+    if out.returncode == 0:
+        return (state[0].strip(), 0) if state else ("UNKNOWN", 0)
+    return ("UNKNOWN", 0) if "invalid job id" in out.stderr.lower() else (UNREADABLE, 0)

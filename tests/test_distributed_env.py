@@ -19,11 +19,10 @@ import pytest
 import torch  # imported once here: the forked ranks of the concurrency test inherit it
 
 from orchestrator.errors import BackendError, ConfigError
-from orchestrator.runtime.rank.distributed import (
+from orchestrator.runtime.rank.distributed import check_agreement, choose_binding
+from orchestrator.runtime.rank.rendezvous import (
     LOCAL_PORT_VAR,
     SLURM_PORT_RANGE,
-    check_agreement,
-    choose_binding,
     first_host,
     local_rendezvous_env,
     rendezvous_from_env,

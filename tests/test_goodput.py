@@ -106,7 +106,8 @@ def test_the_forecast_is_young_daly():
 def test_a_slurm_state_that_cannot_be_read_is_never_taken_as_the_jobs_end():
     """issue 39: scontrol and squeue both unanswered (the controller unreachable) -> UNREADABLE, which the launcher's
     wait polls again; only SLURM's own word that it does not know the job (purged) is an end."""
-    from orchestrator.submit.jobs import SLURM_ENDED, UNREADABLE, slurm_state
+    from orchestrator.slurm import UNREADABLE, slurm_state
+    from orchestrator.submit.jobs import SLURM_ENDED
 
     down = ("sh", "-c", "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1")
     purged = ("sh", "-c", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")

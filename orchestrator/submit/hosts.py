@@ -143,9 +143,9 @@ def rank_env(cfg: JobConfig, job_id: str) -> Dict[str, str]:
 
 def rendezvous_port(cfg: JobConfig, job_id: str) -> int:
     """``cluster.env.MASTER_PORT`` if set, else derived from the job id as SLURM jobs' are."""
-    from orchestrator.runtime.rank.distributed import _derived_port
+    from orchestrator.runtime.rank.rendezvous import derived_port
 
-    return int(cfg.cluster.env.get("MASTER_PORT") or _derived_port(job_id))
+    return int(cfg.cluster.env.get("MASTER_PORT") or derived_port(job_id))
 
 
 def write_job_file(cfg: JobConfig, prepared, job_dir: Path, env: Dict[str, str]) -> Path:

@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import socket
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -275,31 +274,6 @@ def attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"
-
-
-UNREADABLE = "UNREADABLE"
-"""What :func:`slurm_state` says when neither ``scontrol`` nor ``squeue`` answered (timed out, the controller
-unreachable): not an end — the launcher asks again at its next poll, within the wait's own bound."""
-
-
-def slurm_state(job_id: str, squeue=("squeue",)) -> Tuple[str, int]:
-    """(SLURM state, requeues so far) of ``job_id``: from ``scontrol show job``, else from ``squeue``.
-
-    ``("UNKNOWN", 0)`` when SLURM answered that it does not know the job (ended and purged: an end);
-    ``(UNREADABLE, 0)`` when neither command answered (a timeout, an error other than an invalid job id),
-    which is never taken as the job's end. ``squeue``: the command (a test's stand-in for a hung one).
-    """
-    fields = scontrol_job(job_id)
-    if fields.get("JobState"):
-        return fields["JobState"], restarts_of(fields) or 0
-    try:
-        out = subprocess.run([*squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return UNREADABLE, 0
-    state = out.stdout.strip().splitlines()
-    if out.returncode == 0:
-        return (state[0].strip(), 0) if state else ("UNKNOWN", 0)
-    return ("UNKNOWN", 0) if "invalid job id" in out.stderr.lower() else (UNREADABLE, 0)
 
 
 SLURM_ENDED = {

@@ -212,7 +212,8 @@ class WarmPool:
         return self._slurm_ended()
 
     def _slurm_ended(self) -> bool:
-        from orchestrator.submit.jobs import SLURM_ENDED, slurm_state
+        from orchestrator.slurm import slurm_state
+        from orchestrator.submit.jobs import SLURM_ENDED
 
         if time.time() - getattr(self, "_polled", 0.0) < 5.0:
             return False

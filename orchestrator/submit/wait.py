@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import JobFailedError, ranks_died
-from orchestrator.submit.jobs import SLURM_ENDED, slurm_state
+from orchestrator.slurm import slurm_state
+from orchestrator.submit.jobs import SLURM_ENDED
 from orchestrator.submit.liveness import dead_ranks, is_stale, read_result, result_mtime
 from orchestrator.submit.progress import Progress
 from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here

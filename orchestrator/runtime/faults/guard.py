@@ -43,7 +43,6 @@ Hangs: :class:`~orchestrator.runtime.faults.watchdog.Watchdog` (``training.hang_
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import sys
 import time
@@ -54,8 +53,8 @@ from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults import inplace
-from orchestrator.runtime.faults.diskspace import explain_save_failure, latest_checkpoint
-from orchestrator.runtime.faults.optimizer_step import local_grads_bad, step_unless_nonfinite
+from orchestrator.runtime.faults.diskspace import explain_save_failure
+from orchestrator.runtime.faults.numerics import NumericsGuard, quietly, say
 from orchestrator.runtime.faults.watchdog import Watchdog
 
 __all__ = ["Guard", "explain_save_failure", "last_iteration"]
@@ -69,11 +68,7 @@ def last_iteration() -> Optional[int]:
     return _ACTIVE.iteration if _ACTIVE is not None else None
 
 
-def _say(message: str) -> None:
-    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
-
-
-class Guard:
+class Guard(NumericsGuard):
     """One per rank. ``Guard(cfg, run_dir, rank, host)`` starts the heartbeat and the watchdog thread
     (unless ``training.hang_timeout_s`` is null) and, on rank 0, records ``attempt_started``.
 
@@ -128,11 +123,9 @@ class Guard:
         since the guard was made, so a rank that stops during the checkpoint load is named too."""
         self.iteration = start_iteration
         if self.rank == 0:
-            _quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
-            _quietly(
-                lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt))
-            )
-            _quietly(
+            quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
+            quietly(lambda: self._restart.update(inplace.record_restart_start(self.run_dir, self.job_id, self.attempt)))
+            quietly(
                 lambda: history.record_attempt_started(
                     self.run_dir,
                     self.job_id,
@@ -153,135 +146,7 @@ class Guard:
             self.watchdog.progress(iteration)
         if self._restart:  # the first iteration after an in-place restart: one record, once
             started, self._restart = self._restart, {}
-            _quietly(lambda: inplace.record_resumed(self.run_dir, (self.job_id, self.attempt), started, iteration))
-
-    def step(self, optimizer) -> Tuple[bool, Optional[float], Optional[int]]:
-        """``optimizer.step()`` for a megatron optimizer, except that a non-finite gradient norm is
-        never applied. Returns ``(update_ok, grad_norm, None)`` like megatron; ``grad_norm`` is the
-        global norm (also with ``optimizer.clip_grad=0``), None after an fp16 loss-scale overflow."""
-        self._optimizer = optimizer
-        self._step_state, ok, grad_norm = step_unless_nonfinite(optimizer, self.cfg.optimizer.clip_grad)
-        return ok, grad_norm, None
-
-    def check(self, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float]) -> bool:
-        """Stop (raise) or skip on a non-finite gradient norm; call BEFORE any save of ``iteration``.
-
-        ``lm_loss``: this rank's view of the loss (None off the last pipeline stage, or on iterations
-        the loop does not reduce it); ``grad_norm``: the global norm. Returns True when the step's
-        update was applied, False when it was skipped (``nan_policy=skip``, or an fp16 overflow).
-        Raises :class:`NonFiniteLossError` on every rank alike.
-        """
-        state, self._step_state = self._step_state, None
-        if grad_norm is None:
-            if state == "overflow":
-                return False
-            bad, value, what = self._any_loss_bad(lm_loss), lm_loss, "lm loss"
-        else:
-            value, what = float(grad_norm), "gradient norm"
-            bad = not math.isfinite(value)
-        if not bad:
-            self.skipped_in_row = 0
-            return True
-        if self.policy == "skip" and state == "skipped" and self.skipped_in_row < self.max_skipped:
-            self.skipped_in_row += 1
-            self.skipped_total += 1
-            if self.rank == 0:
-                _say(
-                    f"iteration {iteration}: non-finite {what} {value}: update skipped "
-                    f"({self.skipped_in_row} in a row of at most training.max_skipped_steps={self.max_skipped})"
-                )
-                _quietly(
-                    lambda: history.record_event(
-                        self.run_dir,
-                        "nan_skipped",
-                        job_id=self.job_id,
-                        attempt=self.attempt,
-                        iteration=iteration,
-                        value=str(value),
-                    )
-                )
-            return False
-        self._stop_nan(iteration, what, value, lm_loss, state)
-        return False  # not reached
-
-    def _any_loss_bad(self, lm_loss: Optional[float]) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        local = lm_loss is not None and not math.isfinite(float(lm_loss))
-        if not (dist.is_available() and dist.is_initialized()):
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _stop_nan(self, iteration: int, what: str, value: Any, lm_loss: Optional[float], state: Optional[str]) -> None:
-        """End the attempt as ``nan`` and raise NonFiniteLossError, whatever the attribution raises."""
-        head, loss_ranks, grad_ranks = f"non-finite {what} {value} at iteration {iteration}", [], []
-        try:
-            loss_ranks, grad_ranks = self._bad_ranks(lm_loss)
-            parts = [head] + [
-                f"{n} non-finite on rank(s) {_ranks(r)}"
-                for n, r in (("lm loss", loss_ranks), ("gradients", grad_ranks))
-                if r
-            ]
-            latest = latest_checkpoint(self.run_dir)
-            keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
-        except Exception as exc:  # noqa: BLE001 - a NaN stays a NaN, never a retried crash (0.19's rename was one)
-            parts, keep = [head, f"ranks not attributed ({type(exc).__name__}: {exc})"], "the latest checkpoint stays"
-        tail = ""
-        if self.policy == "skip":
-            tail = (
-                f" (training.nan_policy=skip: {self.skipped_in_row} step(s) skipped in a row already)"
-                if state == "skipped"
-                else " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)"
-            )
-        o = self.cfg.optimizer  # clipping is tightened by a *smaller* clip_grad (0 turns it off)
-        clip = (
-            "turn gradient clipping on with optimizer.clip_grad=1.0"
-            if not o.clip_grad
-            else f"clip harder with optimizer.clip_grad below {o.clip_grad:g}"
-        )
-        message = (
-            f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
-            f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
-            f"{clip}) and rerun to resume"
-        )
-        if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            _quietly(
-                lambda: history.record_event(
-                    self.run_dir,
-                    "nan",
-                    job_id=self.job_id,
-                    attempt=self.attempt,
-                    iteration=iteration,
-                    value=str(value),
-                    what=what,
-                    loss_ranks=loss_ranks,
-                    grad_ranks=grad_ranks,
-                )
-            )
-            _quietly(
-                lambda: history.record_attempt_ended(
-                    self.run_dir, self.job_id, self.attempt, "nan", iteration=iteration, message=message
-                )
-            )
-        raise NonFiniteLossError(message)
-
-    def _bad_ranks(self, lm_loss: Optional[float]) -> Tuple[List[int], List[int]]:
-        """(ranks with a non-finite loss, ranks with non-finite local gradients): one all_gather."""
-        import torch
-        import torch.distributed as dist
-
-        loss_bad = lm_loss is not None and not math.isfinite(float(lm_loss))
-        grads_bad = local_grads_bad(self._optimizer)
-        mine = torch.tensor([float(loss_bad), float(grads_bad)], device=_device())
-        if not (dist.is_available() and dist.is_initialized()):
-            gathered = [mine]
-        else:
-            gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, mine)
-        return ([r for r, g in enumerate(gathered) if g[0] > 0], [r for r, g in enumerate(gathered) if g[1] > 0])
+            quietly(lambda: inplace.record_resumed(self.run_dir, (self.job_id, self.attempt), started, iteration))
 
     # ---- saves and phases ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -361,7 +226,7 @@ class Guard:
     def _end(self, cause: str, message: str, **fields: Any) -> bool:
         if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             return False
-        _quietly(
+        quietly(
             lambda: history.record_attempt_ended(
                 self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message, **fields
             )
@@ -397,12 +262,12 @@ class Guard:
         slurm = (
             on_slurm() or bool(inplace.agent_restarts())
         ) and self.watchdog is not None  # the heartbeats name hosts
-        slurm = slurm and _quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
+        slurm = slurm and quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             cause, message = crash_cause(
                 self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm, since=self._born
             )
-            history_ok = _quietly(
+            history_ok = quietly(
                 lambda: history.record_attempt_ended(
                     self.run_dir,
                     self.job_id,
@@ -414,7 +279,7 @@ class Guard:
                 )
             )
             requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
-            _quietly(
+            quietly(
                 lambda: history.record_event(
                     self.run_dir,
                     "requeue_decision",
@@ -425,7 +290,7 @@ class Guard:
                 )
             )
             if requeued or inplace.restart_decided() is not None:
-                _say(f"{message}; {detail}")
+                say(f"{message}; {detail}")
             if requeued:
                 _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
                 leave_requeued(message)
@@ -448,29 +313,7 @@ def _print_traceback(exc: BaseException) -> None:
     sys.stderr.flush()
 
 
-def _ranks(ranks: List[int]) -> str:
-    return ",".join(str(r) for r in ranks)
-
-
-def _quietly(write) -> bool:
-    try:
-        write()
-        return True
-    except Exception as exc:  # bookkeeping must never mask the real outcome (a full disk, say)
-        _say(f"could not record a job event: {exc!r}")
-        return False
-
-
 def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _device():
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -59,7 +59,6 @@ Only this module's functions touch signals; torch is imported lazily inside the 
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -71,17 +70,18 @@ from orchestrator.runtime.faults.requeue import (  # noqa: F401 - re-exported: t
     STOP_EXIT_CODE,
     Requeued,
     Stopped,
-    _arm_exit_watchdog,
-    _destroy_process_groups,
-    _flush_streams,
-    _rank,
-    _scontrol_requeue,
-    _slurm_job_state,
-    _slurm_restarts,
+    arm_exit_watchdog,
+    destroy_process_groups,
+    flush_streams,
+    global_rank,
     job_identity,
     leave_requeued,
     requeue_for_failure,
+    scontrol_requeue,
+    slurm_job_state,
+    slurm_restarts,
 )
+from orchestrator.runtime.faults.stop_exit import StopExit
 from orchestrator.slurm import on_slurm, restart_count, slurm_job_id
 
 _REQUESTED: dict = {}
@@ -125,7 +125,7 @@ def with_stop_signals_shielded(start: Any) -> Any:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-class StopRequest:
+class StopRequest(StopExit):
     """Signal flag + collective stop decision + requeue. One instance per process.
 
     ``max_requeues``: requeue while ``SLURM_RESTART_COUNT`` is below it (``cluster.max_num_timeout``).
@@ -160,7 +160,7 @@ class StopRequest:
         _REQUESTED["current"] = self
         if "name" in _REQUESTED:  # asked for before this request existed (request_stop)
             self.trigger(_REQUESTED["name"], _REQUESTED.get("cause"))
-        if on_slurm() and _rank() == 0:
+        if on_slurm() and global_rank() == 0:
             count = restart_count()
             if count:
                 self._log(
@@ -266,7 +266,7 @@ class StopRequest:
                 f"requeues used up: {count} timeout/preemption requeue(s) >= cluster.max_num_timeout="
                 f"{self.max_requeues}"
             )
-        state = _slurm_job_state(job_id)
+        state = slurm_job_state(job_id)
         if state is not None and state != "RUNNING":
             return False, (
                 f"job {job_id} is {state} (cancelled, or its time limit passed before this stop was "
@@ -279,97 +279,5 @@ class StopRequest:
         ``PreemptMode=REQUEUE``, or ``scontrol requeue`` from outside: the SIGTERM came with it)."""
         if not on_slurm() or not slurm_job_id():
             return False
-        restarts = _slurm_restarts(slurm_job_id() or "")
+        restarts = slurm_restarts(slurm_job_id() or "")
         return restarts is not None and restarts > restart_count()
-
-    def requeue_or_exit(self, reason: str = "", group=None, iteration: Optional[int] = None) -> None:
-        """Requeue the SLURM job (rank 0) and exit every rank; never returns.
-
-        Call on every rank after the checkpoint is saved. Raises :class:`Requeued` or
-        :class:`Stopped` (``SystemExit`` subclasses: submitit writes no result file). ``iteration``
-        (the one just saved; default: the running guard's last beat) goes into the attempt's record.
-        """
-        rank = _rank()
-        why = "stop asked" if self.asked_cause else reason or "stop requested"
-        if self.signal_name:
-            why += f" ({self.signal_name})"
-        # 1. every rank has saved and arrived; rank 0 says whether it will requeue
-        # (2: SLURM requeued the job itself, a preemption: it restarts it, nothing to ask)
-        want = 0
-        detail = ""
-        if rank == 0:
-            if self._requeued_by_slurm() and not self.asked_cause:
-                want, detail = 2, f"SLURM requeued job {slurm_job_id()} itself (preemption)"
-            else:
-                want, detail = self._decide()
-                want = int(want)
-        want = self._all_max(want, group)
-        # 2. rank 0 requeues; 3. everybody learns whether that worked
-        done = int(want == 2)
-        self._preempted = want == 2
-        if rank == 0 and want == 1:
-            ok, problem = _scontrol_requeue(slurm_job_id() or "")
-            done = int(ok)
-            if problem:
-                detail = problem
-        done = self._all_max(done, group) if want == 1 else done
-        event = "requeued" if done else "stopped"
-        if rank == 0:
-            self._log(
-                f"{why}: checkpoint saved; {event} SLURM job {slurm_job_id()}: {detail}"
-                if on_slurm()
-                else f"{why}: checkpoint saved; {event}: {detail}"
-            )
-            self._record(event, why, detail, iteration)
-        _flush_streams()
-        if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task: this process must end now
-            _arm_exit_watchdog(REQUEUE_EXIT_CODE if done else STOP_EXIT_CODE)
-            _destroy_process_groups()
-        if done:
-            raise Requeued(f"{why}: {detail}")
-        raise Stopped(f"{why}: {detail}")
-
-    def _record(self, event: str, why: str, detail: str, iteration: Optional[int] = None) -> None:
-        if not self.run_dir:
-            return
-        try:
-            from orchestrator.ckpt import history
-
-            job_id, attempt = job_identity()
-            history.record_event(
-                self.run_dir,
-                event,
-                job_id=job_id,
-                restart_count=restart_count(),
-                reason=why,
-                detail=detail,
-                signal=self.signal_name,
-            )
-            if iteration is None:
-                from orchestrator.runtime.faults import guard
-
-                iteration = guard.last_iteration()
-            requeued = event == "requeued"
-            cause = (
-                self.asked_cause
-                if self.asked_cause and not requeued
-                else "preempted"
-                if self._preempted
-                else "timeout"
-                if self.signal_name == "SIGUSR2" or (requeued and self.signal_name != "SIGTERM")
-                else "preempted"
-                if requeued
-                else "interrupted"
-            )
-            if history.claim_attempt_end(self.run_dir, job_id, attempt):
-                history.record_attempt_ended(
-                    self.run_dir,
-                    job_id,
-                    attempt,
-                    cause,
-                    iteration=iteration,
-                    message=f"{why}: {event}" + (f" ({detail})" if detail else ""),
-                    requeued=requeued,
-                )
-        except Exception as exc:  # never let bookkeeping block the exit
-            self._log(f"could not record the {event} event: {exc}")

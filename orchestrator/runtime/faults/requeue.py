@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Optional
 
-from orchestrator.slurm import on_slurm, restart_count, restarts_of, scontrol_job, slurm_job_id
+from orchestrator.slurm import UNREADABLE, on_slurm, restart_count, restarts_of, scontrol_job, slurm_job_id, slurm_state
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of every rank after a successful requeue (EX_TEMPFAIL: "try again later")."""
@@ -60,7 +60,7 @@ def job_identity() -> "tuple[str, int]":
     return job_id or f"pid-{os.getpid()}", restart_count()
 
 
-def _rank() -> int:
+def global_rank() -> int:
     try:
         import torch.distributed as dist
 
@@ -77,12 +77,13 @@ def _rank() -> int:
     return 0
 
 
-def _slurm_job_state(job_id: str) -> Optional[str]:
-    """``JobState`` from ``scontrol show job`` (None when SLURM cannot say)."""
-    return scontrol_job(job_id).get("JobState")
+def slurm_job_state(job_id: str) -> Optional[str]:
+    """The job's SLURM state (:func:`orchestrator.slurm.slurm_state`, the one reader); None when SLURM cannot say."""
+    state, _ = slurm_state(job_id)
+    return None if state in (UNREADABLE, "UNKNOWN") else state
 
 
-def _slurm_restarts(job_id: str) -> Optional[int]:
+def slurm_restarts(job_id: str) -> Optional[int]:
     return restarts_of(scontrol_job(job_id))
 
 
@@ -90,7 +91,7 @@ def _ignore_sigterm() -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
+def scontrol_requeue(job_id: str) -> "tuple[bool, str]":
     """``scontrol requeue job_id``: (requeued?, problem).
 
     SLURM answers a requeue by signalling every process of the job, ``scontrol`` included
@@ -99,7 +100,7 @@ def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
     """
     if not job_id:
         return False, "SLURM_JOB_ID is not set"
-    before = _slurm_restarts(job_id)
+    before = slurm_restarts(job_id)
     try:
         out = subprocess.run(
             ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, preexec_fn=_ignore_sigterm
@@ -109,7 +110,7 @@ def _scontrol_requeue(job_id: str) -> "tuple[bool, str]":
         problem = f"`scontrol requeue {job_id}` failed: {out.stderr.strip() or out.returncode}"
     except (OSError, subprocess.TimeoutExpired) as exc:
         problem = f"`scontrol requeue {job_id}` failed: {exc}"
-    after = _slurm_restarts(job_id)
+    after = slurm_restarts(job_id)
     if before is not None and after is not None and after > before:
         return True, ""  # it did requeue; only the reply was lost
     return False, problem
@@ -127,10 +128,10 @@ def requeue_for_failure(run_dir: str, max_failures: int) -> "tuple[bool, str]":
     used = count_ended(read_records(run_dir), job_identity()[0], FAILURE_CAUSES)
     if used > max_failures:
         return False, f"not requeued: failure {used} > cluster.max_failures={max_failures}"
-    state = _slurm_job_state(job_id)
+    state = slurm_job_state(job_id)
     if state is not None and state != "RUNNING":
         return False, f"not requeued: job {job_id} is {state}"
-    ok, problem = _scontrol_requeue(job_id)
+    ok, problem = scontrol_requeue(job_id)
     if not ok:
         return False, f"not requeued: {problem}"
     return True, f"requeued SLURM job {job_id} (failure {used} of at most {max_failures} retried)"
@@ -138,14 +139,14 @@ def requeue_for_failure(run_dir: str, max_failures: int) -> "tuple[bool, str]":
 
 def leave_requeued(reason: str) -> None:
     """End this rank after another part of the job requeued it: no result file, bounded teardown."""
-    _flush_streams()
+    flush_streams()
     if os.environ.get("SUBMITIT_EXECUTOR"):
-        _arm_exit_watchdog(REQUEUE_EXIT_CODE)
-        _destroy_process_groups()
+        arm_exit_watchdog(REQUEUE_EXIT_CODE)
+        destroy_process_groups()
     raise Requeued(reason)
 
 
-def _flush_streams() -> None:
+def flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -153,7 +154,7 @@ def _flush_streams() -> None:
             pass
 
 
-def _destroy_process_groups() -> None:
+def destroy_process_groups() -> None:
     """Tear down megatron's groups and the default process group before exiting: a gloo group
     still alive at interpreter shutdown can abort the process ("terminate called without an
     active exception", exit -6) instead of the intended exit code."""
@@ -168,7 +169,7 @@ def _destroy_process_groups() -> None:
         pass
 
 
-def _arm_exit_watchdog(code: int) -> None:
+def arm_exit_watchdog(code: int) -> None:
     """Make sure a submitit task ends even if interpreter shutdown hangs (a non-daemon thread
     left by a library): a daemon thread ``os._exit``s after a minute. Only armed inside submitit
     tasks, so a test that catches :class:`Stopped` in-process is not killed later."""

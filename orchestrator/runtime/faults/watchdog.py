@@ -45,19 +45,24 @@ Torch-free; the launcher uses :class:`JobWatch` (every rank silent: cancel, repo
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import json
 import os
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from orchestrator.ckpt import history
-from orchestrator.ckpt.rundir import STACKS_DIR
-from orchestrator.io import write_atomic
+from orchestrator.runtime.faults.hang_report import (  # noqa: F401 - re-exported: the hang's names
+    HANG_EXIT_CODE,
+    HangReport,
+    PathLike,
+    hang_path,
+    newer,
+    rank_list,
+    read_json,
+    record_quietly,
+    say,
+    stacks_path,
+)
 from orchestrator.runtime.faults.heartbeat import (  # noqa: F401
     HEARTBEAT_DIR,
     SLOT_BYTES,
@@ -70,31 +75,8 @@ from orchestrator.runtime.faults.heartbeat import (  # noqa: F401
     write_slot,
 )
 
-PathLike = Union[str, Path]
-HANG_EXIT_CODE = 79
-"""Exit status of every live rank after a declared hang (75/76 are the requeue/stop codes)."""
-_FOLLOW_TIMEOUT_S = 60.0
-_STACKS_WAIT_S = 15.0
 
-
-def stacks_path(run_dir: PathLike, rank: int) -> Path:
-    return Path(run_dir) / STACKS_DIR / f"rank_{rank}.txt"
-
-
-def hang_path(run_dir: PathLike, job_id: str, attempt: int) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(job_id))
-    return Path(run_dir) / HEARTBEAT_DIR / f"hang_{safe}_{int(attempt)}.json"
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    return read_heartbeat(path)
-
-
-def _ranks(ranks: List[int]) -> str:
-    return ",".join(str(r) for r in ranks)
-
-
-class Watchdog:
+class Watchdog(HangReport):
     """Heartbeat writer and hang detector of one rank (see the module docstring).
 
     ``timeout_s``: ``training.hang_timeout_s``. ``on_hang(message) -> (requeued, detail)`` runs on the
@@ -195,12 +177,12 @@ class Watchdog:
                 self._tick()
             except Exception as exc:  # never let the watchdog take the rank down by itself
                 if not complained:
-                    _say(f"rank {self.rank}: hang watchdog problem (continuing): {exc!r}")
+                    say(f"rank {self.rank}: hang watchdog problem (continuing): {exc!r}")
                     complained = True
 
     def _tick(self) -> None:
         self._write()
-        hang = _read_json(hang_path(self.run_dir, self.job_id, self.attempt))
+        hang = read_json(hang_path(self.run_dir, self.job_id, self.attempt))
         if hang is not None and float(hang.get("time") or 0) >= self._born - 5.0:
             self._follow(hang)
             return
@@ -264,144 +246,6 @@ class Watchdog:
             rec = self._seen.get(r, (None, 0.0, None))[2]
             hosts.append(self.host if r == self.rank else str((rec or {}).get("host") or "?"))
         return ",".join(sorted(set(hosts)))
-
-    def _declare(self, stale: float) -> None:
-        ranks, why = self.stalled()
-        if self.iteration is None:
-            where = f"the start of the attempt ({self.phase})"
-        else:
-            where = f"iteration {self.iteration}" + ("" if self.phase == "train" else f" ({self.phase})")
-        message = (
-            f"hang: rank(s) {_ranks(ranks)} on host(s) {self._hosts(ranks)} made no progress for "
-            f"{stale:.0f} s after {where} (training.hang_timeout_s={self.timeout_s:g}): {why}; "
-            f"Python stacks of the live ranks in {self.run_dir / STACKS_DIR}/"
-        )
-        self.declared = message
-        if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            self._follow(None)
-            return
-        frozen = [
-            {"rank": r, "host": rec.get("host"), "pid": rec.get("pid")}
-            for r in (ranks if why.startswith("not responding") else [])
-            if (rec := self._seen.get(r, (0, 0, None))[2])
-        ]
-        info = {
-            "stalled": ranks,
-            "hosts": self._hosts(ranks),
-            "message": message,
-            "reporter": self.rank,
-            "iteration": self.iteration,
-            "frozen": frozen,
-            "done": False,
-            "time": time.time(),
-        }
-        hpath = hang_path(self.run_dir, self.job_id, self.attempt)
-        write_atomic(hpath, json.dumps(info), fsync=False)
-        declared_at = time.time()
-        self.dump_stacks(f"hang declared by this rank: {message}")
-        silent = ranks if why.startswith("not responding") else []
-        live = [r for r, (_, _, rec) in self._seen.items() if rec is not None and r not in silent]
-        self._await_stacks(live if self._seen else [r for r in range(self.world_size) if r not in silent], declared_at)
-        _record_quietly(
-            lambda: history.record_event(
-                self.run_dir,
-                "hang",
-                job_id=self.job_id,
-                attempt=self.attempt,
-                stalled=ranks,
-                hosts=info["hosts"],
-                iteration=self.iteration,
-                reporter=self.rank,
-            )
-        )
-        _record_quietly(
-            lambda: history.record_attempt_ended(  # first: the failure limit counts this one
-                self.run_dir,
-                self.job_id,
-                self.attempt,
-                "hang",
-                iteration=self.iteration,
-                message=message,
-                decided=False,
-            )
-        )
-        requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
-        _record_quietly(
-            lambda: history.record_event(
-                self.run_dir,
-                "requeue_decision",
-                job_id=self.job_id,
-                attempt=self.attempt,
-                requeued=requeued,
-                detail=detail,
-            )
-        )
-        write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
-        _say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))
-        self._end_frozen(frozen)
-        self._exit(HANG_EXIT_CODE)
-
-    def _await_stacks(self, ranks: List[int], since: float) -> None:
-        deadline = time.monotonic() + _STACKS_WAIT_S
-        while time.monotonic() < deadline:
-            missing = [r for r in ranks if r != self.rank and not _newer(stacks_path(self.run_dir, r), since)]
-            if not missing:
-                return
-            time.sleep(0.2)
-
-    def _follow(self, hang: Optional[Dict[str, Any]]) -> None:
-        """Another rank declared the hang: dump this rank's stacks, exit once it is done."""
-        self.dump_stacks("hang declared by rank %s" % ((hang or {}).get("reporter", "?")))
-        hpath = hang_path(self.run_dir, self.job_id, self.attempt)
-        deadline = time.monotonic() + _FOLLOW_TIMEOUT_S
-        while time.monotonic() < deadline and not (hang and hang.get("done")):
-            time.sleep(0.2)
-            hang = _read_json(hpath) or hang
-        _say(f"rank {self.rank}: stopped by the hang watchdog; stacks in {stacks_path(self.run_dir, self.rank)}")
-        self._end_frozen((hang or {}).get("frozen") or [])
-        self._exit(HANG_EXIT_CODE)
-
-    def _end_frozen(self, frozen: List[Dict[str, Any]]) -> None:
-        """SIGKILL the processes of this host among the ranks declared frozen (``{"rank", "host", "pid"}``): a
-        SIGSTOPped or frozen process ignores the SIGTERM that ends a job (torch's agent, submitit) and holds the
-        job for that signal's timeout (30 s) before its SIGKILL; nothing of it can be saved anyway."""
-        for rec in frozen:
-            if rec.get("host") == self.host and isinstance(rec.get("pid"), int) and rec["pid"] != os.getpid():
-                try:
-                    os.kill(rec["pid"], signal.SIGKILL)
-                except OSError:  # gone already, or not ours
-                    pass
-
-    def dump_stacks(self, header: str) -> Path:
-        """Write every thread's Python stack of this process to ``<run_dir>/stacks/rank_<r>.txt``."""
-        path = stacks_path(self.run_dir, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(
-                f"# rank {self.rank} on {self.host}, pid {os.getpid()}, iteration {self.iteration}, "
-                f"phase {self.phase}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n# {header}\n"
-            )
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        return path
-
-
-def _newer(path: Path, since: float) -> bool:
-    try:
-        return path.stat().st_mtime >= since - 1.0
-    except OSError:
-        return False
-
-
-def _say(message: str) -> None:
-    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
-
-
-def _record_quietly(write: Callable[[], Any]) -> None:
-    try:
-        write()
-    except Exception as exc:  # a full disk must not keep the rank from exiting
-        _say(f"could not record a job event: {exc!r}")
 
 
 class JobWatch:

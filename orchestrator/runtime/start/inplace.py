@@ -55,13 +55,13 @@ class NodeAgent:
     def _endpoint(self, env: Any, job_id: str, attempt: int) -> str:
         """Local: the port the launcher reserved (``MASTER_PORT`` of the job's environment) on 127.0.0.1; SLURM:
         the first node of the allocation, a port derived from the job id and attempt."""
-        from orchestrator.runtime.rank.distributed import _derived_port
+        from orchestrator.runtime.rank.rendezvous import derived_port
 
         port = self.job.env.pop("MASTER_PORT", None)
         self.job.env.pop("MASTER_ADDR", None)  # the agent tells its workers where the store is
         if getattr(env, "cluster", "") == "local":
-            return f"127.0.0.1:{port or _derived_port(job_id)}"
-        return f"{env.hostnames[0]}:{_derived_port(f'{job_id}-{attempt}')}"
+            return f"127.0.0.1:{port or derived_port(job_id)}"
+        return f"{env.hostnames[0]}:{derived_port(f'{job_id}-{attempt}')}"
 
     def __call__(self) -> Dict[str, Any]:
         import signal
