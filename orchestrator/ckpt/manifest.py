@@ -130,6 +130,25 @@ def model_record(m, vocab_size: int, padded_vocab_size: int) -> dict:
     }
 
 
+def batch_and_format(cfg: JobConfig, layout: ParallelLayout) -> dict:
+    """The manifest's ``batch`` (MBS, GBS, num_microbatches) and ``checkpoint`` (format, optimizer and its
+    sharding, precision) sections."""
+    t, o = cfg.training, cfg.optimizer
+    return {
+        "batch": {
+            "micro_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size,
+            "num_microbatches": layout.num_microbatches,
+        },
+        "checkpoint": {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": o.name,
+            "distributed_optimizer": o.use_distributed_optimizer,
+            "precision": t.precision,
+        },
+    }
+
+
 # ---- build / write / read ---------------------------------------------------------
 def build_manifest(
     cfg: JobConfig,
@@ -170,7 +189,7 @@ def build_manifest(
         from orchestrator.ckpt.history import history_for_manifest
 
         history = history_for_manifest(cfg.run.dir, iteration, cfg.training.train_iters)
-    m, d, t, o = cfg.model, cfg.data, cfg.training, cfg.optimizer
+    m, d = cfg.model, cfg.data
     manifest = {
         "schema": SCHEMA,
         "iteration": int(iteration),
@@ -189,17 +208,7 @@ def build_manifest(
             "fingerprint": None,
             **data,
         },
-        "batch": {
-            "micro_batch_size": t.micro_batch_size,
-            "global_batch_size": t.global_batch_size,
-            "num_microbatches": layout.num_microbatches,
-        },
-        "checkpoint": {
-            "format": CHECKPOINT_FORMAT,
-            "optimizer": o.name,
-            "distributed_optimizer": o.use_distributed_optimizer,
-            "precision": t.precision,
-        },
+        **batch_and_format(cfg, layout),
         "versions": {**collect_versions(), **(versions or {})},
         "env": {**collect_env(), **(env or {})},
         "origin": origin,

@@ -69,7 +69,6 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     from orchestrator.runtime.faults.links import check_links
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
-    from orchestrator.runtime.rank.model import count_parameters
     from orchestrator.runtime.training import loop
     from orchestrator.runtime.training.metrics import Trackers
     from orchestrator.runtime.training.resume import Saver, restore
@@ -88,25 +87,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     guard.begin(start.iteration)
     trackers = Trackers(cfg, rank.is_logger)
     saver = Saver(rank, prepared, start.origin, guard, trackers)
-    if rank.rank0:  # for the job's own log (the launcher printed it before submission)
-        print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
-        write_megatron_config(cfg.run.dir, rank.built.megatron)
-    rank.say(
-        f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
-        f"{start.iteration + 1}..{cfg.training.train_iters}"
-    )
-    trackers.event(
-        {
-            "event": "start",
-            "iteration": start.iteration,
-            "train_iters": cfg.training.train_iters,
-            "resumed_from": start.resumed_from,
-            "load_s": start.load_s,
-            "time": time.time(),
-        }
-    )
-    if rank.link_check is not None:
-        trackers.event(rank.link_check)
+    _announce(rank, start, trackers)
     try:
         outcome = loop.train(rank, data, start, saver, trackers, stop, guard)
         resumed_finished = start.resumed_from is not None and outcome.iteration == start.iteration
@@ -132,3 +113,30 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
         shutdown()
     stop.training_done()  # a late time-limit USR2 must not kill the process during its teardown
     return summary
+
+
+def _announce(rank, start, trackers) -> None:
+    """Say what this job trains (the layout on rank 0, megatron_config.json) and record its ``start`` event (with
+    the checkpoint load's seconds) and a multi-node job's measured links."""
+    from orchestrator.runtime.rank.model import count_parameters
+
+    cfg = rank.cfg
+    if rank.rank0:  # for the job's own log (the launcher printed it before submission)
+        print("\n".join(f"  {line}" for line in rank.layout.summary().splitlines()), flush=True)
+        write_megatron_config(cfg.run.dir, rank.built.megatron)
+    rank.say(
+        f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
+        f"{start.iteration + 1}..{cfg.training.train_iters}"
+    )
+    trackers.event(
+        {
+            "event": "start",
+            "iteration": start.iteration,
+            "train_iters": cfg.training.train_iters,
+            "resumed_from": start.resumed_from,
+            "load_s": start.load_s,
+            "time": time.time(),
+        }
+    )
+    if rank.link_check is not None:
+        trackers.event(rank.link_check)
