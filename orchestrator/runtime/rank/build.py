@@ -24,6 +24,7 @@ from orchestrator.config.checks import validate
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
 from orchestrator.runtime.rank import cpu as cpu_backend
+from orchestrator.runtime.rank import param_sync
 from orchestrator.runtime.rank.distributed import init_distributed
 from orchestrator.runtime.rank.model import Built, build_model_and_optimizer, initialize_parallel_state
 
@@ -99,6 +100,7 @@ def build_rank(cfg: JobConfig) -> Rank:
     tf.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     tf.finalize_model_grads_func = finalize_model_grads
     tf.grad_scale_func = built.optimizer.scale_loss
+    param_sync.set_sync_funcs(model, tf)  # grad_sync_func / param_sync_func with the overlaps, as Megatron-LM
     is_logger = (
         ps.is_pipeline_last_stage()
         and ps.get_data_parallel_rank() == 0

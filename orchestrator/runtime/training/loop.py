@@ -30,7 +30,7 @@ import torch
 
 from orchestrator.plan.step_breakdown import describe as describe_breakdown
 from orchestrator.runtime.faults import spike, straggler
-from orchestrator.runtime.rank import cp
+from orchestrator.runtime.rank import cp, param_sync
 from orchestrator.runtime.rank.build import Data, Rank
 from orchestrator.runtime.rank.model import unwrap
 from orchestrator.runtime.training import breakdown, trace
@@ -138,7 +138,7 @@ def evaluate(rank: Rank, forward_backward, data: Data) -> Optional[float]:
     per_step: List[torch.Tensor] = []
     for chunk in model:
         chunk.eval()
-    with torch.no_grad():
+    with torch.no_grad(), param_sync.gathered(model):  # current params on every rank (Megatron-LM)
         for _ in range(t.eval_iters):
             losses = forward_backward(
                 forward_step_func=_forward_step,

@@ -31,6 +31,7 @@ import torch
 
 from orchestrator.config.tokenizer import model_vocab_size
 from orchestrator.errors import DiskFullError
+from orchestrator.runtime.rank import param_sync
 from orchestrator.runtime.rank.build import Rank, versions
 from orchestrator.runtime.training import checkpoint as ckpt
 from orchestrator.runtime.training.async_save import AsyncSaves
@@ -119,7 +120,7 @@ class Saver:
         if r.rank0:
             print(f"saving checkpoint {path.name}", flush=True)  # the rank's log; the launcher prints the record
         save = _Save(iteration, consumed, path, time.perf_counter(), time.time(), self.async_saves is not None)
-        with self._guarded(iteration):
+        with self._guarded(iteration), param_sync.gathered(b.model):  # current params on every rank
             if self.async_saves is None:
                 ckpt.save(
                     r.cfg,

@@ -1,0 +1,39 @@
+"""Issue 38: reading a sharded Hugging Face directory layer by layer; a missing shard is one error line."""
+
+import os
+
+import pytest
+import torch
+
+from orchestrator.runtime.rank import hf_files, hf_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path, max_shard_size="20KB", safe_serialization=True)
+    files = hf_files.weight_map(str(tmp_path))
+    assert len(set(files.values())) > 1  # really sharded
+    sd = model.state_dict()
+    names = hf_files.layer_names(files, 1)
+    got = hf_files.read_tensors(files, names)
+    assert names and all(torch.equal(got[n], sd[n]) for n in names)
+    whole = hf_files.read_tensors(files, sorted(files))
+    mc = hf_llama.to_megatron(whole, 2, 4, 2, 64)
+    assert mc["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (64, 32)
+    shard = sorted(set(files.values()))[-1]
+    os.remove(shard)
+    with pytest.raises(hf_files.HfCheckpointError, match=f"shard {os.path.basename(shard)} .* missing") as e:
+        hf_files.weight_map(str(tmp_path))
+    assert "\n" not in str(e.value)
