@@ -52,7 +52,7 @@ from orchestrator.plan.inputs import (  # noqa: F401
 from orchestrator.plan.params import layer_params as _layer_params  # noqa: F401
 from orchestrator.plan.params import stage_params as _stage_params
 from orchestrator.plan.params import total_params as _total_params
-from orchestrator.plan.profile import DeviceProfile, device_profile, step_terms
+from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
 from orchestrator.plan.result import HEADROOM, Plan  # noqa: F401 - the plan's names, where callers read them
 from orchestrator.plan.stage_memory import StageMemory, stage_memories  # noqa: F401
 
@@ -116,21 +116,7 @@ def plan_layout(
             sec[k] for k in ("compute", "tp", "pp", "dp", "framework", "fixed")
         )
         idle = sec["idle"]
-    rep, sh, erep, esh = _layer_params(shape)
-    pos = (
-        (shape.max_position_embeddings or shape.seq_length)
-        if shape.position_embedding_type == "learned_absolute"
-        else 0
-    )
-    notes = []
-    if profile is not None and terms.ranks_per_core(profile.cores):
-        notes.append(
-            f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
-            f"other ranks (each rank's work is stretched by ranks per core; the bubble is the schedule's "
-            f"fill and drain with fewer ranks than cores: {idle:.1%})"
-        )
-    if recipe.precision == "fp32" and profile is None:
-        notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
+    notes = _notes(terms, profile, idle, recipe, gpu)
     return Plan(
         layout=layout,
         shape=shape,
@@ -139,8 +125,8 @@ def plan_layout(
         mfu_assumed=mfu,
         padded_vocab_size=vp,
         params_total=_total_params(shape, layout, vp),
-        params_per_layer=rep + sh + erep + esh,
-        params_embedding=(vp + pos) * shape.hidden_size,
+        params_per_layer=sum(_layer_params(shape)),
+        params_embedding=(vp + _positions(shape)) * shape.hidden_size,
         params_per_stage=[s[0] for s in per_stage],
         stages=stages,
         activations_by_recompute=by_recompute,
@@ -215,3 +201,24 @@ def plan(
             "(gpu=cpu plans for this machine's CPU)"
         )
     return result
+
+
+def _notes(terms: StepTerms, profile: Optional[DeviceProfile], idle: Optional[float], recipe: Recipe, gpu: GpuPreset):
+    """What a plan adds below its verdict: ranks sharing cores, fp32's peak."""
+    notes = []
+    if profile is not None and terms.ranks_per_core(profile.cores):
+        notes.append(
+            f"{terms.ranks_per_node} ranks share {profile.cores} cores: a stage's idle pipeline time runs "
+            f"other ranks (each rank's work is stretched by ranks per core; the bubble is the schedule's "
+            f"fill and drain with fewer ranks than cores: {idle:.1%})"
+        )
+    if recipe.precision == "fp32" and profile is None:
+        notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
+    return notes
+
+
+def _positions(shape: ModelShape) -> int:
+    """Rows of the learned position embedding (0 for RoPE)."""
+    if shape.position_embedding_type != "learned_absolute":
+        return 0
+    return shape.max_position_embeddings or shape.seq_length
