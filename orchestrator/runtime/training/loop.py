@@ -23,40 +23,16 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from orchestrator.plan.step_breakdown import describe as describe_breakdown
 from orchestrator.runtime.faults import spike, straggler
-from orchestrator.runtime.rank import cp, param_sync
 from orchestrator.runtime.rank.build import Data, Rank
-from orchestrator.runtime.rank.model import unwrap
-from orchestrator.runtime.training import breakdown, trace
-from orchestrator.runtime.training.metrics import Trackers, perplexity
+from orchestrator.runtime.training import breakdown, forward, trace
+from orchestrator.runtime.training.metrics import Trackers
 from orchestrator.runtime.training.resume import Saver, Start
-from orchestrator.runtime.training.summary import max_gpu_mb, max_rss_mb, model_flops_per_step
-
-
-def _forward_step(data_iterator, model):
-    """One micro-batch through one model chunk. Only chunks that embed or compute loss read data;
-    with CP > 1 each rank keeps its share of the sequence (runtime.cp)."""
-    inner = unwrap(model)
-    needs_data = getattr(inner, "pre_process", True) or getattr(inner, "post_process", True)
-    timers = inner.config.timers  # Megatron-LM's pretrain_gpt times its batch the same way (runtime.training.breakdown)
-    if timers is not None:
-        timers("batch-generator", log_level=2).start()
-    batch = cp.batch_on_this_cp_rank(next(data_iterator)) if needs_data else None
-    if timers is not None:
-        timers("batch-generator").stop()
-    tokens = batch["tokens"] if batch is not None else None
-    position_ids = batch["position_ids"] if batch is not None else None
-    labels = batch["labels"] if batch is not None else None
-    output = model(tokens, position_ids, None, labels=labels)
-    loss_mask = batch["loss_mask"] if batch is not None else None
-    return output, partial(cp.loss_func, loss_mask)
-
+from orchestrator.runtime.training.step_log import StepLog
 
 NONFINITE_GRAD_ENV = "ORCHESTRATOR_TEST_NONFINITE_GRAD_AT"
 """Test-only (tests/test_guard.py): a comma-separated list of iterations at which every rank sets one
@@ -109,54 +85,6 @@ class StopPoll:
             self._work = None
 
 
-def _mean_loss(rank: Rank, per_step: List[torch.Tensor]) -> Optional[float]:
-    """Mean of ``per_step`` (each a last-stage mean over micro-batches) over the loss group, read on
-    the host; None on other stages (collective over the last stage's loss group)."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    total = torch.stack(per_step).double().sum().reshape(1) if per_step else torch.zeros(1, dtype=torch.float64)
-    total = total.to(rank.tensor_device)
-    group = cp.loss_group()
-    torch.distributed.all_reduce(total, group=group)
-    return float(total[0]) / (torch.distributed.get_world_size(group) * max(1, len(per_step)))
-
-
-def _step_loss(losses) -> Optional[torch.Tensor]:
-    """This iteration's mean micro-batch loss as a tensor (no host sync); None off the last stage."""
-    return torch.stack([x["lm loss"] for x in losses]).mean() if losses else None
-
-
-def evaluate(rank: Rank, forward_backward, data: Data) -> Optional[float]:
-    """Validation lm loss (nats/token) on the logging rank's stage; None on other stages.
-
-    Collective: every rank runs the same forward-only schedule.
-    """
-    t, model = rank.cfg.training, rank.built.model
-    iterators = data.valid()  # type: ignore[misc]
-    per_step: List[torch.Tensor] = []
-    for chunk in model:
-        chunk.eval()
-    with torch.no_grad(), param_sync.gathered(model):  # current params on every rank (Megatron-LM)
-        for _ in range(t.eval_iters):
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=iterators,
-                model=model,
-                num_microbatches=rank.layout.num_microbatches,
-                seq_length=rank.cfg.model.seq_length,
-                micro_batch_size=t.micro_batch_size,
-                forward_only=True,
-            )
-            loss = _step_loss(losses)
-            if loss is not None:
-                per_step.append(loss)
-    for chunk in model:
-        chunk.train()
-    return _mean_loss(rank, per_step)
-
-
 @dataclass
 class Outcome:
     """How the loop ended."""
@@ -178,94 +106,6 @@ class Outcome:
     """The timed iterations' step per stage by category (runtime.training.breakdown), on the logging rank."""
     stragglers: List[Dict[str, object]] = field(default_factory=list)
     """The ranks and hosts ``training.straggler`` named (runtime.faults.straggler), in order."""
-
-
-class _Log:
-    """The logging rank's records: step times since the last record, flops, memory.
-
-    A step time spans the whole iteration (zero grads, forward/backward schedule, optimizer step,
-    scheduler, stop poll, loss reduction, guard check) but not what follows it only on some
-    iterations (writing the record, evaluation, a save), as Megatron-LM's interval timer does.
-    """
-
-    def __init__(self, rank: Rank, trackers: Trackers, start: int, clock=None):
-        self.rank, self.trackers, self.start, self.clock = rank, trackers, start, clock
-        self.window: List[float] = []
-        self.timed: List[float] = []
-        self.cpu: List[float] = []
-        self.flops = model_flops_per_step(rank) if trackers.enabled else None
-
-    def tick(self, step_time: float, cpu_time: float, iteration: int) -> None:
-        self.window.append(step_time)
-        timed = iteration - self.start > self.rank.cfg.training.timing_warmup_iters
-        if timed:
-            self.timed.append(step_time)
-            self.cpu.append(cpu_time)
-        if self.clock is not None:
-            self.clock.end_step(step_time, timed)
-
-    def breakdown(self, iteration: int, last: bool) -> None:
-        """At the clock's windows: every rank's section times to the logging rank, which says and records
-        them (collective)."""
-        if self.clock is None or not self.clock.due(iteration, last):
-            return
-        result = self.clock.gather(iteration)
-        if result is not None and self.trackers.enabled:
-            self.trackers.event({"event": "breakdown", "iteration": iteration, **result, "time": time.time()})
-            print(describe_breakdown(result, f"iterations {result['iterations'][0]}-{iteration}"), flush=True)
-
-    def record(self, iteration: int, consumed: int, loss: float, lr: float, grad_norm, update_ok: bool) -> None:
-        step = sum(self.window) / max(1, len(self.window))  # mean over the iterations since the last record
-        self.window = []
-        if not self.trackers.enabled:
-            return
-        r = self.rank
-        rec: Dict[str, object] = {
-            "iteration": iteration,
-            "consumed_samples": consumed,
-            "lm_loss": loss,
-            "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "step_time_s": step,
-            "tokens_per_s": r.layout.tokens_per_step / step,
-            "batch_size": r.cfg.training.global_batch_size,
-            "throughput_tflops": self.flops / (step * r.layout.world_size * 1e12) if self.flops else None,
-            "skipped": not update_ok,
-            "max_rss_mb": max_rss_mb(),
-            "max_gpu_mem_mb": max_gpu_mb(r.device),
-            "time": time.time(),
-        }
-        self.trackers.train(rec)
-        gn = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
-        print(
-            f"iteration {iteration:6d}/{r.cfg.training.train_iters} | consumed samples {consumed:8d} | "
-            f"lm loss {loss:.6f} | lr {lr:.3e} | grad norm {gn} | step time {step * 1000:.1f} ms | "
-            f"tokens/s {rec['tokens_per_s']:.0f}",
-            flush=True,
-        )
-
-    def whole_run(self) -> Optional[Dict[str, object]]:
-        """The breakdown over the timed iterations, said on the logging rank (collective); None when off."""
-        whole = self.clock.gather(0, run=True) if self.clock is not None else None
-        if whole is not None and whole["stages"]:
-            print(describe_breakdown(whole, f"over {len(self.timed)} timed iterations"), flush=True)
-        return whole
-
-    def eval(self, iteration: int, consumed: int, loss: Optional[float]) -> None:
-        if self.trackers.enabled and loss is not None:
-            t = self.rank.cfg.training
-            self.trackers.eval(
-                {
-                    "event": "eval",
-                    "iteration": iteration,
-                    "consumed_samples": consumed,
-                    "lm_loss": loss,
-                    "ppl": perplexity(loss),
-                    "eval_iters": t.eval_iters,
-                    "time": time.time(),
-                }
-            )
-            print(f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {perplexity(loss):.3f}", flush=True)
 
 
 def _phase(guard, name: str):
@@ -290,7 +130,7 @@ def _step(
         for chunk in b.model:
             chunk.zero_grad_buffer()
         b.optimizer.zero_grad()
-    with straggler.timing(watch, _forward_step) as timed, trace.around(tracer, iteration, timed) as forward_step:
+    with straggler.timing(watch, forward.forward_step) as timed, trace.around(tracer, iteration, timed) as forward_step:
         losses = forward_backward(
             forward_step_func=forward_step,
             data_iterator=data.train,
@@ -324,7 +164,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
     clock = breakdown.clock_for(rank)  # None when training.breakdown_interval=0
-    log, poll = _Log(rank, trackers, start.iteration, clock), StopPoll(stop)
+    log, poll = StepLog(rank, trackers, start.iteration, clock), StopPoll(stop)
     status, loop_start = "completed", time.perf_counter()
     tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
     spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
@@ -340,9 +180,9 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         save_now = bool(cfg.checkpoint.save_interval) and it % cfg.checkpoint.save_interval == 0 and not last
         loss = None
         if last or stopping or exiting or save_now or it % t.log_interval == 0:
-            step_loss = _step_loss(losses)
+            step_loss = forward.step_loss(losses)
             with breakdown.section(clock, "loss-all-reduce"):
-                loss = _mean_loss(rank, [step_loss] if step_loss is not None else [])
+                loss = forward.mean_loss(rank, [step_loss] if step_loss is not None else [])
         if guard is not None:  # raises before anything of this iteration is saved
             with breakdown.section(clock, "loop-sync"):
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
@@ -358,7 +198,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
                 log.record(it, consumed, loss, lr, grad_norm, update_ok)
         if _eval_due(rank, data, it, completed=last):
             with _phase(guard, "evaluation"):
-                log.eval(it, consumed, evaluate(rank, forward_backward, data))
+                log.eval(it, consumed, forward.evaluate(rank, forward_backward, data))
         if save_now or stopping or exiting:
             saver(it, consumed)
         saver.poll()  # an asynchronous write finishes here, on every rank together
