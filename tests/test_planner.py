@@ -26,6 +26,7 @@ from orchestrator.config.schema import (
 from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.plan import memory as planner
 from orchestrator.plan import suggest
+from orchestrator.plan.activations import in_flight
 from orchestrator.plan.memory import GiB, ModelShape, Recipe
 from orchestrator.plan.report import format_plan
 
@@ -189,11 +190,11 @@ def test_activations_match_korthikanti_closed_forms():
 
 def test_microbatches_in_flight_1f1b_and_interleaved():
     one_f = layout(world_size=4, pipeline_model_parallel_size=4, micro_batch_size=1, global_batch_size=8)
-    assert [planner._in_flight(one_f, r) for r in range(4)] == [4, 3, 2, 1]  # first stage holds p
+    assert [in_flight(one_f, r) for r in range(4)] == [4, 3, 2, 1]  # first stage holds p
     few = dataclasses.replace(one_f, global_batch_size=2)
-    assert planner._in_flight(few, 0) == 2  # never more than m
+    assert in_flight(few, 0) == 2  # never more than m
     inter = dataclasses.replace(one_f, virtual_pipeline_model_parallel_size=2)
-    chunks = planner._in_flight(inter, 0)
+    chunks = in_flight(inter, 0)
     p, v, L = 4, 2, 32
     # Korthikanti sec. 4.2.3: the first stage keeps L (1 + (p-1)/(p v)) layers' worth.
     assert Fraction(chunks * inter.layers_per_virtual_stage) == L * (1 + Fraction(p - 1, p * v))

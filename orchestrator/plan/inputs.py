@@ -205,9 +205,6 @@ def gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
-_gib = gib  # plan/memory.py's spelling (its own room), until it reads gib
-
-
 # ---- from a JobConfig -------------------------------------------------------------------------
 def vocab_size_of(cfg, default: int = 50257) -> Tuple[int, Optional[str]]:
     """The model's vocabulary (:func:`~orchestrator.config.tokenizer.model_vocab_size`) and a note saying

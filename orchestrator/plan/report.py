@@ -5,9 +5,9 @@ Pure Python; formats a :class:`orchestrator.plan.memory.Plan`.
 
 from __future__ import annotations
 
-from orchestrator.plan.inputs import gib
-from orchestrator.plan.memory import GiB, Plan
+from orchestrator.plan.inputs import GiB, gib
 from orchestrator.plan.params import active_params
+from orchestrator.plan.result import Plan
 from orchestrator.text import table
 
 
