@@ -37,3 +37,27 @@ def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path
     with pytest.raises(hf_files.HfCheckpointError, match=f"shard {os.path.basename(shard)} .* missing") as e:
         hf_files.weight_map(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_mapped_back_weights_written_as_shards_load_in_transformers_bitwise(tmp_path):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    src = transformers.LlamaForCausalLM(cfg)
+    sd = {k: v for k, v in src.state_dict().items() if "rotary" not in k}
+    back = hf_llama.to_hf(hf_llama.to_megatron(sd, 2, 4, 2, 64), 2, 4, 2, 50)
+    out = tmp_path / "out"
+    out.mkdir()
+    shards = hf_files.write_shards(str(out), back, max_shard_bytes=20_000)
+    cfg.save_pretrained(out)
+    assert len(shards) > 1
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for k, v in sd.items():
+        assert torch.equal(loaded.state_dict()[k], v), k

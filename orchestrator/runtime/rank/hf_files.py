@@ -62,3 +62,30 @@ def layer_names(files: dict[str, str], i: int) -> list[str]:
     """Every stored tensor name of decoder layer ``i`` (``model.layers.{i}.``)."""
     prefix = f"model.layers.{i}."
     return sorted(n for n in files if n.startswith(prefix))
+
+
+def write_shards(path: str, tensors: dict, max_shard_bytes: int = 5 * 10**9) -> list[str]:
+    """Write ``tensors`` as safetensors shards of at most ``max_shard_bytes`` each (one tensor over it gets its own
+    shard) plus ``model.safetensors.index.json`` (transformers' layout); returns the shard file names."""
+    from safetensors.torch import save_file
+
+    groups: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    names, weight_map, total = [], {}, 0
+    for k, g in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, os.path.join(path, fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update(dict.fromkeys(g, fname))
+        total += sum(t.numel() * t.element_size() for t in g.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
