@@ -16,6 +16,10 @@ import shutil
 import subprocess
 from typing import Dict, Optional, Tuple
 
+JOB_ID_VAR = "ORCHESTRATOR_JOB_ID"
+"""The environment variable that carries the job id to every rank a launcher or an agent starts outside submitit
+(torchrun's workers, cluster=hosts sessions, in-place restarts): named once, here."""
+
 
 def on_slurm() -> bool:
     """Whether this process is a task of a SLURM job (submitit's SLURM executor, or plain srun)."""

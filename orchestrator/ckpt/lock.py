@@ -20,6 +20,7 @@ from typing import Optional
 
 from orchestrator.ckpt.rundir import LOCK_FILE
 from orchestrator.errors import RunLockedError
+from orchestrator.slurm import JOB_ID_VAR
 
 
 class RunLock:
@@ -57,7 +58,7 @@ class RunLock:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "create_time": psutil.Process().create_time(),
             "token": uuid.uuid4().hex,
-            "launch_id": os.environ.get("ORCHESTRATOR_JOB_ID"),
+            "launch_id": os.environ.get(JOB_ID_VAR),
         }
 
     def stale_reason(self, holder: dict) -> Optional[str]:

@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.convert.megatron_args import SLURM_OPTIONS
+from orchestrator.convert.launcher_options import SLURM_OPTIONS
 from orchestrator.convert.sources import Source
 from orchestrator.errors import ConfigError
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
-
-from orchestrator.submit.sbatch_options import MANAGED_OPTIONS
+from typing import Any, List, Optional, Tuple
 
 
 class _Keep:
@@ -332,29 +330,3 @@ def mapped_keys() -> List[str]:
         if r.key and r.key not in out:
             out.append(r.key)
     return out
-
-
-SLURM_OPTIONS: Dict[str, str] = {
-    name: MANAGED_OPTIONS[name] for name in ("partition", "account", "qos", "constraint", "exclude", "mem")
-}
-"""``#SBATCH`` options copied as they are, both ways (``--time``, ``--nodes``, GPUs, CPUs and
-``--signal`` convert with arithmetic in to_config / from_config)."""
-
-SHORT_OPTIONS: Dict[str, str] = {
-    "N": "nodes",
-    "n": "ntasks",
-    "c": "cpus-per-task",
-    "p": "partition",
-    "A": "account",
-    "q": "qos",
-    "t": "time",
-    "J": "job-name",
-    "o": "output",
-    "e": "error",
-    "C": "constraint",
-    "x": "exclude",
-    "w": "nodelist",
-    "G": "gpus",
-    "D": "chdir",
-}
-"""sbatch / srun one-letter options and their long names (``man sbatch``)."""

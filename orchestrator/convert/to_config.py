@@ -142,16 +142,8 @@ def convert(
 ) -> Conversion:
     """Map ``source`` onto orchestrator settings (raises ConfigError with ``<key>: <what>; fix: <how>``)."""
     from orchestrator.convert import launcher
-    from orchestrator.convert.rules import (
-        batches_and_schedule,
-        checkpoints,
-        data,
-        data_parallel,
-        model,
-        tensorboard,
-        tokenizer,
-        virtual_pipeline,
-    )
+    from orchestrator.convert.rules import batches_and_schedule, checkpoints, data, model, tensorboard, tokenizer
+    from orchestrator.convert.rules_parallel import data_parallel, virtual_pipeline
 
     conv = Conversion(name=name, source=source)
     groups, extras = launcher.orchestrator_lines(source)

@@ -91,7 +91,7 @@ def job_environment(cfg: JobConfig, world_size: int) -> Dict[str, str]:
 
 # ------------------------------------------------------------------ state of a submitted job
 @contextlib.contextmanager
-def _children_ignore_sigint():
+def children_ignore_sigint():
     """Spawn with SIGINT and SIGHUP ignored, which child processes inherit: a terminal's Ctrl-C (or its
     hang-up, sent to the whole foreground process group) then reaches only the launcher, which asks the
     ranks to save and stop (:mod:`orchestrator.submit.signals`); submitit's local controller would
@@ -128,7 +128,7 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
 
     stop.clear(cfg.run.dir)  # a stop asked of an earlier job of this run
     try:
-        with _children_ignore_sigint():
+        with children_ignore_sigint():
             job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None
@@ -162,7 +162,7 @@ def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
 
     stop.clear(cfg.run.dir)
     try:
-        with _children_ignore_sigint():
+        with children_ignore_sigint():
             job = executor.submit(payload)
     except Exception as exc:
         raise SubmissionError(f"submission to cluster.kind={cfg.cluster.kind} failed: {exc}") from None

@@ -37,6 +37,7 @@ from orchestrator.config.hosts import Host, cluster_hosts, procs_per_node
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, to_dict
 from orchestrator.errors import ConfigError
+from orchestrator.slurm import JOB_ID_VAR
 from orchestrator.submit.sessions import Sessions
 
 AGENTS_DIR = "agents"
@@ -135,7 +136,7 @@ def check_hosts(cfg: JobConfig) -> List[Host]:
 def rank_env(cfg: JobConfig, job_id: str) -> Dict[str, str]:
     """What every rank of an agent-started job gets: ``cluster.env``, the job id, this ``PYTHONPATH``."""
     env = {k: str(v) for k, v in cfg.cluster.env.items()}
-    env["ORCHESTRATOR_JOB_ID"] = job_id
+    env[JOB_ID_VAR] = job_id
     if os.environ.get("PYTHONPATH"):  # the same code on every host (a shared file system)
         env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
     return env

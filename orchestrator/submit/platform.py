@@ -21,6 +21,7 @@ from orchestrator.config.hosts import NodeEnv, cluster_hosts, node_env, procs_pe
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
+from orchestrator.slurm import JOB_ID_VAR
 
 
 def this_node(cfg: JobConfig, layout: ParallelLayout) -> NodeEnv:
@@ -68,8 +69,8 @@ def describe(cfg: JobConfig, layout: ParallelLayout) -> str:
 def _job_id(cfg: JobConfig, env: NodeEnv) -> str:
     """The same on every node without talking: ``ORCHESTRATOR_JOB_ID`` if exported, else derived from the
     rendezvous, the run directory and the checkpoints there (a rerun after a save gets a new id)."""
-    if os.environ.get("ORCHESTRATOR_JOB_ID"):
-        return os.environ["ORCHESTRATOR_JOB_ID"]
+    if os.environ.get(JOB_ID_VAR):
+        return os.environ[JOB_ID_VAR]
     from orchestrator.ckpt.manifest import save_dir_of
 
     save_dir = save_dir_of(cfg)

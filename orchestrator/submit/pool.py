@@ -54,7 +54,7 @@ class WarmPool:
     def __init__(self, cfg: JobConfig, world_size: int, pool_dir: Path, allocation_min: Optional[int] = None):
         from orchestrator.runtime.faults.launcher import launcher_identity
         from orchestrator.runtime.start.pool import PoolJob
-        from orchestrator.submit.executor import _children_ignore_sigint, forks_ranks, job_environment, make_executor
+        from orchestrator.submit.executor import children_ignore_sigint, forks_ranks, job_environment, make_executor
 
         self.key, self.world_size, self.dir = pool_key(cfg, world_size), world_size, Path(pool_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ class WarmPool:
             fork_ranks=world_size if self.forked else 0,
         )
         try:
-            with _children_ignore_sigint():
+            with children_ignore_sigint():
                 self.job = executor.submit(payload)
         except Exception as exc:
             raise SubmissionError(

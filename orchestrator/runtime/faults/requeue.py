@@ -17,7 +17,16 @@ import threading
 import time
 from typing import Optional
 
-from orchestrator.slurm import UNREADABLE, on_slurm, restart_count, restarts_of, scontrol_job, slurm_job_id, slurm_state
+from orchestrator.slurm import (
+    JOB_ID_VAR,
+    UNREADABLE,
+    on_slurm,
+    restart_count,
+    restarts_of,
+    scontrol_job,
+    slurm_job_id,
+    slurm_state,
+)
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of every rank after a successful requeue (EX_TEMPFAIL: "try again later")."""
@@ -46,6 +55,8 @@ class Stopped(SystemExit):
 def job_identity() -> "tuple[str, int]":
     """(job id, attempt) of this process: submitit's job id (``<array>_<task>`` for arrays), else
     ``SLURM_JOB_ID`` / ``SUBMITIT_LOCAL_JOB_ID`` / ``ORCHESTRATOR_JOB_ID``, else ``pid-<pid>``; attempt = SLURM's restart count."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get(JOB_ID_VAR):  # torchrun's worker: the agent's job id
+        return os.environ[JOB_ID_VAR], restart_count()  # (as runtime.start.job.whoami says it)
     job_id = None
     try:
         import submitit
@@ -53,9 +64,7 @@ def job_identity() -> "tuple[str, int]":
         job_id = str(submitit.JobEnvironment().job_id)
     except Exception:  # not a submitit task
         job_id = (
-            os.environ.get("SLURM_JOB_ID")
-            or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
-            or os.environ.get("ORCHESTRATOR_JOB_ID")
+            os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get(JOB_ID_VAR)
         )  # a job of torchrun agents (runtime.start.agent)
     return job_id or f"pid-{os.getpid()}", restart_count()
 

@@ -28,9 +28,6 @@ import threading
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-JOB_ID_VAR = "ORCHESTRATOR_JOB_ID"
-"""The job id every rank of an agent-started job reads (no submitit there): records, lock, heartbeats."""
-
 
 def agent_command(
     python: str,

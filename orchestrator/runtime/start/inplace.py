@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+from orchestrator.slurm import JOB_ID_VAR
+
 AGENTS_DIR = "agents"
 
 
@@ -76,7 +78,7 @@ class NodeAgent:
         job_dir = Path(self.run_dir).absolute() / AGENTS_DIR / job_id / f"attempt_{attempt}"
         job_dir.mkdir(parents=True, exist_ok=True)
         endpoint = self._endpoint(env, job_id, attempt)
-        os.environ["ORCHESTRATOR_JOB_ID"] = job_id  # every worker's job id (records, lock, heartbeats)
+        os.environ[JOB_ID_VAR] = job_id  # every worker's job id (records, lock, heartbeats)
         # a fresh store for each start of the ranks (rank 0 hosts it on a free port, as torchrun's static
         # rendezvous does): the agent's shared store would hand restarted ranks the keys of the failed start
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

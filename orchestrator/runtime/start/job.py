@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from orchestrator.slurm import JOB_ID_VAR
+
 DECISION_TIMEOUT_S = 300.0
 """How long a rank other than 0 waits for rank 0's lock decision (rank 0 takes seconds; a
 ``squeue`` call per stale check is bounded at 15 s)."""
@@ -72,7 +74,7 @@ class TrainJob:
         from orchestrator.runtime.faults.preempt import request_stop
 
         watch_launcher(self.launcher, request_stop)
-        rank, job_id, _ = _whoami()
+        rank, job_id, _ = whoami()
         if rank == 0 and job_id is not None:
             watch_stop(self.config["run"]["dir"], job_id, request_stop)
 
@@ -104,7 +106,7 @@ class TrainJob:
         """A job event in ``jobs.jsonl`` (the goodput account reads them); a failed write never stops a rank."""
         from orchestrator.ckpt.history import record_event
 
-        _, job_id, attempt = _whoami()
+        _, job_id, attempt = whoami()
         try:
             record_event(self.config["run"]["dir"], event, job_id=job_id, attempt=attempt, **fields)
         except OSError:
@@ -115,7 +117,7 @@ class TrainJob:
         from orchestrator.ckpt.rundir import started_path
         from orchestrator.io import write_atomic
 
-        rank, job_id, _ = _whoami()
+        rank, job_id, _ = whoami()
         try:
             write_atomic(started_path(self.config["run"]["dir"], rank), f"{job_id}\n", fsync=False)
         except OSError:  # a progress display must never stop a rank
@@ -219,7 +221,7 @@ def exit_fast_after_success() -> "Callable[[], None]":
     return lambda: state.update(ok=True)
 
 
-def _whoami() -> Tuple[int, Optional[str], int]:
+def whoami() -> Tuple[int, Optional[str], int]:
     """(global rank, job id, SLURM attempt) from submitit's job environment; (RANK or 0,
     ORCHESTRATOR_JOB_ID or None, 0) outside a submitit job."""
     import submitit
@@ -227,11 +229,11 @@ def _whoami() -> Tuple[int, Optional[str], int]:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent: its RANK, not the agent's task
         from orchestrator.slurm import restart_count  # (an agent started as a SLURM job's task: its attempt)
 
-        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), restart_count()
+        return int(os.environ.get("RANK", "0")), os.environ.get(JOB_ID_VAR), restart_count()
     try:
         env = submitit.JobEnvironment()
     except RuntimeError:  # torchrun's worker (runtime.start.agent: its job id) or a bare process
-        return int(os.environ.get("RANK", "0")), os.environ.get("ORCHESTRATOR_JOB_ID"), 0
+        return int(os.environ.get("RANK", "0")), os.environ.get(JOB_ID_VAR), 0
     attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
     return env.global_rank, str(env.job_id), int(attempt) if attempt.isdigit() else 0
 
@@ -255,7 +257,7 @@ def hold_run_lock(run_dir: str, since: Optional[float] = None) -> Iterator[None]
     from orchestrator.io import write_atomic
     from orchestrator.runtime.faults.preempt import Requeued
 
-    rank, job_id, attempt = _whoami()
+    rank, job_id, attempt = whoami()
     if rank != 0:
         if job_id is not None:
             _await_decision(decision_path(run_dir, job_id), attempt, since=since)

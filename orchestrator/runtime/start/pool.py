@@ -120,7 +120,7 @@ class PoolJob:
 
     def __call__(self) -> Dict[str, Any]:
         os.environ.update(self.env)
-        from orchestrator.runtime.start.job import _whoami, exit_fast_after_success
+        from orchestrator.runtime.start.job import exit_fast_after_success, whoami
 
         done = exit_fast_after_success()
         from orchestrator.runtime.rank import startup
@@ -130,7 +130,7 @@ class PoolJob:
         if startup.on_cpu("auto"):  # a pool on a machine without GPUs
             startup.jit_fuser_off()
         preload()
-        trials = self._zygote() if self.fork_ranks > 1 else self._serve(_whoami()[0])
+        trials = self._zygote() if self.fork_ranks > 1 else self._serve(whoami()[0])
         done()
         return {"trials": trials}
 

@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from orchestrator.slurm import JOB_ID_VAR
+
 BACKEND = "orchestrator-c10d"
 UNHEALTHY_STATES = ("DRAIN", "DOWN", "FAIL", "NOT_RESPONDING", "POWER")
 """Words of ``scontrol show node``'s ``State`` that leave a node out (``DRAIN`` includes ``DRAINING``)."""
@@ -126,9 +128,7 @@ def _record(run_dir: str, event: str, **fields: Any) -> None:
     from orchestrator.slurm import restart_count
 
     try:
-        history.record_event(
-            run_dir, event, job_id=os.environ.get("ORCHESTRATOR_JOB_ID"), attempt=restart_count(), **fields
-        )
+        history.record_event(run_dir, event, job_id=os.environ.get(JOB_ID_VAR), attempt=restart_count(), **fields)
     except OSError:
         pass
 

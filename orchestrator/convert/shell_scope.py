@@ -1,0 +1,138 @@
+"""The variables of a launch script as our reader sees them: assignments, ``$VAR`` / ``${VAR:-default}`` / arrays /
+``$((arithmetic))`` expanded, and what could not be resolved remembered (said in the conversion's not-converted
+list). Pure Python."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+import shlex
+from typing import Dict, List, Optional
+
+VAR_RE = re.compile(
+    r"""\$\(\((?P<arith>.*?)\)\)
+    | \$\{(?P<arr>\w+)\[[@*]\]\}
+    | \$\{(?P<braced>\w+)(?::?-(?P<dflt>[^}]*))?\}
+    | \$(?P<plain>[A-Za-z_]\w*|\d)""",
+    re.X,
+)
+
+
+ARITH_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+
+
+class Scope:
+    """Shell variables and arrays seen so far; ``expand`` substitutes them like bash would."""
+
+    def __init__(self, given: Dict[str, str]):
+        self.given = dict(given)
+        self.vars: Dict[str, str] = dict(given)
+        self.arrays: Dict[str, List[str]] = {}
+        self.commands: set = set()
+        """Names assigned from ``$(command)``: never run, so their values stay unknown."""
+        self.unresolved: List[str] = []
+        self.holders: Dict[str, str] = {}
+        """An undefined variable -> the variable first assigned from it (``CHECKPOINT_PATH=$1``)."""
+
+    def _miss(self, name: str, text: str) -> str:
+        if name not in self.unresolved:
+            self.unresolved.append(name)
+        return text
+
+    def _arith(self, expr: str) -> Optional[str]:
+        expr = re.sub(r"\$\{?(\w+)\}?", r"\1", expr).replace("/", "//")
+        expr = re.sub(r"[A-Za-z_]\w*", lambda m: self.vars.get(m.group(0), m.group(0)), expr)
+
+        def ev(node):
+            if isinstance(node, ast.Constant) and isinstance(node.value, int):
+                return node.value
+            if isinstance(node, ast.BinOp) and type(node.op) in ARITH_OPS:
+                return ARITH_OPS[type(node.op)](ev(node.left), ev(node.right))
+            if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+                return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+            raise ValueError(expr)
+
+        try:
+            return str(ev(ast.parse(expr.strip(), mode="eval").body))
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            return None
+
+    def _value(self, m: "re.Match[str]", quoted: bool) -> str:
+        if m.group("arith") is not None:
+            value = self._arith(m.group("arith"))
+            return value if value is not None else self._miss(m.group(0), m.group(0))
+        if m.group("arr"):
+            items = self.arrays.get(m.group("arr"))
+            if items is None:
+                return self._miss(m.group("arr"), "")
+            return " ".join(items) if quoted else " ".join(shlex.quote(t) for t in items)
+        name = m.group("braced") or m.group("plain")
+        if name in self.commands:
+            return self._miss("$(...)", "$" + name)
+        if name in self.vars:
+            value = self.vars[name]
+        elif name in self.arrays:
+            value = (self.arrays[name] or [""])[0]
+        elif m.group("dflt") is not None:
+            value = self.expand(m.group("dflt"))
+        else:
+            return self._miss(name, "$" + name)
+        return value.replace("\\", "\\\\").replace('"', '\\"') if quoted else value
+
+    def expand(self, text: str) -> str:
+        """``text`` with variables, arrays and arithmetic substituted (not inside single quotes)."""
+        out, i, single, double = [], 0, False, False
+        while i < len(text):
+            c = text[i]
+            if c == "'" and not double:
+                single = not single
+            elif c == '"' and not single:
+                array = re.match(r'"\$\{(\w+)\[@\]\}"', text[i:]) if not double else None
+                if array and array.group(1) in self.arrays:
+                    out.append(" ".join(shlex.quote(t) for t in self.arrays[array.group(1)]))
+                    i += array.end()
+                    continue
+                double = not double
+            elif c == "\\" and not single:
+                out.append(text[i : i + 2])
+                i += 2
+                continue
+            elif c == "$" and not single:
+                m = VAR_RE.match(text, i)
+                if m:
+                    out.append(self._value(m, double))
+                    i = m.end()
+                    continue
+                if text.startswith("$(", i):
+                    self._miss("$(...)", "")
+            out.append(c)
+            i += 1
+        return "".join(out)
+
+    def assign(self, name: str, rhs: str, where: str, notes: List[str]) -> Optional[str]:
+        """Record ``name=rhs`` (an array when ``rhs`` is ``( ... )``); the scalar value, if any."""
+        if name in self.given:
+            notes.append(f"{where}: {name} given with --var; the script's value is not used")
+            return self.vars[name]
+        rhs = rhs.strip()
+        if rhs.startswith("(") and rhs.endswith(")"):
+            self.arrays[name] = shlex.split(self.expand(rhs[1:-1]), comments=True)
+            return None
+        if re.search(r"\$\((?!\()|`", rhs):
+            self.commands.add(name)
+            self.vars.pop(name, None)
+            return None
+        words = shlex.split(self.expand(rhs)) if rhs else [""]
+        self.vars[name] = " ".join(words)
+        for used in re.findall(r"\$\{?(\w+)", self.vars[name]):
+            if used in self.unresolved:
+                self.holders.setdefault(used, name)
+        return self.vars[name]
