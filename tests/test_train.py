@@ -430,6 +430,30 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     assert alive == [], alive
 
 
+def test_a_dead_forks_signal_is_read_from_its_zombie_by_a_process_that_is_not_its_parent(tmp_path):
+    """The launcher names a killed forked rank's signal from /proc (its zombie's exit status) without waiting for rank
+    0 to reap it and say so (the race CI saw under load: the line came without the signal); once reaped, /proc has
+    nothing and the launcher waits for rank 0's own line."""
+    import os
+    import signal
+    import time
+
+    from orchestrator.runtime.start import forked
+
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    os.kill(pid, signal.SIGKILL)
+    forked.ranks_path(tmp_path, "7").write_text(json.dumps({0: os.getpid(), 1: pid}))
+    deadline = time.time() + 10
+    while not forked.zombie_signals(tmp_path, "7") and time.time() < deadline:
+        time.sleep(0.05)
+    assert forked.zombie_signals(tmp_path, "7") == {1: "exit by signal 9, SIGKILL"}
+    os.waitpid(pid, 0)
+    assert forked.zombie_signals(tmp_path, "7") == {}
+
+
 def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_path, cache_dir, reference, resume_args):
     """cluster.max_restarts=1 on a local job (torch elastic's agent runs the 4 ranks): kill -9 of rank 1 after
     iteration 6 restarts all ranks on this machine from the checkpoint at 4, every loss (the retrained ones too)

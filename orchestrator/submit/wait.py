@@ -164,15 +164,35 @@ class _Wait:
         if not dead:
             return
         logs = Path(self.job.task(dead[0]).paths.stderr).parent
+        how = self.death_signals(dead)
         stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)
         errors = [r[1] for r in self.results.values() if r[0] != "success"]  # a forking rank 0 names the signal
         if known := stopped or outcome.known_failure(self.run_dir, self.job_id, errors):
             raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)", None if stopped else "crashed", known)
         raise self.fail(
-            f"job {self.job.job_id}: {ranks_died(dead)}; the other ranks were stopped.\nlogs: {logs}/",
+            f"job {self.job.job_id}: {ranks_died(dead, how)}; the other ranks were stopped.\nlogs: {logs}/",
             "crashed",
-            ranks_died(dead),
+            ranks_died(dead, how),
         )
+
+    def death_signals(self, dead: List[int]) -> str:
+        """How forked ranks that died ended, when a signal did (``exit by signal 9, SIGKILL``): read from their
+        zombies (runtime.start.forked.zombie_signals), else from the forking rank 0's result — it reaps them and
+        fails a moment after their death breaks its collective, so it gets up to 10 s to say so. "" otherwise."""
+        if not getattr(self.job, "forks_ranks", False) or 0 in dead:
+            return ""
+        from orchestrator.runtime.start.forked import zombie_signals
+
+        deadline = time.monotonic() + 10.0
+        while True:
+            found = zombie_signals(self.job.paths.folder, str(self.job.job_id))
+            lines = sorted({found[r] for r in dead if r in found})
+            if lines:
+                return "; ".join(lines)
+            self.read_results()
+            if 0 in self.results or time.monotonic() > deadline:
+                return ""
+            time.sleep(0.2)
 
     def poll_scheduler(self) -> bool:
         """Read the job's state; report a requeue; True once the job has ended."""

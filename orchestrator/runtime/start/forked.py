@@ -180,20 +180,48 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
     return pids
 
 
+def signal_line(status: int) -> Optional[str]:
+    """``"exit by signal 9, SIGKILL"`` for a wait status ``status`` that a signal ended, else None."""
+    import signal
+
+    if not os.WIFSIGNALED(status):
+        return None
+    number = os.WTERMSIG(status)
+    try:
+        return f"exit by signal {number}, {signal.Signals(number).name}"
+    except ValueError:
+        return f"exit by signal {number}"
+
+
+def zombie_signals(folder: "str | os.PathLike", job_id: str) -> Dict[int, str]:
+    """How the forked ranks of job ``job_id`` that died and are not reaped yet ended, read by any process (the
+    launcher is not their parent) from ``/proc/<pid>/stat``'s ``exit_code`` (field 52, a wait status, Linux >= 3.5):
+    ``{rank: "exit by signal 9, SIGKILL"}``. Empty where ``/proc`` does not say."""
+    out: Dict[int, str] = {}
+    for rank, pid in (read_rank_pids(folder, job_id) or {}).items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: comm may hold spaces
+        if fields[0] == "Z" and len(fields) >= 50:
+            line = signal_line(int(fields[49]))
+            if line:
+                out[rank] = line
+    return out
+
+
 def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
     """The forked ranks that a signal has already ended (reaped now): ``{rank: "exit by signal 9, SIGKILL"}``.
     Rank 0 calls it when a collective failed, to name the peer whose death broke it."""
-    import signal
-
     killed: Dict[int, str] = {}
     for rank, pid in sorted(pids.items()):
         try:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             continue
-        if got and os.WIFSIGNALED(status):
-            number = os.WTERMSIG(status)
-            killed[rank] = f"exit by signal {number}, {signal.Signals(number).name}"
+        if got and signal_line(status):
+            killed[rank] = signal_line(status)
     return killed
 
 
