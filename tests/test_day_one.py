@@ -172,11 +172,13 @@ def test_plan_says_a_no_op_vpp_its_vocabulary_and_never_suggests_a_distributed_o
 
 def test_hydra_habits_get_the_override_that_works_and_the_sweep_says_its_own_progress(tmp_path):
     (tmp_path / "empty").mkdir()
-    launcher, typo, status, sweep = run_batch(
+    launcher, local, typo, status, missing, sweep = run_batch(
         [
             ["-m", "+experiment=gpt_pp2_dp2", "hydra/launcher=submitit_slurm", "training.micro_batch_size=1,2"],
+            ["+experiment=gpt_pp2_dp2", "hydra/launcher=submitit_local"],
             ["+experiment=gpt_pp2", "plan=true"],
             ["status", "runs"],
+            ["status", str(tmp_path / "nonexistent")],
             [
                 "-m",
                 "+experiment=gpt_pp2_dp2",
@@ -193,8 +195,12 @@ def test_hydra_habits_get_the_override_that_works_and_the_sweep_says_its_own_pro
         "cluster=slurm",
         "fix: python -m orchestrator -m +experiment=gpt_pp2_dp2 training.micro_batch_size=1,2 cluster=slurm",
     )
+    assert_one_error_line(
+        local, "hydra/launcher=submitit_local: drop it: local is the default", "fix: python -m orchestrator "
+    )
     assert_one_error_line(typo, "did you mean +experiment=gpt_pp2_dp2?")
     assert status["code"] == 0 and status["stdout"].startswith("no runs under runs: no such directory yet")
+    assert_one_error_line(missing, f"runs_root={tmp_path / 'nonexistent'}: no such directory")
     assert sweep["code"] == 0, sweep["stderr"] + sweep["stdout"][-2000:]
     said = sweep["stdout"]
     assert "[sweep] 2 points (training.micro_batch_size=1,2), one after another on this machine" in said

@@ -139,6 +139,11 @@ def check_overrides(
 def _launcher_error(line: str, parsed: List[Any]) -> ConfigError:
     """``hydra/launcher=...`` (Hydra's submitit plugin habit): how sweeps run here, and the command that does."""
     kept = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra/launcher", "hydra.launcher"))]
+    if any(o.key_or_group == "hydra/launcher" and str(o.value()) in ("submitit_local", "basic") for o in parsed):
+        return ConfigError(  # the local launcher is what a run already does
+            f"{line}: drop it: local is the default (cluster=local runs the job, or each -m point, on this machine "
+            f"through submitit's local executor); fix: python -m orchestrator " + shlex.join(kept)
+        )
     if not any(o.key_or_group == "cluster" for o in parsed):
         kept.append("cluster=slurm")
     return ConfigError(

@@ -288,7 +288,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from orchestrator.submit.goodput_cli import goodput_main
 
         return goodput_main(root, show=args.goodput, timeline=args.timeline)
-    if not root.exists():  # no run yet: nothing to list, not an error (a mistyped path is named as such)
+    if not root.exists() and root.name != "runs":  # a path typed that is not there: one line, exit 2
+        print(
+            f"error: runs_root={root}: no such directory; fix: the run.root of your runs (default: runs), "
+            f"e.g. python -m orchestrator status runs",
+            file=sys.stderr,
+        )
+        return 2
+    if not root.exists():  # the default run.root before any run: nothing to list, not an error
         if not args.json:
             print(
                 f"no runs under {root}: no such directory yet (a run creates run.root/run.name; run.root is "
