@@ -241,6 +241,18 @@ CASES = {
         "parallelism.data_parallel_size=2",
         "reshard",
     ),
+    "RoPE base": (
+        dict(model={"position_embedding_type": "rope", "rotary_base": 500000}),
+        "model.rotary_base",
+        "model.rotary_base=10000",
+        "refuse",
+    ),
+    "RoPE scaling": (
+        dict(model={"rope_scaling": "llama3"}),
+        "model.rope_scaling",
+        "model.rope_scaling=null",
+        "refuse",
+    ),
     "CP": (
         dict(parallelism={"context_parallel_size": 2}),
         "parallelism.context_parallel_size",
@@ -288,6 +300,9 @@ def test_compare_names_each_changed_key_and_its_override(cfg, name):
 
 def test_same_config_matches(cfg):
     manifest = read_manifest(save_checkpoint(cfg, 50))
+    assert compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-1", tokenizer=BYTE_ID) == []
+    for key in ("rotary_base", "rope_scaling", "rope_scaling_factor"):  # a manifest from before these keys existed
+        del manifest["config"]["model"][key]
     assert compare(manifest, cfg, layout_from_config(cfg), data_fingerprint="fp-1", tokenizer=BYTE_ID) == []
 
 

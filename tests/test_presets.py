@@ -68,3 +68,21 @@ def test_a100x32_experiments_plan_and_dry_run(tmp_path, cache_dir, experiment, l
     dry = run_cli(common + ["dry_run=true", "checkpoint.space_check=false"], cache=cache_dir)
     assert "#SBATCH --nodes=4" in dry.stdout and "would start fresh" in dry.stdout
     assert not (tmp_path / experiment).exists()  # a dry run writes nothing
+
+
+def test_presets_carry_the_published_rope_base_and_export_it_with_their_vocabulary():
+    """Llama 3: RoPE theta 500,000; Mixtral: 1,000,000 (Megatron-LM's Mixtral example: --rotary-base 1000000); the GPT
+    presets keep megatron-core's 10,000. `convert to-megatron` says --rotary-base and the vocabulary the model is
+    built with (Llama 3's 128256, not the byte tokenizer's 258)."""
+    from orchestrator.config.compose import compose_config
+    from orchestrator.convert.cli import check
+    from orchestrator.convert.from_config import export
+
+    bases = {m: compose_config([f"model={m}"]).model.rotary_base for m in ("llama3_8b", "llama3_70b", "mixtral_8x7b")}
+    assert bases == {"llama3_8b": 500000, "llama3_70b": 500000, "mixtral_8x7b": 1000000}
+    assert compose_config(["model=gpt_1.3b"]).model.rotary_base == 10000
+    cfg = compose_config(["+experiment=llama3_8b_a100x32"])
+    text = export(cfg, ["+experiment=llama3_8b_a100x32"], check(cfg)[0].world_size)
+    assert "--rotary-base 500000 " in text and "--vocab-size 128256 " in text and "--vocab-size 258" not in text
+    scaled = compose_config(["model=llama_tiny", "model.rope_scaling=llama3"])
+    assert "--use-rope-scaling " in export(scaled, [], check(scaled)[0].world_size)

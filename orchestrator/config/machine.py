@@ -50,6 +50,11 @@ def check_cpu_device(cfg: JobConfig) -> None:
             f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
             "fix: optimizer.use_distributed_optimizer=false"
         )
+    if m.moe_grouped_gemm:
+        raise ConfigError(
+            f"model.moe_grouped_gemm=true: megatron-core's grouped-GEMM experts run GPU kernels only (grouped_gemm, "
+            f"Transformer Engine) ({where}); fix: model.moe_grouped_gemm=false"
+        )
     if cfg.parallelism.context_parallel_size > 1:
         raise ConfigError(
             f"parallelism.context_parallel_size={cfg.parallelism.context_parallel_size}: needs "

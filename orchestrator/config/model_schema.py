@@ -59,6 +59,14 @@ class ModelConfig:
     max_position_embeddings: int = 128
     position_embedding_type: str = "learned_absolute"
     """learned_absolute or rope."""
+    rotary_base: int = 10000
+    """RoPE's base theta (Megatron-LM ``--rotary-base``): 10,000 (megatron-core's default, GPT-NeoX, Llama 2), 500,000
+    (Llama 3), 1,000,000 (Mixtral). Read only with rope."""
+    rope_scaling: Optional[str] = None
+    """null, or ``llama3``: Llama 3.1's frequency scaling (Megatron-LM ``--use-rope-scaling``; megatron-core's
+    low/high frequency factors 1 and 4 over an original context of 8,192)."""
+    rope_scaling_factor: float = 8.0
+    """With rope_scaling=llama3: the scaling factor (Megatron-LM ``--rope-scaling-factor``; Llama 3.1: 8)."""
     normalization: str = "LayerNorm"
     """LayerNorm or RMSNorm."""
     activation: str = "gelu"
@@ -73,6 +81,9 @@ class ModelConfig:
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2  # experts a token is routed to (MoELayer, alltoall dispatcher; Mixtral: 2 of 8)
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Megatron-LM's Mixtral recipe: 1e-2)
+    moe_grouped_gemm: bool = False
+    """MoE experts as one grouped GEMM (megatron-core's GroupedMLP / TEGroupedMLP; Megatron-LM ``--moe-grouped-gemm``,
+    on in its Mixtral example). GPU only: its kernels (grouped_gemm, Transformer Engine) have no CPU path."""
     vocab_size: Optional[int] = None
     """Published tokenizer vocabulary (Llama-3: 128256), used while the data names none (tokenizer.py)."""
     recompute_granularity: Optional[str] = None

@@ -17,6 +17,7 @@ from orchestrator.text import show
 CHOICES = {
     "parallelism.distributed_backend": ("auto", "nccl", "gloo"),
     "model.position_embedding_type": ("learned_absolute", "rope"),
+    "model.rope_scaling": (None, "llama3"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.recompute_granularity": (None, "full", "selective"),
@@ -54,6 +55,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("model.ffn_hidden_size", 1, True),
     ("model.seq_length", 1, False),
     ("model.max_position_embeddings", 1, False),
+    ("model.rotary_base", 1, False),
     ("model.make_vocab_size_divisible_by", 1, False),
     ("model.num_moe_experts", 2, True),
     ("model.recompute_num_layers", 1, True),
@@ -99,6 +101,7 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("model.hidden_dropout", 0.0, True, 1.0, False),
     ("model.attention_dropout", 0.0, True, 1.0, False),
     ("model.init_method_std", 0.0, False, math.inf, False),
+    ("model.rope_scaling_factor", 1.0, True, math.inf, False),
     ("optimizer.lr", 0.0, False, math.inf, False),
     ("optimizer.min_lr", 0.0, True, math.inf, False),
     ("optimizer.weight_decay", 0.0, True, math.inf, False),

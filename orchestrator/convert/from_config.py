@@ -18,7 +18,7 @@ import dataclasses
 import shlex
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from orchestrator.config.compose import CONFIG_GROUPS
 from orchestrator.config.tokenizer import TOKENIZER_TYPES
@@ -90,10 +90,45 @@ def _data(cfg) -> List[List[str]]:
     return []
 
 
+def _byte_model_vocab(cfg) -> Optional[int]:
+    """The vocabulary a byte-tokenized job's model is built with when it is not the byte tokenizer's 258: the
+    preset's own tokenizer's (``model.vocab_size``, config.tokenizer.model_vocab_size's rule); else None."""
+    from orchestrator.config.tokenizer import model_vocab_size
+
+    size, _ = model_vocab_size(cfg, int(M.BYTE_NULL_TOKENIZER[0][1]))
+    return size if size != int(M.BYTE_NULL_TOKENIZER[0][1]) else None
+
+
+def _byte_tokenizer_comment(cfg) -> str:
+    """What the exported NullTokenizer stands for, with the vocabulary padded as Megatron pads it at this TP."""
+    from orchestrator.config.layout import padded_vocab_size
+
+    size = _byte_model_vocab(cfg) or int(M.BYTE_NULL_TOKENIZER[0][1])
+    tp = cfg.parallelism.tensor_model_parallel_size
+    padded = padded_vocab_size(size, cfg.model.make_vocab_size_divisible_by, tp)
+    if size == int(M.BYTE_NULL_TOKENIZER[0][1]):
+        return (
+            "# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same ids and "
+            f"embedding (bytes 0-255, eod 256, pad 257; padded to {padded} at TP {tp})."
+        )
+    return (
+        f"# data.tokenizer=byte with model.vocab_size={size} ({cfg.model.name}'s tokenizer): NullTokenizer with "
+        f"--vocab-size {size} builds the same embedding (padded to {padded} at TP {tp}); for its real ids pass "
+        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model <its tokenizer directory> instead."
+    )
+
+
 def _tokenizer(cfg) -> List[List[str]]:
     d = cfg.data
     size = getattr(d, "vocab_size", None)
     if d.tokenizer == "byte":
+        built = _byte_model_vocab(cfg)
+        if built is not None:  # the preset's tokenizer's vocabulary: the same embedding, the byte ids inside it
+            return [
+                ["--tokenizer-type", "NullTokenizer"],
+                ["--vocab-size", str(built)],
+                *[list(pair) for pair in M.BYTE_NULL_TOKENIZER if pair[0] != "--vocab-size"],
+            ]
         return [["--tokenizer-type", "NullTokenizer"], *[list(pair) for pair in M.BYTE_NULL_TOKENIZER]]
     if d.tokenizer not in TOKENIZER_TYPES:  # a tokenizer.json or its directory
         path = PurePosixPath(d.tokenizer)
@@ -196,10 +231,7 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
             "--data-path (the orchestrator prepares it into data.cache_dir)."
         )
     if cfg.data.tokenizer == "byte":
-        lines.append(
-            "# data.tokenizer=byte: NullTokenizer with --vocab-size 258 and these eod/pad ids has the same "
-            "ids and embedding (bytes 0-255, eod 256, pad 257; padded to 384)."
-        )
+        lines.append(_byte_tokenizer_comment(cfg))
     choices = [f"{g}={getattr(cfg, g).name}" for g in CONFIG_GROUPS if _is_option(g, getattr(cfg, g).name)]
     lines.append("# orchestrator: defaults " + " ".join(choices))
     lines += [f"# orchestrator: {key}={json_value(value)}" for key, value in extras.items()]

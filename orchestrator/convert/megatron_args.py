@@ -147,6 +147,9 @@ TABLE: List[Flag] = [
         export=False,
         note="deprecated in Megatron-LM for --position-embedding-type rope",
     ),
+    Flag("--rotary-base", "model.rotary_base", "int", default=10000),
+    Flag("--use-rope-scaling", "model.rope_scaling", "on", value="llama3", default=None),
+    Flag("--rope-scaling-factor", "model.rope_scaling_factor", "float", default=8.0),
     Flag("--normalization", "model.normalization", "str", default="LayerNorm"),
     Flag("--swiglu", "model.activation", "on", value="swiglu", default="gelu"),
     Flag("--disable-bias-linear", "model.add_bias_linear", "on", value=False, default=True),
@@ -158,6 +161,7 @@ TABLE: List[Flag] = [
     Flag("--num-experts", "model.num_moe_experts", "int", default=None),
     Flag("--moe-router-topk", "model.moe_router_topk", "int", default=2),
     Flag("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "float", default=0.0),
+    Flag("--moe-grouped-gemm", "model.moe_grouped_gemm", "on", default=False),
     Flag(
         "--moe-token-dispatcher-type",
         kind="none",

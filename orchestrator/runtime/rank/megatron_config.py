@@ -145,6 +145,7 @@ def _moe_fields(m) -> dict:
         "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": m.moe_grouped_gemm,
     }
 
 

@@ -67,8 +67,12 @@ def layer_spec(cfg: JobConfig, mc: "megatron_config.MegatronConfig"):
 
         mcore.moe_router_without_te()
     if mc.transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization=cfg.model.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=cfg.model.moe_grouped_gemm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=cfg.model.moe_grouped_gemm, normalization=cfg.model.normalization
+    )
 
 
 @dataclass
@@ -106,6 +110,9 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str, mc) -> tuple:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
             position_embedding_type=cfg.model.position_embedding_type,
+            rotary_base=cfg.model.rotary_base,
+            rope_scaling=cfg.model.rope_scaling == "llama3",
+            rope_scaling_factor=cfg.model.rope_scaling_factor,
             vp_stage=stage,
         )
         if device == "cuda":
