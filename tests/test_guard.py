@@ -533,6 +533,25 @@ def test_spike_watch_compares_with_the_recent_median():
     assert off.spike("lm loss", 1.0) is None and off.spike("lm loss", 1e9) is None
 
 
+def test_a_resumed_attempt_is_guarded_from_its_first_iteration(tmp_path):
+    """issue 39: the spike window is rebuilt from the run's records up to the checkpoint it resumed from (the
+    iterations redone after it are not counted), so a spike in an attempt's first iteration is caught, not saved;
+    an empty window (the old behaviour) accepted any first value."""
+    import json
+
+    from orchestrator.runtime.faults.spike import SpikeWatch
+
+    records = [{"iteration": i, "lm_loss": 5.0 + 0.01 * i, "grad_norm": 1.0} for i in range(1, 31)]
+    records += [{"event": "saved", "iteration": 20}, {"iteration": 21, "lm_loss": 900.0, "grad_norm": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    watch = SpikeWatch(10.0, window=20)
+    assert watch.seed(tmp_path, start_iteration=20) == 20  # iterations 1..20, the last record of 21 ignored
+    assert max(watch.recent["lm loss"]) < 6.0
+    assert watch.spike("lm loss", 80.0) == (80.0, statistics.median(5.0 + 0.01 * i for i in range(1, 21)))
+    assert SpikeWatch(10.0).spike("lm loss", 80.0) is None  # without the seed: the first value passes
+    assert SpikeWatch(10.0).seed(tmp_path / "missing", 0) == 0
+
+
 def _checkpoint_tensors(path: Path, into: Path) -> dict:
     """Every tensor of a torch_dist checkpoint (model and optimizer state), read back with torch's own
     ``dcp_to_torch_save``."""

@@ -42,6 +42,38 @@ class SpikeWatch:
         self.factor = factor
         self.recent: Dict[str, Deque[float]] = {k: collections.deque(maxlen=window) for k in ("lm loss", "grad norm")}
 
+    def seed(self, run_dir, start_iteration: int, tail_bytes: int = 1 << 20) -> int:
+        """Fill the window from the run's own records of the iterations up to ``start_iteration`` (the checkpoint an
+        attempt resumed from: its later records were redone), so that a resumed, requeued or restarted attempt is
+        guarded from its first iteration. Reads the end of ``metrics.jsonl`` (``tail_bytes``); every rank reads the
+        same file before training, so all agree. Returns how many iterations it took."""
+        import json
+        from pathlib import Path
+
+        path = Path(run_dir) / "metrics.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - tail_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return 0
+        kept: Dict[int, dict] = {}
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            it = rec.get("iteration") if isinstance(rec, dict) and "event" not in rec else None
+            if isinstance(it, int) and it <= start_iteration:
+                kept[it] = rec  # a redone iteration: its last record
+        last = sorted(kept)[-self.recent["lm loss"].maxlen :] if kept else []
+        for it in last:
+            for what, key in (("lm loss", "lm_loss"), ("grad norm", "grad_norm")):
+                value = kept[it].get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.recent[what].append(float(value))
+        return len(last)
+
     def spike(self, what: str, value: Optional[float]) -> Optional[Tuple[float, float]]:
         """(value, reference) when ``value`` exceeds factor x the :data:`REFERENCE` of the recent ones,
         else None (and the value joins the window). Non-finite values are the NaN guard's and never join."""

@@ -168,6 +168,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     status, loop_start = "completed", time.perf_counter()
     tracer = trace.tracer_for(rank)  # None unless training.trace_iteration is set
     spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
+    spikes.seed(rank.cfg.run.dir, start.iteration)  # guarded from an attempt's first iteration
     watch = straggler.watch_for(rank, trackers, start.iteration)  # None when training.straggler.interval is null
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
