@@ -304,7 +304,8 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
 @needs_hosts
 @pytest.mark.slow
 def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_path, cache_dir):
-    """SIGTERM to the launcher of a two-host job (``kill PID``) at iteration 2 of a run that saves every 1,000:
+    """A two-host job from a hostfile deleted as soon as the job is launched (the ranks never read it) trains; then
+    SIGTERM to the launcher of that two-host job (``kill PID``) at iteration 2 of a run that saves every 1,000:
     as for a local job (submit.signals), the ranks save the iteration they stop at and exit, the launcher exits
     143 with one line naming that checkpoint, ``status`` says ``stopped (interrupted)`` (it said ``failed``, and
     the launcher exited 130), and no process of the job is left on any host."""
@@ -314,10 +315,15 @@ def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_pat
     from orchestrator.submit.status import run_status
 
     root = tmp_path / "runs"
+    hostfile = tmp_path / "hostfile"  # on the launcher's machine only: deleted once the job is launched
+    hostfile.write_text("hnode1 slots=2\nhnode2 slots=2\n")
     launcher = Launcher(
         SMALL
         + [
             "cluster=hosts_dev",
+            "cluster.hosts=[]",
+            f"cluster.hostfile={hostfile}",
+            "cluster.tasks_per_node=null",
             f"run.root={root}",
             "run.name=term",
             "training.train_iters=1000",
@@ -327,6 +333,10 @@ def test_sigterm_to_a_hosts_launcher_saves_and_exits_143_as_a_local_ones(tmp_pat
         tmp_path / "term.log",
     )
     run_dir, deadline = root / "term", time.monotonic() + 300
+    while not list((run_dir / "agents").glob("*/job.pkl")) if (run_dir / "agents").exists() else True:
+        assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.text[-4000:]
+        time.sleep(0.05)
+    hostfile.unlink()  # issue 36: the ranks get the hosts (and the layout) with the job, never from this file
     while not any(r["iteration"] >= 2 for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
         assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.text[-4000:]
         time.sleep(0.2)

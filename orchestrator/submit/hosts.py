@@ -149,6 +149,19 @@ def rendezvous_port(cfg: JobConfig, job_id: str) -> int:
     return int(cfg.cluster.env.get("MASTER_PORT") or derived_port(job_id))
 
 
+def resolved_hosts(cfg: JobConfig) -> Tuple[JobConfig, List[Host]]:
+    """``cfg`` with its hosts resolved once, here on the launcher (``cluster.hostfile`` may exist only on this
+    machine): the list in ``cluster.hosts``, no hostfile, the processes per node in ``cluster.tasks_per_node``. Every
+    rank gets this config with the job and never reads the hostfile (its layout's world size is the same)."""
+    import dataclasses
+
+    hosts = cluster_hosts(cfg.cluster)
+    cluster = dataclasses.replace(
+        cfg.cluster, hosts=[h.name for h in hosts], hostfile=None, tasks_per_node=procs_per_node(cfg.cluster, hosts)
+    )
+    return dataclasses.replace(cfg, cluster=cluster), hosts
+
+
 def write_job_file(cfg: JobConfig, prepared, job_dir: Path, env: Dict[str, str]) -> Path:
     """The pickled TrainJob every rank of every agent runs."""
     from orchestrator.runtime.start.agent import write_job
@@ -166,8 +179,8 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     from orchestrator.ckpt.history import record_submission
     from orchestrator.runtime.start.agent import agent_command
 
-    hosts = cluster_hosts(cfg.cluster)
-    procs = procs_per_node(cfg.cluster, hosts)
+    cfg, hosts = resolved_hosts(cfg)
+    procs = cfg.cluster.tasks_per_node
     job_id = f"hosts-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     job_dir = Path(cfg.run.dir).absolute() / AGENTS_DIR / job_id
     env = rank_env(cfg, job_id)
