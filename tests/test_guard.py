@@ -133,6 +133,16 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     assert (a.cause, a.iteration, a.message) == ("nan", 7, msg)
 
 
+def test_a_nan_before_any_save_never_says_rerun_to_resume(tmp_path, clean_env):
+    g = guard_mod.Guard(_cfg(tmp_path, train_iters=10), tmp_path, 0, "hostA", start_iteration=0)
+    with pytest.raises(NonFiniteLossError) as info:
+        g.check(2, float("inf"), float("nan"))
+    g.close()
+    msg = str(info.value)
+    assert "no checkpoint was saved before it" in msg and "resume" not in msg, msg
+    assert msg.endswith("and rerun (nothing was saved: it starts again from iteration 0)"), msg
+
+
 @pytest.mark.mcore_lines
 def test_a_nan_stays_a_nan_when_its_attribution_raises_and_is_never_requeued(tmp_path, monkeypatch):
     """megatron-core 0.19 renamed the optimizer call the attribution uses: the AttributeError ended the

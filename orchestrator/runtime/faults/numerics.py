@@ -92,6 +92,8 @@ class NumericsGuard:
             keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
         except Exception as exc:  # noqa: BLE001 - a NaN stays a NaN, never a retried crash (0.19's rename was one)
             parts, keep = [head, f"ranks not attributed ({type(exc).__name__}: {exc})"], "the latest checkpoint stays"
+            latest = True
+        rerun = "rerun to resume" if latest else "rerun (nothing was saved: it starts again from iteration 0)"
         tail = ""
         if self.policy == "skip":
             tail = (
@@ -108,7 +110,7 @@ class NumericsGuard:
         message = (
             f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
             f"fix: lower optimizer.lr={o.lr:g} (or raise optimizer.lr_warmup_iters={o.lr_warmup_iters}, or "
-            f"{clip}) and rerun to resume"
+            f"{clip}) and {rerun}"
         )
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             quietly(

@@ -129,7 +129,8 @@ def _stop(guard, iteration: int, what: str, value: float, reference: float, n: i
         f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x "
         f"{REFERENCE[what][0]} {reference:.6g} of the last {n} iteration(s): stopped before anything of "
         f"iteration {iteration} was saved, {keep}; fix: lower the learning rate (optimizer.lr={lr:g} -> "
-        f"optimizer.lr={lr / 10:g}) and rerun to resume, or training.spike.factor=null to train through spikes"
+        f"optimizer.lr={lr / 10:g}) and {'rerun to resume' if latest else 'rerun (nothing was saved: it starts again from iteration 0)'}, "
+        "or training.spike.factor=null to train through spikes"
     )
     if history.claim_attempt_end(guard.run_dir, guard.job_id, guard.attempt):
         for write in (
