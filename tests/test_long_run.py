@@ -20,7 +20,7 @@ import pytest
 from orchestrator.ckpt import history
 from orchestrator.ckpt.rundir import METRICS_FILE
 from orchestrator.io import append_jsonl, write_atomic
-from orchestrator.submit import outcome, status
+from orchestrator.submit import outcome, run_records, status
 
 RECORD = (
     '{{"consumed_samples": {s}, "grad_norm": 1.25, "iteration": {i}, "lm_loss": {loss:.4f}, "lr": 0.0003, '
@@ -56,16 +56,16 @@ def test_status_of_a_long_run_shows_total_eta_and_tokens_per_s(tmp_path):
     job_id = str(os.getpid())  # a live local "job": this process
     history.record_submission(run, job_id, "local", num_tasks=1, folder=str(run / "submitit"))
     history.record_attempt_started(run, job_id, 0, iteration=0, host="h", world_size=1, train_iters=100_000)
-    assert (run / METRICS_FILE).stat().st_size > 7 * status.TAIL_BYTES
+    assert (run / METRICS_FILE).stat().st_size > 7 * run_records.TAIL_BYTES
     st = status.run_status(run)
     assert (st.state, st.iteration, st.train_iters, st.tokens_per_s) == ("running", 30_000, 100_000, 8192.0)
     assert st.eta_s == 70_000 * 0.5
     row = status.format_table([st], tmp_path).splitlines()[1].split()
     assert row[0] == "long" and row[5:] == ["30000/100000", "7.0000", "8,192", "9h43m"], row
     # written before attempt_started carried train_iters: the start record, found from the end
-    assert status.live_rates(run, records=[])["train_iters"] == 100_000
+    assert run_records.live_rates(run, records=[])["train_iters"] == 100_000
     append_jsonl(run / METRICS_FILE, {"event": "start", "iteration": 30_000, "train_iters": 200_000})
-    assert status.live_rates(run)["train_iters"] == 200_000  # a newer job's start, in the tail
+    assert run_records.live_rates(run)["train_iters"] == 200_000  # a newer job's start, in the tail
 
 
 def _point(sweep: Path, num: int, job_id: str, pool: Path, trial: int) -> Path:
