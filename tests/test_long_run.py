@@ -68,6 +68,25 @@ def test_status_of_a_long_run_shows_total_eta_and_tokens_per_s(tmp_path):
     assert run_records.live_rates(run)["train_iters"] == 200_000  # a newer job's start, in the tail
 
 
+def test_status_finds_the_breakdown_and_the_straggler_older_than_the_last_mib(tmp_path):
+    """issue 36: a straggler line and a step breakdown written early in a long job (7 MiB of iteration records after
+    them) are still what `status --detail` shows: read backwards block by block, not only the last MiB."""
+    run = tmp_path / "long"
+    long_metrics(run, 0, 100_000)
+    append_jsonl(run / METRICS_FILE, {"event": "straggler", "line": "rank 3 (node2) is 45% slower", "time": 1.0})
+    append_jsonl(
+        run / METRICS_FILE,
+        {"event": "breakdown", "iteration": 10, "iterations": [1, 10], "stages": [{"stage": 0}], "time": 2.0},
+    )
+    with open(run / METRICS_FILE, "a") as f:
+        f.writelines(RECORD.format(s=8 * i, i=i, loss=10.0, t=1.7e9 + i) for i in range(11, 30_011))
+    assert (run / METRICS_FILE).stat().st_size > 7 * run_records.TAIL_BYTES
+    assert run_records.slowness(run) == ["rank 3 (node2) is 45% slower"]
+    assert run_records.latest_breakdown(run)["what"] == "iterations 1-10"
+    append_jsonl(run / METRICS_FILE, {"event": "start", "iteration": 30_010, "train_iters": 100_000})
+    assert run_records.slowness(run) == []  # a newer job's: the old job's straggler is not its
+
+
 def _point(sweep: Path, num: int, job_id: str, pool: Path, trial: int) -> Path:
     """A sweep point on warm ranks as the launcher records it (:meth:`orchestrator.submit.pool.WarmPool.run`)."""
     run = sweep / str(num)

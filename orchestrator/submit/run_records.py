@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from orchestrator.ckpt.history import PathLike
 from orchestrator.ckpt.rundir import METRICS_FILE
@@ -35,6 +35,28 @@ def _records_from_end(path: Path, max_bytes: int = TAIL_BYTES, only: Optional[st
             yield rec
 
 
+def records_backward(path: Path, needle: str, block: int = TAIL_BYTES) -> Iterator[Dict[str, Any]]:
+    """The JSON records of a JSONL file whose line holds ``needle``, newest first, read backwards ``block`` bytes at a
+    time over the whole file (only those lines are parsed): a record older than the last MiB is still found."""
+    want = needle.encode()
+    with open(path, "rb") as f:
+        end, carry = f.seek(0, os.SEEK_END), b""
+        while end > 0:
+            begin = max(0, end - block)
+            f.seek(begin)
+            lines = (f.read(end - begin) + carry).split(b"\n")
+            carry = lines.pop(0) if begin > 0 else b""  # a line cut by the block's start: finished by the next block
+            for raw in reversed(lines):
+                if want in raw:
+                    try:
+                        rec = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict):
+                        yield rec
+            end = begin
+
+
 def last_metrics(run_dir: PathLike) -> Tuple[Optional[int], Optional[float], Optional[Dict[str, Any]]]:
     """(last iteration, last lm_loss, last summary record) from ``<run_dir>/metrics.jsonl``."""
     path = Path(run_dir) / METRICS_FILE
@@ -57,7 +79,7 @@ def slowness(run_dir: PathLike) -> List[str]:
     if not path.exists():
         return []
     lines: List[str] = []
-    for rec in _records_from_end(path, only='"event": "'):  # events only: iteration records are not parsed
+    for rec in records_backward(path, '"event": "'):  # events only, back to the job's start, however far
         if rec.get("event") == "start":
             break
         if rec.get("event") == "straggler" and rec.get("line"):
@@ -129,8 +151,8 @@ def latest_breakdown(run_dir: PathLike) -> Optional[Dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None
-    window = next(_records_from_end(path, only='"event": "breakdown"'), None)
-    summary = next(_records_from_end(path, only='"event": "summary"'), None)
+    window = next(records_backward(path, '"event": "breakdown"'), None)
+    summary = next(records_backward(path, '"event": "summary"'), None)
     if (
         summary
         and (summary.get("breakdown") or {}).get("stages")
