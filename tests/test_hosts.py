@@ -457,3 +457,38 @@ def test_a_worker_of_the_agent_takes_torchruns_variables_even_inside_a_slurm_ste
         29400,
         "env",
     )
+
+
+def test_orchestrator_stop_of_a_torchrun_job_saves_and_is_a_stop_not_a_failure(tmp_path, cache_dir):
+    """issue 36: `orchestrator stop` of a cluster=torchrun job (one node, this machine) saves and stops every rank with
+    the stop code; the launcher reads that as a stop (exit 143, 'stopped after saving (orchestrator stop)', where to
+    resume), as a local job's does: it said "torchrun's agent exited 1" and failed."""
+    from orchestrator.runtime.rank.rendezvous import reserve_local_port
+
+    root = tmp_path / "runs"
+    launcher = Launcher(
+        SMALL
+        + [
+            "cluster=torchrun",
+            "cluster.gpus_per_node=0",
+            "cluster.tasks_per_node=2",
+            "+cluster.env.OMP_NUM_THREADS=1",
+            f"run.root={root}",
+            "parallelism.data_parallel_size=1",
+            "run.name=tstop",
+            "training.train_iters=1000",
+            "checkpoint.save_interval=1000",
+        ],
+        cache_dir,
+        tmp_path / "tstop.log",
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserve_local_port()), "NNODES": "1", "NODE_RANK": "0"},
+    )
+    run_dir, deadline = root / "tstop", time.monotonic() + 300
+    while not any(r["iteration"] >= 2 for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
+        assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.text[-4000:]
+        time.sleep(0.2)
+    run_cli(["stop", str(run_dir)], cache=cache_dir, timeout=60)
+    assert launcher.wait(180) == 143, launcher.text[-4000:]
+    last = launcher.text.strip().splitlines()[-1]
+    assert "stopped after saving (orchestrator stop" in last and "resume from " in last, launcher.text[-3000:]
+    assert "torchrun's agent exited" not in launcher.text, launcher.text[-3000:]

@@ -218,7 +218,7 @@ def job_status(
     # has written its results before it is seen as ended, never the other way round.
     st: Optional[JobStatus] = slurm_job_status(job_id) if cluster == "slurm" else None
     alive = cluster == "local" and st is None and pid_alive(job_id)
-    if cluster == "hosts":  # its launcher waits on the SSH sessions: alive while it is
+    if cluster in ("hosts", "torchrun"):  # its launcher waits on the sessions / the agent: alive while it is
         launcher = (
             next(
                 (e.get("launcher") for e in events if e.get("event") == "submitted" and str(e.get("job_id")) == job_id),
@@ -248,7 +248,7 @@ def job_status(
         st.state, st.detail = "stopped", "stopped after saving a checkpoint (not requeued)"
     elif st.state == "completed" and num_tasks and not complete and folder:
         st.detail = f"result files from {len(outcomes)} of {num_tasks} ranks"
-    elif st.state == "unknown" and cluster in ("local", "hosts"):  # (a hosts job ends with its launcher)
+    elif st.state == "unknown" and cluster in ("local", "hosts", "torchrun"):  # (they end with their launcher)
         st.state, st.detail = "failed", f"the {cluster} job ended without result files"
     attach_cause(st, events)
     return st

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any, Dict
@@ -79,6 +80,16 @@ def _job_id(cfg: JobConfig, env: NodeEnv) -> str:
     return "torchrun-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def stopped_by_request(cfg: JobConfig, job_id: str):
+    """The JobStopped of a job whose ranks saved and stopped together (``orchestrator stop``, a signal to them): the
+    line says who asked and where a rerun resumes; the launcher exits as a local one does (143)."""
+    from orchestrator.ckpt import stop
+    from orchestrator.submit.signals import STOPPED_BY_REQUEST_EXIT, JobStopped, checkpoint_words
+
+    who = (stop.read(cfg.run.dir, job_id) or {}).get("by", "a stop request")
+    return JobStopped(f"stopped after saving ({who}); {checkpoint_words(cfg)}", STOPPED_BY_REQUEST_EXIT)
+
+
 def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: bool = True) -> Dict[str, Any]:
     """Run this node's agent and wait; the summary of this node's logging rank (or of its first rank)."""
     from orchestrator.ckpt.history import record_submission
@@ -100,6 +111,7 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
             {"stdout": str(job_dir / "agent.log")},
             num_tasks=layout.world_size,
             rendezvous=f"{env.master_addr}:{env.master_port}",
+            launcher={"pid": os.getpid(), "host": socket.gethostname()},  # status/stop: alive while it waits
         )
     argv = agent_command(
         python_of(cfg),
@@ -127,6 +139,11 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
         raise
     ranks = range(env.node_rank * procs, (env.node_rank + 1) * procs)
     found = {r: o for r, o in results(job_file, layout.world_size).items() if r in ranks}
+    from orchestrator.runtime.faults.requeue import STOP_EXIT_CODE
+    from orchestrator.runtime.start.agent import decided_exit
+
+    if len(found) == procs and decided_exit(found) == STOP_EXIT_CODE:  # `orchestrator stop`: saved, not failed
+        raise stopped_by_request(cfg, job_id)
     if rc != 0 or len(found) != procs or any(o[0] != "success" for o in found.values()):
         raise failure(job_file, found, f"node {env.node_rank}: torchrun's agent exited {rc}")
     summaries = [found[r][1] for r in ranks]

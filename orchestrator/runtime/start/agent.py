@@ -26,7 +26,7 @@ import pickle
 import sys
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 def agent_command(
@@ -79,6 +79,16 @@ def exit_code_of(outcome: Any) -> Optional[int]:
         return None
     value = text[len("SystemExit(") : -1]
     return int(value) if value.lstrip("-").isdigit() else 1
+
+
+def decided_exit(found: Dict[int, Any]) -> Optional[int]:
+    """The exit the ranks decided together — a stop (76) or a requeue (75) of runtime.faults.preempt, every rank that
+    did not succeed ended so — from their outcome files ``{rank: outcome}``; None when one of them failed, or none
+    stopped. The one reading of a stop that the in-place agent, cluster=torchrun and cluster=hosts share."""
+    codes = [exit_code_of(o) for o in found.values() if not (isinstance(o, tuple) and o and o[0] == "success")]
+    if not codes or None in codes:
+        return None
+    return codes[0]
 
 
 def write_job(path: "str | os.PathLike", job: Any) -> None:

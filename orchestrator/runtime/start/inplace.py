@@ -142,12 +142,12 @@ class NodeAgent:
 
     def _end(self, code: int, found: Dict[int, Tuple[str, Any]]) -> Dict[str, Any]:
         """This task's end from the agent's exit code and the ranks' outcomes."""
-        from orchestrator.runtime.start.agent import exit_code_of
+        from orchestrator.runtime.start.agent import decided_exit, exit_code_of
 
-        stops = [stop for stop in map(exit_code_of, found.values()) if stop is not None]
+        decided = decided_exit(found)
+        if decided is not None:
+            raise SystemExit(decided)
         errors = {r: o[1] for r, o in sorted(found.items()) if o[0] == "error" and exit_code_of(o) is None}
-        if stops and not errors:
-            raise SystemExit(stops[0])
         if errors:
             rank, text = next(iter(errors.items()))
             raise RuntimeError(f"rank {rank} failed:\n{text}")
