@@ -339,9 +339,10 @@ def test_watchdog_names_the_rank_behind_and_every_live_rank_dumps(tmp_path):
 
 
 def test_no_hang_while_progressing_or_saving(tmp_path):
-    dogs, exits = _watchdogs(tmp_path, [1, 1], timeout_s=0.6)
-    with dogs[0].phase_of("save", 5.0), dogs[1].phase_of("save", 5.0):
-        time.sleep(1.5)  # longer than hang_timeout_s, inside a save
+    # hang_timeout_s 3 s: a loaded CI machine stalled this process's heartbeat threads for 2 s at 0.6 s (a false hang)
+    dogs, exits = _watchdogs(tmp_path, [1, 1], timeout_s=3.0)
+    with dogs[0].phase_of("save", 10.0), dogs[1].phase_of("save", 10.0):
+        time.sleep(3.5)  # longer than hang_timeout_s, inside a save
     for it in range(2, 12):
         time.sleep(0.2)
         for dog in dogs:
