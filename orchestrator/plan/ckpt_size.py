@@ -10,25 +10,25 @@ metadata and common.pt add ~3%). Pure Python.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
-from orchestrator.config.layout import layout_from_config, padded_vocab_size
+from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size
 from orchestrator.plan.inputs import ModelShape, recipe_of, vocab_size_of
 from orchestrator.plan.params import total_params
 
 
-def checkpoint_params(cfg) -> int:
-    """Distinct parameters a checkpoint of ``cfg`` holds."""
-    layout = layout_from_config(cfg)
+def checkpoint_params(cfg, layout: Optional[ParallelLayout] = None) -> int:
+    """Distinct parameters a checkpoint of ``cfg`` holds (``layout``: carried by the caller, else derived)."""
+    layout = layout if layout is not None else layout_from_config(cfg)
     vocab, _ = vocab_size_of(cfg)
     shape = ModelShape.from_model_config(cfg.model, vocab)
     vp = padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, layout.tensor_model_parallel_size)
     return total_params(shape, layout, vp)
 
 
-def checkpoint_bytes(cfg) -> int:
-    """Predicted bytes of one checkpoint of ``cfg`` (module docstring)."""
-    return checkpoint_params(cfg) * recipe_of(cfg).checkpoint_bytes
+def checkpoint_bytes(cfg, layout: Optional[ParallelLayout] = None) -> int:
+    """Predicted bytes of one checkpoint of ``cfg`` (module docstring; ``layout`` as in :func:`checkpoint_params`)."""
+    return checkpoint_params(cfg, layout) * recipe_of(cfg).checkpoint_bytes
 
 
 def save_iterations(cfg) -> List[int]:

@@ -148,16 +148,22 @@ def plan_layout(
 
 
 def plan(
-    cfg, gpu: Optional[str] = None, vocab_size: Optional[int] = None, mfu: Optional[float] = None, profile: Any = "auto"
+    cfg,
+    gpu: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    mfu: Optional[float] = None,
+    profile: Any = "auto",
+    layout: Optional[ParallelLayout] = None,
 ) -> Plan:
     """Plan a :class:`~orchestrator.config.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
 
     ``profile``: "auto" = the device's stored calibration profile when one exists (the plan's notes say
     which), a :class:`~orchestrator.plan.profile.DeviceProfile`, or None for the preset's assumptions.
+    ``layout``: the validated layout when the caller carries it (a rank: the launcher's); else derived from ``cfg``.
     Raises :class:`~orchestrator.errors.LayoutError` for a broken Megatron rule and
     :class:`~orchestrator.errors.ConfigError` for an unknown GPU preset.
     """
-    layout = layout_from_config(cfg)
+    layout = layout if layout is not None else layout_from_config(cfg)
     preset = gpu_preset(
         gpu if gpu is not None else cfg.gpu, ranks_on_host=layout.world_size // max(1, cfg.cluster.nodes)
     )

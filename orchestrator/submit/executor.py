@@ -119,6 +119,7 @@ def submit(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     payload = TrainJob(
         to_dict(cfg),
         asdict(prepared),
+        asdict(layout),
         env=job_environment(cfg, layout.world_size),
         fork_ranks=layout.world_size if forks else 0,
         build_indices=one_task(cfg, layout.world_size),
@@ -149,7 +150,9 @@ def _submit_agents(cfg: JobConfig, layout: ParallelLayout, prepared) -> Any:
     executor = make_executor(cfg, 1 if cfg.cluster.kind == "local" else layout.world_size)  # (sbatch: one a node)
     waited = cfg.cluster.kind == "local" and cfg.cluster.wait
     env = job_environment(cfg, layout.world_size)
-    train = TrainJob(to_dict(cfg), asdict(prepared), env=env, launcher=launcher_identity() if waited else None)
+    train = TrainJob(
+        to_dict(cfg), asdict(prepared), asdict(layout), env=env, launcher=launcher_identity() if waited else None
+    )
     payload = NodeAgent(
         train,
         str(Path(cfg.run.dir).absolute()),

@@ -162,13 +162,13 @@ def resolved_hosts(cfg: JobConfig) -> Tuple[JobConfig, List[Host]]:
     return dataclasses.replace(cfg, cluster=cluster), hosts
 
 
-def write_job_file(cfg: JobConfig, prepared, job_dir: Path, env: Dict[str, str]) -> Path:
+def write_job_file(cfg: JobConfig, layout: ParallelLayout, prepared, job_dir: Path, env: Dict[str, str]) -> Path:
     """The pickled TrainJob every rank of every agent runs."""
     from orchestrator.runtime.start.agent import write_job
     from orchestrator.runtime.start.job import TrainJob
 
     job_file = job_dir / "job.pkl"
-    write_job(job_file, TrainJob(to_dict(cfg), asdict(prepared), env=env))
+    write_job(job_file, TrainJob(to_dict(cfg), asdict(prepared), asdict(layout), env=env))
     return job_file
 
 
@@ -184,7 +184,7 @@ def launch_hosts(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progr
     job_id = f"hosts-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     job_dir = Path(cfg.run.dir).absolute() / AGENTS_DIR / job_id
     env = rank_env(cfg, job_id)
-    job_file = write_job_file(cfg, prepared, job_dir, env)
+    job_file = write_job_file(cfg, layout, prepared, job_dir, env)
     endpoint = f"{hosts[0].name}:{rendezvous_port(cfg, job_id)}"
     argv = agent_command(
         python_of(cfg),

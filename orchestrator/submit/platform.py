@@ -102,7 +102,7 @@ def launch_node(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progre
     job_id = _job_id(cfg, env)
     job_dir = Path(cfg.run.dir).absolute() / AGENTS_DIR / job_id / f"node{env.node_rank}"
     env_of_ranks = rank_env(cfg, job_id)
-    job_file = write_job_file(cfg, prepared, job_dir, env_of_ranks)
+    job_file = write_job_file(cfg, layout, prepared, job_dir, env_of_ranks)
     if env.node_rank == 0:
         record_submission(
             cfg.run.dir,

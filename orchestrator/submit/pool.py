@@ -87,7 +87,7 @@ class WarmPool:
             flush=True,
         )
 
-    def run(self, cfg: JobConfig, prepared, timeout_s: float, progress=None) -> Dict[str, Any]:
+    def run(self, cfg: JobConfig, layout: ParallelLayout, prepared, timeout_s: float, progress=None) -> Dict[str, Any]:
         """Run one trial; the logging rank's summary (with ``job_id`` and ``trial_wall_s``, the
         launcher's seconds from handing the trial over to reading its result).
 
@@ -109,7 +109,13 @@ class WarmPool:
         write_atomic(
             trial_path(self.dir, num),
             json.dumps(
-                {"config": to_dict(cfg), "prepared": dataclasses.asdict(prepared), "time": started}, default=str
+                {
+                    "config": to_dict(cfg),
+                    "layout": dataclasses.asdict(layout),
+                    "prepared": dataclasses.asdict(prepared),
+                    "time": started,
+                },
+                default=str,
             ),
         )
         try:
@@ -278,7 +284,7 @@ class PoolLauncher:
             self.prestart(cfg, layout.world_size)
             progress = Progress(Path(cfg.run.dir) / METRICS_FILE, cfg.training.train_iters, enabled=show_progress)
             try:
-                return self.pool.run(cfg, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
+                return self.pool.run(cfg, layout, prepared, 60.0 * cfg.cluster.timeout_min + 60.0, progress)
             except PoolEnded as exc:  # nothing of the trial ran: once more, on fresh ranks
                 self.pool = None
                 if retried:

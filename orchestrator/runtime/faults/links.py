@@ -300,11 +300,10 @@ def check_links(rank) -> Optional[Dict[str, object]]:
     return record
 
 
-def links_only(cfg) -> Dict[str, object]:
+def links_only(cfg, layout) -> Dict[str, object]:
     """``python -m orchestrator check links``'s job (``cluster.link_check.action=only``): rendezvous and
     megatron's parallel state, the check, teardown; no model, data or checkpoint. Returns the summary the
     launcher reads (``link_check``: the record; rank 0 is the logging rank). Collective."""
-    from orchestrator.config.layout import layout_from_config
     from orchestrator.runtime.rank.build import Rank
     from orchestrator.runtime.rank.distributed import init_distributed, shutdown
     from orchestrator.runtime.rank.model import initialize_parallel_state
@@ -318,7 +317,7 @@ def links_only(cfg) -> Dict[str, object]:
         initialize_parallel_state(cfg, cfg.training.seed, info.device)
         rank = Rank(
             cfg=cfg,
-            layout=layout_from_config(cfg),
+            layout=layout,
             info=info,
             tokenizer=None,
             built=None,  # type: ignore

@@ -45,7 +45,7 @@ def stage_flops(rank) -> List[float]:
 
     pp = rank.layout.pipeline_model_parallel_size
     try:
-        p = plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, profile=None)
+        p = plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, profile=None, layout=rank.layout)
         return [float(x) for x in flops_per_step(p.shape, p.layout, p.recipe, p.padded_vocab_size)[2]]
     except (OrchestratorError, ValueError, ZeroDivisionError):
         return [1.0] * pp

@@ -1,6 +1,6 @@
 """Everything a rank builds before its first iteration, in order.
 
-:func:`build_rank` — distributed init → CPU backend (device=cpu) → the one ``validate`` →
+:func:`build_rank` — distributed init → CPU backend (device=cpu) → the launcher's layout (carried, not derived) →
 megatron parallel state + seeds → tokenizer → GPT chunks, DDP, optimizer, LR schedule (megatron's
 ``OptimizerParamScheduler``; on resume the config's schedule wins, see
 :mod:`orchestrator.runtime.training.resume`) → the hooks megatron's schedules call (no_sync, finalize grads,
@@ -20,7 +20,6 @@ from typing import Callable, List, Optional
 
 import torch
 
-from orchestrator.config.checks import validate
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
 from orchestrator.runtime.rank import cpu as cpu_backend
@@ -67,11 +66,12 @@ class Rank:
             say(message)
 
 
-def build_rank(cfg: JobConfig) -> Rank:
+def build_rank(cfg: JobConfig, layout: ParallelLayout) -> Rank:
     """Start this rank: process group, parallel state, model, optimizer, scheduler.
 
-    Raises ConfigError/LayoutError (the same validate as the launcher's) and RuntimeError when
-    the job's task count differs from the layout's world size.
+    ``layout``: the launcher's validated layout, carried with the job; the rank does not derive it again
+    (no hostfile, environment or config rule is read here). Raises RuntimeError when the job's rank count
+    differs from the layout's world size.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -84,7 +84,6 @@ def build_rank(cfg: JobConfig) -> Rank:
     if info.device == "cpu":
         cpu_backend.activate()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    layout = validate(cfg)
     if info.world_size != layout.world_size:
         raise RuntimeError(f"job has {info.world_size} ranks but the layout needs {layout.world_size}")
     if info.rank == 0:

@@ -38,10 +38,12 @@ def lighten_imports(config: Dict[str, Any]) -> None:
 
 
 class TrainJob:
-    """``TrainJob(config_dict, prepared_dict, env, fork_ranks)()`` trains one rank and returns its summary.
+    """``TrainJob(config_dict, prepared_dict, layout_dict, env, fork_ranks)()`` trains one rank and returns its summary.
 
     Plain data travels (dicts), not OmegaConf objects, so the pickle is small and
-    version-independent; the job rebuilds the typed :class:`JobConfig`. ``env`` is
+    version-independent; the job rebuilds the typed :class:`JobConfig`. ``layout``: the launcher's validated
+    :class:`~orchestrator.config.layout.ParallelLayout` as a dict (``dataclasses.asdict``): every rank trains on
+    that value and never derives the layout again (a ``cluster.hostfile`` may exist only on the launcher's machine). ``env`` is
     applied before torch is imported (thread counts, NCCL settings). ``fork_ranks`` = N > 1 (local
     CPU jobs, submitted as one task): this task imports torch and megatron-core once, forks ranks
     1..N-1 (:mod:`orchestrator.runtime.start.forked`) and trains as rank 0; each forked rank writes its
@@ -55,6 +57,7 @@ class TrainJob:
         self,
         config: Dict[str, Any],
         prepared: Dict[str, Any],
+        layout: Dict[str, Any],
         env: Optional[Dict[str, str]] = None,
         fork_ranks: int = 0,
         build_indices: bool = False,
@@ -62,6 +65,7 @@ class TrainJob:
     ):
         self.config = config
         self.prepared = prepared
+        self.layout = layout
         self.env = dict(env or {})
         self.fork_ranks = fork_ranks
         self.build_indices = build_indices
@@ -155,6 +159,7 @@ class TrainJob:
         return summary
 
     def _train(self) -> Dict[str, Any]:
+        from orchestrator.config.layout import ParallelLayout
         from orchestrator.config.schema import from_dict
 
         cfg = from_dict(self.config)
@@ -163,7 +168,7 @@ class TrainJob:
             from orchestrator.runtime.training.run import run
 
             try:
-                return run(cfg, PreparedData(**self.prepared))
+                return run(cfg, PreparedData(**self.prepared), ParallelLayout(**self.layout))
             except (Exception, SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as exc:  # e.g. torch's CheckpointException: submitit (and a forked rank) catch

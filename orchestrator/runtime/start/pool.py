@@ -216,6 +216,7 @@ class PoolJob:
         """Run one trial on this rank; rank 0 gets every rank's summary (others: [])."""
         import torch
 
+        from orchestrator.config.layout import ParallelLayout
         from orchestrator.config.schema import from_dict
         from orchestrator.data.prepare import PreparedData
         from orchestrator.runtime.start.job import hold_run_lock
@@ -226,7 +227,7 @@ class PoolJob:
         _sample_indices(cfg, prepared, rank)
         reset_peak_memory("cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu")
         with hold_run_lock(cfg.run.dir, since=float(spec["time"]) - 1.0):
-            summary = run(cfg, prepared, keep_process_group=True)
+            summary = run(cfg, prepared, ParallelLayout(**spec["layout"]), keep_process_group=True)
         gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(summary, gathered, dst=0)
         return list(gathered or [])

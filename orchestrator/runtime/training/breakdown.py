@@ -240,7 +240,7 @@ def mfu_inputs(rank) -> Optional[Dict[str, object]]:
     from orchestrator.plan.memory import plan
 
     try:
-        p = plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, profile=None)
+        p = plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, profile=None, layout=rank.layout)
     except (OrchestratorError, ValueError, ZeroDivisionError):
         return None
     name = torch.cuda.get_device_name().upper()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Dict
 
+from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.slowness import LINKS_ONLY
 
@@ -44,8 +45,10 @@ def write_megatron_config(run_dir: str, mc) -> None:
     )
 
 
-def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[str, object]:
+def run(cfg: JobConfig, prepared, layout: ParallelLayout, *, keep_process_group: bool = False) -> Dict[str, object]:
     """Train one rank to ``training.train_iters``; returns this rank's summary dict.
+
+    ``layout``: the launcher's validated layout, carried with the job (a rank never derives it again).
 
     ``keep_process_group``: a warm rank (:mod:`orchestrator.runtime.start.pool`) keeps the default process
     group for its next trial and tears down only megatron's parallel state; a job's own ranks
@@ -63,7 +66,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     if cfg.cluster.link_check.action == LINKS_ONLY:  # python -m orchestrator check links
         from orchestrator.runtime.faults.links import links_only
 
-        return links_only(cfg)
+        return links_only(cfg, layout)
     from orchestrator.runtime.faults.diskspace import explain_write_failure
     from orchestrator.runtime.faults.guard import Guard
     from orchestrator.runtime.faults.links import check_links
@@ -74,7 +77,7 @@ def run(cfg: JobConfig, prepared, *, keep_process_group: bool = False) -> Dict[s
     from orchestrator.runtime.training.resume import Saver, restore
     from orchestrator.runtime.training.summary import summarize
 
-    rank = build_rank(cfg)
+    rank = build_rank(cfg, layout)
     rank.link_check = check_links(rank)  # multi-node: slow links named (or refused) before anything is loaded
     guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank], world_size=rank.info.world_size)
     try:

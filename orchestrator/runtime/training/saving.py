@@ -97,7 +97,7 @@ class Saver:
         self.data_identity = prepared.identity(rank.cfg.data)
         self.tokenizer = tokenizer_identity(rank.cfg.data)
         self.versions = versions()
-        self.expected_bytes = checkpoint_bytes(rank.cfg)
+        self.expected_bytes = checkpoint_bytes(rank.cfg, rank.layout)
         self.async_saves = AsyncSaves() if rank.cfg.checkpoint.async_save else None
         self.records: List[Dict[str, object]] = []
         self._pending: Optional[_Save] = None

@@ -79,7 +79,7 @@ def model_flops_per_step(rank) -> Optional[float]:
     from orchestrator.plan.memory import plan
 
     try:
-        return float(plan(rank.cfg, vocab_size=rank.built.padded_vocab_size).model_flops)
+        return float(plan(rank.cfg, vocab_size=rank.built.padded_vocab_size, layout=rank.layout).model_flops)
     except (OrchestratorError, ValueError, ZeroDivisionError):
         return None
 
