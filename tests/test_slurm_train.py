@@ -232,7 +232,8 @@ def rank_process(run_dir: Path, rank: int):
                 and str(run_dir) in cmd
                 and not cmd.startswith("srun")
                 and p.environ().get("SLURM_PROCID") == str(rank)
-            ):
+                and "submitit.core._submit" not in " ".join(p.parent().cmdline())  # not its checkpoint writer's
+            ):  # helper, which inherits its command line and environment (and may have a lower pid: pids wrap)
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

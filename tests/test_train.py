@@ -350,8 +350,10 @@ def test_sigkill_of_rank_0_fails_fast_and_stops_its_forked_ranks(tmp_path, cache
         time.sleep(0.1)
     ranks = _rank_processes(run_dir)
     assert len(ranks) >= 4, ranks
-    orphans = ranks[0].children(recursive=True)  # e.g. the checkpoint writer's helper process
-    os.kill(ranks[0].pid, signal.SIGKILL)
+    pids = {p.pid for p in ranks}  # rank 0: the task whose parent is not a rank (its forks and the checkpoint
+    (rank0,) = [p for p in ranks if p.ppid() not in pids]  # writer's helper are its children; pids may wrap)
+    orphans = rank0.children(recursive=True)  # e.g. the checkpoint writer's helper process
+    os.kill(rank0.pid, signal.SIGKILL)
     try:
         out, err = proc.communicate(timeout=180)
     finally:
