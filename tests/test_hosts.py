@@ -262,7 +262,11 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
         "+cluster.env.OMP_NUM_THREADS=1",
     ]
     bad = run_cli(
-        tr, cache=cache_dir, check=False, timeout=120, env={"MASTER_ADDR": "hnode1", "NNODES": "3", "NODE_RANK": "0"}
+        tr,
+        cache=cache_dir,
+        check=False,
+        timeout=120,
+        env={"MASTER_ADDR": "hnode1", "MASTER_PORT": "29617", "NNODES": "3", "NODE_RANK": "0"},
     )
     _one_error_line(bad, "NNODES=3 nodes x 2 processes per node = 6 ranks", "needs TP x PP x CP x DP = 4")
     nodes = [

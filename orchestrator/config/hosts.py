@@ -135,7 +135,7 @@ def nodes_world_size(c, needed: int) -> "tuple[int, str]":
         env_nodes = any(os.environ.get(v) for v in ("NNODES", "PET_NNODES", "SKYPILOT_NODE_IPS", "WORLD_SIZE"))
         env = node_env({"MASTER_ADDR": "-", "NODE_RANK": "0", **os.environ}, procs) if env_nodes else None
         nodes = env.nnodes if env else c.nodes
-        said = env.source.split(", ")[1] if env else "cluster.nodes"
+        said = env.nnodes_source if env else "cluster.nodes"
         if needed and nodes * procs != needed:
             raise LayoutError(
                 f"{said}={nodes} nodes x {procs} processes per node = {nodes * procs} ranks, but the "
@@ -167,6 +167,8 @@ class NodeEnv:
     node_rank: int
     source: str
     """The variables read, e.g. ``MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK``."""
+    nnodes_source: str = "NNODES"
+    """The variable the node count came from (``NNODES``, ``PET_NNODES``, ``SKYPILOT_NODE_IPS`` or ``WORLD_SIZE``)."""
 
 
 _NNODES = ("NNODES", "PET_NNODES")
@@ -245,4 +247,4 @@ def node_env(environ: Mapping[str, str], procs: int) -> NodeEnv:
     if node_rank >= nnodes:
         raise ConfigError(f"{rank_name}={node_rank}: not below {nn_name}={nnodes}; fix: node ranks are 0..{nnodes - 1}")
     used.append(str(rank_name))
-    return NodeEnv(str(addr), master_port, nnodes, node_rank, ", ".join(used))
+    return NodeEnv(str(addr), master_port, nnodes, node_rank, ", ".join(used), str(nn_name))

@@ -31,7 +31,7 @@ def this_node(cfg: JobConfig, layout: ParallelLayout) -> NodeEnv:
     env = node_env(os.environ, procs)
     if env.nnodes * procs != layout.world_size:
         raise ConfigError(
-            f"{env.source.split(', ')[-2]}={env.nnodes} nodes x {procs} processes per node = "
+            f"{env.nnodes_source}={env.nnodes} nodes x {procs} processes per node = "
             f"{env.nnodes * procs} ranks, but the layout has world size {layout.world_size} "
             f"({layout.world_size_source}); fix: run on {layout.world_size // procs} nodes or change "
             "the layout (parallelism.*)"
