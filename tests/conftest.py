@@ -335,3 +335,26 @@ def gpt2_args(gpt2, prefix):
         f"data.vocab_file={vocab}",
         f"data.merge_file={merges}",
     ]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``ORCHESTRATOR_TEST_CPU_LOG=FILE``: append each test's CPU seconds (this worker's own and its waited-for
+    descendants': the launchers and local ranks it started; SLURM's ranks run under slurmd, not counted) and
+    its wall seconds as a JSON line: where the suite's CPU goes on a 2-core CI machine (``--durations`` shows
+    wall time only, and a test that waits on SLURM's timers costs wall but little CPU)."""
+    out = os.environ.get("ORCHESTRATOR_TEST_CPU_LOG")
+    if not out:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    began, wall = cpu(), time.monotonic()
+    yield
+    record = {"test": item.nodeid, "cpu_s": round(cpu() - began, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    with open(out, "a") as f:
+        f.write(json.dumps(record) + "\n")
