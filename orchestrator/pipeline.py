@@ -213,7 +213,8 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             say(f"warning: {warning}")
     else:
         layout = validate(cfg)
-    gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
+    if cfg.gpu is not None:
+        gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes

@@ -164,7 +164,7 @@ def test_plan_says_a_no_op_vpp_its_vocabulary_and_never_suggests_a_distributed_o
     found = suggest.suggest(big, limit=50, always=True)
     assert found and all(s.plan.layout.data_parallel_size > 1 for s in found if s.plan.recipe.use_distributed_optimizer)
     assert any(s.plan.layout.data_parallel_size == 1 for s in found)  # DP 1 layouts are offered, without it
-    tiny = compose_config([])  # gpt_tiny: 2.0 GiB of the A100-80GB preset (3%)
+    tiny = dataclasses.replace(compose_config([]), gpu="A100-80GB")  # gpt_tiny: 2.0 GiB of the A100-80GB preset (3%)
     tight = planner.plan(dataclasses.replace(tiny, plan_headroom=0.02))
     assert tight.fits and tight.tight and tight.reason.startswith("tight: stage 0 needs 2.0 GiB of 80.0 GiB")
     assert planner.plan(tiny).reason.startswith("fits: ")  # the default 0.85

@@ -27,6 +27,7 @@ from orchestrator.errors import ConfigError, LayoutError
 from orchestrator.plan import memory as planner
 from orchestrator.plan import suggest
 from orchestrator.plan.activations import in_flight
+from orchestrator.plan.inputs import host_memory_bytes
 from orchestrator.plan.memory import GiB, ModelShape, Recipe
 from orchestrator.plan.report import format_plan
 
@@ -315,13 +316,19 @@ def test_unknown_gpu_names_the_key_and_presets():
     assert planner.gpu_preset("h200").name == "H200"
 
 
-def test_plan_uses_the_config_gpu_and_byte_vocab():
-    cfg = JobConfig()  # gpt_tiny on one CPU process, byte tokenizer, gpu A100-80GB
+def test_a_cpu_job_is_planned_on_this_machine_unless_gpu_names_a_preset():
+    cfg = JobConfig()  # gpt_tiny on one CPU process, byte tokenizer, no gpu=
     plan = planner.plan(cfg)
-    assert plan.gpu.name == "A100-80GB" and plan.padded_vocab_size == 384 and plan.fits
-    assert any("runs on CPU" in n for n in plan.notes)
-    assert suggest.suggest(cfg) == []  # fits, no bubble: nothing to suggest
-    assert all(not s.plan.recipe.use_distributed_optimizer for s in suggest.suggest(cfg, always=True))
+    assert plan.gpu.name == "cpu" and plan.gpu.memory_bytes == host_memory_bytes()  # one rank: all of it
+    assert plan.padded_vocab_size == 384 and plan.fits and plan.profile is not None  # the CPU's profile prices it
+    assert any(n.startswith("planned for this machine's CPU (the job runs on CPU; gpu=NAME") for n in plan.notes)
+    on_gpu = planner.plan(dataclasses.replace(cfg, gpu="A100-80GB"))
+    assert on_gpu.gpu.name == "A100-80GB" and on_gpu.gpu.memory_bytes == 80 * 2**30 and on_gpu.profile is None
+    assert any("runs on CPU; memory and time are for the A100-80GB preset" in n for n in on_gpu.notes)
+    assert on_gpu.step_time_s < plan.step_time_s / 100  # an A100's step, not this machine's
+    for c in (cfg, dataclasses.replace(cfg, gpu="A100-80GB")):
+        assert suggest.suggest(c) == []  # fits, no bubble: nothing to suggest
+        assert all(not s.plan.recipe.use_distributed_optimizer for s in suggest.suggest(c, always=True))
 
 
 @pytest.mark.parametrize(

@@ -67,8 +67,10 @@ class JobConfig:
     """Print the plan (layout, memory, bubble, FLOPs) and stop."""
     dry_run: bool = False
     """Validate, print the plan and the submission (sbatch script) and stop."""
-    gpu: str = "A100-80GB"
-    """GPU preset used by the planner for memory fit and step-time estimates."""
+    gpu: Optional[str] = None
+    """The planner's device preset for memory fit and step-time estimates (``plan.inputs.GPU_PRESETS`` or ``cpu``);
+    null: the device the job runs on, i.e. this machine's CPU for CPU ranks, else ``A100-80GB``
+    (:func:`orchestrator.plan.profile.planned_device`)."""
     plan_picture: Optional[str] = None
     """With plan=true: also draw the predicted schedule (Gantt chart per pipeline rank) and the memory per
     stage into this PNG file; null draws nothing."""

@@ -23,6 +23,7 @@ out), :func:`plan_layout` (a :class:`~orchestrator.config.layout.ParallelLayout`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size, vpp_no_op
@@ -52,7 +53,7 @@ from orchestrator.plan.inputs import (  # noqa: F401
 from orchestrator.plan.params import layer_params as _layer_params  # noqa: F401
 from orchestrator.plan.params import stage_params as _stage_params
 from orchestrator.plan.params import total_params as _total_params
-from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, step_terms
+from orchestrator.plan.profile import DeviceProfile, StepTerms, device_profile, planned_device, step_terms
 from orchestrator.plan.result import HEADROOM, Plan  # noqa: F401 - the plan's names, where callers read them
 from orchestrator.plan.stage_memory import StageMemory, stage_memories  # noqa: F401
 
@@ -147,6 +148,27 @@ def plan_layout(
     )
 
 
+@dataclass(frozen=True)
+class Device:
+    """What a plan of a config runs on: the preset, its device profile (None: the preset's assumptions) and, on a
+    CPU, the ranks sharing this host. One reading for :func:`plan` and the suggestions
+    (:func:`orchestrator.plan.suggest.suggest`), so that both price a layout alike."""
+
+    preset: GpuPreset
+    profile: Optional[DeviceProfile]
+    ranks_per_node: Optional[int]
+
+
+def device_for(cfg, world_size: int, gpu: Optional[str] = None, profile: Any = "auto") -> Device:
+    """The :class:`Device` a plan of ``cfg`` at ``world_size`` ranks uses: ``gpu`` (default
+    :func:`~orchestrator.plan.profile.planned_device`), ``profile`` as in :func:`plan`. ConfigError: unknown preset."""
+    on_host = world_size // max(1, cfg.cluster.nodes)
+    preset = gpu_preset(gpu if gpu is not None else planned_device(cfg), ranks_on_host=on_host)
+    if isinstance(profile, str):
+        profile = device_profile(preset, cfg.data.cache_dir)
+    return Device(preset, profile, on_host if preset.name == CPU_PRESET else None)
+
+
 def plan(
     cfg,
     gpu: Optional[str] = None,
@@ -155,7 +177,7 @@ def plan(
     profile: Any = "auto",
     layout: Optional[ParallelLayout] = None,
 ) -> Plan:
-    """Plan a :class:`~orchestrator.config.schema.JobConfig` on ``gpu`` (default ``cfg.gpu``; ``cpu``: this machine).
+    """Plan a :class:`~orchestrator.config.schema.JobConfig` on ``gpu`` (default :func:`~orchestrator.plan.profile.planned_device`: ``cfg.gpu``, else the device the job runs on; ``cpu``: this machine).
 
     ``profile``: "auto" = the device's stored calibration profile when one exists (the plan's notes say
     which), a :class:`~orchestrator.plan.profile.DeviceProfile`, or None for the preset's assumptions.
@@ -164,16 +186,12 @@ def plan(
     :class:`~orchestrator.errors.ConfigError` for an unknown GPU preset.
     """
     layout = layout if layout is not None else layout_from_config(cfg)
-    preset = gpu_preset(
-        gpu if gpu is not None else cfg.gpu, ranks_on_host=layout.world_size // max(1, cfg.cluster.nodes)
-    )
-    if isinstance(profile, str):
-        profile = device_profile(preset, cfg.data.cache_dir)
+    device = device_for(cfg, layout.world_size, gpu, profile)
+    preset, profile = device.preset, device.profile
     note = None
     if vocab_size is None:
         vocab_size, note = vocab_size_of(cfg)
     shape = ModelShape.from_model_config(cfg.model, vocab_size)
-    ranks_per_node = layout.world_size // max(1, cfg.cluster.nodes) if preset.name == CPU_PRESET else None
     result = plan_layout(
         layout,
         shape,
@@ -182,7 +200,7 @@ def plan(
         mfu or DEFAULT_MFU,
         gpus_per_node=gpus_per_node(cfg),
         profile=profile,
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=device.ranks_per_node,
     )
     result.headroom, result.vocab_source = cfg.plan_headroom, vocab_source(cfg, vocab_size)
     if vpp_no_op(cfg):
@@ -198,13 +216,14 @@ def plan(
             )
     if preset.name == CPU_PRESET:
         result.notes.append(
-            f"planned for this machine's CPU: {gib(preset.memory_bytes)} of memory per rank "
-            f"({layout.world_size // max(1, cfg.cluster.nodes)} ranks on this host)"
+            f"planned for this machine's CPU{'' if cfg.gpu else ' (the job runs on CPU; gpu=NAME plans a GPU preset)'}: "
+            f"{gib(preset.memory_bytes)} of memory per rank ({layout.world_size // max(1, cfg.cluster.nodes)} ranks "
+            "on this host)"
         )
     elif cfg.training.device == "cpu" or (cfg.cluster.kind == "local" and not cfg.cluster.gpus_per_node):
         result.notes.append(
             f"this config runs on CPU; memory and time are for the {preset.name} preset "
-            "(gpu=cpu plans for this machine's CPU)"
+            f"(gpu={preset.name}; without gpu= the plan is for this machine's CPU)"
         )
     return result
 

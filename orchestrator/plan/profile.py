@@ -236,9 +236,19 @@ def prior_profile(preset: GpuPreset, key: Optional[str] = None) -> DeviceProfile
     )
 
 
+DEFAULT_GPU = "A100-80GB"
+"""The GPU preset a GPU job is planned on when ``gpu`` is not set."""
+
+
 def device_of(cfg) -> str:
-    """The planner preset of the device ``cfg`` runs on: ``cpu`` for CPU ranks, else ``cfg.gpu``."""
-    return "cpu" if runs_on_cpu(cfg) else cfg.gpu
+    """The planner preset of the device ``cfg`` runs on: ``cpu`` for CPU ranks, else ``cfg.gpu`` (or :data:`DEFAULT_GPU`)."""
+    return "cpu" if runs_on_cpu(cfg) else (cfg.gpu or DEFAULT_GPU)
+
+
+def planned_device(cfg) -> str:
+    """The preset a plan of ``cfg`` is for: ``gpu`` when set (a CPU job planned for the GPUs it will run on),
+    else the device it runs on (:func:`device_of`)."""
+    return cfg.gpu if cfg.gpu is not None else device_of(cfg)
 
 
 def device_profile(preset: GpuPreset, cache_dir: Optional[str] = None) -> Optional[DeviceProfile]:

@@ -18,7 +18,7 @@ from orchestrator.plan.memory import (
     ModelShape,
     Plan,
     Recipe,
-    gpu_preset,
+    device_for,
     gpus_per_node,
     layout_from_config,
     plan_layout,
@@ -153,14 +153,16 @@ def suggest(
     """
     from orchestrator.errors import LayoutError
 
-    preset = gpu_preset(gpu if gpu is not None else cfg.gpu)
+    layout = layout_from_config(cfg)
+    device = device_for(cfg, layout.world_size, gpu)  # as plan() prices it (every candidate keeps the world size)
     if vocab_size is None:
         vocab_size, _ = vocab_size_of(cfg)
     mfu, node = mfu or DEFAULT_MFU, gpus_per_node(cfg)
-    shape, recipe, layout = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg), layout_from_config(cfg)
+    shape, recipe = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg)
+    on = dict(gpus_per_node=node, profile=device.profile, ranks_per_node=device.ranks_per_node)
     try:
         current: Optional[Plan] = replace(
-            plan_layout(layout, shape, recipe, preset, mfu, gpus_per_node=node), headroom=cfg.plan_headroom
+            plan_layout(layout, shape, recipe, device.preset, mfu, **on), headroom=cfg.plan_headroom
         )
     except (LayoutError, ConfigError):
         current = None
@@ -174,7 +176,7 @@ def suggest(
     local_world = cfg.cluster.kind == "local" and cfg.cluster.tasks_per_node is None
     for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world):
         pl = replace(
-            plan_layout(cand, shape, rec, preset, mfu, validate=False, gpus_per_node=node), headroom=cfg.plan_headroom
+            plan_layout(cand, shape, rec, device.preset, mfu, validate=False, **on), headroom=cfg.plan_headroom
         )
         if not pl.fits or pl.tight or (roomy and pl.step_time_s >= 0.99 * current.step_time_s):
             continue

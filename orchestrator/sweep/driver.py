@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from orchestrator.errors import OneLineArgumentParser, OrchestratorError
-from orchestrator.plan.profile import device_of
+from orchestrator.plan.profile import device_of, planned_device
 from orchestrator.sweep.points import (
     DRIVER,
     Point,
@@ -139,11 +139,15 @@ def evaluate_point(dcfg: Any, point: Point, record: Dict[str, Any]) -> Optional[
     # profile when stored): shown in the table, and it decides skipped_oom_predicted; "plan_preset": the
     # gpu preset, for reference.
     device = device_of(cfg)
-    runs_on = plan if device == cfg.gpu else planner.plan(cfg, gpu=device)
+    runs_on = plan if device == planned_device(cfg) else planner.plan(cfg, gpu=device)
     record["plan"] = plan_record(runs_on)
     record["plan_preset"] = plan_record(plan)
     if not runs_on.fits and not cfg.sweep.run_predicted_oom:
-        fix = "gpu=<a larger preset>" if device == cfg.gpu else "fewer ranks on this machine, or a smaller model"
+        fix = (
+            "gpu=<a larger preset>"
+            if device == planned_device(cfg)
+            else "fewer ranks on this machine, or a smaller model"
+        )
         record_point(
             point,
             record,
