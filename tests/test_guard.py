@@ -74,7 +74,9 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     assert [(a["cause"], a["iteration"]) for a in final] == [("timeout", 131), ("hang", 150), ("completed", 200)]
     assert history.history_for_manifest(run, 180, 200)[-1]["cause"] is None
     lines = history.format_attempts(items)
-    assert "timeout (requeued)  iteration 131" in lines[0] and "running" in lines[2]
+    assert "timeout (requeued)  iteration 131" in lines[0] and lines[0].endswith("  time limit")
+    assert lines[1].endswith("hang  iteration 150 (from 131)  rank 3") and lines[1].count("hang") == 1, lines[1]
+    assert " since " in lines[2] and lines[2].count("running") == 1, lines[2]  # each state said once
     # a later local job that got the same (process) id is a new attempt, not a second end of the old one
     history.record_attempt_ended(run, "7", 2, "completed", iteration=200)
     assert history.claim_attempt_end(run, "7", 0) is False  # the old job's marker ...

@@ -309,20 +309,23 @@ def iterations_lost(items: List[Attempt]) -> int:
 
 
 def format_attempts(items: List[Attempt]) -> List[str]:
-    """One line per attempt: ``job 123 #0  08:01:02-08:03:10  timeout  iteration 131  (message)``."""
+    """One line per attempt: ``job 123 attempt 0  <start> .. <end>  timeout (requeued)  iteration 131  <message>``; a
+    running one ``since <start>  running``. Its state is said once: a message that begins with it (``hang: rank
+    3``) loses that word."""
 
     def clock(t: Optional[float]) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
 
     lines = []
     for a in items:
-        span = f"{clock(a.start)} .. {clock(a.end) if a.end else 'running'}"
+        span = f"{clock(a.start)} .. {clock(a.end)}" if a.end else f"since {clock(a.start)}"
         cause = a.cause or ("running" if a.end is None else "?")
         it = "-" if a.iteration is None else str(a.iteration)
         frm = f" (from {a.start_iteration})" if a.start_iteration else ""
         if a.recovery_s is not None:
             frm += f", {a.recovery_s:.1f} s from the failure to its first iteration"
-        tail = f"  {a.message}" if a.message and a.cause not in ("completed",) else ""
+        message = (a.message or "").removeprefix(f"{cause}:").strip()
+        tail = f"  {message}" if message and a.cause not in ("completed",) else ""
         failed = f"; no word from rank(s) {','.join(map(str, a.failed))} after the failure" if a.failed else ""
         how = " (requeued)" if a.requeued else f" (restarted in place{failed})" if a.restarted else ""
         restart = f" restart {a.restart}" if a.restart else ""
