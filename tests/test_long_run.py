@@ -287,6 +287,51 @@ def test_a_warm_pool_that_ended_before_its_next_trial_is_named_not_waited_on(tmp
         pool._check(3, time.time(), 600.0)
     assert issubclass(PoolEnded, JobFailedError)
     pool.seen_all = True  # a trial whose ranks were seen and are gone is a failure of that trial, as before
-    with pytest.raises(JobFailedError, match=r"warm rank\(s\) \[0, 1, 2, 3\] died in trial 3") as err:
+    with pytest.raises(JobFailedError, match=r"warm rank\(s\) \[0, 1, 2, 3\] died without a result \(killed\?") as err:
         pool._check(3, time.time(), 600.0)
-    assert not isinstance(err.value, PoolEnded)
+    assert not isinstance(err.value, PoolEnded) and "in trial 3" in str(err.value)
+
+
+def test_a_killed_warm_rank_is_named_with_its_signal(tmp_path):
+    """A forked warm rank killed by a signal (kill -9, the OOM killer) is named with it, read from its zombie as for
+    a job's forked ranks, whether the launcher sees it gone or its peers' broken collectives first."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from orchestrator.errors import JobFailedError
+    from orchestrator.runtime.start.pool import error_path, pid_path
+    from orchestrator.submit.pool import WarmPool
+
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the pool's job: alive
+    victim = os.fork()
+    if victim == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        os.kill(victim, signal.SIGKILL)  # a zombie until this process reaps it
+        pid_path(tmp_path, 3, 0).write_text(str(os.getpid()))
+        pid_path(tmp_path, 3, 1).write_text(str(victim))
+        pool = WarmPool.__new__(WarmPool)
+        pool.dir, pool.world_size, pool.forked, pool.seen_all, pool.alive = tmp_path, 2, True, True, True
+        pool.cfg = SimpleNamespace(cluster=SimpleNamespace(kind="local", timeout_min=60))
+        pool.job = SimpleNamespace(job_id="77", _process=controller, paths=SimpleNamespace(stderr=str(tmp_path / "e")))
+        deadline = time.time() + 10
+        while pool._killed(3) == {} and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(JobFailedError) as gone:
+            pool._check(3, time.time(), 600.0)
+        assert str(gone.value).startswith(
+            "job 77: warm rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?) in trial 3"
+        ), gone.value
+        error_path(tmp_path, 3, 0).write_text("Traceback ...\nRuntimeError: Connection closed by peer [10.0.0.1]:123")
+        with pytest.raises(JobFailedError) as peers:  # rank 0's broken collective landed first: rank 1 is the cause
+            pool._check(3, time.time(), 600.0)
+        assert str(peers.value).startswith("job 77: warm rank(s) [1] died without a result (exit by signal 9, SIGKILL")
+        assert "its peers' errors followed: RuntimeError: Connection closed by peer" in str(peers.value)
+    finally:
+        os.waitpid(victim, 0)
+        controller.kill()
+        controller.wait()

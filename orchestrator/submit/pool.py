@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig, from_dict, to_dict
-from orchestrator.errors import JobFailedError, SubmissionError
+from orchestrator.errors import JobFailedError, SubmissionError, ranks_died
 from orchestrator.io import write_atomic
 
 POOL_JOB_DAYS = 7
@@ -160,6 +160,13 @@ class WarmPool:
             root = min(
                 errors, key=lambda r: ("ProcessGroup" in "\n".join(tails[r]) or "Connection" in "\n".join(tails[r]), r)
             )
+            killed = self._killed(num)  # a rank killed by a signal breaks its peers' collectives: it is the cause
+            if killed:
+                raise JobFailedError(
+                    f"job {job_id}: warm {ranks_died(killed, '; '.join(sorted(set(killed.values()))))} in trial "
+                    f"{num}; its peers' errors followed: {tails[root][-1] if tails[root] else ''}\n"
+                    f"logs: {Path(self.job.paths.stderr).parent}/"
+                )
             raise JobFailedError(
                 f"job {job_id}: rank {root} failed in warm trial {num}:\n"
                 + "\n".join(tails[root][-15:])
@@ -173,8 +180,9 @@ class WarmPool:
             if self.seen_all and (alive is None or len(alive) < self.world_size):
                 dead = sorted(set(range(self.world_size)) - (alive or set()))
                 raise JobFailedError(
-                    f"job {job_id}: warm rank(s) {dead} died in trial {num} without an error "
-                    f"(killed? out of memory?)\nlogs: {Path(self.job.paths.stderr).parent}/"
+                    f"job {job_id}: warm {ranks_died(dead, '; '.join(sorted(set(self._killed(num).values()))))} "
+                    f"in trial {num}\n"
+                    f"logs: {Path(self.job.paths.stderr).parent}/"
                 )
         elif self._slurm_ended():
             raise JobFailedError(
@@ -186,6 +194,20 @@ class WarmPool:
                 f"job {job_id}: warm trial {num} ran past its bound of {timeout_s:.0f} s "
                 f"(cluster.timeout_min={self.cfg.cluster.timeout_min}); cancelled"
             )
+
+    def _killed(self, num: int) -> Dict[int, str]:
+        """The forked warm ranks of trial ``num`` that a signal ended, ``{rank: "exit by signal 9, SIGKILL"}``, read
+        from their zombies (:func:`~orchestrator.runtime.start.forked.zombie_signal`) as for a job's forked ranks."""
+        from orchestrator.runtime.start.forked import zombie_signal
+        from orchestrator.runtime.start.pool import pid_path
+
+        killed = {}
+        for rank in range(self.world_size) if self.forked else ():
+            try:
+                killed[rank] = zombie_signal(int(pid_path(self.dir, num, rank).read_text()))
+            except (OSError, ValueError):
+                continue
+        return {rank: line for rank, line in killed.items() if line}
 
     def _alive_ranks(self, num: int) -> Optional[set]:
         """Local ranks of trial ``num`` whose process is alive (None: the job's controller is gone). Forked

@@ -197,18 +197,19 @@ def zombie_signals(folder: "str | os.PathLike", job_id: str) -> Dict[int, str]:
     """How the forked ranks of job ``job_id`` that died and are not reaped yet ended, read by any process (the
     launcher is not their parent) from ``/proc/<pid>/stat``'s ``exit_code`` (field 52, a wait status, Linux >= 3.5):
     ``{rank: "exit by signal 9, SIGKILL"}``. Empty where ``/proc`` does not say."""
-    out: Dict[int, str] = {}
-    for rank, pid in (read_rank_pids(folder, job_id) or {}).items():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: comm may hold spaces
-        if fields[0] == "Z" and len(fields) >= 50:
-            line = signal_line(int(fields[49]))
-            if line:
-                out[rank] = line
-    return out
+    found = {rank: zombie_signal(pid) for rank, pid in (read_rank_pids(folder, job_id) or {}).items()}
+    return {rank: line for rank, line in found.items() if line}
+
+
+def zombie_signal(pid: int) -> str:
+    """How process ``pid`` ended when it is a zombie that a signal killed (``exit by signal 9, SIGKILL``), read by any
+    process from ``/proc/<pid>/stat``'s ``exit_code`` (field 52, a wait status, Linux >= 3.5); "" otherwise."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: comm may hold spaces
+    return signal_line(int(fields[49])) if fields[0] == "Z" and len(fields) >= 50 else ""
 
 
 def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
