@@ -65,6 +65,8 @@ def mbs_sweep(tmp_path_factory, cache_dir):
 @pytest.mark.slow
 def test_sweep_table_numbers_are_the_metrics_numbers(mbs_sweep):
     proc, sd = mbs_sweep
+    assert proc.stdout.count("[sweep] point 0: completed at iteration 5 of 5") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("[sweep] point 1: completed at iteration 5 of 5") == 1, proc.stdout[-3000:]
     for name in ("summary.csv", "summary.md", "summary.png"):
         assert (sd / name).stat().st_size > 0, name
     assert (sd / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -133,7 +133,9 @@ def record_point(
     if quiet:
         return
     if status != "running":
-        line = f"point {point.num}: {status}" + (f" -- {short_reason(reason)}" if reason else "")
+        reached, total = (record.get("measured") or {}).get("iteration"), record.get("training", {}).get("train_iters")
+        at = f" at iteration {reached} of {total}" if reached is not None and total else ""
+        line = f"point {point.num}: {status}{at}" + (f" -- {short_reason(reason)}" if reason else "")
         say(line)
     rebuild(point.sweep_dir)
 
