@@ -99,6 +99,13 @@ def test_trials_run_on_warm_ranks_until_a_stop_rule(tuned):
     assert rows and all(r["status"] == "completed" and r["step_time_median_s"] != "" for r in rows.values()), rows
     assert sorted(p.name for p in tune_dir.iterdir() if p.is_dir()) == [".pool", *sorted(rows)]
     assert "stopped: " in proc.stdout
+    # each trial's phases on the console while it runs (its launcher's lines, echoed from the trial's log)
+    out = proc.stdout
+    for num in rows:
+        start, done = out.index(f"[tune] trial {num}: starting ("), out.index(f"[tune] trial {num}: completed in")
+        phases = [ln for ln in out[start:done].splitlines() if ln.startswith(f"[tune] trial {num}: ")]
+        assert any(": iteration " in ln for ln in phases), phases  # the training loop's progress
+        assert any("ranks" in ln or "rank 0" in ln for ln in phases[1:]), phases  # the job's start-up
 
 
 @pytest.mark.slow

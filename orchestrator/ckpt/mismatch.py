@@ -70,6 +70,7 @@ _IGNORE_KEYS = {
     "training.distributed_timeout_minutes",
     "training.eval_interval",
     "training.eval_iters",
+    "training.spike.suggest_lr",  # advice for a stop's fix, not math
     "model.make_vocab_size_divisible_by",
     "model.vocab_size",  # judged by the (padded) vocab
     "model.transformer_impl",

@@ -221,7 +221,26 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
                 cfg.run.dir = run_dir
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise hydra_error(exc, searched, root, parsed) from None
+    _fill_suggest_lr(cfg, overrides, parsed, config_dir)
     return cfg
+
+
+LR_KEY = "optimizer.lr"
+
+
+def _fill_suggest_lr(cfg: Any, overrides: List[str], parsed: List[Any], config_dir: Optional[str]) -> None:
+    """``training.spike.suggest_lr``, when null and the command line set ``optimizer.lr``: the learning rate of the
+    same composition without that override (the experiment's own), if it is lower -- what a spike or NaN stop then
+    proposes (:func:`orchestrator.config.spike.proposed_lr`). One more composition, only for such a command line."""
+    from omegaconf import OmegaConf, open_dict
+
+    set_lr = [raw for raw, o in zip(overrides, parsed) if o.key_or_group.lstrip("+~") == LR_KEY]
+    if not set_lr or OmegaConf.select(cfg, "training.spike.suggest_lr") is not None:
+        return
+    own = OmegaConf.select(compose_dict([o for o in overrides if o not in set_lr], config_dir), LR_KEY)
+    if own is not None and float(own) < float(OmegaConf.select(cfg, LR_KEY)):
+        with open_dict(cfg):
+            OmegaConf.update(cfg, "training.spike.suggest_lr", float(own), force_add=True)
 
 
 NAMED_GROUPS = ("model", "parallelism", "optimizer", "data")

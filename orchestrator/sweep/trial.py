@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -95,6 +96,56 @@ def log_reason(log_path: Path, lines: int = 15) -> str:
     return "\n".join(text[start : start + lines] if start is not None else text[-lines:])
 
 
+class PhaseEcho:
+    """While a trial runs, its launcher's progress on the tune's console: each new phase line of the trial's log
+    (``[orchestrator] ...``, ``iteration k/n | ...``) as ``[tune] trial N: ...``, and at least one line every
+    ``every_s`` seconds (the phase and how long it has lasted), so a tune is never silent while a trial starts its
+    ranks, builds the model and trains (13-22 s a trial here). ``out``: the console, taken before the trial's
+    output is redirected to its log. A context manager; its thread only reads the log."""
+
+    def __init__(self, log_path: Path, num: int, out: Any, every_s: float = 2.5):
+        self.log_path, self.num, self.out, self.every_s = Path(log_path), num, out, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"tune-trial-{num}", daemon=True)
+
+    def __enter__(self) -> "PhaseEcho":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _say(self, text: str) -> None:
+        self.out.write(f"[tune] trial {self.num}: {text}\n")
+        self.out.flush()
+
+    def _run(self) -> None:
+        offset, phase = 0, "starting (composing, preparing the data, starting the ranks)"
+        began = said = since = time.monotonic()
+        self._say(phase)
+        while not self.stop.wait(0.5):
+            try:
+                with self.log_path.open("rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+            except OSError:
+                chunk = b""
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
+            offset += len(complete)
+            lines = [ln.strip() for ln in complete.decode(errors="replace").splitlines()]
+            phases = [
+                ln.removeprefix("[orchestrator] ") for ln in lines if ln.startswith(("[orchestrator] ", "iteration "))
+            ]
+            now = time.monotonic()
+            if phases and phases[-1] != phase:
+                phase, since, said = phases[-1], now, now
+                self._say(phase)
+            elif now - said >= self.every_s:
+                said = now
+                self._say(f"{phase} ({now - since:.0f} s in this phase, {now - began:.0f} s in the trial)")
+
+
 class TrialRunner:
     """Runs trials for one tune session; ``close()`` ends its warm ranks."""
 
@@ -111,8 +162,10 @@ class TrialRunner:
 
     def run(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
         """(summary of a completed job or None, the failure's reason, wall seconds)."""
+        num = int(run_dir.name) if run_dir.name.isdigit() else 0
         if self.pool is None:
-            rc, wall = run_cli(args, run_dir / LOG, 60 * self.opts.trial_timeout_min + 180)
+            with PhaseEcho(run_dir / LOG, num, sys.stdout):
+                rc, wall = run_cli(args, run_dir / LOG, 60 * self.opts.trial_timeout_min + 180)
             summary = job_summary(run_dir)
             if rc == 0 and summary and summary.get("status") == "completed":
                 return summary, "", wall
@@ -121,7 +174,8 @@ class TrialRunner:
                 (f"timed out after {wall:.0f} s" if rc == 124 else log_reason(run_dir / LOG)) or f"exit code {rc}",
                 wall,
             )
-        return self._warm(args, run_dir)
+        with PhaseEcho(run_dir / LOG, num, sys.stdout):  # the console, before _warm redirects to the log
+            return self._warm(args, run_dir)
 
     def _warm(self, args: List[str], run_dir: Path) -> Tuple[Optional[Dict[str, Any]], str, float]:
         from submitit.core.logger import get_logger

@@ -118,18 +118,20 @@ def check(
 def _stop(guard, iteration: int, what: str, value: float, reference: float, n: int) -> None:
     """End the attempt as ``spike`` (recorded once) and raise LossSpikeError, naming value and reference."""
     from orchestrator.ckpt import history
+    from orchestrator.config.spike import proposed_lr
     from orchestrator.errors import LossSpikeError
     from orchestrator.runtime.faults.diskspace import latest_checkpoint
 
     cfg = guard.cfg
     lr, factor = cfg.optimizer.lr, cfg.training.spike.factor
+    lower, why = proposed_lr(lr, cfg.training.spike.suggest_lr)
     latest = latest_checkpoint(guard.run_dir)
     keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
     message = (
         f"{what} spike at iteration {iteration}: {value:.6g} > training.spike.factor={factor:g} x "
         f"{REFERENCE[what][0]} {reference:.6g} of the last {n} iteration(s): stopped before anything of "
         f"iteration {iteration} was saved, {keep}; fix: lower the learning rate (optimizer.lr={lr:g} -> "
-        f"optimizer.lr={lr / 10:g}) and {'rerun to resume' if latest else 'rerun (nothing was saved: it starts again from iteration 0)'}, "
+        f"optimizer.lr={lower:g}, {why}) and {'rerun to resume' if latest else 'rerun (nothing was saved: it starts again from iteration 0)'}, "
         "or training.spike.factor=null to train through spikes"
     )
     if history.claim_attempt_end(guard.run_dir, guard.job_id, guard.attempt):
