@@ -135,7 +135,9 @@ class PhaseEcho:
             offset += len(complete)
             lines = [ln.strip() for ln in complete.decode(errors="replace").splitlines()]
             phases = [
-                ln.removeprefix("[orchestrator] ") for ln in lines if ln.startswith(("[orchestrator] ", "iteration "))
+                ln.removeprefix("[orchestrator] ").removeprefix("... ")
+                for ln in lines
+                if ln.startswith(("[orchestrator] ", "iteration ", "... "))
             ]
             now = time.monotonic()
             if phases and phases[-1] != phase:
