@@ -124,28 +124,33 @@ class PhaseEcho:
         offset, phase = 0, "starting (composing, preparing the data, starting the ranks)"
         began = said = since = time.monotonic()
         self._say(phase)
-        while not self.stop.wait(0.5):
-            try:
-                with self.log_path.open("rb") as fh:
-                    fh.seek(offset)
-                    chunk = fh.read()
-            except OSError:
-                chunk = b""
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
-            offset += len(complete)
-            lines = [ln.strip() for ln in complete.decode(errors="replace").splitlines()]
-            phases = [
-                ln.removeprefix("[orchestrator] ").removeprefix("... ")
-                for ln in lines
-                if ln.startswith(("[orchestrator] ", "iteration ", "... "))
-            ]
+        while True:
+            stopping = self.stop.wait(0.5)  # once stopping: one last read, so the trial's last lines are said
+            offset, phases = self._read(offset)
             now = time.monotonic()
-            if phases and phases[-1] != phase:
-                phase, since, said = phases[-1], now, now
-                self._say(phase)
-            elif now - said >= self.every_s:
+            for line in phases:
+                phase, since, said = line, now, now
+                self._say(line)
+            if stopping:
+                return
+            if now - said >= self.every_s:
                 said = now
                 self._say(f"{phase} ({now - since:.0f} s in this phase, {now - began:.0f} s in the trial)")
+
+    def _read(self, offset: int) -> "Tuple[int, List[str]]":
+        """(the new offset, the phase lines of the log's whole lines after ``offset``)."""
+        try:
+            with self.log_path.open("rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+        except OSError:
+            return offset, []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
+        lines = [ln.strip() for ln in complete.decode(errors="replace").splitlines()]
+        starts = ("[orchestrator] ", "iteration ", "... ")
+        return offset + len(complete), [
+            ln.removeprefix("[orchestrator] ").removeprefix("... ") for ln in lines if ln.startswith(starts)
+        ]
 
 
 class TrialRunner:
