@@ -59,6 +59,18 @@ def ranks_died(ranks: Iterable[int], how: str = "") -> str:
     return f"rank(s) {sorted(ranks)} died without a result ({f'{how}: ' if how else ''}killed? out of memory?)"
 
 
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+    "timed out",
+)
+"""What gloo / NCCL / the store say when another rank is gone (torch 2.13's own messages): such an error is a peer's
+death seen from a survivor, not a cause of its own."""
+
+
 RANKS_DIED = re.compile(r"rank\(s\) \[[\d, ]+\] died without a result( \([^)]*\))?")
 """A :func:`ranks_died` line (at the start of a recorded end: ``status`` names those ranks)."""
 

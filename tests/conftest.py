@@ -84,10 +84,10 @@ groups in this order (``--no-loadscope-reorder``), so no long module starts last
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Three pytest-xdist workers (``-n 3 --dist loadgroup --no-loadscope-reorder``, pyproject): the SLURM
+    """Two pytest-xdist workers (``-n 2 --dist loadgroup --no-loadscope-reorder``, pyproject): the SLURM
     tests, first in the queue, on one of them, one after another (they mostly wait on the dev cluster's
     timers), while the other modules, a module at a time (its module-scoped reference runs are built
-    once), fill the other two longest first."""
+    once), fill both workers longest first."""
 
     def order(item) -> tuple:
         if item.get_closest_marker("slurm"):

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
 
 from orchestrator.ckpt import history
-from orchestrator.errors import RANKS_DIED
+from orchestrator.errors import PEER_LOST, RANKS_DIED
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
 _JOB_CAUSES = ("nan", "spike", "hang", "disk full")  # a crash's record names one rank's error; its traceback says more
@@ -198,6 +199,18 @@ def srun_killed(job) -> List[int]:
             lo, _, hi = part.partition("-")
             killed += range(int(lo), int(hi or lo) + 1)
     return sorted(set(killed))
+
+
+def srun_killed_after(job, errors: Iterable[Any], wait_s: float = 10.0) -> List[int]:
+    """:func:`srun_killed`, waiting up to ``wait_s`` for srun's line when a failed rank's error is a peer's death
+    (:data:`~orchestrator.errors.PEER_LOST`): the survivor's broken connection reaches the launcher before srun has
+    reaped the killed task and said so (seen under load: the record named the survivor, not the killed rank)."""
+    deadline = time.monotonic() + (wait_s if any(w in str(e) for e in errors for w in PEER_LOST) else 0.0)
+    while True:
+        killed = srun_killed(job)
+        if killed or time.monotonic() >= deadline:
+            return killed
+        time.sleep(0.5)
 
 
 def slurm_cause(state: str) -> str:

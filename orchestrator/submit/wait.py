@@ -127,7 +127,7 @@ class _Wait:
                 f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)", "crashed", known
             )  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
         # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
-        dead = dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed(job)
+        dead = dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed_after(job, errors)
         rank = failed[0]
         detail = self.results[rank][1]
         tail = str(detail).strip().splitlines()[-15:] if detail else []

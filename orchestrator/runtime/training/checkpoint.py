@@ -25,7 +25,7 @@ from typing import Dict, List
 import torch
 
 from orchestrator.config.schema import JobConfig
-from orchestrator.errors import CheckpointLoadError, ManifestError, OrchestratorError
+from orchestrator.errors import PEER_LOST, CheckpointLoadError, ManifestError, OrchestratorError
 
 CHECKPOINTS = "checkpoints"
 
@@ -204,17 +204,6 @@ def load(path: Path, model, optimizer=None, scheduler=None) -> Dict[str, int]:
         ) from exc
 
 
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "Socket Timeout",
-    "timed out",
-)
-"""What gloo / NCCL / the store say when another rank is gone (torch 2.13's own messages)."""
-
-
 def _peer_lost(exc: BaseException) -> bool:
     """Whether a failed load (or any rank's failure inside torch's ``CheckpointException``) was a broken
     collective -- another rank gone -- rather than this checkpoint's bytes."""
@@ -223,7 +212,7 @@ def _peer_lost(exc: BaseException) -> bool:
     for error in errors:
         while error is not None:
             if isinstance(error, getattr(torch.distributed, "DistError", ())) or any(
-                m in str(error) for m in _PEER_LOST
+                m in str(error) for m in PEER_LOST
             ):
                 return True
             error = error.__cause__ or error.__context__
