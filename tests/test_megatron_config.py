@@ -28,11 +28,13 @@ DELIBERATE = {"ddp": {"check_for_nan_in_grad"}}
 
 
 def _ours(overrides, device="cuda", te=True):
+    from orchestrator.config.layout import layout_from_config
     from orchestrator.runtime.rank.mcore import version
     from orchestrator.runtime.rank.megatron_config import Installed, build
 
     cfg = compose_config(list(overrides))
-    return cfg, build(cfg, device, Installed(te, te, version())).as_json()
+    dp = layout_from_config(cfg).data_parallel_size  # the layout a launcher validates and the ranks carry
+    return cfg, build(cfg, device, Installed(te, te, version()), dp).as_json()
 
 
 def test_three_goldens_are_there():

@@ -211,7 +211,9 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
         outcomes["accepted"] += 1
         device = "cpu" if runs_on_cpu(cfg) else "cuda"
         try:
-            tf = build(cfg, device, Installed(device == "cuda", False, version())).transformer  # TE on GPU nodes
+            tf = build(
+                cfg, device, Installed(device == "cuda", False, version()), layout.data_parallel_size
+            ).transformer
             dp = megatron_parallel_groups(layout)
         except Exception as exc:
             pytest.fail(f"{where}: validate accepted it but megatron-core refuses: {type(exc).__name__}: {exc}")

@@ -126,12 +126,13 @@ def data_parallel_size(cfg) -> int:
     return layout_from_config(cfg).data_parallel_size
 
 
-def overlaps(cfg, gpu: bool) -> Tuple[bool, bool]:
-    """(overlap_grad_reduce, overlap_param_gather) of the job: the config's when stated; null means on
-    for a GPU job with DP > 1 (param gather: with the distributed optimizer), as NVIDIA's published
-    pretraining recipes (Megatron-Bridge ``CommOverlapConfig``) — Megatron-LM's bare flags default off."""
+def overlaps(cfg, gpu: bool, dp: int) -> Tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather) of the job at data-parallel size ``dp`` (the layout's: a rank
+    passes the one it carries): the config's when stated; null means on for a GPU job with DP > 1 (param gather:
+    with the distributed optimizer), as NVIDIA's published pretraining recipes (Megatron-Bridge
+    ``CommOverlapConfig``) — Megatron-LM's bare flags default off."""
     p = cfg.parallelism
-    on = gpu and data_parallel_size(cfg) > 1
+    on = gpu and dp > 1
     grad = p.overlap_grad_reduce if p.overlap_grad_reduce is not None else on
     gather = (
         p.overlap_param_gather if p.overlap_param_gather is not None else on and cfg.optimizer.use_distributed_optimizer

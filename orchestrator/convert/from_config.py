@@ -159,9 +159,9 @@ def _tokenizer(cfg) -> List[List[str]]:
 def _overlap(flag: str, which: int) -> Callable[[Any], List[List[str]]]:
     def exporter(cfg) -> List[List[str]]:
         from orchestrator.config.machine import runs_on_cpu
-        from orchestrator.config.megatron_fields import overlaps
+        from orchestrator.config.megatron_fields import data_parallel_size, overlaps
 
-        return [[flag]] if overlaps(cfg, not runs_on_cpu(cfg))[which] else []
+        return [[flag]] if overlaps(cfg, not runs_on_cpu(cfg), data_parallel_size(cfg))[which] else []
 
     return exporter
 

@@ -21,8 +21,9 @@ from typing import List, Optional
 from orchestrator.errors import OrchestratorError
 
 
-def megatron_json(cfg) -> tuple:
-    """(the megatron config of ``cfg`` as JSON, the device, what was assumed about the GPU nodes or None)."""
+def megatron_json(cfg, dp: Optional[int] = None) -> tuple:
+    """(the megatron config of ``cfg`` at data-parallel size ``dp`` (default: its validated layout's) as JSON, the
+    device, what was assumed about the GPU nodes or None)."""
     from orchestrator.config.machine import runs_on_cpu
     from orchestrator.runtime.rank import megatron_config as mcfg
     from orchestrator.runtime.rank.mcore import version
@@ -41,7 +42,11 @@ def megatron_json(cfg) -> tuple:
             "fused weight-gradient kernel (NVIDIA's PyTorch containers); the job records what it built "
             "in <run.dir>/megatron_config.json"
         )
-    return mcfg.build(cfg, device, facts).as_json(), device, assumed
+    if dp is None:
+        from orchestrator.config.layout import layout_from_config
+
+        dp = layout_from_config(cfg).data_parallel_size
+    return mcfg.build(cfg, device, facts, dp).as_json(), device, assumed
 
 
 @contextlib.contextmanager
@@ -77,10 +82,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = dataclasses.replace(
             compose_config(with_config_dir_flags(argv)), plan=True
         )  # plan: nothing is written, nothing queued
-        validate(cfg)
+        layout = validate(cfg)
         print("[orchestrator] config valid; importing megatron-core to build its three configs", file=sys.stderr)
         with lean_imports():
-            config, device, assumed = megatron_json(cfg)
+            config, device, assumed = megatron_json(cfg, layout.data_parallel_size)
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -212,11 +212,12 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     return config
 
 
-def ddp_config(cfg: JobConfig, device: str):
-    """megatron ``DistributedDataParallelConfig``: fp32 gradient reduction, NaN check, overlaps."""
+def ddp_config(cfg: JobConfig, device: str, dp: int):
+    """megatron ``DistributedDataParallelConfig``: fp32 gradient reduction, NaN check, overlaps (``dp``: the layout's
+    data-parallel size)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    grad, gather = overlaps(cfg, device == "cuda")
+    grad, gather = overlaps(cfg, device == "cuda", dp)
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
         # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
@@ -232,12 +233,12 @@ def ddp_config(cfg: JobConfig, device: str):
     )
 
 
-def optimizer_config(cfg: JobConfig, device: str):
-    """megatron ``OptimizerConfig``: Megatron-LM's optimizer flags."""
+def optimizer_config(cfg: JobConfig, device: str, dp: int):
+    """megatron ``OptimizerConfig``: Megatron-LM's optimizer flags (``dp``: the layout's data-parallel size)."""
     from megatron.core.optimizer import OptimizerConfig
 
     o, t = cfg.optimizer, cfg.training
-    _, gather = overlaps(cfg, device == "cuda")
+    _, gather = overlaps(cfg, device == "cuda", dp)
     return OptimizerConfig(
         optimizer=o.name,
         lr=o.lr,
@@ -256,10 +257,14 @@ def optimizer_config(cfg: JobConfig, device: str):
     )
 
 
-def build(cfg: JobConfig, device: str, facts: Installed) -> MegatronConfig:
-    """The job's megatron config for ``device`` on a machine with ``facts``; no CUDA call, no process
-    group. Raises ConfigError / BackendError for what the device cannot run."""
+def build(cfg: JobConfig, device: str, facts: Installed, dp: int) -> MegatronConfig:
+    """The job's megatron config for ``device`` on a machine with ``facts`` at data-parallel size ``dp`` (the
+    validated layout's); no CUDA call, no process group. Raises ConfigError / BackendError for what the device
+    cannot run."""
     impl = resolve_transformer_impl(cfg, device, facts)
     return MegatronConfig(
-        transformer_config(cfg, device, facts, impl), ddp_config(cfg, device), optimizer_config(cfg, device), impl
+        transformer_config(cfg, device, facts, impl),
+        ddp_config(cfg, device, dp),
+        optimizer_config(cfg, device, dp),
+        impl,
     )

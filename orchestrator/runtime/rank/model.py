@@ -127,13 +127,13 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str, mc) -> tuple:
     return chunks, tf_config, padded
 
 
-def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str) -> Built:
-    """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler."""
+def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, dp: int) -> Built:
+    """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler (``dp``: the carried layout's DP)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl))
+    mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl), dp)
     if (
         device == "cuda"
         and cfg.model.transformer_impl == "auto"
