@@ -79,6 +79,19 @@ def show_plan(cfg: JobConfig) -> None:
         print(suggest.format_suggestions(suggestions), flush=True)
 
 
+def check_passthrough(cfg: JobConfig, layout: ParallelLayout) -> None:
+    """``model/parallelism/optimizer.megatron``: a field the installed megatron-core lacks, or one a schema key owns,
+    is one ConfigError line before anything is written or queued (megatron-core is imported only when they are
+    used). :mod:`orchestrator.config.megatron_passthrough`."""
+    from orchestrator.config.megatron_passthrough import passthrough
+
+    if not any(passthrough(cfg).values()):
+        return
+    from orchestrator.runtime.rank.megatron_config import check_buildable
+
+    check_buildable(cfg, layout.data_parallel_size)  # names, schema-owned fields, then megatron-core's own checks
+
+
 def dry_run(cfg: JobConfig, layout: ParallelLayout) -> None:
     if cfg.cluster.kind == "slurm":
         from orchestrator.submit.sbatch import render_sbatch
@@ -215,6 +228,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
         layout = validate(cfg)
     if cfg.gpu is not None:
         gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
+    check_passthrough(cfg, layout)
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes

@@ -202,3 +202,54 @@ def test_resume_carries_speed_changes_and_refuses_math_changes():
         for line in text.splitlines()
     )
     assert "apply_residual_connection_post_layernorm" not in PERFORMANCE_FIELDS["transformer"]
+
+
+@pytest.mark.mcore_lines
+def test_any_megatron_field_passes_through_and_a_bad_one_is_one_line(capsys, tmp_path, monkeypatch):
+    """model/parallelism/optimizer.megatron set fields the schema does not name (both megatron-core lines have
+    these three); a name the class lacks gets the closest names, a schema-owned one the key that owns it, a value
+    megatron-core refuses its own reason: each one error line, exit 2, nothing written."""
+    from orchestrator.ckpt.megatron_resume import check_megatron_config
+    from orchestrator.errors import ResumeMismatchError
+
+    monkeypatch.chdir(tmp_path)
+    passed = [
+        "+model.megatron.layernorm_epsilon=1e-6",
+        "+parallelism.megatron.bucket_size=1000000",
+        "+optimizer.megatron.loss_scale_window=500",
+    ]
+    base = ["+experiment=gpt_pp2_dp2", "training.device=cpu"]
+    _, plain = _ours(base, device="cpu", te=False)
+    _, built = _ours(base + passed, device="cpu", te=False)
+    assert (plain["transformer"]["layernorm_epsilon"], built["transformer"]["layernorm_epsilon"]) == (1e-5, 1e-6)
+    assert built["ddp"]["bucket_size"] == 1000000 and built["optimizer"]["loss_scale_window"] == 500
+    from orchestrator.convert.from_config import flags
+
+    exported = flags(compose_config(base + passed + ["+model.megatron.tp_comm_overlap=true"]))
+    for flag in (["--layernorm-epsilon", "1e-06"], ["--bucket-size", "1000000"], ["--loss-scale-window", "500"]):
+        assert flag in exported, exported  # Megatron-LM's flags of the same names
+    assert ["--tp-comm-overlap"] in exported
+    said = []  # on resume: the epsilon is math (refused), the bucket size speed (carried)
+    with pytest.raises(ResumeMismatchError, match="layernorm_epsilon"):
+        check_megatron_config({"megatron_config": plain}, built, "ckpt", said.append)
+    faster = json.loads(json.dumps(plain))
+    faster["ddp"]["bucket_size"] = 1000000
+    assert [k for k, _, _ in check_megatron_config({"megatron_config": plain}, faster, "ckpt", said.append)] == [
+        "ddp.bucket_size"
+    ]
+    for override, words in (
+        (
+            "+model.megatron.layernorm_epsilonn=1e-6",
+            "has no field layernorm_epsilonn; fix: did you mean layernorm_epsilon",
+        ),
+        (
+            "+model.megatron.num_layers=8",
+            "model.megatron.num_layers=8: model.num_layers sets megatron-core's num_layers",
+        ),
+        ("+optimizer.megatron.lr=0.1", "optimizer.megatron.lr=0.1: optimizer.lr sets"),
+        ("+model.megatron.cpu_offloading=true", "megatron-core refused the pass-through fields"),  # with PP 2
+    ):
+        code, out, err = _cli(capsys, *base, override)
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and words in lines[0], (override, err)
+    assert list(tmp_path.iterdir()) == []  # nothing written

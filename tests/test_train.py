@@ -265,7 +265,8 @@ def _assert_matches(reference, run_dir: Path, after: int, rel: float) -> None:
 def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, reference, resume_args, cut):
     """Stopped after 2 iterations (checkpoint), the same command rerun: the next 18 iterations match (1e-5 rel)."""
     run_dir = _copy_run(cut, tmp_path)
-    second = run_cli(resume_args + [f"run.root={tmp_path}", "run.name=cut"], cache=cache_dir)
+    bucket = ["+parallelism.megatron.bucket_size=1000000"]  # a DDP field the schema does not name: speed only
+    second = run_cli(resume_args + [f"run.root={tmp_path}", "run.name=cut"] + bucket, cache=cache_dir)
     assert "will resume from" in second.stdout and "iter_0000002" in second.stdout
     records = read_metrics(run_dir)
     assert [r["iteration"] for r in records] == list(range(1, REFERENCE_ITERS + 1))  # nothing retrained
@@ -279,10 +280,14 @@ def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, 
     assert manifest["megatron_config"] == built and manifest["megatron_config_sha256"] == config_hash(built)
     assert built["transformer"]["bias_activation_fusion"] is True  # Megatron-LM's tanh GELU, on CPU too
     assert built["ddp"]["overlap_grad_reduce"] is False and built["transformer"]["pipeline_model_parallel_size"] == 2
+    assert built["ddp"]["bucket_size"] == 1000000  # the pass-through reached megatron-core, carried on resume
+    assert "ddp.bucket_size" in second.stdout  # said: a speed change, the model's function as it was
     from orchestrator.config.compose import compose_config
     from orchestrator.convert.megatron_config_cli import megatron_json
 
-    predicted, device, _ = megatron_json(compose_config(resume_args + [f"run.root={tmp_path}", "run.name=cut"]))
+    predicted, device, _ = megatron_json(
+        compose_config(resume_args + [f"run.root={tmp_path}", "run.name=cut"] + bucket)
+    )
     assert (predicted, device) == (built, "cpu")  # `megatron-config` prints what the job built
 
 

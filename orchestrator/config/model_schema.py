@@ -7,8 +7,8 @@ Megatron's own names (TransformerConfig, Megatron-LM's arguments) for every fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 
 @dataclass
@@ -41,6 +41,8 @@ class ParallelismConfig:
     overlap_param_gather: Optional[bool] = None
     """Overlap the distributed optimizer's parameter all-gather with the forward pass. Null: on for a GPU
     job with DP > 1 and optimizer.use_distributed_optimizer, else off."""
+    megatron: Dict[str, Any] = field(default_factory=dict)
+    """Any field of megatron-core's DistributedDataParallelConfig the schema does not name, applied last (:mod:`orchestrator.config.megatron_passthrough`)."""
 
 
 @dataclass
@@ -93,3 +95,5 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     transformer_impl: str = "auto"
     """auto (Transformer Engine on GPU when installed, else local), local or transformer_engine."""
+    megatron: Dict[str, Any] = field(default_factory=dict)
+    """Any field of megatron-core's TransformerConfig the schema does not name, applied last (:mod:`orchestrator.config.megatron_passthrough`)."""

@@ -8,7 +8,7 @@ Megatron's own names for the optimizer, the learning-rate schedule and the batch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from orchestrator.config.slowness import StragglerConfig
 from orchestrator.config.spike import SpikeConfig
@@ -36,6 +36,8 @@ class OptimizerConfig:
     """Null = training.train_iters."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (ZeRO-1). GPU only in megatron-core 0.16.1."""
+    megatron: Dict[str, Any] = field(default_factory=dict)
+    """Any field of megatron-core's OptimizerConfig the schema does not name, applied last (:mod:`orchestrator.config.megatron_passthrough`)."""
 
 
 @dataclass

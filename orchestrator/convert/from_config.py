@@ -187,8 +187,26 @@ EXPORTERS: Dict[str, Callable[[Any], List[List[str]]]] = {
 """Exporters of the ``special`` rows that export (the table's import-only specials need none)."""
 
 
+def _passthrough(cfg) -> List[List[str]]:
+    """``model/parallelism/optimizer.megatron`` as Megatron-LM's flags of the same names (``tp_comm_overlap: true``
+    -> ``--tp-comm-overlap``; a value -> ``--bucket-size 1000000``; false: Megatron-LM's default for its store-true
+    flags, left out). They also travel on ``# orchestrator:`` lines, so ``from-megatron`` gets them back exactly."""
+    from orchestrator.config.megatron_passthrough import passthrough
+
+    out: List[List[str]] = []
+    for fields in passthrough(cfg).values():
+        for name, value in sorted(fields.items()):
+            flag = "--" + name.replace("_", "-")
+            if value is True:
+                out.append([flag])
+            elif value is not False and value is not None:
+                out.append([flag, *map(_text, value if isinstance(value, (list, tuple)) else [value])])
+    return out
+
+
 def flags(cfg) -> List[List[str]]:
-    """``pretrain_gpt.py`` flags of ``cfg``, each ``[flag, values...]``, in table order."""
+    """``pretrain_gpt.py`` flags of ``cfg``, each ``[flag, values...]``, in table order, then the pass-through
+    fields' (:func:`_passthrough`)."""
     out: List[List[str]] = []
     for r in M.TABLE:
         if not r.export or r.key is None or r.kind in ("none", "wrong"):
@@ -206,7 +224,7 @@ def flags(cfg) -> List[List[str]]:
             and not (r.default is not M.KEEP and value == r.default and type(value) is type(r.default))
         ):
             out.append([r.flag, _text(value)])
-    return out
+    return out + _passthrough(cfg)
 
 
 def _quote(word: str) -> str:

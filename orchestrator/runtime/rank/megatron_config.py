@@ -21,11 +21,12 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from orchestrator.config.megatron_fields import fields_of, overlaps
+from orchestrator.config.megatron_passthrough import passthrough
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
 
@@ -134,6 +135,41 @@ def _check_device(cfg: JobConfig, device: str) -> None:
         )
 
 
+def _over(passed: Dict[str, Any], **derived: Any) -> Dict[str, Any]:
+    """A megatron config's arguments: what the runtime derives, then the config's pass-through fields over it
+    (``model.megatron`` / ``parallelism.megatron`` / ``optimizer.megatron``, checked by :func:`passthrough_problems`
+    before anything is queued: never a field a schema key owns)."""
+    return {**derived, **dict(passed or {})}
+
+
+def passthrough_problems(cfg: JobConfig) -> List[str]:
+    """One line for each pass-through field the installed megatron-core's class does not have (with the closest
+    names) or a schema key already sets (:func:`orchestrator.config.megatron_passthrough.owned_problems`)."""
+    import dataclasses
+    import difflib
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from orchestrator.config.megatron_passthrough import SECTIONS, owned_problems
+    from orchestrator.runtime.rank.mcore import version
+
+    classes = {"transformer": TransformerConfig, "ddp": DistributedDataParallelConfig, "optimizer": OptimizerConfig}
+    problems = []
+    for group, section in SECTIONS.items():
+        known = [f.name for f in dataclasses.fields(classes[section])]
+        for name in sorted(getattr(cfg, group).megatron or {}):
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+                problems.append(
+                    f"{group}.megatron.{name}: megatron-core {version()}'s {classes[section].__name__} has no field "
+                    f"{name}; fix: {'did you mean ' + ' or '.join(near) + '?' if near else 'check the name'} "
+                    f"({group}.megatron sets that class's fields by their own names)"
+                )
+    return problems + owned_problems(cfg)
+
+
 def _moe_fields(m) -> dict:
     """A MoE model's router and dispatcher (none for a dense model: megatron-core's defaults stay, as in
     Megatron-LM): top-k routing with the aux load-balancing loss, tokens exchanged all-to-all over the EP
@@ -160,51 +196,54 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     rope_fusion = gpu and impl == "transformer_engine" and m.position_embedding_type == "rope"
     interleaved = gpu and vpp is not None  # Megatron-LM overlaps the interleaved schedule's p2p on GPU
     config = TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        normalization=m.normalization,
-        gated_linear_unit=swiglu,
-        activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
-        add_bias_linear=m.add_bias_linear,
-        add_qkv_bias=m.add_bias_linear,
-        num_moe_experts=m.num_moe_experts,
-        **_moe_fields(m),
-        recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16",
-        use_cpu_initialization=None if gpu else True,
-        perform_initialization=True,  # None: Megatron-LM's
-        inference_sampling_seed=t.seed,
-        cp_comm_type="p2p",
-        # math, Megatron-LM's on every device: the fused bias-GELU is GELU's tanh approximation
-        # (--bias-gelu-fusion, off without biases as validate_args turns it off); SwiGLU's is exact
-        bias_activation_fusion=swiglu or m.add_bias_linear,
-        attention_softmax_in_fp32=False,
-        # speed only: CUDA kernels on GPU (fp32 weight-gradient GEMMs where the kernel exists)
-        gradient_accumulation_fusion=gpu and facts.fused_wgrad,
-        masked_softmax_fusion=gpu,
-        bias_dropout_fusion=gpu,
-        persist_layer_norm=gpu,
-        apply_rope_fusion=False,  # set below: its check looks for TE in *this* process
-        deallocate_pipeline_outputs=gpu,
-        overlap_p2p_comm=interleaved,
-        batch_p2p_comm=not interleaved,
+        **_over(
+            cfg.model.megatron,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
+            init_method_std=m.init_method_std,
+            normalization=m.normalization,
+            gated_linear_unit=swiglu,
+            activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
+            add_bias_linear=m.add_bias_linear,
+            add_qkv_bias=m.add_bias_linear,
+            num_moe_experts=m.num_moe_experts,
+            **_moe_fields(m),
+            recompute_granularity=m.recompute_granularity,
+            recompute_method=m.recompute_method,
+            recompute_num_layers=m.recompute_num_layers,
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=p.context_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            sequence_parallel=p.sequence_parallel,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=t.precision == "bf16",
+            fp16=t.precision == "fp16",
+            use_cpu_initialization=None if gpu else True,
+            perform_initialization=True,  # None: Megatron-LM's
+            inference_sampling_seed=t.seed,
+            cp_comm_type="p2p",
+            # math, Megatron-LM's on every device: the fused bias-GELU is GELU's tanh approximation
+            # (--bias-gelu-fusion, off without biases as validate_args turns it off); SwiGLU's is exact
+            bias_activation_fusion=swiglu or m.add_bias_linear,
+            attention_softmax_in_fp32=False,
+            # speed only: CUDA kernels on GPU (fp32 weight-gradient GEMMs where the kernel exists)
+            gradient_accumulation_fusion=gpu and facts.fused_wgrad,
+            masked_softmax_fusion=gpu,
+            bias_dropout_fusion=gpu,
+            persist_layer_norm=gpu,
+            apply_rope_fusion=False,  # set below: its check looks for TE in *this* process
+            deallocate_pipeline_outputs=gpu,
+            overlap_p2p_comm=interleaved,
+            batch_p2p_comm=not interleaved,
+        )
     )
     # TransformerConfig refuses apply_rope_fusion where TE's fused RoPE does not import; a GPU job's
     # config computed on a login node is about the GPU nodes (facts.transformer_engine), not this one
@@ -220,16 +259,19 @@ def ddp_config(cfg: JobConfig, device: str, dp: int):
     grad, gather = overlaps(cfg, device == "cuda", dp)
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
-        # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
-        grad_reduce_in_fp32=cfg.training.precision == "bf16",
-        overlap_grad_reduce=grad,
-        overlap_param_gather=gather,
-        align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        average_in_collective=False,
-        # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before
-        # training.nan_policy's guard (faults/guard.py) can stop naming the ranks, or skip the step
-        check_for_nan_in_grad=False,
+        **_over(
+            cfg.parallelism.megatron,
+            # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
+            grad_reduce_in_fp32=cfg.training.precision == "bf16",
+            overlap_grad_reduce=grad,
+            overlap_param_gather=gather,
+            align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            average_in_collective=False,
+            # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before
+            # training.nan_policy's guard (faults/guard.py) can stop naming the ranks, or skip the step
+            check_for_nan_in_grad=False,
+        )
     )
 
 
@@ -240,20 +282,23 @@ def optimizer_config(cfg: JobConfig, device: str, dp: int):
     o, t = cfg.optimizer, cfg.training
     _, gather = overlaps(cfg, device == "cuda", dp)
     return OptimizerConfig(
-        optimizer=o.name,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        sgd_momentum=o.sgd_momentum,
-        clip_grad=o.clip_grad,
-        bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16",
-        params_dtype=params_dtype(cfg),
-        use_distributed_optimizer=o.use_distributed_optimizer,
-        overlap_param_gather=gather,
+        **_over(
+            o.megatron,
+            optimizer=o.name,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            sgd_momentum=o.sgd_momentum,
+            clip_grad=o.clip_grad,
+            bf16=t.precision == "bf16",
+            fp16=t.precision == "fp16",
+            params_dtype=params_dtype(cfg),
+            use_distributed_optimizer=o.use_distributed_optimizer,
+            overlap_param_gather=gather,
+        )
     )
 
 
@@ -261,10 +306,34 @@ def build(cfg: JobConfig, device: str, facts: Installed, dp: int) -> MegatronCon
     """The job's megatron config for ``device`` on a machine with ``facts`` at data-parallel size ``dp`` (the
     validated layout's); no CUDA call, no process group. Raises ConfigError / BackendError for what the device
     cannot run."""
+    passed = {section: fields for section, fields in passthrough(cfg).items() if fields}
+    problems = passthrough_problems(cfg) if passed else []
+    if problems:
+        raise ConfigError(problems[0])
     impl = resolve_transformer_impl(cfg, device, facts)
-    return MegatronConfig(
-        transformer_config(cfg, device, facts, impl),
-        ddp_config(cfg, device, dp),
-        optimizer_config(cfg, device, dp),
-        impl,
-    )
+    try:
+        return MegatronConfig(
+            transformer_config(cfg, device, facts, impl),
+            ddp_config(cfg, device, dp),
+            optimizer_config(cfg, device, dp),
+            impl,
+        )
+    except (ValueError, AssertionError, ImportError, TypeError) as exc:
+        if not passed:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"megatron-core refused the pass-through fields {passed} on device={device}: {type(exc).__name__}: "
+            f"{first}; fix: change or drop them (model/parallelism/optimizer.megatron)"
+        ) from None
+
+
+def check_buildable(cfg: JobConfig, dp: int) -> None:
+    """Build the job's megatron config here, as ``megatron-config`` does (a GPU job's Transformer Engine assumed
+    on its nodes unless ``model.transformer_impl=local``): ConfigError (one line) for what megatron-core refuses."""
+    from orchestrator.config.machine import runs_on_cpu
+    from orchestrator.runtime.rank.mcore import version
+
+    cpu = runs_on_cpu(cfg)
+    te = not cpu and cfg.model.transformer_impl != "local"
+    build(cfg, "cpu" if cpu else "cuda", Installed(te, not cpu, version()), dp)
