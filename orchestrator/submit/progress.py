@@ -26,7 +26,7 @@ def _eta(seconds: float) -> str:
     return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
-class _Tail:
+class Tail:
     """New complete lines of a growing text file (metrics.jsonl, rank 0's log), from where it stood."""
 
     def __init__(self, path: Optional[Path], from_start: bool = False):
@@ -102,7 +102,7 @@ class Progress:
         every: float = HEARTBEAT_S,
     ):
         self.total = total
-        self.metrics, self.log = _Tail(path), _Tail(log, from_start=True)
+        self.metrics, self.log = Tail(path), Tail(log, from_start=True)
         self.last: Optional[Dict[str, Any]] = None
         self.step_s: Optional[float] = None
         self.bar = None

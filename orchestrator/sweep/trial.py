@@ -121,12 +121,19 @@ class PhaseEcho:
         self.out.flush()
 
     def _run(self) -> None:
-        offset, phase = 0, "starting (composing, preparing the data, starting the ranks)"
+        from orchestrator.submit.progress import Tail
+
+        log, phase = (
+            Tail(self.log_path, from_start=True),
+            "starting (composing, preparing the data, starting the ranks)",
+        )
         began = said = since = time.monotonic()
         self._say(phase)
+        starts = ("[orchestrator] ", "iteration ", "... ")
         while True:
             stopping = self.stop.wait(0.5)  # once stopping: one last read, so the trial's last lines are said
-            offset, phases = self._read(offset)
+            lines = [ln.strip() for ln in log.lines()]
+            phases = [ln.removeprefix("[orchestrator] ").removeprefix("... ") for ln in lines if ln.startswith(starts)]
             now = time.monotonic()
             for line in phases:
                 phase, since, said = line, now, now
@@ -136,21 +143,6 @@ class PhaseEcho:
             if now - said >= self.every_s:
                 said = now
                 self._say(f"{phase} ({now - since:.0f} s in this phase, {now - began:.0f} s in the trial)")
-
-    def _read(self, offset: int) -> "Tuple[int, List[str]]":
-        """(the new offset, the phase lines of the log's whole lines after ``offset``)."""
-        try:
-            with self.log_path.open("rb") as fh:
-                fh.seek(offset)
-                chunk = fh.read()
-        except OSError:
-            return offset, []
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
-        lines = [ln.strip() for ln in complete.decode(errors="replace").splitlines()]
-        starts = ("[orchestrator] ", "iteration ", "... ")
-        return offset + len(complete), [
-            ln.removeprefix("[orchestrator] ").removeprefix("... ") for ln in lines if ln.startswith(starts)
-        ]
 
 
 class TrialRunner:
