@@ -75,20 +75,24 @@ def test_the_175b_example_converts_in_one_run_and_its_next_command_exits_0(tmp_p
     assert code == 0, err + out[-3000:]
     nxt = shlex.split(re.search(r"^next: python -m orchestrator (.*?)(   \(|$)", out, re.M).group(1))
     assert nxt[-2:] == ["+experiment=g175", "plan=true"], nxt
-    planned, roomy = run_batch([nxt, nxt + ["plan_headroom=1.0"]], tmp_path)
+    local = nxt + ["model.transformer_impl=local"]  # megatron-core's unfused attention: the a*s^2 scores stored
+    planned, unfused, roomy = run_batch([nxt, local, local + ["plan_headroom=1.0"]], tmp_path)
     assert planned["code"] == 0, planned["stderr"] + planned["stdout"][-2000:]
     assert (
         "warning: data.paths[0]='/data/my_text_document': /data/my_text_document.bin and .idx not found"
         in planned["stdout"]
     )  # a warning, as convert's own plan says it
     assert f"would start fresh: no checkpoint in {tmp_path / 'ckpt' / 'g175' / 'checkpoints'}" in planned["stdout"]
-    for text in (out, planned["stdout"]):
+    for text in (out, planned["stdout"]):  # the script's default layer spec: Transformer Engine, flash attention
         verdict = re.search(r"^verdict: (.*)$", text, re.M).group(1)
-        assert verdict.startswith(
-            "tight: stage 0 needs 79.2 GiB of 80.0 GiB on A100-80GB (99%), above plan_headroom=0.85 (68.0 GiB"
-        ), verdict
-        rows = re.findall(r"^  #\d+: (.*)$", text, re.M)
-        assert rows and "suggestions (fastest first; each fits within plan_headroom)" in text
+        assert verdict.startswith("fits: stage 0 needs 56.5 GiB <= 80.0 GiB on A100-80GB (71%)"), verdict
+        assert "attention: flash/fused (Transformer Engine's TEDotProductAttention" in text, text[-3000:]
+    verdict = re.search(r"^verdict: (.*)$", unfused["stdout"], re.M).group(1)
+    assert verdict.startswith(
+        "tight: stage 0 needs 79.2 GiB of 80.0 GiB on A100-80GB (99%), above plan_headroom=0.85 (68.0 GiB"
+    ), verdict
+    rows = re.findall(r"^  #\d+: (.*)$", unfused["stdout"], re.M)
+    assert rows and "suggestions (fastest first; each fits within plan_headroom)" in unfused["stdout"]
     assert re.search(r"^verdict: fits: stage 0 needs 79.2 GiB <= 80.0 GiB", roomy["stdout"], re.M)
     # no contradictory defaults: the derived warm-up is not also "written out" at Megatron-LM's 0
     assert "optimizer.lr_warmup_iters = lr_warmup_fraction x lr_decay_iters = 0.001 x 430000 = 430" in out

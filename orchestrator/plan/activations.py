@@ -1,6 +1,20 @@
-"""Activation memory per GPU ([K22]: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models"; [N21]: Narayanan et al. 2021): one layer's stored activations, the micro-batches in flight
-at a stage's peak, a stage's total with its recomputation. Pure Python."""
+"""Activation memory per GPU: one layer's stored activations, the micro-batches in flight at a stage's peak, a
+stage's total with its recomputation. Pure Python; bytes. Sources:
+
+* [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv:2205.05198): per-layer activations sbh(34 + 5as/h) (section 4, eq. 1-2), the pipeline in-flight
+  factor (section 4.2.3), selective and full recomputation (section 5).
+* [N21] Narayanan et al. 2021: the 1F1B and interleaved schedules' warm-up (section 2.2).
+* [D22] Dao et al. 2022, "FlashAttention" (arXiv:2205.14135), section 3.1: the fused kernel keeps the
+  softmax's log-sum-exp (one fp32 per query row and head) instead of the a s^2 score matrices, and
+  regenerates the dropout mask from the RNG state instead of storing it.
+
+The attention kernel (``Recipe.attention``, :func:`orchestrator.plan.inputs.attention_kernel`) follows the
+layer spec the job runs: megatron-core's local spec (``model.transformer_impl=local``, and every CPU job)
+computes attention as unfused matmuls and softmax (``DotProductAttention``), which keep the scores;
+Transformer Engine's ``TEDotProductAttention`` (``auto`` / ``transformer_engine`` on GPU) runs flash or
+cuDNN fused attention, which do not.
+"""
 
 from __future__ import annotations
 
@@ -9,37 +23,53 @@ from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
 from orchestrator.config.layout import ParallelLayout
-from orchestrator.plan.inputs import ModelShape, Recipe
+from orchestrator.plan.inputs import ATTENTION_KERNELS, ModelShape, Recipe
 from orchestrator.plan.profile import DeviceProfile
 
+LSE_BYTES = 4
+"""Bytes per element of the flash kernel's saved log-sum-exp (fp32, [D22] section 3.1)."""
 
-def layer_activation_bytes(shape: ModelShape, layout: ParallelLayout, elem: int, selective: bool = False) -> float:
+
+def layer_activation_bytes(
+    shape: ModelShape, layout: ParallelLayout, elem: int, selective: bool = False, attention: str = "unfused"
+) -> float:
     """Bytes one transformer layer keeps for backward, per GPU, for one micro-batch.
 
-    Generalises [K22] eq. 1-2: with 2-byte activations, dropout on, f = 4h and GELU it is
-    exactly sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with TP, and
-    sbh/t (34 + 5as/h) with TP + sequence parallel; selective recomputation drops the
-    5as^2b attention-score term ([K22] section 5). ``elem`` is 2 (bf16/fp16) or 4 (fp32);
-    dropout masks (1 byte per element) only count when the dropout probability is > 0.
-    s = seq_length / CP, b = micro_batch_size, a = heads, t = TP.
+    s = seq_length / CP, b = micro_batch_size, h = hidden, a = heads, t = TP, f = ffn hidden,
+    g = 2 for SwiGLU (gated fc1) else 1, k = router top-k (1 for a dense MLP), e = ``elem``
+    (2 for bf16/fp16, 4 for fp32), d_h / d_a = 1 when hidden / attention dropout > 0 else 0.
+
+    * kept whole on every TP rank unless sequence parallel: two norm inputs, the QKV input, the fc1
+      input (4 e sbh) and the two hidden-dropout masks (2 d_h sbh, 1 byte per element);
+    * split over TP: Q, K, V and the projection input (4 e sbh; K and V counted at full width even
+      with grouped-query attention, as [K22]), the MLP activation input and fc2 input
+      (k e sb f (g + 1));
+    * ``attention="unfused"``: softmax output, its dropout mask and the dropout output,
+      a s^2 b (e + d_a (1 + e)), split over TP; ``selective`` recomputation drops them ([K22] section 5);
+    * ``attention="flash"``: no scores, no dropout mask; the log-sum-exp, a s b x 4 bytes, split over
+      TP ([D22]); ``selective`` recomputes core attention and drops that.
+
+    With e = 2, dropout on, f = 4h and GELU this is [K22]'s sbh(34 + 5as/h) without parallelism,
+    sbh(10 + 24/t + 5as/(ht)) with TP and sbh/t (34 + 5as/h) with TP + sequence parallel; flash
+    leaves 34 sbh + 4asb (sbh(10 + 24/t) + 4asb/t with TP). Llama-style layers (SwiGLU, no dropout,
+    e = 2) with flash: sbh(8 + (8 + 6f/h)/t) + 4asb/t. Raises ValueError for an unknown ``attention``.
     """
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_KERNELS)}")
     s = shape.seq_length / layout.context_parallel_size
-    b, h, a, t = (
-        layout.micro_batch_size,
-        shape.hidden_size,
-        shape.num_attention_heads,
-        layout.tensor_model_parallel_size,
-    )
+    b, h, a = layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads
+    t = layout.tensor_model_parallel_size
     sbh = s * b * h
     hmask, amask = float(shape.hidden_dropout > 0), float(shape.attention_dropout > 0)
     topk = shape.moe_router_topk if shape.num_moe_experts else 1
     gate = 2 if shape.activation == "swiglu" else 1
-    # Kept whole on every TP rank unless sequence parallel: 2 norm inputs, QKV input, fc1 input, 2 masks.
     replicated = 4 * elem * sbh + 2 * hmask * sbh
-    # Split over TP: Q, K, V, projection input; MLP activation input and fc2 input (per routed expert).
     sharded = 4 * elem * sbh + topk * elem * s * b * shape.ffn * (gate + 1)
-    if not selective:  # softmax output, its dropout mask and dropout output: a s^2 b terms
-        sharded += a * s * shape.seq_length * b * (elem + amask * (1 + elem))
+    if not selective:
+        if attention == "flash":
+            sharded += LSE_BYTES * a * s * b
+        else:  # the query length is s/CP, the key length the whole sequence
+            sharded += a * s * shape.seq_length * b * (elem + amask * (1 + elem))
     if layout.sequence_parallel:
         return (replicated + sharded) / t
     return replicated + sharded / t
@@ -63,7 +93,9 @@ def in_flight(layout: ParallelLayout, stage: int) -> int:
 def stage_activations(
     shape: ModelShape, layout: ParallelLayout, recipe: Recipe, stage: int, vp: int, granularity: Optional[str]
 ) -> Tuple[float, int]:
-    """(bytes, in-flight chunks) of activations on one GPU of ``stage`` at its peak.
+    """(bytes, in-flight chunks) of activations on one GPU of ``stage`` at its peak; ``vp`` is the padded
+    vocabulary, ``granularity`` the recomputation (None, ``selective``, ``full``), per-layer bytes from
+    :func:`layer_activation_bytes` with ``recipe.attention``.
 
     Stored activations of the in-flight chunks ([K22]) plus a working set that [K22] does not
     count: while one layer runs backward, gradients of its activations live next to them, taken
@@ -71,7 +103,7 @@ def stage_activations(
     """
     e, t = recipe.param_bytes, layout.tensor_model_parallel_size
     p, chunk_layers = layout.pipeline_model_parallel_size, layout.layers_per_virtual_stage
-    full = layer_activation_bytes(shape, layout, e, selective=False)
+    full = layer_activation_bytes(shape, layout, e, selective=False, attention=recipe.attention)
     sbh = shape.seq_length / layout.context_parallel_size * layout.micro_batch_size * shape.hidden_size
     sbh_local = sbh / t if layout.sequence_parallel else sbh
     flight = in_flight(layout, stage)
@@ -85,7 +117,8 @@ def stage_activations(
             per_chunk = math.ceil(chunk_layers / n) * e * sbh_local
             transient += n * full
     else:
-        per_chunk = chunk_layers * layer_activation_bytes(shape, layout, e, selective=granularity == "selective")
+        selective = granularity == "selective"
+        per_chunk = chunk_layers * layer_activation_bytes(shape, layout, e, selective, recipe.attention)
     total = flight * per_chunk + transient
     if stage == 0 and shape.hidden_dropout > 0:  # embedding dropout mask
         total += flight * sbh_local

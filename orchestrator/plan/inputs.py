@@ -25,6 +25,18 @@ BUS_EFFICIENCY = 0.7
 """Share of the link bandwidth a ring collective achieves (assumed)."""
 
 
+ATTENTION_KERNELS = ("unfused", "flash")
+"""``unfused``: megatron-core's local ``DotProductAttention`` (a s^2 b scores stored); ``flash``:
+Transformer Engine's flash / cuDNN fused attention (only the softmax's log-sum-exp stored)."""
+
+
+def attention_kernel(transformer_impl: str, on_gpu: bool) -> str:
+    """The attention kernel a job with ``model.transformer_impl`` runs: ``flash`` for Transformer Engine
+    on GPU (``auto`` assumes the GPU nodes have it, as Megatron-LM's default layer spec does), ``unfused``
+    for the local spec and on CPU (Transformer Engine runs on GPUs only)."""
+    return "flash" if on_gpu and transformer_impl in ("auto", "transformer_engine") else "unfused"
+
+
 @dataclass(frozen=True)
 class GpuPreset:
     """One accelerator: total memory (bytes, as nvidia-smi reports it) and dense peak FLOP/s."""
@@ -167,6 +179,9 @@ class Recipe:
     sgd_momentum: float = 0.9
     grad_reduce_in_fp32: bool = True
     """Megatron-LM accumulates bf16 gradients in fp32 (``--accumulate-allreduce-grads-in-fp32``)."""
+    attention: str = "unfused"
+    """The attention kernel (:data:`ATTENTION_KERNELS`): ``unfused`` stores the a s^2 scores (megatron-core's
+    local spec), ``flash`` does not (Transformer Engine on GPU)."""
 
     @property
     def param_bytes(self) -> int:
@@ -251,10 +266,16 @@ def vocab_source(cfg, vocab_size: int) -> str:
     return f"{vocab_size} ids as given to the planner (data.tokenizer={d.tokenizer} not read here)"
 
 
-def recipe_of(cfg) -> Recipe:
-    """The :class:`Recipe` of a :class:`~orchestrator.config.schema.JobConfig`."""
+def recipe_of(cfg, on_gpu: Optional[bool] = None) -> Recipe:
+    """The :class:`Recipe` of a :class:`~orchestrator.config.schema.JobConfig` planned on a GPU (``on_gpu``;
+    None: where the job runs, :func:`~orchestrator.config.machine.runs_on_cpu`), which decides the
+    attention kernel (:func:`attention_kernel`)."""
+    from orchestrator.config.machine import runs_on_cpu
+
     m, o = cfg.model, cfg.optimizer
+    gpu = not runs_on_cpu(cfg) if on_gpu is None else on_gpu
     return Recipe(
+        attention=attention_kernel(m.transformer_impl, gpu),
         precision=cfg.training.precision,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,

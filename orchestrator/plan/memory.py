@@ -23,7 +23,7 @@ out), :func:`plan_layout` (a :class:`~orchestrator.config.layout.ParallelLayout`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional
 
 from orchestrator.config.layout import ParallelLayout, layout_from_config, padded_vocab_size, vpp_no_op
@@ -32,6 +32,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.plan.activations import activations_by_recompute, layer_activation_bytes  # noqa: F401
 from orchestrator.plan.cost import bubble, comm_seconds, flops_per_step  # noqa: F401
 from orchestrator.plan.inputs import (  # noqa: F401
+    ATTENTION_KERNELS,
     BUS_EFFICIENCY,
     BYTE_TOKENIZER_VOCAB,
     CPU_PRESET,
@@ -43,6 +44,7 @@ from orchestrator.plan.inputs import (  # noqa: F401
     GpuPreset,
     ModelShape,
     Recipe,
+    attention_kernel,
     gib,
     gpu_preset,
     gpus_per_node,
@@ -158,6 +160,11 @@ class Device:
     profile: Optional[DeviceProfile]
     ranks_per_node: Optional[int]
 
+    @property
+    def on_gpu(self) -> bool:
+        """Planned on a GPU preset (not this machine's CPU): decides the attention kernel (:func:`recipe_of`)."""
+        return self.preset.name != CPU_PRESET
+
 
 def device_for(cfg, world_size: int, gpu: Optional[str] = None, profile: Any = "auto") -> Device:
     """The :class:`Device` a plan of ``cfg`` at ``world_size`` ranks uses: ``gpu`` (default
@@ -167,6 +174,26 @@ def device_for(cfg, world_size: int, gpu: Optional[str] = None, profile: Any = "
     if isinstance(profile, str):
         profile = device_profile(preset, cfg.data.cache_dir)
     return Device(preset, profile, on_host if preset.name == CPU_PRESET else None)
+
+
+def attention_note(result: Plan, transformer_impl: str) -> str:
+    """The attention kernel ``result`` assumed, why (``model.transformer_impl`` and the device), and the
+    worst stage's activations at the plan's recomputation under the other kernel."""
+    rec, lay, sh = result.recipe, result.layout, result.shape
+    other = "unfused" if rec.attention == "flash" else "flash"
+    alt = activations_by_recompute(sh, lay, replace(rec, attention=other), result.padded_vocab_size, result.profile)
+    alt_bytes = gib(alt[rec.recompute_granularity if rec.recompute_granularity in ("selective", "full") else "none"])
+    if rec.attention == "flash":
+        return (
+            f"attention: flash/fused (Transformer Engine's TEDotProductAttention, model.transformer_impl="
+            f"{transformer_impl} on a GPU): no a*s^2 scores stored (Dao et al. 2022); with the local spec's "
+            f"unfused attention (model.transformer_impl=local) activations would be {alt_bytes}"
+        )
+    why = "model.transformer_impl=local" if transformer_impl == "local" else "on CPU: no Transformer Engine"
+    return (
+        f"attention: unfused ({why}; megatron-core's DotProductAttention stores the a*s^2 scores, "
+        f"Korthikanti et al. 2022); with Transformer Engine's flash attention activations would be {alt_bytes}"
+    )
 
 
 def plan(
@@ -195,7 +222,7 @@ def plan(
     result = plan_layout(
         layout,
         shape,
-        recipe_of(cfg),
+        recipe_of(cfg, on_gpu=device.on_gpu),
         preset,
         mfu or DEFAULT_MFU,
         gpus_per_node=gpus_per_node(cfg),
@@ -203,6 +230,7 @@ def plan(
         ranks_per_node=device.ranks_per_node,
     )
     result.headroom, result.vocab_source = cfg.plan_headroom, vocab_source(cfg, vocab_size)
+    result.notes.append(attention_note(result, cfg.model.transformer_impl))
     if vpp_no_op(cfg):
         result.notes.append(vpp_no_op(cfg))
     if note:

@@ -54,7 +54,10 @@ def format_plan(plan: Plan) -> str:
         (f"optimizer state ({opt})", [c.optimizer for c in cols]),
         ("  without distributed optimizer", [c.optimizer_unsharded for c in cols]),
         (f"  with distributed optimizer (/DP {lay.data_parallel_size})", [c.optimizer_sharded for c in cols]),
-        (f"activations ({rec.recompute_granularity or 'no'} recompute)", [c.activations for c in cols]),
+        (
+            f"activations ({rec.recompute_granularity or 'no'} recompute, {rec.attention} attention)",
+            [c.activations for c in cols],
+        ),
         ("  micro-batch chunks in flight", [c.in_flight for c in cols]),
         (
             "framework overhead (device profile)" if plan.profile is not None else "framework overhead (assumed)",

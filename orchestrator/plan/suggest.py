@@ -158,7 +158,7 @@ def suggest(
     if vocab_size is None:
         vocab_size, _ = vocab_size_of(cfg)
     mfu, node = mfu or DEFAULT_MFU, gpus_per_node(cfg)
-    shape, recipe = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg)
+    shape, recipe = ModelShape.from_model_config(cfg.model, vocab_size), recipe_of(cfg, on_gpu=device.on_gpu)
     on = dict(gpus_per_node=node, profile=device.profile, ranks_per_node=device.ranks_per_node)
     try:
         current: Optional[Plan] = replace(
