@@ -30,13 +30,17 @@ def goodput_forecast(cfg: JobConfig, step_s: float):
 
     nodes = max(1, int(cfg.cluster.nodes or 1))
     io_s = checkpoint_seconds(checkpoint_bytes(cfg), nodes)
+    c = cfg.checkpoint
+    auto = c.save_interval == "auto"
     return forecast(
         nodes=nodes,
         step_s=step_s,
         save_s=io_s,
         load_s=io_s,
-        interval_iters=int(cfg.checkpoint.save_interval or cfg.training.train_iters),
+        interval_iters=cfg.training.train_iters if auto else int(c.save_interval or cfg.training.train_iters),
         in_place=bool(cfg.cluster.max_restarts),
+        mtbf_hours=cfg.cluster.mtbf_hours,
+        auto=(c.auto_min_interval, c.auto_max_interval) if auto else None,
     )
 
 

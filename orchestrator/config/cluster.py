@@ -48,6 +48,10 @@ class ClusterConfig:
     """local and slurm: how many times a failed attempt restarts all its ranks in place (same allocation, a
     fresh rendezvous, from the last complete checkpoint) before ``max_failures`` applies; 0 = never (one
     task per rank, no per-node agent). See runtime/start/inplace.py."""
+    mtbf_hours: Optional[float] = None
+    """The job's mean time between failures, hours (``checkpoint.save_interval=auto`` and the plan's goodput
+    forecast); null: estimated from the run's own history once it has failures, else a node's MTBF from
+    Llama 3's published fleet data / ``nodes`` (orchestrator.plan.goodput.job_mtbf)."""
     spare_nodes: int = 0
     """slurm with ``max_restarts`` > 0: extra nodes allocated that idle until a node fails its health check
     before a restart, then take its place."""

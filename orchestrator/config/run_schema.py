@@ -5,7 +5,7 @@ configuration; :mod:`orchestrator.config.schema` composes every section into ``J
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -37,8 +37,16 @@ class LoggingConfig:
 class CheckpointConfig:
     """Saving and resuming. The save directory is ``<run.dir>/checkpoints``."""
 
-    save_interval: Optional[int] = None
-    """Save every N iterations; null = only at the end."""
+    save_interval: Any = None
+    """Save every N iterations; null = only at the end; ``auto``: every Young–Daly interval sqrt(2 C M)
+    in iterations, C the measured blocking time of the last save (before the first: the planner's bytes at
+    a stated write bandwidth), M the job's mean time between failures (``cluster.mtbf_hours``), re-chosen
+    after each save within [``auto_min_interval``, ``auto_max_interval``] (runtime.training.save_schedule)."""
+    auto_min_interval: int = 10
+    """``save_interval=auto``: never save more often than every N iterations (also: the first interval is
+    chosen once N iterations are timed)."""
+    auto_max_interval: Optional[int] = None
+    """``save_interval=auto``: never let more than N iterations pass between saves; null: no bound."""
     save_at_end: bool = True
     auto_resume: bool = True
     """Resume from the latest complete checkpoint of this run directory."""

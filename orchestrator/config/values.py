@@ -75,6 +75,8 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("training.spike.window", 1, False),
     ("checkpoint.save_interval", 0, True),
     ("checkpoint.keep_last", 2, True),
+    ("checkpoint.auto_min_interval", 1, False),
+    ("checkpoint.auto_max_interval", 1, True),
     ("checkpoint.keep_every", 1, True),
     ("training.trace_iteration", 1, True),
     ("sweep.trace_iteration", 1, True),
@@ -103,6 +105,7 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("model.init_method_std", 0.0, False, math.inf, False),
     ("model.rope_scaling_factor", 1.0, True, math.inf, False),
     ("optimizer.lr", 0.0, False, math.inf, False),
+    ("cluster.mtbf_hours", 0.0, False, math.inf, False),
     ("optimizer.min_lr", 0.0, True, math.inf, False),
     ("optimizer.weight_decay", 0.0, True, math.inf, False),
     ("optimizer.adam_beta1", 0.0, True, 1.0, False),
@@ -122,7 +125,12 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("cluster.link_check.megabytes", 0.0, False, 64.0, True),
 ]
 """Real-valued fields and their ranges (finite values only)."""
-NULLABLE_NUMBERS = {"training.hang_timeout_s", "training.spike.factor", "cluster.link_check.min_gbps"}
+NULLABLE_NUMBERS = {
+    "cluster.mtbf_hours",
+    "training.hang_timeout_s",
+    "training.spike.factor",
+    "cluster.link_check.min_gbps",
+}
 
 SEED_MAX = 2**32 - 1
 """numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32 - 1]."""
@@ -199,10 +207,19 @@ def check_values(cfg: JobConfig) -> None:
         present, value = value_of(cfg, key)
         if not present or (value is None and nullable):
             continue
+        if key == "checkpoint.save_interval" and not is_int(value):
+            if value == "auto":
+                continue
+            raise ConfigError(
+                f"{key}={show(value)}: must be an integer >= 0, auto or null; "
+                f"fix: {key}=auto (Young–Daly's interval) or {key}=1000"
+            )
         if not is_int(value) or value < minimum or (key == "training.seed" and value > SEED_MAX):
             need = {0: "an integer >= 0", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
             if key == "training.seed":
                 need = f"an integer in [0, {SEED_MAX}]"
+            if key == "checkpoint.save_interval":
+                need += ", auto"
             raise ConfigError(
                 f"{key}={show(value)}: must be {need}{' or null' if nullable else ''}; "
                 f"fix: {key}={show(schema_default(key))} (the schema's default)"
@@ -237,6 +254,12 @@ def check_values(cfg: JobConfig) -> None:
         )
     _check_spares(c)
     _check_split(cfg)
+    ck = cfg.checkpoint
+    if ck.save_interval == "auto" and ck.auto_max_interval is not None and ck.auto_max_interval < ck.auto_min_interval:
+        raise ConfigError(
+            f"checkpoint.auto_max_interval={ck.auto_max_interval}: below checkpoint.auto_min_interval="
+            f"{ck.auto_min_interval}; fix: checkpoint.auto_max_interval >= {ck.auto_min_interval} (or null)"
+        )
 
 
 def _check_spares(c: Any) -> None:

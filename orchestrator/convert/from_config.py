@@ -74,6 +74,23 @@ def _checkpoints(cfg) -> List[List[str]]:
     return out
 
 
+def auto_interval(cfg) -> int:
+    """The interval ``checkpoint.save_interval=auto`` starts with for ``cfg`` (the plan's Young–Daly interval
+    at its predicted step time and save cost, clipped to the auto bounds): Megatron-LM saves at a fixed
+    interval, so the export says this one."""
+    from orchestrator.pipeline import goodput_forecast
+    from orchestrator.plan.memory import plan
+
+    return goodput_forecast(cfg, plan(cfg).step_time_s).interval_iters
+
+
+def _save_interval(cfg) -> List[List[str]]:
+    value = cfg.checkpoint.save_interval
+    if value == "auto":
+        return [["--save-interval", str(auto_interval(cfg))]]
+    return [["--save-interval", str(value)]] if value else []
+
+
 def _tensorboard(cfg) -> List[List[str]]:
     if not _get(cfg, "logging.tensorboard"):
         return []
@@ -180,6 +197,7 @@ EXPORTERS: Dict[str, Callable[[Any], List[List[str]]]] = {
     "--group-query-attention": _gqa,
     "--ffn-hidden-size": _ffn,
     "--save": _checkpoints,
+    "--save-interval": _save_interval,
     "--tensorboard-dir": _tensorboard,
     "--data-path": _data,
     "--tokenizer-type": _tokenizer,

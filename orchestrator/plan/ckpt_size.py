@@ -32,9 +32,11 @@ def checkpoint_bytes(cfg, layout: Optional[ParallelLayout] = None) -> int:
 
 
 def save_iterations(cfg) -> List[int]:
-    """The iterations a run of ``cfg`` saves at, from iteration 0 to ``training.train_iters``."""
+    """The iterations a run of ``cfg`` saves at, from iteration 0 to ``training.train_iters``; with
+    ``save_interval=auto`` the most it may (every ``auto_min_interval``: the interval is chosen at run time)."""
     t, c = cfg.training, cfg.checkpoint
-    out = list(range(c.save_interval, t.train_iters, c.save_interval)) if c.save_interval else []
+    every = c.auto_min_interval if c.save_interval == "auto" else c.save_interval
+    out = list(range(every, t.train_iters, every)) if every else []
     if c.save_at_end and (not out or out[-1] != t.train_iters):
         out.append(t.train_iters)
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 NODE_MTBF_HOURS = 54 * 24 * 2048 / 419
 """A node's mean time between unexpected interruptions, hours (~6,335): Llama 3 405B's pretraining (Meta,
@@ -58,14 +58,18 @@ class Forecast:
     best_interval_iters: int
     """Young–Daly's interval, in iterations (at least 1)."""
     best_ettr: float
+    mtbf_source: str = ""
+    """Where ``mtbf_s`` comes from (:func:`job_mtbf`)."""
+    auto: bool = False
+    """``checkpoint.save_interval=auto``: the job starts at the Young–Daly interval (``interval_iters``)."""
 
     def lines(self) -> list:
         """The forecast as the plan says it."""
         return [
             f"goodput forecast (Young/Daly; ETTR = tau/(tau+C) / (1 + (R + (tau+C)/2)/M)): job MTBF M = "
-            f"{self.mtbf_s / 3600:.1f} h ({self.nodes} node(s), {NODE_MTBF_HOURS:,.0f} node-hours each: Llama 3's "
-            f"fleet), save blocking C = {self.save_s:.3g} s, restart + load R = {self.restart_s:.3g} s",
-            f"  checkpoint.save_interval={self.interval_iters} (tau = {self.interval_iters * self.step_s:.3g} s): "
+            f"{self.mtbf_s / 3600:.3g} h ({self.mtbf_source}), save blocking C = {self.save_s:.3g} s, restart + load "
+            f"R = {self.restart_s:.3g} s",
+            f"  checkpoint.save_interval={'auto: ' if self.auto else ''}{self.interval_iters} (tau = {self.interval_iters * self.step_s:.3g} s): "
             f"expected ETTR {100 * self.ettr:.1f}%; Young-Daly sqrt(2CM) = {self.best_interval_iters} iterations: "
             f"{100 * self.best_ettr:.1f}%",
         ]
@@ -78,6 +82,20 @@ def expected_ettr(interval_s: float, save_s: float, mtbf_s: float, restart_s: fl
         raise ValueError(f"interval_s={interval_s} and mtbf_s={mtbf_s} must be > 0")
     cycle = interval_s + save_s
     return (interval_s / cycle) / (1.0 + (restart_s + cycle / 2.0) / mtbf_s)
+
+
+def job_mtbf(mtbf_hours: Optional[float], nodes: int, failures: int = 0, wall_s: float = 0.0) -> Tuple[float, str]:
+    """(the job's mean time between failures in seconds, where it comes from): ``cluster.mtbf_hours`` when
+    given; else the run's own history once it has failures (its wall time over all attempts / its failures);
+    else :data:`NODE_MTBF_HOURS` / ``nodes`` (a job fails when any of its nodes does)."""
+    if mtbf_hours:
+        return mtbf_hours * 3600.0, f"cluster.mtbf_hours={mtbf_hours:g}"
+    if failures > 0 and wall_s > 0:
+        return wall_s / failures, f"this run's history: {failures} failure(s) in {wall_s / 3600:.3g} h"
+    nodes = max(int(nodes), 1)
+    return NODE_MTBF_HOURS * 3600.0 / nodes, (
+        f"{NODE_MTBF_HOURS:,.0f} node-hours (Llama 3's fleet) / {nodes} node(s); set cluster.mtbf_hours for yours"
+    )
 
 
 def young_daly_s(save_s: float, mtbf_s: float) -> float:
@@ -98,13 +116,18 @@ def forecast(
     load_s: float,
     interval_iters: int,
     in_place: bool,
-    node_mtbf_hours: float = NODE_MTBF_HOURS,
+    mtbf_hours: Optional[float] = None,
+    auto: Optional[Tuple[int, Optional[int]]] = None,
 ) -> Forecast:
     """The forecast for a job of ``nodes`` nodes whose step takes ``step_s`` and whose save blocks ``save_s`` and
-    loads in ``load_s``; ``in_place``: failures restart in place (else a requeue)."""
-    mtbf_s = node_mtbf_hours * 3600.0 / max(nodes, 1)
+    loads in ``load_s``; ``in_place``: failures restart in place (else a requeue); ``mtbf_hours``: the job's MTBF
+    (:func:`job_mtbf`); ``auto``: ``(min, max)`` bounds of ``checkpoint.save_interval=auto``, whose interval
+    (Young–Daly's, clipped) replaces ``interval_iters``."""
+    mtbf_s, source = job_mtbf(mtbf_hours, nodes)
     restart_s = (RESTART_S_IN_PLACE if in_place else RESTART_S_REQUEUE) + load_s
     best = interval_iterations(save_s, mtbf_s, step_s)
+    if auto is not None:
+        interval_iters = interval_iterations(save_s, mtbf_s, step_s, auto[0], auto[1])
     return Forecast(
         nodes=nodes,
         mtbf_s=mtbf_s,
@@ -115,6 +138,8 @@ def forecast(
         ettr=expected_ettr(interval_iters * step_s, save_s, mtbf_s, restart_s),
         best_interval_iters=best,
         best_ettr=expected_ettr(best * step_s, save_s, mtbf_s, restart_s),
+        mtbf_source=source,
+        auto=auto is not None,
     )
 
 

@@ -32,6 +32,7 @@ from orchestrator.runtime.rank.build import Data, Rank
 from orchestrator.runtime.training import breakdown, forward, trace
 from orchestrator.runtime.training.metrics import Trackers
 from orchestrator.runtime.training.resume import Saver, Start
+from orchestrator.runtime.training.save_schedule import SaveSchedule
 from orchestrator.runtime.training.step_log import StepLog
 
 NONFINITE_GRAD_ENV = "ORCHESTRATOR_TEST_NONFINITE_GRAD_AT"
@@ -160,7 +161,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cfg, t = rank.cfg, rank.cfg.training
+    t = rank.cfg.training
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
     clock = breakdown.clock_for(rank)  # None when training.breakdown_interval=0
@@ -170,6 +171,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     spikes = spike.SpikeWatch(t.spike.factor, t.spike.window)
     spikes.seed(rank.cfg.run.dir, start.iteration)  # guarded from an attempt's first iteration
     watch = straggler.watch_for(rank, trackers, start.iteration)  # None when training.straggler.interval is null
+    schedule = SaveSchedule(rank, start.iteration, trackers)  # checkpoint.save_interval, or auto's Young–Daly
     while it < t.train_iters:
         t0, c0 = time.perf_counter(), time.process_time()
         losses, lr, update_ok, grad_norm = _step(rank, data, forward_backward, it + 1, guard, clock, watch, tracer)
@@ -178,7 +180,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         with breakdown.section(clock, "loop-sync"):
             stopping = not last and poll.requested()
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
-        save_now = bool(cfg.checkpoint.save_interval) and it % cfg.checkpoint.save_interval == 0 and not last
+        save_now = schedule.due(it) and not last  # due: every rank, every iteration (auto chooses collectively)
         loss = None
         if last or stopping or exiting or save_now or it % t.log_interval == 0:
             step_loss = forward.step_loss(losses)
@@ -202,6 +204,8 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
                 log.eval(it, consumed, forward.evaluate(rank, forward_backward, data))
         if save_now or stopping or exiting:
             saver(it, consumed)
+            if save_now:
+                schedule.saved(it, saver.last_blocking_s)
         saver.poll()  # an asynchronous write finishes here, on every rank together
         if guard is not None:
             guard.beat(it)

@@ -100,6 +100,8 @@ class Saver:
         self.expected_bytes = checkpoint_bytes(rank.cfg, rank.layout)
         self.async_saves = AsyncSaves() if rank.cfg.checkpoint.async_save else None
         self.records: List[Dict[str, object]] = []
+        self.last_blocking_s = 0.0
+        """How long the latest save held training, the slowest rank's seconds (the same on every rank)."""
         self._pending: Optional[_Save] = None
         self.pruner = None
         if rank.rank0:  # retention (ckpt.retention): verifies what is on disk now, in its own thread
@@ -142,6 +144,8 @@ class Saver:
                 self.async_saves.schedule(request)
                 self._pending = save
                 save.blocking_s = slowest(r, time.perf_counter() - save.t0)
+        # sync: the record every rank got from rank 0 (which timed the write); async: the staging, slowest rank
+        self.last_blocking_s = save.blocking_s if save.is_async else float(self.records[-1]["blocking_s"])  # type: ignore[arg-type]
         return path
 
     def poll(self) -> None:
