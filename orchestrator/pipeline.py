@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from orchestrator.config.checks import validate, validate_planned
+from orchestrator.config.hf_config import hf_path
 from orchestrator.config.layout import ParallelLayout, vpp_no_op
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError, ResumeMismatchError
@@ -148,6 +149,34 @@ def _has_checkpoints(cfg: JobConfig) -> bool:
     return save_dir.is_dir() and any(p.is_dir() for p in save_dir.iterdir())
 
 
+def check_hf_source(cfg: JobConfig, path: str) -> None:
+    """``checkpoint.init_from=hf:PATH`` before queueing: a readable directory of a supported architecture whose
+    shards are all there, and a model whose keys build its weights' shapes with the job's vocabulary; ConfigError
+    (one line naming the keys, ours and config.json's) otherwise."""
+    from orchestrator.ckpt.hf_dir import HfCheckpointError, weight_map
+    from orchestrator.config.hf_config import HfConfigError, read_config, shape_problems
+    from orchestrator.plan.inputs import vocab_size_of
+
+    key = f"checkpoint.init_from=hf:{path}"
+    try:
+        config = read_config(path)
+        problems = shape_problems(config, cfg.model)
+        weight_map(path)
+    except (HfConfigError, HfCheckpointError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    vocab, _ = vocab_size_of(cfg)
+    if vocab != config["vocab_size"]:
+        problems.append(
+            f"vocabulary: the job's {vocab} (data.tokenizer={cfg.data.tokenizer}), config.json {config['vocab_size']} "
+            "(data.tokenizer=<the model directory> or data.vocab_size)"
+        )
+    if problems:
+        raise ConfigError(
+            f"{key}: the model does not build these weights: {'; '.join(problems)}; fix: the experiment "
+            f"`python -m orchestrator convert from-hf {path}` writes"
+        )
+
+
 def preflight(cfg: JobConfig, layout: ParallelLayout):
     """The resume check before anything is prepared or queued, the same for a run and its plan or dry
     run; writes nothing. Returns the checkpoint the run resumes from (None: it starts fresh); raises
@@ -158,13 +187,16 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
     from orchestrator.data.prepare import data_fingerprint
     from orchestrator.data.tokenizer import tokenizer_identity
 
-    if cfg.checkpoint.init_from:
+    held = _has_checkpoints(cfg)  # nothing to compare with otherwise (a plan's data may live elsewhere)
+    hf = hf_path(cfg.checkpoint.init_from)
+    if hf is not None and not held:  # a resume needs nothing from the source directory
+        check_hf_source(cfg, hf)
+    elif hf is None and cfg.checkpoint.init_from:
         from orchestrator.ckpt.manifest import read_manifest
 
         refusal = resume.init_from_refusal(read_manifest(cfg.checkpoint.init_from), cfg, layout)  # ManifestError
         if refusal:  # naming the file, or weights of another shape: before anything starts
             raise ResumeMismatchError(refusal)
-    held = _has_checkpoints(cfg)  # nothing to compare with otherwise (a plan's data may live elsewhere)
     fingerprint = data_fingerprint(cfg.data) if held else None  # hashes, never tokenizes
     latest = resume.preflight(
         cfg,

@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "test_cli",
     "test_sweep",
     "test_retention",
+    "test_hf_import",
     "test_straggler",
     "test_status",
     "test_installed",

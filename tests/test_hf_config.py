@@ -2,12 +2,13 @@
 
 import pytest
 
-from orchestrator.convert import hf_config
+from orchestrator.config import hf_config
+from orchestrator.config.model_schema import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_llama_and_mixtral_configs_map_and_gpt_neox_is_refused():
+def test_llama_qwen_and_mixtral_configs_map_and_gpt_neox_is_refused():
     llama = transformers.LlamaConfig(
         vocab_size=50,
         hidden_size=32,
@@ -16,17 +17,49 @@ def test_llama_and_mixtral_configs_map_and_gpt_neox_is_refused():
         num_attention_heads=4,
         num_key_value_heads=2,
         rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         architectures=["LlamaForCausalLM"],
     ).to_dict()
-    keys, unmapped = hf_config.model_keys(llama)
+    keys = hf_config.model_keys(llama)
     assert keys["num_query_groups"] == 2 and keys["ffn_hidden_size"] == 48 and keys["vocab_size"] == 50
-    assert keys["untie_embeddings_and_output_weights"] is True and unmapped == [
-        "rope_theta=500000.0",
-        "rms_norm_eps=1e-06",
-    ]
+    assert (keys["rotary_base"], keys["rope_scaling"], keys["rope_scaling_factor"]) == (500000, "llama3", 8.0)
+    assert keys["untie_embeddings_and_output_weights"] is True and keys["norm_epsilon"] == 1e-06
+    qwen = transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True).to_dict()
+    keys = hf_config.model_keys(qwen)
+    assert keys["add_qkv_bias"] is True and keys["untie_embeddings_and_output_weights"] is False
     mix = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"])
-    keys, _ = hf_config.model_keys(mix.to_dict())
-    assert (keys["num_moe_experts"], keys["moe_router_topk"]) == (4, 2)
+    keys = hf_config.model_keys(mix.to_dict())
+    assert (keys["num_moe_experts"], keys["moe_router_topk"], keys["rotary_base"]) == (4, 2, 1000000)
     with pytest.raises(hf_config.HfConfigError, match="GPTNeoXForCausalLM is not supported; supported: Llama") as e:
         hf_config.model_keys({"architectures": ["GPTNeoXForCausalLM"]})
     assert "\n" not in str(e.value)
+    llama["rope_scaling"]["high_freq_factor"] = 2.0
+    with pytest.raises(hf_config.HfConfigError, match="megatron-core applies only Llama 3.1's"):
+        hf_config.model_keys(llama)
+
+
+def test_shape_problems_name_each_key_that_differs():
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
+    ).to_dict()
+    keys = hf_config.model_keys(cfg)
+    model = ModelConfig(**{k: v for k, v in keys.items()})
+    assert hf_config.shape_problems(cfg, model) == []
+    model.num_layers, model.num_query_groups = 3, None
+    assert hf_config.shape_problems(cfg, model) == [
+        "model.num_layers: ours 3, config.json 2",
+        "model.num_query_groups: ours 4, config.json 2",
+    ]

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from orchestrator.ckpt import hf_dir
 from orchestrator.runtime.rank import hf_files, hf_llama
 
 transformers = pytest.importorskip("transformers")
@@ -23,10 +24,10 @@ def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path
     )
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path, max_shard_size="20KB", safe_serialization=True)
-    files = hf_files.weight_map(str(tmp_path))
+    files = hf_dir.weight_map(str(tmp_path))
     assert len(set(files.values())) > 1  # really sharded
     sd = model.state_dict()
-    names = hf_files.layer_names(files, 1)
+    names = hf_dir.layer_names(files, 1)
     got = hf_files.read_tensors(files, names)
     assert names and all(torch.equal(got[n], sd[n]) for n in names)
     whole = hf_files.read_tensors(files, sorted(files))
@@ -34,8 +35,8 @@ def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path
     assert mc["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (64, 32)
     shard = sorted(set(files.values()))[-1]
     os.remove(shard)
-    with pytest.raises(hf_files.HfCheckpointError, match=f"shard {os.path.basename(shard)} .* missing") as e:
-        hf_files.weight_map(str(tmp_path))
+    with pytest.raises(hf_dir.HfCheckpointError, match=f"shard {os.path.basename(shard)} .* missing") as e:
+        hf_dir.weight_map(str(tmp_path))
     assert "\n" not in str(e.value)
 
 

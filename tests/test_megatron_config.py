@@ -214,23 +214,28 @@ def test_any_megatron_field_passes_through_and_a_bad_one_is_one_line(capsys, tmp
 
     monkeypatch.chdir(tmp_path)
     passed = [
-        "+model.megatron.layernorm_epsilon=1e-6",
+        "+model.megatron.apply_residual_connection_post_layernorm=true",
         "+parallelism.megatron.bucket_size=1000000",
         "+optimizer.megatron.loss_scale_window=500",
     ]
     base = ["+experiment=gpt_pp2_dp2", "training.device=cpu"]
     _, plain = _ours(base, device="cpu", te=False)
     _, built = _ours(base + passed, device="cpu", te=False)
-    assert (plain["transformer"]["layernorm_epsilon"], built["transformer"]["layernorm_epsilon"]) == (1e-5, 1e-6)
+    field = "apply_residual_connection_post_layernorm"
+    assert (plain["transformer"][field], built["transformer"][field]) == (False, True)
     assert built["ddp"]["bucket_size"] == 1000000 and built["optimizer"]["loss_scale_window"] == 500
     from orchestrator.convert.from_config import flags
 
     exported = flags(compose_config(base + passed + ["+model.megatron.tp_comm_overlap=true"]))
-    for flag in (["--layernorm-epsilon", "1e-06"], ["--bucket-size", "1000000"], ["--loss-scale-window", "500"]):
+    for flag in (
+        ["--apply-residual-connection-post-layernorm"],
+        ["--bucket-size", "1000000"],
+        ["--loss-scale-window", "500"],
+    ):
         assert flag in exported, exported  # Megatron-LM's flags of the same names
     assert ["--tp-comm-overlap"] in exported
-    said = []  # on resume: the epsilon is math (refused), the bucket size speed (carried)
-    with pytest.raises(ResumeMismatchError, match="layernorm_epsilon"):
+    said = []  # on resume: the residual's place is math (refused), the bucket size speed (carried)
+    with pytest.raises(ResumeMismatchError, match=field):
         check_megatron_config({"megatron_config": plain}, built, "ckpt", said.append)
     faster = json.loads(json.dumps(plain))
     faster["ddp"]["bucket_size"] = 1000000
@@ -239,14 +244,15 @@ def test_any_megatron_field_passes_through_and_a_bad_one_is_one_line(capsys, tmp
     ]
     for override, words in (
         (
-            "+model.megatron.layernorm_epsilonn=1e-6",
-            "has no field layernorm_epsilonn; fix: did you mean layernorm_epsilon",
+            "+model.megatron.qk_layernormm=true",
+            "has no field qk_layernormm; fix: did you mean qk_layernorm",
         ),
         (
             "+model.megatron.num_layers=8",
             "model.megatron.num_layers=8: model.num_layers sets megatron-core's num_layers",
         ),
         ("+optimizer.megatron.lr=0.1", "optimizer.megatron.lr=0.1: optimizer.lr sets"),
+        ("+model.megatron.layernorm_epsilon=1e-6", "model.norm_epsilon sets megatron-core's layernorm_epsilon"),
         ("+model.megatron.cpu_offloading=true", "megatron-core refused the pass-through fields"),  # with PP 2
     ):
         code, out, err = _cli(capsys, *base, override)

@@ -41,6 +41,8 @@ def _normalized(flat: Dict[str, object]) -> Dict[str, object]:
     for key, default in (("model.rotary_base", 10000), ("model.rope_scaling_factor", 8.0)):  # older manifests
         flat.setdefault(key, default)
     flat.setdefault("model.rope_scaling", None)
+    flat.setdefault("model.norm_epsilon", 1e-5)
+    flat.setdefault("model.add_qkv_bias", None)
     if flat.get("model.num_query_groups") is None:
         flat["model.num_query_groups"] = flat.get("model.num_attention_heads")
     if flat.get("model.ffn_hidden_size") is None and isinstance(flat.get("model.hidden_size"), int):

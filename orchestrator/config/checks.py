@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 from orchestrator.config.data_checks import check_data
+from orchestrator.config.hf_config import hf_path
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.machine import check_device, check_local_gpus, runs_on_cpu
 from orchestrator.config.model_rules import model_problems, recompute_problems
@@ -110,7 +111,7 @@ def check_run(cfg: JobConfig) -> None:
             "training.trace_iteration=N)"
         )
     init = cfg.checkpoint.init_from
-    if init is not None and not Path(os.path.expanduser(init)).is_dir():
+    if init is not None and hf_path(init) is None and not Path(os.path.expanduser(init)).is_dir():
         raise ConfigError(
             f"checkpoint.init_from={show(init)}: no such directory; fix: the path of a checkpoint "
             "(<run dir>/checkpoints/iter_XXXXXXX), or checkpoint.init_from=null"

@@ -36,7 +36,8 @@ OWNED: Dict[str, Dict[str, str]] = {
         **_PRECISION,
         "gated_linear_unit": "model.activation",
         "activation_func": "model.activation",
-        "add_qkv_bias": "model.add_bias_linear",
+        "add_qkv_bias": "model.add_qkv_bias",
+        "layernorm_epsilon": "model.norm_epsilon",
         "inference_sampling_seed": "training.seed",
     },
     "ddp": {

@@ -70,10 +70,16 @@ class ModelConfig:
     rope_scaling_factor: float = 8.0
     """With rope_scaling=llama3: the scaling factor (Megatron-LM ``--rope-scaling-factor``; Llama 3.1: 8)."""
     normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    """The norms' epsilon (Megatron-LM ``--norm-epsilon``, megatron-core ``layernorm_epsilon``; Llama 3: 1e-5,
+    Llama 2 / Qwen2: 1e-6)."""
     """LayerNorm or RMSNorm."""
     activation: str = "gelu"
     """gelu or swiglu."""
     add_bias_linear: bool = True
+    add_qkv_bias: Optional[bool] = None
+    """Biases on the Q, K and V projections only (Qwen2); null: as ``add_bias_linear`` (Megatron-LM's
+    ``--add-qkv-bias`` / ``--disable-bias-linear``)."""
     untie_embeddings_and_output_weights: bool = False
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this x TP (Megatron's rule)."""

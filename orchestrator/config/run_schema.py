@@ -53,7 +53,11 @@ class CheckpointConfig:
     allow_reshard: bool = False
     """Allow resuming with a different TP/PP/DP (torch_dist reshards model weights)."""
     init_from: Optional[str] = None
-    """Load model weights only from this checkpoint directory (no optimizer, iteration 0)."""
+    """Load model weights only from this checkpoint directory (no optimizer, iteration 0); ``hf:PATH``: from a
+    Hugging Face directory (config.json + safetensors) at any layout (runtime.training.hf_start)."""
+    hf_verify: bool = True
+    """With ``init_from=hf:PATH``: compare the loaded model's logits with transformers' on a fixed batch before
+    the first iteration and stop above the precision's tolerance (skipped when the model does not fit in memory)."""
     save_timeout_s: float = 600.0
     """A save that takes longer fails the job instead of hanging."""
     digest: str = "size"

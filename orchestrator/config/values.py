@@ -103,6 +103,7 @@ NUMBERS: List[Tuple[str, float, bool, float, bool]] = [
     ("model.hidden_dropout", 0.0, True, 1.0, False),
     ("model.attention_dropout", 0.0, True, 1.0, False),
     ("model.init_method_std", 0.0, False, math.inf, False),
+    ("model.norm_epsilon", 0.0, False, 1.0, False),
     ("model.rope_scaling_factor", 1.0, True, math.inf, False),
     ("optimizer.lr", 0.0, False, math.inf, False),
     ("cluster.mtbf_hours", 0.0, False, math.inf, False),

@@ -10,6 +10,9 @@
     composes ``OVERRIDES`` (``+experiment=gpt_pp2_dp2 ...``), validates, and prints the Megatron-LM
     ``pretrain_gpt.py`` launch (``#SBATCH`` + ``srun torchrun`` on SLURM, ``torchrun`` locally).
     ``from-megatron`` of that script composes to the same config.
+``from-hf PATH [--name NAME] [--out DIR] [--seq-length S]``
+    a Hugging Face model directory -> ``DIR/experiment/NAME.yaml`` whose model builds its weights and
+    whose ``checkpoint.init_from`` is ``hf:PATH`` (:mod:`orchestrator.convert.hf_cli`).
 
 No torch import: both run on a login node in about a second.
 """
@@ -24,6 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from orchestrator.convert import hf_cli
 from orchestrator.errors import ConfigError, OneLineArgumentParser, OrchestratorError
 
 
@@ -54,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         help="define a shell variable the script reads ($1, $DATA_PATH, ...)",
     )
     imp.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
+    hf_cli.add_parser(sub)
     exp = sub.add_parser("to-megatron", help="a composed config -> Megatron-LM pretrain_gpt.py launch script")
     exp.add_argument("--out", help="write the script to this file instead of printing it")
     exp.add_argument(
@@ -83,7 +88,7 @@ def _name(args) -> str:
     return name
 
 
-def _out_root(out: Optional[str]) -> Path:
+def out_root(out: Optional[str]) -> Path:
     """Where the experiment goes: ``--out DIR``, else ``./conf`` (the user's config directory,
     :mod:`orchestrator.config.confdirs`; in a source checkout that is the shipped tree)."""
     from orchestrator.config.confdirs import USER_CONF
@@ -164,7 +169,7 @@ def from_megatron(args) -> int:
 
     source = read_source(args.file, _variables(args.var))
     check_defined(source, args.argv)
-    name, root = _name(args), _out_root(args.out)
+    name, root = _name(args), out_root(args.out)
     conv = convert(source, name, args.nodes, args.gpus_per_node, args.gpu)
     path = experiment_file.write(conv, root, args.force)
     print(experiment_file.screen(conv, str(path)), flush=True)
@@ -220,6 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args.command == "from-hf":
+            return hf_cli.from_hf(args, check, out_root)
         return from_megatron(args) if args.command == "from-megatron" else to_megatron(args)
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr)

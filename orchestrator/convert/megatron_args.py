@@ -151,6 +151,8 @@ TABLE: List[Flag] = [
     Flag("--use-rope-scaling", "model.rope_scaling", "on", value="llama3", default=None),
     Flag("--rope-scaling-factor", "model.rope_scaling_factor", "float", default=8.0),
     Flag("--normalization", "model.normalization", "str", default="LayerNorm"),
+    Flag("--norm-epsilon", "model.norm_epsilon", "float", default=1e-5),
+    Flag("--add-qkv-bias", "model.add_qkv_bias", "on", value=True, default=None),
     Flag("--swiglu", "model.activation", "on", value="swiglu", default="gelu"),
     Flag("--disable-bias-linear", "model.add_bias_linear", "on", value=False, default=True),
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", "on", default=False),

@@ -126,6 +126,7 @@ class ModelShape:
     normalization: str = "LayerNorm"
     activation: str = "gelu"
     add_bias_linear: bool = True
+    add_qkv_bias: Optional[bool] = None
     untie_embeddings_and_output_weights: bool = False
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.0
@@ -150,6 +151,7 @@ class ModelShape:
             normalization=m.normalization,
             activation=m.activation,
             add_bias_linear=m.add_bias_linear,
+            add_qkv_bias=m.add_qkv_bias,
             untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
             hidden_dropout=m.hidden_dropout,

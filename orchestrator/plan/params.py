@@ -15,7 +15,7 @@ def layer_params(shape: ModelShape) -> Tuple[int, int, int, int]:
     """(TP-replicated, TP-sharded, expert-replicated, expert-sharded) parameters of one layer.
 
     Dense GPT layer with h = hidden, f = ffn, q = heads x kv_channels (= h), k = query groups x
-    kv_channels: norms 2 x (2h | h), QKV h(q+2k) [+ q+2k bias], projection qh [+ h],
+    kv_channels: norms 2 x (2h | h), QKV h(q+2k) [+ q+2k bias, also alone with ``add_qkv_bias``], projection qh [+ h],
     fc1 h f (x2 gated) [+ f], fc2 f h [+ h]. Standard GPT: 12h^2 + 13h.
     Row-parallel biases and norms are replicated over TP; the rest is split.
     MoE: the MLP becomes ``num_moe_experts`` copies (split over TP x EP) plus an h x E router.
@@ -26,7 +26,8 @@ def layer_params(shape: ModelShape) -> Tuple[int, int, int, int]:
     gate = 2 if shape.activation == "swiglu" else 1
     norm = 2 * h if shape.normalization == "LayerNorm" else h
     replicated = 2 * norm + b * h  # two norms + projection bias
-    sharded = h * (q + 2 * k) + b * (q + 2 * k) + q * h
+    qkv_b = b if shape.add_qkv_bias is None else int(shape.add_qkv_bias)
+    sharded = h * (q + 2 * k) + qkv_b * (q + 2 * k) + q * h
     mlp_rep, mlp_sharded = b * h, h * f * gate + b * f * gate + f * h
     if shape.num_moe_experts:
         e = shape.num_moe_experts

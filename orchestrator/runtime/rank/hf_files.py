@@ -1,4 +1,5 @@
-"""Reading a Hugging Face checkpoint directory one layer at a time (issue 38 item 3: streaming).
+"""Hugging Face safetensors tensors in and out, one layer at a time (issue 38 item 3: streaming); which shard
+holds what is :mod:`orchestrator.ckpt.hf_dir`'s.
 
 A directory holds ``config.json`` and either ``model.safetensors`` or shards named by
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Only the tensors asked for are read
@@ -11,34 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-
-class HfCheckpointError(ValueError):
-    """A Hugging Face directory that cannot be read: one line naming the file or tensor and the fix."""
-
-
-def weight_map(path: str) -> dict[str, str]:
-    """Tensor name -> shard file (absolute) for the directory ``path``; every shard named must exist."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    else:
-        single = os.path.join(path, "model.safetensors")
-        if not os.path.exists(single):
-            raise HfCheckpointError(
-                f"error: checkpoint.init_from=hf:{path}: no model.safetensors or model.safetensors.index.json there"
-            )
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            files = dict.fromkeys(f.keys(), single)
-    missing = sorted({v for v in files.values() if not os.path.exists(v)})
-    if missing:
-        raise HfCheckpointError(
-            f"error: checkpoint.init_from=hf:{path}: shard {os.path.basename(missing[0])} named by "
-            f"model.safetensors.index.json is missing ({len(missing)} missing); download the whole directory"
-        )
-    return files
+from orchestrator.ckpt.hf_dir import HfCheckpointError
 
 
 def read_tensors(files: dict[str, str], names: list[str]) -> dict:
@@ -49,19 +23,13 @@ def read_tensors(files: dict[str, str], names: list[str]) -> dict:
     by_file: dict[str, list[str]] = {}
     for n in names:
         if n not in files:
-            raise HfCheckpointError(f"error: Hugging Face checkpoint has no tensor {n}; is it a complete model?")
+            raise HfCheckpointError(f"the Hugging Face checkpoint has no tensor {n}; fix: the complete model directory")
         by_file.setdefault(files[n], []).append(n)
     for shard, ns in by_file.items():
         with safe_open(shard, framework="pt") as f:
             for n in ns:
                 out[n] = f.get_tensor(n)
     return out
-
-
-def layer_names(files: dict[str, str], i: int) -> list[str]:
-    """Every stored tensor name of decoder layer ``i`` (``model.layers.{i}.``)."""
-    prefix = f"model.layers.{i}."
-    return sorted(n for n in files if n.startswith(prefix))
 
 
 def write_shards(path: str, tensors: dict, max_shard_bytes: int = 5 * 10**9) -> list[str]:

@@ -52,6 +52,54 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
+MOE_ROUTER = "block_sparse_moe.gate.weight"
+"""Mixtral's router under ``model.layers.{i}.``; its experts are ``block_sparse_moe.experts.{e}.w1`` (gate),
+``w3`` (up), ``w2`` (down). megatron-core's ``MoELayer`` (local spec: ``SequentialMLP``) names them
+``mlp.router.weight`` and ``mlp.experts.local_experts.{e}.linear_fc1`` = ``[w1; w3]``, ``linear_fc2`` = ``w2``.
+Routing agrees: Mixtral's softmax over the top-k logits (renormalised) is megatron's default softmax router
+(top-k first, ``moe_router_pre_softmax=False``)."""
+
+
+def _mlp_to_megatron(hf: dict, s: str, t: str) -> dict:
+    return {
+        t + "mlp.linear_fc1.weight": torch.cat([hf[s + "mlp.gate_proj.weight"], hf[s + "mlp.up_proj.weight"]]),
+        t + "mlp.linear_fc2.weight": hf[s + "mlp.down_proj.weight"],
+    }
+
+
+def _mlp_to_hf(mc: dict, s: str, t: str) -> dict:
+    gate, up = torch.chunk(mc[t + "mlp.linear_fc1.weight"], 2)
+    return {
+        s + "mlp.gate_proj.weight": gate.contiguous(),
+        s + "mlp.up_proj.weight": up.contiguous(),
+        s + "mlp.down_proj.weight": mc[t + "mlp.linear_fc2.weight"],
+    }
+
+
+def _moe_to_megatron(hf: dict, s: str, t: str) -> dict:
+    out = {t + "mlp.router.weight": hf[s + MOE_ROUTER]}
+    for e in range(hf[s + MOE_ROUTER].shape[0]):
+        x, m = f"{s}block_sparse_moe.experts.{e}.", f"{t}mlp.experts.local_experts.{e}."
+        out[m + "linear_fc1.weight"] = torch.cat([hf[x + "w1.weight"], hf[x + "w3.weight"]])
+        out[m + "linear_fc2.weight"] = hf[x + "w2.weight"]
+    return out
+
+
+def _moe_to_hf(mc: dict, s: str, t: str) -> dict:
+    out = {s + MOE_ROUTER: mc[t + "mlp.router.weight"]}
+    for e in range(mc[t + "mlp.router.weight"].shape[0]):
+        x, m = f"{s}block_sparse_moe.experts.{e}.", f"{t}mlp.experts.local_experts.{e}."
+        w1, w3 = torch.chunk(mc[m + "linear_fc1.weight"], 2)
+        out.update(
+            {
+                x + "w1.weight": w1.contiguous(),
+                x + "w3.weight": w3.contiguous(),
+                x + "w2.weight": mc[m + "linear_fc2.weight"],
+            }
+        )
+    return out
+
+
 def layer_to_megatron(hf: dict, i: int, heads: int, groups: int, fused_norm: bool = False) -> dict:
     """One decoder layer: Hugging Face names under ``model.layers.{i}.`` -> megatron-core names."""
     s, t = _HF.format(i=i), _MC.format(i=i)
@@ -64,9 +112,8 @@ def layer_to_megatron(hf: dict, i: int, heads: int, groups: int, fused_norm: boo
             hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], heads, groups
         ),
         t + "self_attention.linear_proj.weight": hf[a + "o_proj.weight"],
-        t + "mlp.linear_fc1.weight": torch.cat([hf[s + "mlp.gate_proj.weight"], hf[s + "mlp.up_proj.weight"]]),
-        t + "mlp.linear_fc2.weight": hf[s + "mlp.down_proj.weight"],
     }
+    out.update(_moe_to_megatron(hf, s, t) if s + MOE_ROUTER in hf else _mlp_to_megatron(hf, s, t))
     if a + "q_proj.bias" in hf:  # Qwen2
         out[t + "self_attention.linear_qkv.bias"] = fuse_qkv(
             hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], heads, groups
@@ -82,7 +129,6 @@ def layer_to_hf(mc: dict, i: int, heads: int, groups: int, fused_norm: bool = Fa
     ln1, ln2 = _norm_names(fused_norm)
     a = s + "self_attn."
     q, k, v = split_qkv(mc[t + "self_attention.linear_qkv.weight"], heads, groups)
-    gate, up = torch.chunk(mc[t + "mlp.linear_fc1.weight"], 2)
     out = {
         s + "input_layernorm.weight": mc[t + ln1],
         s + "post_attention_layernorm.weight": mc[t + ln2],
@@ -90,10 +136,8 @@ def layer_to_hf(mc: dict, i: int, heads: int, groups: int, fused_norm: bool = Fa
         a + "k_proj.weight": k,
         a + "v_proj.weight": v,
         a + "o_proj.weight": mc[t + "self_attention.linear_proj.weight"],
-        s + "mlp.gate_proj.weight": gate.contiguous(),
-        s + "mlp.up_proj.weight": up.contiguous(),
-        s + "mlp.down_proj.weight": mc[t + "mlp.linear_fc2.weight"],
     }
+    out.update(_moe_to_hf(mc, s, t) if t + "mlp.router.weight" in mc else _mlp_to_hf(mc, s, t))
     if t + "self_attention.linear_qkv.bias" in mc:
         qb, kb, vb = split_qkv(mc[t + "self_attention.linear_qkv.bias"], heads, groups)
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})

@@ -45,6 +45,13 @@ def let_wandb_in() -> None:
         del sys.modules["wandb"]
 
 
+def let_in(name: str) -> None:
+    """Undo :func:`keep_out` for ``name`` in this process only (the rank that checks imported Hugging Face weights
+    against transformers' model: ``runtime.training.hf_start``)."""
+    if name in sys.modules and sys.modules[name] is None:
+        del sys.modules[name]
+
+
 class _JitFuserOff(importlib.abc.MetaPathFinder):
     """Finds ``megatron.core.jit`` with the regular path finder and runs its ``disable_jit_fuser()`` the
     moment the module has executed, before any megatron module takes ``jit_fuser`` from it."""

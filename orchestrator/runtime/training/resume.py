@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from orchestrator.config.hf_config import hf_path
 from orchestrator.config.schedule import lr_schedule
 from orchestrator.errors import OrchestratorError
 from orchestrator.runtime.rank.build import Rank
@@ -110,8 +111,15 @@ def restore(rank: Rank, prepared) -> Start:
             f"{lr_schedule(cfg).describe(iteration + 1)}"
         )
         return Start(iteration, progress["consumed_samples"], origin_of(latest), str(latest.path), load_s)
+    hf = hf_path(cfg.checkpoint.init_from)
+    if hf is not None:
+        from orchestrator.runtime.training import hf_start
+
+        return Start(0, 0, hf_start.start(rank, hf), None)
     if cfg.checkpoint.init_from:
         ckpt.load(Path(cfg.checkpoint.init_from), built.model)
+        # Megatron-LM's load_checkpoint does this when it loads no optimizer state: the fp32 main params follow
+        built.optimizer.reload_model_params()
         rank.say(f"model weights initialised from {cfg.checkpoint.init_from}")
         return Start(0, 0, {"init_from": cfg.checkpoint.init_from}, None)
     return Start(0, 0, None, None)

@@ -1,0 +1,129 @@
+"""``checkpoint.init_from=hf:PATH``: a Hugging Face checkpoint's weights into this rank's model chunks, at the
+job's layout (TP, PP, VPP, EP), one decoder layer at a time (issue 38 items 1 and 3).
+
+Every rank reads only the layers its chunks hold (a TransformerLayer's ``layer_number`` is its global, 1-based
+index), maps them to megatron-core's whole (TP1) tensors (:mod:`orchestrator.runtime.rank.hf_llama`) and keeps
+its own part, the rules of megatron-core's parallel layers:
+
+* column-parallel (``linear_qkv``, ``linear_fc1``, the vocabulary-parallel embedding, ``output_layer``): rows
+  split in TP contiguous blocks, rank r keeps block r; the fused QKV is grouped per KV group, so a block is whole
+  groups (TP divides the groups); SwiGLU's ``linear_fc1`` = ``[gate; up]`` splits each half (megatron-core
+  ``apply_swiglu_sharded_factory``: rank r holds ``[gate_r; up_r]``);
+* row-parallel (``linear_proj``, ``linear_fc2``): columns split likewise;
+* norms, the router: whole on every rank;
+* experts: EP rank e holds global experts ``e * n_local ... + n_local - 1`` (megatron-core ``SequentialMLP``),
+  split over the expert-TP group by the rules above.
+
+The embedding's rows beyond the Hugging Face vocabulary (megatron's padding) are zero. Every parameter of the model
+must be matched, or the load fails naming the first one left. Peak memory: one layer's tensors, whole.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Tuple
+
+import torch
+
+from orchestrator.ckpt import hf_dir
+from orchestrator.runtime.rank import hf_files, hf_llama
+from orchestrator.runtime.rank.model import unwrap
+
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def local_part(whole: torch.Tensor, local_shape: torch.Size, rank: int, size: int, gated: bool = False) -> torch.Tensor:
+    """The part of ``whole`` (megatron's TP1 tensor) that parallel rank ``rank`` of ``size`` holds in a parameter
+    of ``local_shape`` (module docstring); ValueError when no split of one dimension by ``size`` gives it."""
+    if tuple(whole.shape) == tuple(local_shape):
+        return whole
+    dims = [d for d in range(whole.dim()) if whole.shape[d] != local_shape[d]]
+    if whole.dim() != len(local_shape) or len(dims) != 1 or whole.shape[dims[0]] != local_shape[dims[0]] * size:
+        raise ValueError(f"a tensor of shape {tuple(whole.shape)} does not split into {tuple(local_shape)} x {size}")
+    d, n = dims[0], local_shape[dims[0]]
+    if gated:
+        halves = torch.chunk(whole, 2, dim=d)
+        return torch.cat([h.narrow(d, rank * (n // 2), n // 2) for h in halves], dim=d)
+    return whole.narrow(d, rank * n, n)
+
+
+def _ranks(expert: bool) -> Tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _copy(param: torch.nn.Parameter, whole: torch.Tensor, name: str, expert: bool = False, gated: bool = False) -> None:
+    rank, size = _ranks(expert)
+    with torch.no_grad():
+        param.copy_(local_part(whole, param.shape, rank, size, gated))
+
+
+def _global_name(layer_prefix: str, rest: str, experts_offset: int) -> str:
+    m = _EXPERT.match(rest)
+    if m:
+        rest = f"mlp.experts.local_experts.{experts_offset + int(m.group(1))}." + rest[m.end() :]
+    return layer_prefix + rest
+
+
+def _padded(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if weight.shape[0] > rows:
+        raise ValueError(f"the Hugging Face vocabulary ({weight.shape[0]}) is larger than the model's ({rows} rows)")
+    return (
+        torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+        if rows > weight.shape[0]
+        else weight
+    )
+
+
+def _load_layers(
+    model, files: Dict[str, str], heads: int, groups: int, gated: bool, left: Dict[str, torch.nn.Parameter]
+):
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    fused_norm = any("layer_norm_weight" in n for n in left)
+    for i, layer in enumerate(model.decoder.layers):
+        g = layer.layer_number - 1
+        hf = hf_files.read_tensors(files, hf_dir.layer_names(files, g))
+        whole = hf_llama.layer_to_megatron(hf, g, heads, groups, fused_norm)
+        local, glob = f"decoder.layers.{i}.", f"decoder.layers.{g}."
+        n_local = len(getattr(getattr(layer.mlp, "experts", None), "local_experts", []) or [])
+        for name in [n for n in left if n.startswith(local)]:
+            rest = name[len(local) :]
+            key = _global_name(glob, rest, ep_rank * n_local)
+            if key not in whole:
+                raise ValueError(f"no Hugging Face tensor maps to {name} (looked for {key})")
+            _copy(
+                left.pop(name), whole[key], name, expert=bool(_EXPERT.match(rest)), gated=gated and "linear_fc1" in rest
+            )
+        del hf, whole  # one layer at a time
+
+
+def load(model_chunks: List[torch.nn.Module], path: str, heads: int, groups: int, gated: bool) -> int:
+    """Copy the Hugging Face weights under ``path`` into ``model_chunks`` (this rank's parts); returns the number of
+    parameters (elements) loaded on this rank. HfCheckpointError / ValueError (one line) for a tensor that is
+    missing or does not fit."""
+    files = hf_dir.weight_map(path)
+    loaded = 0
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        left = dict(model.named_parameters())
+        loaded += sum(p.numel() for p in left.values())
+        _load_layers(model, files, heads, groups, gated, left)
+        if "embedding.word_embeddings.weight" in left:
+            p = left.pop("embedding.word_embeddings.weight")
+            emb = hf_files.read_tensors(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+            _copy(p, _padded(emb, p.shape[0] * _ranks(False)[1]), "embedding")
+        if "decoder.final_layernorm.weight" in left:
+            norm = hf_files.read_tensors(files, ["model.norm.weight"])["model.norm.weight"]
+            _copy(left.pop("decoder.final_layernorm.weight"), norm, "final norm")
+        if "output_layer.weight" in left:  # untied, or the last stage's copy of tied embeddings
+            name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
+            p = left.pop("output_layer.weight")
+            _copy(p, _padded(hf_files.read_tensors(files, [name])[name], p.shape[0] * _ranks(False)[1]), "output")
+        if left:
+            raise ValueError(f"{len(left)} parameter(s) found no Hugging Face tensor, first {next(iter(left))}")
+    return loaded
