@@ -153,11 +153,15 @@ def check_hf_source(cfg: JobConfig, path: str) -> None:
     """``checkpoint.init_from=hf:PATH`` before queueing: a readable directory of a supported architecture whose
     shards are all there, and a model whose keys build its weights' shapes with the job's vocabulary; ConfigError
     (one line naming the keys, ours and config.json's) otherwise."""
+    import importlib.util
+
     from orchestrator.ckpt.hf_dir import HfCheckpointError, weight_map
     from orchestrator.config.hf_config import HfConfigError, read_config, shape_problems
     from orchestrator.plan.inputs import vocab_size_of
 
     key = f"checkpoint.init_from=hf:{path}"
+    if importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(f"{key}: reading safetensors needs the hf extra; fix: pip install 'orchestrator[hf]'")
     try:
         config = read_config(path)
         problems = shape_problems(config, cfg.model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -108,10 +109,31 @@ def test_each_family_loads_at_its_layout_with_transformers_logits(models, tmp_pa
     hf = manifest["origin"]["hf"]
     assert hf["path"] == made[family] and hf["architecture"].lower().startswith(family[:5])
     assert set(hf["sha256"]) == {"model.safetensors"} and len(hf["sha256"]["model.safetensors"]) == 64
+    # and out again, from this layout: the same tensors, bit for bit, in a directory transformers loads
+    out = tmp_path / "exported"
+    assert _main(["to-hf", str(tmp_path / "r"), str(out)]) == 0
+    source, back = _tensors(made[family]), _tensors(out)
+    assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == hf["architecture"]
+
+
+def _main(argv) -> int:
+    from orchestrator.convert.cli import main
+
+    return main(argv)
+
+
+def _tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
 
 
 @pytest.mark.slow
-def test_a_resume_needs_nothing_from_the_source_directory(models, tmp_path, cache_dir):
+def test_a_resume_needs_nothing_from_the_source_and_the_trained_export_loads_back(models, tmp_path, cache_dir):
     root, conf, made = models
     source = tmp_path / "llama"
     shutil.copytree(made["llama"], source)
@@ -119,10 +141,17 @@ def test_a_resume_needs_nothing_from_the_source_directory(models, tmp_path, cach
     args += [f"run.root={tmp_path}", "run.name=r", "parallelism=none"]
     run_cli([*args, "training.train_iters=2", "training.exit_after_iters=1"], cache=cache_dir)
     shutil.rmtree(source)  # gone: the run resumes from its own checkpoint
-    proc = run_cli([*args, "training.train_iters=2"], cache=cache_dir)
-    assert "resumed from" in proc.stdout + "".join(
-        p.read_text() for p in (tmp_path / "r" / "submitit").glob("*_log.out")
-    )
+    run_cli([*args, "training.train_iters=2"], cache=cache_dir)
+    log = "".join(p.read_text() for p in (tmp_path / "r" / "submitit").glob("*_log.out"))
+    assert "resumed from" in log and "at iteration 1" in log, log[-2000:]
+    # the trained weights out: they moved from the source's, and a job started from them agrees with transformers
+    trained = tmp_path / "trained"
+    assert _main(["to-hf", str(tmp_path / "r"), str(trained), "--iteration", "2"]) == 0
+    back, start = _tensors(trained), _tensors(made["llama"])
+    assert not torch.equal(back["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    again = ["--config-dir", str(conf), "+experiment=llama", f"checkpoint.init_from=hf:{trained}", *RUN]
+    run_cli([*again, f"run.root={tmp_path}", "run.name=again", "parallelism=tp2_pp2"], cache=cache_dir)
+    assert _verified(tmp_path / "again") < 1e-4
 
 
 def _bad_dirs(root, made):
@@ -162,3 +191,24 @@ def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path
 
     assert main(["from-hf", str(gpt2), "--out", str(tmp_path / "conf")]) == 2
     assert not (tmp_path / "conf").exists()
+    # an export of a run with no complete checkpoint, or into a directory holding files: one line, exit 2
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    assert main(["to-hf", str(tmp_path / "empty_run"), str(tmp_path / "out")]) == 2
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert main(["to-hf", str(tmp_path / "empty_run"), str(tmp_path / "full")]) == 2
+    assert not (tmp_path / "out").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    from orchestrator.runtime.rank.hf_export import architecture_of
+
+    gpt = {
+        "config": {
+            "model": {
+                "normalization": "LayerNorm",
+                "activation": "gelu",
+                "position_embedding_type": "rope",
+                "add_bias_linear": True,
+            }
+        }
+    }
+    with pytest.raises(ValueError, match="model.normalization='LayerNorm' \\(needs 'RMSNorm'\\)"):
+        architecture_of(gpt)

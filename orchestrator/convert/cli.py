@@ -13,8 +13,10 @@
 ``from-hf PATH [--name NAME] [--out DIR] [--seq-length S]``
     a Hugging Face model directory -> ``DIR/experiment/NAME.yaml`` whose model builds its weights and
     whose ``checkpoint.init_from`` is ``hf:PATH`` (:mod:`orchestrator.convert.hf_cli`).
+``to-hf RUN OUT [--iteration N]``
+    a run's checkpoint, any layout, as a Hugging Face directory transformers loads (imports torch).
 
-No torch import: both run on a login node in about a second.
+No torch import but ``to-hf``'s: the others run on a login node in about a second.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
     hf_cli.add_parser(sub)
+    hf_cli.add_export_parser(sub)
     exp = sub.add_parser("to-megatron", help="a composed config -> Megatron-LM pretrain_gpt.py launch script")
     exp.add_argument("--out", help="write the script to this file instead of printing it")
     exp.add_argument(
@@ -227,6 +230,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "from-hf":
             return hf_cli.from_hf(args, check, out_root)
+        if args.command == "to-hf":
+            return hf_cli.to_hf(args)
         return from_megatron(args) if args.command == "from-megatron" else to_megatron(args)
     except OrchestratorError as exc:
         print(f"error: {exc}", file=sys.stderr)

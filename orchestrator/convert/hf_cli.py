@@ -32,6 +32,67 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
 
 
+def add_export_parser(sub) -> None:
+    """The ``to-hf`` subcommand on ``convert``'s subparsers."""
+    p = sub.add_parser("to-hf", help="a run's checkpoint (any layout) -> a Hugging Face directory")
+    p.add_argument("run", help="the run directory (<run.root>/<run.name>) or one of its iter_* checkpoints")
+    p.add_argument("out", help="the directory to write (must not exist or be empty)")
+    p.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest complete one)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size cap, GB (default 5)")
+
+
+def _checkpoint(run: str, iteration) -> tuple:
+    """(checkpoint directory, its manifest) of ``run`` at ``iteration`` (None: the latest complete one)."""
+    from orchestrator.ckpt.catalogue import list_checkpoints
+    from orchestrator.ckpt.manifest import read_manifest
+
+    path = Path(run)
+    if path.name.startswith("iter_"):
+        path, iteration = path.parent.parent, int(path.name[5:]) if iteration is None else iteration
+    complete = [c for c in list_checkpoints(path / "checkpoints") if c.status == "complete"]
+    chosen = [c for c in complete if iteration is None or c.iteration == iteration]
+    if not chosen:
+        have = ", ".join(str(c.iteration) for c in complete) or "none"
+        raise ConfigError(
+            f"convert to-hf {run}: no complete checkpoint{'' if iteration is None else f' at iteration {iteration}'} "
+            f"in {path / 'checkpoints'} (complete: {have}); fix: a run directory that saved one, or --iteration "
+            "one of those"
+        )
+    return str(chosen[-1].path), read_manifest(chosen[-1].path)
+
+
+def to_hf(args) -> int:
+    """Export a checkpoint as a Hugging Face directory (runtime.rank.hf_export), then its tokenizer when the
+    run's is a Hugging Face one."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("transformers", "safetensors")):
+        raise ConfigError("convert to-hf writes with transformers and safetensors; fix: pip install 'orchestrator[hf]'")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"convert to-hf: {out} is not empty; fix: a new directory (nothing is overwritten)")
+    ckpt, manifest = _checkpoint(args.run, args.iteration)
+    from orchestrator.runtime.rank import hf_export
+
+    try:
+        arch = hf_export.architecture_of(manifest)
+    except ValueError as exc:
+        raise ConfigError(f"convert to-hf {args.run}: {exc}") from None
+    print(f"exporting {ckpt} (iteration {manifest['iteration']}) as {arch} to {out}", flush=True)
+    shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9))
+    tokenizer = str(manifest["config"]["data"]["tokenizer"])
+    if os.path.isdir(tokenizer) or tokenizer.endswith("tokenizer.json"):
+        import transformers
+
+        source = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
+        print(f"tokenizer: {source}")
+    else:
+        print(f"note: the run's tokenizer ({tokenizer}) is not a Hugging Face one: no tokenizer files written")
+    print(f"wrote {out}: config.json, generation_config.json, {len(shards)} safetensors shard(s) + index")
+    return 0
+
+
 def _yaml(value: Any) -> str:
     return json.dumps(value)  # JSON scalars and flow mappings are YAML
 
