@@ -172,6 +172,73 @@ def test_shell_reading_variables_arrays_arithmetic_and_vars(tmp_path):
     assert any("$DATA is not defined" in n for n in src.notes)
 
 
+LLAMA_EXAMPLE = """#!/bin/bash
+# The shapes of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh: arrays, +=, if blocks, $PWD
+TOKENIZER_ARG=${3:-"MOCK"}
+DTYPE="fp8"
+CACHE="${PWD}/cache"
+MODEL_ARGS=(
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
+    --swiglu --disable-bias-linear --rotary-percent 1.0 --apply-layernorm-1p
+)
+TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-4 --bf16)
+DTYPE_ARGS=()
+if [[ "$DTYPE" == "fp8" ]]; then
+    DTYPE_ARGS+=(
+        "--fp8-format hybrid"
+        "--fp8-amax-history-len 1024"
+    )
+elif [[ "$DTYPE" == "bf16" ]]; then
+    DTYPE_ARGS+=("--num-layers 99")
+else
+    DTYPE_ARGS+=("--num-layers 98")
+fi
+MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 1 --sequence-parallel)
+DDP_ARGS=(--use-distributed-optimizer --overlap-grad-reduce)
+TRAINING_ARGS+=("${DDP_ARGS[@]}")
+DATA_ARGS_LIST=()
+if [[ "$TOKENIZER_ARG" == "MOCK" ]] || [[ -z "$TOKENIZER_ARG" ]]; then
+    DATA_ARGS_LIST+=("--mock-data" "--tokenizer-type NullTokenizer" "--vocab-size 1000" "--data-cache-path ${CACHE}")
+else
+    DATA_ARGS_LIST+=("--data-path $DATA_ARG" "--tokenizer-type HuggingFaceTokenizer" "--tokenizer-model $TOKENIZER_ARG")
+fi
+if [ ! -f "$CHECKPOINT_PATH/latest" ]; then
+    EXTRA=(--hidden-dropout 0.5)
+fi
+torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]} \\
+    ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS_LIST[@]} ${EXTRA[@]}
+"""
+
+
+def test_megatron_lm_example_shapes_arrays_appends_and_if_blocks_convert(capsys, tmp_path, monkeypatch):
+    """Flags built in arrays, appended with +=, inside if blocks bash would take (and not the others): read; an if the
+    reader cannot decide (a file test) is named with its lines; --sequence-parallel at TP 1 is turned off as
+    Megatron-LM does; every flag is mapped or listed with its reason."""
+    from orchestrator.convert.read import read_source
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train_llama.sh"
+    script.write_text(LLAMA_EXAMPLE)
+    src = read_source(str(script), {})
+    flags = [a.text for a in src.args]
+    assert (
+        "--fp8-format hybrid" in flags and "--use-distributed-optimizer" in flags and "--overlap-grad-reduce" in flags
+    )
+    assert "--vocab-size 1000" in flags and f"--data-cache-path {tmp_path}/cache" in flags
+    assert not any(f.startswith("--num-layers 9") or f.startswith("--data-path") or "dropout" in f for f in flags)
+    (undecided,) = [n for n in src.notes if "cannot be decided here" in n]
+    assert undecided.startswith('lines 31-33: `if [ ! -f "$CHECKPOINT_PATH/latest" ]`'), undecided
+    code, out, err, written = from_megatron(capsys, tmp_path, str(script))
+    assert code == 0, err + out[-2000:]
+    assert "use_distributed_optimizer: true" in written and "overlap_grad_reduce: true" in written
+    assert "sequence_parallel: false  # --sequence-parallel at TP 1" in written
+    assert "Megatron-LM warns and turns sequence parallelism off" in section(out, "flagged")
+    listed = section(out, "not converted")
+    for flag in ("--fp8-format hybrid", "--fp8-amax-history-len 1024", "--rotary-percent 1.0", "--apply-layernorm-1p"):
+        (line,) = [x for x in listed.splitlines() if x.strip().startswith(flag)]
+        assert "not a flag this converter knows" not in line, line  # each with its own reason
+
+
 def test_json_args_with_underscored_names(tmp_path):
     from orchestrator.convert.read import read_source
     from orchestrator.convert.to_config import convert

@@ -24,33 +24,10 @@ Pure data, no imports beyond the standard library.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
-
-class _Keep:
-    """Sentinel: Megatron-LM has no default that applies; the orchestrator's value stays."""
-
-    def __repr__(self) -> str:
-        return "KEEP"
-
-
-KEEP = _Keep()
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One row of :data:`TABLE` (see the module docstring for the fields)."""
-
-    flag: str
-    key: Optional[str] = None
-    kind: str = "str"
-    value: Any = True
-    default: Any = KEEP
-    export: bool = True
-    omit: Tuple[Any, ...] = ()
-    note: str = ""
-
+from orchestrator.convert.flag_row import KEEP, Flag  # noqa: F401  (M.KEEP, M.Flag: one table's names)
+from orchestrator.convert.megatron_unmapped import UNMAPPED
 
 GPT2_BPE_VOCAB = 50257
 """Megatron-LM's GPT2BPETokenizer (the GPT-2 byte-pair encoding): 50,257 ids, eod = 50256."""
@@ -244,64 +221,9 @@ TABLE: List[Flag] = [
     Flag("--vocab-size", "data.vocab_size", "special", export=False),
     Flag("--null-tokenizer-eod-id", "data.eod_id", "special", export=False),
     Flag("--null-tokenizer-pad-id", "data.tokenizer", "special", export=False),
-    # ---- known flags without an equivalent (listed, never dropped silently)
-    Flag(
-        "--rampup-batch-size",
-        kind="none",
-        note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)",
-    ),
-    Flag(
-        "--step-batch-size-schedule",
-        kind="none",
-        note="no batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); the global batch "
-        "size is constant: give the final one as --global-batch-size",
-    ),
-    Flag(
-        "--tensorboard-*",
-        kind="none",
-        note="TensorBoard settings are fixed (logging.tensorboard: <run dir>/tensorboard)",
-    ),
-    Flag("--wandb-*", kind="none", note="Weights & Biases takes logging.wandb.project/entity/name/mode only"),
-    Flag("--log-*", kind="none", note="logging is fixed: training.log_interval and <run dir>/metrics.jsonl"),
-    Flag("--attention-backend", kind="none", note="the attention kernel follows model.transformer_impl"),
-    Flag("--use-flash-attn", kind="none", note="the attention kernel follows model.transformer_impl"),
-    Flag(
-        "--no-*-fusion",
-        kind="none",
-        note='kernel fusions are Megatron-LM\'s defaults on GPU (README "Megatron config"), not configurable here',
-    ),
     Flag("--overlap-grad-reduce", "parallelism.overlap_grad_reduce", "on", default=False),
     Flag("--overlap-param-gather", "parallelism.overlap_param_gather", "on", default=False),
-    Flag("--num-workers", kind="none", note="data loading workers are not configurable here"),
-    Flag(
-        "--exit-interval",
-        kind="none",
-        note="no equivalent (training.exit_after_iters counts iterations of one job, not a multiple)",
-    ),
-    Flag(
-        "--exit-duration-in-mins",
-        kind="none",
-        note="the SLURM time limit (cluster.timeout_min) ends a job; it saves and requeues",
-    ),
-    Flag("--train-data-path", kind="none", note="per-split datasets are not supported; use --data-path with --split"),
-    Flag("--valid-data-path", kind="none", note="the validation set is data.split's part of --data-path"),
-    Flag("--test-data-path", kind="none", note="no test evaluation here"),
-    Flag("--kv-channels", kind="none", note="kv_channels is hidden_size / num_attention_heads here"),
-    Flag(
-        "--accumulate-allreduce-grads-in-fp32",
-        kind="none",
-        note="megatron-core's default with bf16 here; the planner assumes fp32 gradient accumulation",
-    ),
-    Flag("--ckpt-format", kind="none", note="checkpoints are always megatron-core dist_checkpointing torch_dist"),
-    Flag("--use-dist-ckpt", kind="none", note="checkpoints are always megatron-core dist_checkpointing torch_dist"),
-    Flag("--use-mcore-models", kind="none", note="the model is always megatron-core's GPTModel"),
-    Flag(
-        "--no-load-optim", kind="none", note="resume loads model and optimizer; checkpoint.init_from loads weights only"
-    ),
-    Flag("--no-load-rng", kind="none", note="resume restores the full state"),
-    Flag(
-        "--finetune", kind="none", note="say checkpoint.init_from=<orchestrator checkpoint> (weights only, iteration 0)"
-    ),
+    *UNMAPPED,
 ]
 
 

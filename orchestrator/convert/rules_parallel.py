@@ -68,6 +68,19 @@ def virtual_pipeline(conv: Conversion, given: Dict[str, Arg]) -> None:
         )
 
 
+def sequence_parallel(conv: Conversion, given: Dict[str, Arg]) -> None:
+    """``--sequence-parallel`` at TP 1: Megatron-LM's ``validate_args`` warns ("Disabling sequence parallelism
+    because tensor model parallelism is disabled") and turns it off; so does the conversion, and says so."""
+    arg = given.get("--sequence-parallel")
+    if arg is None or conv.get("parallelism.tensor_model_parallel_size", 1) != 1:
+        return
+    conv.set("parallelism.sequence_parallel", False, f"{arg.text} at TP 1: off, as Megatron-LM turns it off")
+    conv.flagged.append(
+        f"{arg.text} with --tensor-model-parallel-size 1: Megatron-LM warns and turns sequence parallelism off "
+        "(validate_args); the experiment has parallelism.sequence_parallel=false"
+    )
+
+
 def data_parallel(conv: Conversion) -> None:
     """A stated DP (not a Megatron-LM flag) checked against world / (TP x PP x CP), with the arithmetic."""
     dp, world = conv.get("parallelism.data_parallel_size"), conv.world_size

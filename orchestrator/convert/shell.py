@@ -1,7 +1,7 @@
 """Read a shell script the way bash would run a Megatron-LM launch (see :mod:`orchestrator.convert.sources`).
 
-Comments, ``\\`` continuations, ``NAME=value`` / ``export`` / arrays, ``$NAME``, ``${NAME:-d}``,
-``${ARRAY[@]}``, ``$(( arithmetic ))``, ``#SBATCH`` and ``# orchestrator:`` lines, here-documents
+Comments, ``\\`` continuations, ``NAME=value`` / ``NAME+=`` / ``export`` / arrays, ``$NAME``, ``${NAME:-d}``,
+``${ARRAY[@]}``, ``$(( arithmetic ))``, ``if`` blocks (:mod:`orchestrator.convert.shell_branches`), ``#SBATCH`` and ``# orchestrator:`` lines, here-documents
 (skipped) and the one launch line (``[srun] [torchrun | python -m torch.distributed.run] X.py`` or
 ``bash X.sh`` followed by Megatron-LM flags). Nothing is executed: ``$(command)`` stays unknown.
 """
@@ -15,11 +15,12 @@ from typing import Dict, List, Optional, Tuple
 
 from orchestrator.convert.launcher_options import SHORT_OPTIONS
 from orchestrator.convert.megatron_args import row
+from orchestrator.convert.shell_branches import Branches
 from orchestrator.convert.shell_scope import Scope
 from orchestrator.convert.sources import Launcher, Option, Source, read_flags
 from orchestrator.errors import ConfigError
 
-_ASSIGN = re.compile(r"^\s*(?:(export|local|declare(?:\s+-\w+)*)\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
+_ASSIGN = re.compile(r"^\s*(?:(export|local|declare(?:\s+-\w+)*)\s+)?([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
 _WORD_ASSIGN = re.compile(r"^[A-Za-z_]\w*=")
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 _TORCHRUN_BOOL = {"standalone", "no-python", "run-path", "module", "m", "use-env"}
@@ -44,6 +45,8 @@ _SRUN_BOOL = {
     "Z",
 }
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+BASH_SETS = ("PWD", "HOME", "USER")
+"""Variables bash defines for every script: read from the converting shell (the notes say so when a flag uses one)."""
 
 
 def _strip_comment(line: str) -> str:
@@ -185,13 +188,20 @@ def _pick_launch(candidates: List[Tuple[int, str, Launcher, Dict[str, str], List
 def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
     """A :class:`Source` from the text of a shell script (see the module docstring)."""
     src = Source(path=path, form="shell script")
-    scope = Scope(variables)
+    scope, branches = Scope(variables), Branches()
+    for name in BASH_SETS:  # bash sets these for every script; this shell's values, said in the notes when read
+        value = os.getcwd() if name == "PWD" else os.environ.get(name)
+        if name not in scope.vars and value:
+            scope.vars[name] = value
+            scope.inherited.add(name)
     candidates, fragments = [], []
     for n, line in _logical_lines(text, src):
         where = f"line {n}"
+        if branches.control(line, n, scope, src.notes) or not branches.reading:
+            continue  # if/elif/else/fi, or a branch bash would not take (or that cannot be decided: noted)
         m = _ASSIGN.match(line)
-        if m and _single_word(m.group(3)):
-            value = scope.assign(m.group(2), m.group(3), where, src.notes)
+        if m and _single_word(m.group(4)):
+            value = scope.assign(m.group(2), m.group(4), where, src.notes, append=m.group(3) == "+")
             if m.group(1) == "export" and value is not None:
                 src.env[m.group(2)] = value
             continue
@@ -232,6 +242,9 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
         f"${name} is not defined in the script (set at run time?); fix: --var {name}=VALUE if a converted flag needs it"
         for name in scope.unresolved
         if name != "$(...)"
+    ]
+    src.notes += [
+        f"${name} is this shell's ({scope.vars[name]}), as bash would set it" for name in sorted(scope.used_inherited)
     ]
     if "$(...)" in scope.unresolved:
         src.notes.append("$(command) substitutions are not run; their values stay unknown")

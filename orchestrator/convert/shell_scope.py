@@ -39,6 +39,9 @@ class Scope:
         self.commands: set = set()
         """Names assigned from ``$(command)``: never run, so their values stay unknown."""
         self.unresolved: List[str] = []
+        self.inherited: set = set()
+        """Names bash sets for every script (``PWD``...), taken from the converting shell."""
+        self.used_inherited: set = set()
         self.holders: Dict[str, str] = {}
         """An undefined variable -> the variable first assigned from it (``CHECKPOINT_PATH=$1``)."""
 
@@ -73,12 +76,14 @@ class Scope:
             items = self.arrays.get(m.group("arr"))
             if items is None:
                 return self._miss(m.group("arr"), "")
-            return " ".join(items) if quoted else " ".join(shlex.quote(t) for t in items)
+            return " ".join(items)  # unquoted: bash splits each element into words (``"--fp8-format hybrid"``)
         name = m.group("braced") or m.group("plain")
         if name in self.commands:
             return self._miss("$(...)", "$" + name)
         if name in self.vars:
             value = self.vars[name]
+            if name in self.inherited:
+                self.used_inherited.add(name)
         elif name in self.arrays:
             value = (self.arrays[name] or [""])[0]
         elif m.group("dflt") is not None:
@@ -117,15 +122,19 @@ class Scope:
             i += 1
         return "".join(out)
 
-    def assign(self, name: str, rhs: str, where: str, notes: List[str]) -> Optional[str]:
-        """Record ``name=rhs`` (an array when ``rhs`` is ``( ... )``); the scalar value, if any."""
+    def assign(self, name: str, rhs: str, where: str, notes: List[str], append: bool = False) -> Optional[str]:
+        """Record ``name=rhs`` (an array when ``rhs`` is ``( ... )``; ``append``: ``name+=rhs``); the scalar
+        value, if any."""
         if name in self.given:
             notes.append(f"{where}: {name} given with --var; the script's value is not used")
             return self.vars[name]
         rhs = rhs.strip()
         if rhs.startswith("(") and rhs.endswith(")"):
-            self.arrays[name] = shlex.split(self.expand(rhs[1:-1]), comments=True)
+            items = shlex.split(self.expand(rhs[1:-1]), comments=True)
+            self.arrays[name] = (self.arrays.get(name, []) if append else []) + items
             return None
+        if append and name in self.vars:
+            rhs = f'"${{{name}}}"{rhs}'
         if re.search(r"\$\((?!\()|`", rhs):
             self.commands.add(name)
             self.vars.pop(name, None)

@@ -143,7 +143,7 @@ def convert(
     """Map ``source`` onto orchestrator settings (raises ConfigError with ``<key>: <what>; fix: <how>``)."""
     from orchestrator.convert import launcher
     from orchestrator.convert.rules import batches_and_schedule, checkpoints, data, model, tensorboard, tokenizer
-    from orchestrator.convert.rules_parallel import data_parallel, virtual_pipeline
+    from orchestrator.convert.rules_parallel import data_parallel, sequence_parallel, virtual_pipeline
 
     conv = Conversion(name=name, source=source)
     groups, extras = launcher.orchestrator_lines(source)
@@ -156,7 +156,7 @@ def convert(
             )
         given[arg.flag] = arg
     _classify(conv, given)
-    for rule in (tokenizer, data, checkpoints, tensorboard, model, virtual_pipeline):
+    for rule in (tokenizer, data, checkpoints, tensorboard, model, virtual_pipeline, sequence_parallel):
         rule(conv, given)
     _defaults(conv, given)
     launcher.cluster(conv, nodes, gpus_per_node)
