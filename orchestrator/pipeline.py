@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -242,9 +243,22 @@ def _check_writable(cfg: JobConfig) -> None:
     directory is read-only (a read-only mount, a permission) — before data are prepared or anything queued."""
     existing = Path(cfg.run.dir).absolute()
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # dangling: a scratch file system not mounted here, say
+            raise ConfigError(
+                f"run.root={cfg.run.root}: {existing} is a symbolic link to {os.readlink(existing)}, which does not "
+                "exist here; fix: mount or create it, or set run.root to a directory you can write"
+            )
         existing = existing.parent
+    why = None
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
+    else:  # root passes os.access everywhere: a file created unnamed (nothing left behind) decides
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    if why is not None:
         raise ConfigError(
             f"run.root={cfg.run.root}: cannot write the run directory {cfg.run.dir} ({existing}: {why}); "
             f"fix: set run.root to a directory you can write, e.g. run.root=runs"

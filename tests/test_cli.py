@@ -897,6 +897,24 @@ def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
     assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
 
 
+def test_a_dangling_link_or_an_unwritable_file_system_as_run_root_is_one_line(tmp_path):
+    """A run.root through a symbolic link whose target is not there (scratch not mounted) and, as root (whom
+    os.access always lets write), /proc: one line naming run.root, exit 2, before the data; nothing created."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "not-mounted")
+    cases = [
+        ["+experiment=gpt_pp2_dp2", f"run.root={link}/runs"],
+        ["+experiment=gpt_pp2_dp2", "run.root=/proc/runs"],
+    ]
+    results = run_batch(cases, tmp_path)
+    said = [f"{link} is a symbolic link to {tmp_path / 'not-mounted'}, which does not exist here", "/proc"]
+    for case, got, words in zip(cases, results, said):
+        lines = [ln for ln in got["stderr"].splitlines() if ln.strip()]
+        assert got["code"] == 2 and len(lines) == 1 and lines[0].startswith(f"error: {case[1]}: "), got
+        assert words in lines[0] and "preparing data" not in got["stdout"], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scratch"] and not (tmp_path / "not-mounted").exists()
+
+
 def test_a_users_model_file_without_a_name_is_named_after_its_option(tmp_path):
     """``conf/model/mymodel.yaml`` without ``name:`` used to be labelled ``gpt_tiny`` (the schema's default):
     its runs went to ``runs/gpt_tiny_none``, where a real gpt_tiny run was then refused as a resume of it."""

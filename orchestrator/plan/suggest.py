@@ -79,10 +79,12 @@ def candidates(
     max_tp: int = 8,
     allow_distributed_optimizer: bool = True,
     state_dp: bool = False,
+    allow_sequence_parallel: bool = True,
 ):
     """Valid (layout, recipe) pairs over the same world size, GBS, CP and EP.
 
-    Varies TP (<= ``max_tp``, sequence parallel whenever TP > 1), PP, VPP (null or 2..8 chunks),
+    Varies TP (<= ``max_tp``, sequence parallel whenever TP > 1 and ``allow_sequence_parallel``: a CPU job has
+    none, megatron-core's sequence parallel needs GPUs), PP, VPP (null or 2..8 chunks),
     MBS (powers of two and the current one), recomputation (none / selective / full uniform 1 /
     the current one) and the distributed optimizer. Each layout passes ``ParallelLayout.problems()``.
     DP stays stated (set to the derived value) when the config stated it or ``state_dp``.
@@ -114,7 +116,7 @@ def candidates(
                         tensor_model_parallel_size=tp,
                         pipeline_model_parallel_size=pp,
                         virtual_pipeline_model_parallel_size=vpp,
-                        sequence_parallel=tp > 1,
+                        sequence_parallel=tp > 1 and allow_sequence_parallel,
                         micro_batch_size=mbs,
                         stated_data_parallel_size=None,
                     )
@@ -174,7 +176,9 @@ def suggest(
     found: Dict[Tuple[str, ...], Suggestion] = {}
     # cluster=local without tasks_per_node takes its world size from TP x PP x CP x DP: keep DP stated.
     local_world = cfg.cluster.kind == "local" and cfg.cluster.tasks_per_node is None
-    for cand, rec in candidates(layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world):
+    for cand, rec in candidates(
+        layout, recipe, node, allow_distributed_optimizer=not cpu, state_dp=local_world, allow_sequence_parallel=not cpu
+    ):
         pl = replace(
             plan_layout(cand, shape, rec, device.preset, mfu, validate=False, **on), headroom=cfg.plan_headroom
         )

@@ -201,15 +201,17 @@ class StragglerWatch:
                 )
 
     def _name(self, record: Dict[str, object]) -> None:
-        record["line"] = describe(record, self.threshold)  # what the log says, for ``status``
+        hosts = set(getattr(self.rank.info, "hosts", ()) or ())
+        record["line"] = describe(record, self.threshold, len(hosts) > 1)  # what the log says, for ``status``
         self.named.append(record)
         self.trackers.event(record)  # the logging rank writes it
         if self.rank.rank0:
             print(f"[orchestrator] warning: {record['line']}", flush=True)
 
 
-def describe(record: Dict[str, object], threshold: float) -> str:
-    """One line naming a straggling rank or host, with its numbers and what to look at."""
+def describe(record: Dict[str, object], threshold: float, other_hosts: bool = True) -> str:
+    """One line naming a straggling rank or host, with its numbers and what to look at (and, when the job has
+    ``other_hosts``, leaving the host out)."""
     span = (
         f"{record['windows']} windows of {record['interval']} iterations in a row, to iteration {record['iteration']}"
     )
@@ -231,8 +233,8 @@ def describe(record: Dict[str, object], threshold: float) -> str:
         f"straggler: rank {record['rank']} (host {record['host']}, pipeline stage {record['pp_rank']}, DP rank "
         f"{record['dp_rank']}) computes {float(record['slower_by']) * 100:.0f}% slower than the median of the "  # type: ignore
         f"other ranks per planned FLOP (threshold {threshold * 100:.0f}%; {compute:g} ms of compute per "
-        f"iteration{seen}) for {span}; fix: check {look} on {record['host']}, or leave the host out "
-        f"(cluster.exclude={record['host']})"
+        f"iteration{seen}) for {span}; fix: check {look} on {record['host']}"
+        + (f", or leave the host out (cluster.exclude={record['host']})" if other_hosts else "")
     )
 
 
