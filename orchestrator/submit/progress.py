@@ -192,6 +192,12 @@ class Progress:
                 )
         elif event == "saved":
             self._say(saved_line(rec))
+        elif event == "save_interval":  # checkpoint.save_interval=auto chose (runtime.training.save_schedule)
+            self._say(
+                f"[orchestrator] checkpoint.save_interval=auto: every {rec['interval']} iterations (next save at "
+                f"{rec['next_save']}; C {rec['save_s']:.3g} s {rec['save_s_source']}, M {rec['mtbf_s'] / 3600:.3g} h, "
+                f"step {rec['step_s']:.3g} s)"
+            )
         elif event == "eval":
             self._say(
                 f"[orchestrator] validation at iteration {rec['iteration']}: lm loss {rec['lm_loss']:.4f} | "
