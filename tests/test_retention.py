@@ -159,7 +159,10 @@ def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prun
     saved = [
         r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "saved"
     ]
-    assert sorted({r["iteration"] for r in saved}) == list(range(10, 151, 10))
+    # every save is recorded, but the one the kill may have cut between its manifest and its metrics record
+    # (seen in a loaded CI: iter_0000040 complete on disk, its "saved" line never written): the resumed one
+    recorded = {r["iteration"] for r in saved}
+    assert recorded | {complete[-1]} == set(range(10, 151, 10)) and recorded <= set(range(10, 151, 10)), recorded
     last = saved[-1]
     assert (
         last["removed"] == ["iter_0000120"]
