@@ -7,15 +7,20 @@ from orchestrator.config.model_schema import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
+TINY = dict(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+"""A tiny Llama shape (GQA: 4 heads in 2 KV groups)."""
+
 
 def test_llama_qwen_and_mixtral_configs_map_and_gpt_neox_is_refused():
     llama = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         rope_theta=500000.0,
         rope_scaling={
             "rope_type": "llama3",
@@ -46,12 +51,7 @@ def test_llama_qwen_and_mixtral_configs_map_and_gpt_neox_is_refused():
 
 def test_shape_problems_name_each_key_that_differs():
     cfg = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         rms_norm_eps=1e-5,
         architectures=["LlamaForCausalLM"],
     ).to_dict()

@@ -102,11 +102,10 @@ def _load_layers(
         del hf, whole  # one layer at a time
 
 
-def load(model_chunks: List[torch.nn.Module], path: str, heads: int, groups: int, gated: bool) -> int:
-    """Copy the Hugging Face weights under ``path`` into ``model_chunks`` (this rank's parts); returns the number of
-    parameters (elements) loaded on this rank. HfCheckpointError / ValueError (one line) for a tensor that is
-    missing or does not fit."""
-    files = hf_dir.weight_map(path)
+def load(model_chunks: List[torch.nn.Module], files: Dict[str, str], heads: int, groups: int, gated: bool) -> int:
+    """Copy the Hugging Face weights of ``files`` (tensor name -> shard, :func:`orchestrator.ckpt.hf_dir.weight_map`)
+    into ``model_chunks`` (this rank's parts); returns the number of parameters (elements) loaded on this rank.
+    HfCheckpointError / ValueError (one line) for a tensor that is missing or does not fit."""
     loaded = 0
     for chunk in model_chunks:
         model = unwrap(chunk)

@@ -44,9 +44,10 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
     m = cfg.model
     t0 = time.perf_counter()
     try:
+        files = hf_dir.weight_map(path)  # read once: the load, the verification and the manifest's hashes use it
         hf_import.load(
             built.model,
-            path,
+            files,
             m.num_attention_heads,
             m.num_query_groups or m.num_attention_heads,
             gated=m.activation == "swiglu",
@@ -58,10 +59,9 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
     load_s = slowest(rank, time.perf_counter() - t0)
     rank.say(f"model weights initialised from Hugging Face {path} in {load_s:.2f} s (slowest rank)")
     if cfg.checkpoint.hf_verify:
-        verify(rank, path)
+        verify(rank, path, files)
     origin: Dict[str, object] = {"init_from": cfg.checkpoint.init_from}
     if rank.rank0:
-        files = hf_dir.weight_map(path)
         origin["hf"] = {
             "path": path,
             "architecture": architecture(read_config(path)),
@@ -119,14 +119,12 @@ def _our_logits(rank: Rank, batch: Dict[str, torch.Tensor]) -> Optional[torch.Te
     return torch.cat(parts, dim=-1)
 
 
-def _reference(path: str, batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+def _reference(path: str, files: Dict[str, str], batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
     """transformers' fp32 logits on ``batch`` (None when transformers is absent or the model would not fit)."""
     import psutil
 
     size = sum(
-        v["data_offsets"][1] - v["data_offsets"][0]
-        for f in set(hf_dir.weight_map(path).values())
-        for v in hf_dir.header(f).values()
+        v["data_offsets"][1] - v["data_offsets"][0] for f in set(files.values()) for v in hf_dir.header(f).values()
     )
     if 2 * size > psutil.virtual_memory().available / 4:  # fp32 copy of (at most) bf16 weights
         return None
@@ -140,7 +138,7 @@ def _reference(path: str, batch: Dict[str, torch.Tensor]) -> Optional[torch.Tens
         return ref(batch["tokens"].cpu()).logits
 
 
-def verify(rank: Rank, path: str) -> None:
+def verify(rank: Rank, path: str, files: Dict[str, str]) -> None:
     """Compare this model's logits with transformers' on a fixed batch (module docstring); collective, raises
     HfImportError on every rank above the tolerance."""
     from megatron.core import parallel_state as ps
@@ -155,7 +153,7 @@ def verify(rank: Rank, path: str) -> None:
     verdict: List[object] = [None]
     checker = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if checker and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
-        want = _reference(path, batch)
+        want = _reference(path, files, batch)
         if want is None:
             verdict[0] = ("skipped", "transformers is not installed or the model would not fit in host memory")
         else:
