@@ -49,23 +49,30 @@ def megatron_json(cfg, dp: Optional[int] = None) -> tuple:
     return mcfg.build(cfg, device, facts, dp).as_json(), device, assumed
 
 
+LEAN_KEPT_OUT = ("wandb", "boto3", "botocore", "fsspec")
+"""What this command keeps out of megatron-core's import: wandb (megatron imports it at import and never calls it
+here; 0.9-1.4 CPU-s) and the optional remote-storage packages TensorBoard's file layer tries at import (megatron's
+``timers`` imports ``torch.utils.tensorboard``; boto3/botocore/fsspec: 0.13 s on this machine), which only an
+``s3://``-style log directory would use, and this command writes no log."""
+
+
 @contextlib.contextmanager
 def lean_imports():
-    """megatron-core imported for its three config dataclasses only: without wandb (megatron imports it at import
-    and never calls it here; 0.9-1.4 CPU-s) and without the ``torch.compile`` set-up of its jit-fused kernels, which
-    this process never runs (:mod:`orchestrator.runtime.rank.startup`, as a CPU rank does): 4.9 -> 2.8 CPU-s for
-    the whole command. wandb is let in again after (an in-process caller may use it)."""
+    """megatron-core imported for its three config dataclasses only: without :data:`LEAN_KEPT_OUT` and without the
+    ``torch.compile`` set-up of its jit-fused kernels, which this process never runs
+    (:mod:`orchestrator.runtime.rank.startup`, as a CPU rank does): 4.9 -> 2.8 CPU-s for the whole command. What
+    was kept out is let in again after (an in-process caller may use it)."""
     from orchestrator.runtime.rank import startup
 
-    kept_out = "wandb" not in sys.modules
-    if kept_out:
-        sys.modules["wandb"] = None  # type: ignore[assignment]  (Python's documented way: import raises)
+    kept_out = [name for name in LEAN_KEPT_OUT if name not in sys.modules]
+    for name in kept_out:
+        sys.modules[name] = None  # type: ignore[assignment]  (Python's documented way: import raises)
     startup.jit_fuser_off()
     try:
         yield
     finally:
-        if kept_out:
-            startup.let_wandb_in()
+        for name in kept_out:
+            startup.let_in(name)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
