@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, List
 
@@ -79,7 +80,7 @@ def to_hf(args) -> int:
     except ValueError as exc:
         raise ConfigError(f"convert to-hf {args.run}: {exc}") from None
     print(f"exporting {ckpt} (iteration {manifest['iteration']}) as {arch} to {out}", flush=True)
-    shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9))
+    shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9), log=_progress)
     tokenizer = str(manifest["config"]["data"]["tokenizer"])
     if os.path.isdir(tokenizer) or tokenizer.endswith("tokenizer.json"):
         import transformers
@@ -91,6 +92,10 @@ def to_hf(args) -> int:
         print(f"note: the run's tokenizer ({tokenizer}) is not a Hugging Face one: no tokenizer files written")
     print(f"wrote {out}: config.json, generation_config.json, {len(shards)} safetensors shard(s) + index")
     return 0
+
+
+def _progress(line: str) -> None:
+    print(f"[orchestrator] {line}", file=sys.stderr, flush=True)
 
 
 def _yaml(value: Any) -> str:
