@@ -61,6 +61,14 @@ def layer_names(files: Dict[str, str], i: int) -> List[str]:
     return sorted(n for n in files if n.startswith(prefix))
 
 
+def tensor_bytes(files: Dict[str, str]) -> Dict[str, int]:
+    """Tensor name -> its size in bytes as stored, from the shards' headers."""
+    out: Dict[str, int] = {}
+    for shard in sorted(set(files.values())):
+        out.update({n: v["data_offsets"][1] - v["data_offsets"][0] for n, v in header(shard).items()})
+    return out
+
+
 def content_hashes(files: Dict[str, str]) -> Dict[str, str]:
     """``{shard file name: sha256 hex}`` of every shard (the manifest's record of the source's exact bytes)."""
     out = {}

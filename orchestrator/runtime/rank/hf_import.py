@@ -15,13 +15,15 @@ its own part, the rules of megatron-core's parallel layers:
   split over the expert-TP group by the rules above.
 
 The embedding's rows beyond the Hugging Face vocabulary (megatron's padding) are zero. Every parameter of the model
-must be matched, or the load fails naming the first one left. Peak memory: one layer's tensors, whole.
+must be matched, or the load fails naming the first one left (issue 38 item 3: streaming). Memory beyond the rank's
+model: one layer's tensors, whole, as read and as mapped (the fused QKV and ``[gate; up]`` are new tensors: under
+2x a layer), or the embedding's matrix, copied into the vocabulary-parallel rows without a padded copy.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -68,18 +70,31 @@ def _global_name(layer_prefix: str, rest: str, experts_offset: int) -> str:
     return layer_prefix + rest
 
 
-def _padded(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    if weight.shape[0] > rows:
-        raise ValueError(f"the Hugging Face vocabulary ({weight.shape[0]}) is larger than the model's ({rows} rows)")
-    return (
-        torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
-        if rows > weight.shape[0]
-        else weight
-    )
+def _copy_vocab(param: torch.nn.Parameter, weight: torch.Tensor, name: str) -> None:
+    """The rows of ``weight`` [vocab, ...] this TP rank's block of the padded vocabulary holds into ``param``, the
+    padding rows beyond the vocabulary zero (no padded copy of the whole matrix is made)."""
+    rank, size = _ranks(False)
+    rows = param.shape[0]
+    if weight.shape[0] > rows * size:
+        raise ValueError(
+            f"the Hugging Face vocabulary ({weight.shape[0]}) is larger than the model's ({rows * size} rows)"
+        )
+    if tuple(weight.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(f"{name}: a tensor of shape {tuple(weight.shape)} does not fit {tuple(param.shape)} rows")
+    part = weight[rank * rows : (rank + 1) * rows]
+    with torch.no_grad():
+        param[: part.shape[0]].copy_(part)
+        param[part.shape[0] :].zero_()
 
 
 def _load_layers(
-    model, files: Dict[str, str], heads: int, groups: int, gated: bool, left: Dict[str, torch.nn.Parameter]
+    model,
+    files: Dict[str, str],
+    heads: int,
+    groups: int,
+    gated: bool,
+    left: Dict[str, torch.nn.Parameter],
+    progress: _Progress,
 ):
     from megatron.core import parallel_state as ps
 
@@ -99,30 +114,59 @@ def _load_layers(
             _copy(
                 left.pop(name), whole[key], name, expert=bool(_EXPERT.match(rest)), gated=gated and "linear_fc1" in rest
             )
+        progress.layer(sum(t.numel() * t.element_size() for t in hf.values()))
         del hf, whole  # one layer at a time
 
 
-def load(model_chunks: List[torch.nn.Module], files: Dict[str, str], heads: int, groups: int, gated: bool) -> int:
+class _Progress:
+    """This rank's decoder layers loaded (bytes as stored): a line per layer with an ETA
+    (:class:`orchestrator.meter.Meter`)."""
+
+    def __init__(self, model_chunks: List[torch.nn.Module], files: Dict[str, str], log: Optional[Callable]):
+        from orchestrator.meter import Meter, say
+
+        sizes = hf_dir.tensor_bytes(files)
+        layers = [layer.layer_number - 1 for chunk in model_chunks for layer in unwrap(chunk).decoder.layers]
+        total = sum(sizes[n] for g in layers for n in hf_dir.layer_names(files, g))
+        self.done = 0
+        self.meter = Meter("loading", total, lambda: {f"of {len(layers)} layers": self.done}, log or say, every=0.0)
+
+    def layer(self, nbytes: int) -> None:
+        self.done += 1
+        self.meter.advance(nbytes)
+
+
+def load(
+    model_chunks: List[torch.nn.Module],
+    files: Dict[str, str],
+    heads: int,
+    groups: int,
+    gated: bool,
+    log: Optional[Callable[[str], None]] = None,
+) -> int:
     """Copy the Hugging Face weights of ``files`` (tensor name -> shard, :func:`orchestrator.ckpt.hf_dir.weight_map`)
-    into ``model_chunks`` (this rank's parts); returns the number of parameters (elements) loaded on this rank.
+    into ``model_chunks`` (this rank's parts), saying progress through ``log`` (a line per layer with an ETA, after
+    the first second); returns the number of parameters (elements) loaded on this rank.
     HfCheckpointError / ValueError (one line) for a tensor that is missing or does not fit."""
     loaded = 0
+    progress = _Progress(model_chunks, files, log)
     for chunk in model_chunks:
         model = unwrap(chunk)
         left = dict(model.named_parameters())
         loaded += sum(p.numel() for p in left.values())
-        _load_layers(model, files, heads, groups, gated, left)
+        _load_layers(model, files, heads, groups, gated, left, progress)
         if "embedding.word_embeddings.weight" in left:
             p = left.pop("embedding.word_embeddings.weight")
             emb = hf_files.read_tensors(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-            _copy(p, _padded(emb, p.shape[0] * _ranks(False)[1]), "embedding")
+            _copy_vocab(p, emb, "embedding")
         if "decoder.final_layernorm.weight" in left:
             norm = hf_files.read_tensors(files, ["model.norm.weight"])["model.norm.weight"]
             _copy(left.pop("decoder.final_layernorm.weight"), norm, "final norm")
         if "output_layer.weight" in left:  # untied, or the last stage's copy of tied embeddings
             name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
             p = left.pop("output_layer.weight")
-            _copy(p, _padded(hf_files.read_tensors(files, [name])[name], p.shape[0] * _ranks(False)[1]), "output")
+            _copy_vocab(p, hf_files.read_tensors(files, [name])[name], "output")
         if left:
             raise ValueError(f"{len(left)} parameter(s) found no Hugging Face tensor, first {next(iter(left))}")
+    progress.meter.close()
     return loaded
