@@ -109,9 +109,12 @@ def test_each_family_loads_at_its_layout_with_transformers_logits(models, tmp_pa
     hf = manifest["origin"]["hf"]
     assert hf["path"] == made[family] and hf["architecture"].lower().startswith(family[:5])
     assert set(hf["sha256"]) == {"model.safetensors"} and len(hf["sha256"]["model.safetensors"]) == 64
-    # and out again, from this layout: the same tensors, bit for bit, in a directory transformers loads
+    # and out again, from this layout, one layer at a time into 50 kB shards: the same tensors, bit for bit, in a
+    # directory transformers loads
     out = tmp_path / "exported"
-    assert _main(["to-hf", str(tmp_path / "r"), str(out)]) == 0
+    assert _main(["to-hf", str(tmp_path / "r"), str(out), "--max-shard-gb", "0.00005"]) == 0
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) == len(_tensors(out))
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 3
     source, back = _tensors(made[family]), _tensors(out)
     assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
     assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == hf["architecture"]
