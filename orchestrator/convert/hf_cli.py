@@ -2,8 +2,8 @@
 ``DIR/experiment/N.yaml`` whose ``model`` builds its weights (issue 38 item 1).
 
 The file sets every ``model.*`` key config.json decides (:mod:`orchestrator.config.hf_config`: layers, hidden,
-heads, KV groups, FFN, RoPE θ and Llama 3.1 scaling, norm ε, QKV bias, tied embeddings, vocabulary, MoE experts
-/ top-k), ``data.tokenizer`` = the directory when it holds the tokenizer
+heads, KV groups, FFN, RoPE θ and Llama 3.1 scaling or GPT-2's learned positions, norm ε, biases, tied embeddings,
+vocabulary, MoE experts / top-k), ``data.tokenizer`` = the directory when it holds the tokenizer
 (``tokenizer.json`` or ``tokenizer.model``), and ``checkpoint.init_from: hf:PATH``; then it is composed,
 validated and planned at once, as ``from-megatron`` does. Pure Python: torch is not imported.
 """
@@ -124,14 +124,14 @@ def experiment_text(path: str, name: str, config: dict, seq_length: int) -> str:
 def from_hf(args, check, out_root) -> int:
     """Write the experiment, then compose and validate it with ``check`` (``convert.cli``'s: ``cfg -> (layout,
     warnings)``); ``out_root(--out)`` is the config directory."""
-    from orchestrator.config.hf_config import HfConfigError, read_config
+    from orchestrator.config.hf_config import HfConfigError, model_keys, read_config
     from orchestrator.convert import experiment_file
     from orchestrator.io import write_atomic
 
     path = os.path.abspath(os.path.expanduser(args.path))
     try:
         config = read_config(path)
-        seq = args.seq_length or min(int(config.get("max_position_embeddings", 4096)), 4096)
+        seq = args.seq_length or min(int(model_keys(config)["max_position_embeddings"]), 4096)
         text = experiment_text(path, _name(args, path), config, seq)
     except HfConfigError as exc:
         raise ConfigError(f"convert from-hf {args.path}: {exc}") from None

@@ -43,6 +43,7 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
     cfg, built = rank.cfg, rank.built
     m = cfg.model
     t0, before = time.perf_counter(), _memory()
+    arch = architecture(read_config(path))
     try:
         files = hf_dir.weight_map(path)  # read once: the load, the verification and the manifest's hashes use it
         hf_import.load(
@@ -51,6 +52,7 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
             m.num_attention_heads,
             m.num_query_groups or m.num_attention_heads,
             gated=m.activation == "swiglu",
+            arch=arch,
             log=rank.say,
         )
     except (ValueError, hf_dir.HfCheckpointError) as exc:
@@ -65,7 +67,7 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
     if rank.rank0:
         origin["hf"] = {
             "path": path,
-            "architecture": architecture(read_config(path)),
+            "architecture": arch,
             "sha256": hf_dir.content_hashes(files),
         }
     return origin
