@@ -18,7 +18,7 @@ optimizer: the target is about what the conversion adds), the export's time and 
 equal the source's bit for bit.
 
     python bench/hf_convert.py                          # ~13 GB of disk in a temporary directory, ~10 GB of memory
-    python bench/hf_convert.py --dir /scratch/b --keep  # keep the directories
+    python bench/hf_convert.py --dir /scratch/b         # the directories are kept there
 """
 
 from __future__ import annotations
@@ -133,7 +133,6 @@ def _same(a: Path, b: Path) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed after)")
-    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="the source directory's shard size, GB")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hf_convert_"))
@@ -188,10 +187,8 @@ def main() -> None:
         equal, total = _same(root / "source", out)
         print(f"round trip: {equal} of {total} tensors bitwise equal to the source")
     finally:
-        if not args.dir and not args.keep:
+        if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-        elif args.keep:
-            print(f"kept {root}")
 
 
 if __name__ == "__main__":
