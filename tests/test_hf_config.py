@@ -63,3 +63,36 @@ def test_shape_problems_name_each_key_that_differs():
         "model.num_layers: ours 3, config.json 2",
         "model.num_query_groups: ours 4, config.json 2",
     ]
+
+
+def test_gpt2_maps_to_megatron_cores_default_layer_and_its_variants_are_refused():
+    gpt2 = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64).to_dict()
+    gpt2["architectures"] = ["GPT2LMHeadModel"]
+    keys = hf_config.model_keys(gpt2)
+    assert keys == {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_query_groups": 4,
+        "ffn_hidden_size": 128,  # n_inner null: 4 x n_embd
+        "max_position_embeddings": 64,
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "activation": "gelu",  # with biases: megatron-core's fused bias-GELU, the tanh approximation (gelu_new)
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": False,
+        "vocab_size": 50,
+        "norm_epsilon": 1e-5,
+        "hidden_dropout": 0.1,
+        "attention_dropout": 0.1,
+    }
+    model = ModelConfig(**keys)
+    model.hidden_dropout, model.max_position_embeddings = 0.0, 128  # dropout is the job's; position rows are weights
+    assert hf_config.shape_problems(gpt2, model) == ["model.max_position_embeddings: ours 128, config.json 64"]
+    for bad, said in (
+        ({"activation_function": "gelu"}, "activation_function=gelu: megatron-core's GPT layer with biases"),
+        ({"scale_attn_by_inverse_layer_idx": True}, r"scales attention scores by 1/sqrt\(head dim\) only"),
+    ):
+        with pytest.raises(hf_config.HfConfigError, match=said) as e:
+            hf_config.model_keys({**gpt2, **bad})
+        assert "\n" not in str(e.value)

@@ -3,6 +3,8 @@
 Tiny random models of each family are made with transformers (no download) and saved as safetensors;
 ``convert from-hf`` writes the experiment; the job loads the weights at TP/PP/EP layouts and its first rank compares
 its logits with transformers' on a fixed batch (``checkpoint.hf_verify``): the test reads the difference it said.
+Every family runs at TP2/PP2 (Mixtral: EP2) as a job, and at TP1/PP1 in this process (one gloo rank: no job's
+start-up, the same load and model).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,13 @@ def models(tmp_path_factory):
         "mixtral": _save(
             root, "mixtral", t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
         ),
+        # learned positions, LayerNorm and biases everywhere, Conv1D weights, tied embeddings, MHA
+        "gpt2": _save(
+            root,
+            "gpt2",
+            t.GPT2LMHeadModel,
+            t.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+        ),
     }
     conf = root / "conf"
     from orchestrator.convert.cli import main
@@ -87,10 +97,9 @@ def _verified(run_dir) -> float:
 @pytest.mark.parametrize(
     "family, layout",
     [
-        ("llama", ["parallelism=none"]),
         ("llama", ["parallelism=tp2_pp2"]),
-        ("llama31", ["parallelism.pipeline_model_parallel_size=2"]),
-        ("mistral", ["parallelism.tensor_model_parallel_size=2"]),
+        ("llama31", ["parallelism=tp2_pp2"]),
+        ("mistral", ["parallelism=tp2_pp2"]),
         # QKV bias, tied embeddings on both ends of the pipeline; also under megatron-core 0.19.2 (.ci/run's leg)
         pytest.param("qwen2", ["parallelism=tp2_pp2"], marks=pytest.mark.mcore_lines),
         pytest.param(
@@ -98,6 +107,8 @@ def _verified(run_dir) -> float:
             ["parallelism.data_parallel_size=2", "parallelism.expert_model_parallel_size=2"],
             marks=pytest.mark.mcore_lines,
         ),
+        # GPT-2: position embeddings on the first stage, biases split by the column/row rules, tied embeddings
+        pytest.param("gpt2", ["parallelism=tp2_pp2"], marks=pytest.mark.mcore_lines),
     ],
 )
 def test_each_family_loads_at_its_layout_with_transformers_logits(models, tmp_path, cache_dir, family, layout):
@@ -107,14 +118,60 @@ def test_each_family_loads_at_its_layout_with_transformers_logits(models, tmp_pa
     assert _verified(tmp_path / "r") < 1e-4
     manifest = json.loads((tmp_path / "r" / "checkpoints" / "iter_0000000" / "manifest.json").read_text())
     hf = manifest["origin"]["hf"]
-    assert hf["path"] == made[family] and hf["architecture"].lower().startswith(family[:5])
+    assert hf["path"] == made[family] and hf["architecture"].lower().startswith(family[:4])
     assert set(hf["sha256"]) == {"model.safetensors"} and len(hf["sha256"]["model.safetensors"]) == 64
-    # and out again, from this layout: the same tensors, bit for bit, in a directory transformers loads
+    # and out again, from this layout, one layer at a time into 50 kB shards: the same tensors, bit for bit, in a
+    # directory transformers loads
     out = tmp_path / "exported"
-    assert _main(["to-hf", str(tmp_path / "r"), str(out)]) == 0
+    assert _main(["to-hf", str(tmp_path / "r"), str(out), "--max-shard-gb", "0.00005"]) == 0
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) == len(_tensors(out))
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 3
     source, back = _tensors(made[family]), _tensors(out)
     assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
     assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == hf["architecture"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.mcore_lines
+def test_each_family_at_tp1_pp1_in_this_process_gives_transformers_logits(models):
+    """TP1/PP1 of every family without a job (~7 s of start-up each): one gloo rank here, the model each experiment
+    builds (the ranks' builder), the weights loaded by the ranks' loader; logits equal transformers' within 1e-4."""
+    from megatron.core import parallel_state
+
+    from orchestrator.ckpt.hf_dir import weight_map
+    from orchestrator.config.hf_config import architecture, read_config
+    from orchestrator.convert.experiment_file import compose
+    from orchestrator.runtime.rank import cpu, hf_import, megatron_config
+    from orchestrator.runtime.rank.model import build_gpt_chunks, initialize_parallel_state
+
+    root, conf, made = models
+    tokens = torch.randint(0, 320, (1, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(32).unsqueeze(0)
+    cpu.activate()
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        for family, path in made.items():
+            cfg = compose([f"+experiment={family}", "parallelism=none"], conf)
+            initialize_parallel_state(cfg, seed=0, device="cpu")
+            mc = megatron_config.build(cfg, "cpu", megatron_config.installed("local"), 1)
+            (model,), _, _ = build_gpt_chunks(cfg, 320, "cpu", mc)
+            m = cfg.model
+            gated = m.activation == "swiglu"
+            arch = architecture(read_config(path))
+            hf_import.load([model], weight_map(path), m.num_attention_heads, m.num_query_groups, gated, arch)
+            with torch.no_grad():
+                ours = model.eval()(tokens, positions, None)[..., :320]
+                ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()(tokens).logits
+            assert (ours - ref).abs().max().item() < 1e-4, family
+            parallel_state.destroy_model_parallel()
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def _main(argv) -> int:
@@ -155,9 +212,9 @@ def test_a_resume_needs_nothing_from_the_source_and_the_trained_export_loads_bac
 
 
 def _bad_dirs(root, made):
-    gpt2 = root / "gpt2"
-    gpt2.mkdir(exist_ok=True)
-    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    falcon = root / "falcon"
+    falcon.mkdir(exist_ok=True)
+    (falcon / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
     sharded = root / "sharded"
     if not sharded.exists():
         torch.manual_seed(0)
@@ -165,16 +222,16 @@ def _bad_dirs(root, made):
             sharded, max_shard_size="100KB"
         )
         next(sharded.glob("model-00002-of-*.safetensors")).unlink()
-    return gpt2, sharded
+    return falcon, sharded
 
 
 def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path):
     root, conf, made = models
-    gpt2, sharded = _bad_dirs(root, made)
+    falcon, sharded = _bad_dirs(root, made)
     runs = tmp_path / "runs"
     base = ["--config-dir", str(conf), "+experiment=llama", f"run.root={runs}", *RUN]
     cases = [
-        ([f"checkpoint.init_from=hf:{gpt2}"], "GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
+        ([f"checkpoint.init_from=hf:{falcon}"], "FalconForCausalLM is not supported; supported: LlamaForCausalLM"),
         ([f"checkpoint.init_from=hf:{sharded}"], "shard model-00002-of-"),
         ([f"checkpoint.init_from=hf:{tmp_path}/nowhere"], "config.json: not found"),
         (["model.num_layers=3"], "model.num_layers: ours 3, config.json 2"),
@@ -189,7 +246,7 @@ def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path
     assert not runs.exists()  # nothing written
     from orchestrator.convert.cli import main
 
-    assert main(["from-hf", str(gpt2), "--out", str(tmp_path / "conf")]) == 2
+    assert main(["from-hf", str(falcon), "--out", str(tmp_path / "conf")]) == 2
     assert not (tmp_path / "conf").exists()
     # an export of a run with no complete checkpoint, or into a directory holding files: one line, exit 2
     (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
@@ -200,15 +257,21 @@ def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path
     assert not (tmp_path / "out").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     from orchestrator.runtime.rank.hf_export import architecture_of
 
-    gpt = {
+    neox = {  # GPT-NeoX's shape: LayerNorm, GELU and biases as GPT-2, but rotary positions
         "config": {
             "model": {
                 "normalization": "LayerNorm",
                 "activation": "gelu",
                 "position_embedding_type": "rope",
                 "add_bias_linear": True,
+                "num_attention_heads": 4,
             }
         }
     }
-    with pytest.raises(ValueError, match="model.normalization='LayerNorm' \\(needs 'RMSNorm'\\)"):
-        architecture_of(gpt)
+    with pytest.raises(ValueError) as e:
+        architecture_of(neox)
+    assert str(e.value) == (
+        "no supported Hugging Face architecture holds this model: GPT-2: model.position_embedding_type='rope' "
+        "(needs 'learned_absolute'); the Llama family: model.normalization='LayerNorm' (needs 'RMSNorm'), "
+        "model.activation='gelu' (needs 'swiglu'), model.add_bias_linear=True (needs False)"
+    )

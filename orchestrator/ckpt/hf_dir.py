@@ -55,10 +55,19 @@ def weight_map(path: str) -> Dict[str, str]:
     return files
 
 
-def layer_names(files: Dict[str, str], i: int) -> List[str]:
-    """Every stored tensor name of decoder layer ``i`` (``model.layers.{i}.``)."""
-    prefix = f"model.layers.{i}."
-    return sorted(n for n in files if n.startswith(prefix))
+def layer_names(files: Dict[str, str], i: int, prefix: str = "model.layers.{i}.") -> List[str]:
+    """Every stored tensor name of decoder layer ``i``: names starting with ``prefix`` (a format string of ``i``;
+    Llama's ``model.layers.{i}.``, GPT-2's ``transformer.h.{i}.``)."""
+    start = prefix.format(i=i)
+    return sorted(n for n in files if n.startswith(start))
+
+
+def tensor_bytes(files: Dict[str, str]) -> Dict[str, int]:
+    """Tensor name -> its size in bytes as stored, from the shards' headers."""
+    out: Dict[str, int] = {}
+    for shard in sorted(set(files.values())):
+        out.update({n: v["data_offsets"][1] - v["data_offsets"][0] for n, v in header(shard).items()})
+    return out
 
 
 def content_hashes(files: Dict[str, str]) -> Dict[str, str]:

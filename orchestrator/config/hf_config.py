@@ -1,8 +1,14 @@
 """A Hugging Face ``config.json`` -> our ``model.*`` keys (issue 38: ``convert from-hf`` and ``checkpoint.init_from=hf:``).
 
 Pure: no torch. Field names are transformers' (``LlamaConfig``, ``MistralConfig``, ``MixtralConfig``,
-``Qwen2Config``). Errors: :class:`HfConfigError`, one ``error:``
-line naming the value, the supported list or the fix.
+``Qwen2Config``, ``GPT2Config``). Errors: :class:`HfConfigError`, one ``error:`` line naming the value, the
+supported list or the fix.
+
+GPT-2 (:func:`gpt2_keys`) is megatron-core's default GPT layer: learned absolute positions, LayerNorm with bias,
+biases on every linear, multi-head attention, GELU. Its ``gelu_new`` is GELU's tanh approximation, which is what
+megatron-core computes for ``model.activation=gelu`` with ``model.add_bias_linear=true``: the fused bias-GELU
+(``bias_activation_fusion``, ``fusions/fused_bias_gelu.py``; 2.4e-7 apart in fp32 on [-20, 20], where exact GELU
+is 4.7e-4 apart).
 """
 
 from __future__ import annotations
@@ -11,7 +17,14 @@ import json
 import os
 from typing import Any, Dict, List
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+"""transformers' names of GELU's tanh approximation (``activations.py``): the GPT-2 activations we build."""
+
+WEIGHTLESS = ("max_position_embeddings", "vocab_size", "hidden_dropout", "attention_dropout")
+"""``model.*`` keys :func:`shape_problems` leaves to the job: no weight's shape follows from them (RoPE has no
+position weights; the vocabulary is the job's tokenizer's; dropout is training only)."""
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama 3.1 ``rope_scaling`` values megatron-core's ``apply_rope_scaling`` uses (its defaults; Llama 3.1's
@@ -74,6 +87,8 @@ def _rope(config: dict) -> Dict[str, Any]:
 def model_keys(config: dict) -> Dict[str, Any]:
     """The ``model.*`` keys of a supported config.json dict (HfConfigError otherwise)."""
     arch = architecture(config)
+    if arch == "GPT2LMHeadModel":
+        return gpt2_keys(config)
     heads = config["num_attention_heads"]
     keys: Dict[str, Any] = {
         "num_layers": config["num_hidden_layers"],
@@ -109,14 +124,49 @@ def model_keys(config: dict) -> Dict[str, Any]:
     return keys
 
 
+def gpt2_keys(config: dict) -> Dict[str, Any]:
+    """The ``model.*`` keys of a GPT-2 config.json (``GPT2Config``'s ``n_*`` names; ``n_inner`` null is 4 x
+    ``n_embd``; ``tie_word_embeddings`` defaults to true there); HfConfigError for a variant megatron-core's layer
+    does not compute (another activation, attention scaled otherwise than by 1/sqrt(head dim))."""
+    act = config.get("activation_function", "gelu_new")
+    if act not in TANH_GELU:
+        raise HfConfigError(
+            f"config.json activation_function={act}: megatron-core's GPT layer with biases computes GELU's tanh "
+            f"approximation ({', '.join(TANH_GELU)})"
+        )
+    if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
+        raise HfConfigError(
+            "config.json scale_attn_by_inverse_layer_idx / scale_attn_weights: megatron-core scales attention "
+            "scores by 1/sqrt(head dim) only (GPT-2's default: false / true)"
+        )
+    return {
+        "num_layers": config["n_layer"],
+        "hidden_size": config["n_embd"],
+        "num_attention_heads": config["n_head"],
+        "num_query_groups": config["n_head"],
+        "ffn_hidden_size": config.get("n_inner") or 4 * config["n_embd"],
+        "max_position_embeddings": config["n_positions"],
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "activation": "gelu",
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+        "vocab_size": config["vocab_size"],
+        "norm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "hidden_dropout": config.get("resid_pdrop", 0.1),
+        "attention_dropout": config.get("attn_pdrop", 0.1),
+    }
+
+
 def shape_problems(config: dict, model: Any) -> List[str]:
     """``key: ours X, config.json Y`` for every ``model.*`` key of ``model`` (a ModelConfig) that differs from what
-    config.json builds (``max_position_embeddings`` may differ: RoPE has no position weights; the vocabulary is the
-    caller's, from the job's tokenizer); empty when the weights fit."""
+    config.json builds (:data:`WEIGHTLESS` keys may differ, except learned position embeddings' rows); empty when
+    the weights fit."""
     keys = model_keys(config)
     out = []
     for key, want in keys.items():
-        if key in ("max_position_embeddings", "vocab_size"):
+        learned = key == "max_position_embeddings" and keys["position_embedding_type"] == "learned_absolute"
+        if key in WEIGHTLESS and not learned:
             continue
         have = getattr(model, key)
         if key == "num_query_groups" and have is None:

@@ -92,10 +92,10 @@ def hydra_error(
         return exc
     if isinstance(exc, yaml.YAMLError):  # a config file that is not YAML (a user's own, usually)
         mark = getattr(exc, "problem_mark", None)
-        where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+        file = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
         what = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or ["not YAML"])[0]
         return ConfigError(
-            f"{where}: not valid YAML ({what}); fix: correct that file (each key once per "
+            f"{file}: not valid YAML ({what}); fix: correct that file (each key once per "
             "mapping, brackets and quotes closed)"
         )
     if isinstance(exc, OverrideParseException):

@@ -2,8 +2,8 @@
 ``DIR/experiment/N.yaml`` whose ``model`` builds its weights (issue 38 item 1).
 
 The file sets every ``model.*`` key config.json decides (:mod:`orchestrator.config.hf_config`: layers, hidden,
-heads, KV groups, FFN, RoPE θ and Llama 3.1 scaling, norm ε, QKV bias, tied embeddings, vocabulary, MoE experts
-/ top-k), ``data.tokenizer`` = the directory when it holds the tokenizer
+heads, KV groups, FFN, RoPE θ and Llama 3.1 scaling or GPT-2's learned positions, norm ε, biases, tied embeddings,
+vocabulary, MoE experts / top-k), ``data.tokenizer`` = the directory when it holds the tokenizer
 (``tokenizer.json`` or ``tokenizer.model``), and ``checkpoint.init_from: hf:PATH``; then it is composed,
 validated and planned at once, as ``from-megatron`` does. Pure Python: torch is not imported.
 """
@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, List
 
@@ -79,7 +80,7 @@ def to_hf(args) -> int:
     except ValueError as exc:
         raise ConfigError(f"convert to-hf {args.run}: {exc}") from None
     print(f"exporting {ckpt} (iteration {manifest['iteration']}) as {arch} to {out}", flush=True)
-    shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9))
+    shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9), log=_progress)
     tokenizer = str(manifest["config"]["data"]["tokenizer"])
     if os.path.isdir(tokenizer) or tokenizer.endswith("tokenizer.json"):
         import transformers
@@ -91,6 +92,10 @@ def to_hf(args) -> int:
         print(f"note: the run's tokenizer ({tokenizer}) is not a Hugging Face one: no tokenizer files written")
     print(f"wrote {out}: config.json, generation_config.json, {len(shards)} safetensors shard(s) + index")
     return 0
+
+
+def _progress(line: str) -> None:
+    print(f"[orchestrator] {line}", file=sys.stderr, flush=True)
 
 
 def _yaml(value: Any) -> str:
@@ -119,14 +124,14 @@ def experiment_text(path: str, name: str, config: dict, seq_length: int) -> str:
 def from_hf(args, check, out_root) -> int:
     """Write the experiment, then compose and validate it with ``check`` (``convert.cli``'s: ``cfg -> (layout,
     warnings)``); ``out_root(--out)`` is the config directory."""
-    from orchestrator.config.hf_config import HfConfigError, read_config
+    from orchestrator.config.hf_config import HfConfigError, model_keys, read_config
     from orchestrator.convert import experiment_file
     from orchestrator.io import write_atomic
 
     path = os.path.abspath(os.path.expanduser(args.path))
     try:
         config = read_config(path)
-        seq = args.seq_length or min(int(config.get("max_position_embeddings", 4096)), 4096)
+        seq = args.seq_length or min(int(model_keys(config)["max_position_embeddings"]), 4096)
         text = experiment_text(path, _name(args, path), config, seq)
     except HfConfigError as exc:
         raise ConfigError(f"convert from-hf {args.path}: {exc}") from None

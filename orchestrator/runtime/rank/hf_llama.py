@@ -13,10 +13,28 @@ dropped on export. Tied embeddings (``tie_word_embeddings``) give no ``output_la
 
 from __future__ import annotations
 
+from typing import Dict, Iterable
+
 import torch
 
 _HF = "model.layers.{i}."
 _MC = "decoder.layers.{i}."
+
+
+def layer_prefix(names: Iterable[str]) -> str:
+    """The stored name prefix of decoder layer ``{i}`` (a format string): ``model.layers.{i}.``."""
+    return _HF
+
+
+def outer_names(names: Iterable[str]) -> Dict[str, str]:
+    """megatron-core's parameters outside the decoder layers -> the stored Hugging Face tensor each is read from
+    (the output layer: ``lm_head.weight``, or the tied embeddings)."""
+    embed = "model.embed_tokens.weight"
+    return {
+        "embedding.word_embeddings.weight": embed,
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight" if "lm_head.weight" in names else embed,
+    }
 
 
 def _norm_names(fused_norm: bool) -> tuple[str, str]:

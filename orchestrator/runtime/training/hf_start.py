@@ -4,8 +4,8 @@ layout (:mod:`orchestrator.runtime.rank.hf_import`), then verify them against tr
 Verification (``checkpoint.hf_verify``, on by default): every rank runs megatron-core's forward-only schedule on
 one fixed batch (:data:`VERIFY_TOKENS` tokens from a seeded generator, below the vocabulary); the last pipeline
 stage gathers the vocabulary-parallel logits over TP, and its first rank compares them, over the Hugging Face
-vocabulary, with ``transformers.AutoModelForCausalLM`` built from the same directory in fp32 (skipped, and said,
-when the model would not fit in a quarter of this host's free memory or transformers is not installed). The
+vocabulary, with ``transformers.AutoModelForCausalLM`` built from the same directory in fp32 (skipped, saying why,
+when that model would not fit in a quarter of this host's free memory or transformers is not installed). The
 largest absolute difference is said; above the tolerance (:data:`TOLERANCE`: the job's precision) every rank
 stops with one line before the first iteration.
 """
@@ -42,7 +42,8 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
 
     cfg, built = rank.cfg, rank.built
     m = cfg.model
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), _memory()
+    arch = architecture(read_config(path))
     try:
         files = hf_dir.weight_map(path)  # read once: the load, the verification and the manifest's hashes use it
         hf_import.load(
@@ -51,23 +52,46 @@ def start(rank: Rank, path: str) -> Dict[str, object]:
             m.num_attention_heads,
             m.num_query_groups or m.num_attention_heads,
             gated=m.activation == "swiglu",
+            arch=arch,
+            log=rank.say,
         )
     except (ValueError, hf_dir.HfCheckpointError) as exc:
         raise HfImportError(f"checkpoint.init_from=hf:{path}: {exc}") from exc
     # Megatron-LM's load_checkpoint does this when it loads no optimizer state: the fp32 main params follow
     built.optimizer.reload_model_params()
     load_s = slowest(rank, time.perf_counter() - t0)
-    rank.say(f"model weights initialised from Hugging Face {path} in {load_s:.2f} s (slowest rank)")
+    rank.say(f"model weights initialised from Hugging Face {path} in {load_s:.2f} s (slowest rank){_grew(before)}")
     if cfg.checkpoint.hf_verify:
         verify(rank, path, files)
     origin: Dict[str, object] = {"init_from": cfg.checkpoint.init_from}
     if rank.rank0:
         origin["hf"] = {
             "path": path,
-            "architecture": architecture(read_config(path)),
+            "architecture": arch,
             "sha256": hf_dir.content_hashes(files),
         }
     return origin
+
+
+def _memory() -> tuple:
+    """(resident bytes, peak resident bytes so far) of this process."""
+    import psutil
+
+    from orchestrator.runtime.training.summary import max_rss_mb
+
+    return psutil.Process().memory_info().rss, int(max_rss_mb() * 2**20)
+
+
+def _grew(before: tuple) -> str:
+    """What the load held beyond the model on this rank (rank 0): its peak resident set over the resident set before
+    it. The peak is the process's high-water mark, so a load that stayed below an earlier peak is an upper bound."""
+    rss, peak = before
+    after = _memory()[1]
+    bound = "" if after > peak else "at most "
+    return (
+        f"; host memory {rss / 2**30:.2f} GiB resident before the load, its peak {bound}{after / 2**30:.2f} GiB "
+        f"(+{(after - rss) / 2**30:.2f} GiB, rank 0)"
+    )
 
 
 def _batch(vocab: int, seq: int, device) -> Dict[str, torch.Tensor]:
@@ -119,20 +143,22 @@ def _our_logits(rank: Rank, batch: Dict[str, torch.Tensor]) -> Optional[torch.Te
     return torch.cat(parts, dim=-1)
 
 
-def _reference(path: str, files: Dict[str, str], batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-    """transformers' fp32 logits on ``batch`` (None when transformers is absent or the model would not fit)."""
+def _reference(path: str, files: Dict[str, str], batch: Dict[str, torch.Tensor]):
+    """transformers' fp32 logits on ``batch``, or why there are none (a line): transformers is absent, or its fp32
+    model (at most twice the bf16 weights' bytes) would not fit in a quarter of this host's free memory."""
     import psutil
 
-    size = sum(
-        v["data_offsets"][1] - v["data_offsets"][0] for f in set(files.values()) for v in hf_dir.header(f).values()
-    )
-    if 2 * size > psutil.virtual_memory().available / 4:  # fp32 copy of (at most) bf16 weights
-        return None
+    need, free = 2 * sum(hf_dir.tensor_bytes(files).values()), psutil.virtual_memory().available
+    if need > free / 4:
+        return (
+            f"transformers' fp32 model (up to {need / 2**30:.1f} GiB) would not fit in a quarter of this host's free "
+            f"memory ({free / 2**30:.1f} GiB); verify on a larger host, or checkpoint.hf_verify=false to silence this"
+        )
     startup.let_in("transformers")  # kept out of ranks (runtime.rank.startup); this one needs it
     try:
         import transformers
     except ImportError:
-        return None
+        return "transformers is not installed (pip install 'orchestrator[hf]')"
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         return ref(batch["tokens"].cpu()).logits
@@ -154,8 +180,8 @@ def verify(rank: Rank, path: str, files: Dict[str, str]) -> None:
     checker = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if checker and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
         want = _reference(path, files, batch)
-        if want is None:
-            verdict[0] = ("skipped", "transformers is not installed or the model would not fit in host memory")
+        if isinstance(want, str):
+            verdict[0] = ("skipped", want)
         else:
             diff = (ours[..., :vocab].cpu() - want).abs().max().item()
             verdict[0] = ("diff", diff)
