@@ -150,7 +150,7 @@ cfg = compose_config(["data.tokenizer=GPT2BPETokenizer", "data.vocab_file=" + sy
                       "run.dir=" + sys.argv[3]])
 validate(cfg)  # the job's own validate still knows transformers is installed
 print("byte eod", dataset_tokenizer(compose_config(["run.dir=" + sys.argv[3]]).data).eod)
-print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is None)
+print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is None, sys.modules["boto3"] is None)
 """
 
 
@@ -158,7 +158,7 @@ print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is N
 def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validates(tmp_path):
     """What every rank process does before importing megatron-core (runtime/rank/startup.py): megatron's
     jit fuser is its own no-op (a fused function stays a plain function, not torch.compile's wrapper),
-    transformers and wandb are never imported, the byte tokenizer still builds, and the job's validate
+    transformers, wandb and boto3 are never imported, the byte tokenizer still builds, and the job's validate
     of an HF-tokenized run still sees transformers installed (distribution metadata, not sys.modules)."""
     import json
     import subprocess
@@ -177,4 +177,4 @@ def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validat
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["fuser True function", "byte eod 256", "kept out True True"], out.stdout
+    assert out.stdout.splitlines() == ["fuser True function", "byte eod 256", "kept out True True True"], out.stdout

@@ -2,7 +2,7 @@
 
 A rank spends most of its start-up importing torch and megatron-core (3 CPU-s on this project's CI
 machine, Python 3.11, megatron-core 0.16.1, before this module's savings), and a local job's ranks, or
-a SLURM job's tasks, pay it each. Three parts of it never serve a rank:
+a SLURM job's tasks, pay it each. Four parts of it never serve a rank:
 
 * ``transformers`` (0.9 CPU-s per process, measured after megatron-core's own import): megatron-core's
   ``tokenizers.text`` imports it for its HuggingFace tokenizer, yet a rank never tokenizes -- it reads
@@ -10,6 +10,10 @@ a SLURM job's tasks, pay it each. Three parts of it never serve a rank:
   the launcher tokenizes, in its own process.
 * ``wandb`` (0.9-1.4 CPU-s) for a run that does not log to W&B: megatron-core imports it at import
   (``inference/contexts/dynamic_context.py``, ``timers.py``) though training never calls it.
+* ``boto3`` / ``botocore`` (0.25 CPU-s per job, measured on :func:`orchestrator.runtime.start.forked.preload`):
+  megatron-core's ``timers`` imports ``torch.utils.tensorboard``, whose file layer tries them at import for
+  ``s3://`` log directories, and megatron-core's ``indexed_dataset`` for object-storage data; a rank's logs and
+  data are local files (:mod:`orchestrator.data` prepares them on disk), so neither is ever used.
 * ``torch.compile`` set-up for megatron-core's ``@jit_fuser`` kernels on a CPU job (0.75 CPU-s): the
   fused functions it decorates run only with the fusions the runtime turns off on CPU
   (:mod:`orchestrator.runtime.rank.model`), yet decorating them with ``torch.compile`` at import costs it.
@@ -26,7 +30,7 @@ import importlib.machinery
 import sys
 from typing import Any, Optional
 
-KEPT_OUT = ("transformers",)
+KEPT_OUT = ("transformers", "boto3", "botocore")
 """Packages no rank process imports (``sys.modules[name] = None``, Python's documented way to make an
 import raise ImportError): see the module docstring."""
 
