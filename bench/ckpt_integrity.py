@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     layout = validate(cfg)
     initialize_parallel_state(cfg, cfg.training.seed, "cpu")
-    built = build_model_and_optimizer(cfg, args.vocab, "cpu")
+    built = build_model_and_optimizer(cfg, args.vocab, "cpu", layout)
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.step()  # zero gradients: creates Adam's exp_avg / exp_avg_sq, as after a real step

@@ -259,3 +259,22 @@ def test_any_megatron_field_passes_through_and_a_bad_one_is_one_line(capsys, tmp
         lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
         assert code == 2 and len(lines) == 1 and words in lines[0], (override, err)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_gpu_job_without_transformer_engine_says_the_unfused_attention_cost():
+    """The warning of a GPU job whose ``model.transformer_impl=auto`` found no Transformer Engine: the activation
+    memory per layer and micro-batch of the unfused attention against flash's, from the planner's formula."""
+    from orchestrator.config.checks import validate
+    from orchestrator.config.compose import compose_config
+    from orchestrator.plan.activations import layer_activation_bytes
+    from orchestrator.plan.inputs import ModelShape
+    from orchestrator.runtime.rank.model import without_te
+
+    cfg = compose_config(["+experiment=llama3_8b_a100x32"])
+    layout = validate(cfg)
+    shape = ModelShape.from_model_config(cfg.model, 128256)
+    unfused, flash = (layer_activation_bytes(shape, layout, 2, attention=k) for k in ("unfused", "flash"))
+    line = without_te(cfg, layout, 128256)
+    assert unfused > 2 * flash  # seq 8192: the a·s² scores dominate
+    assert f"({unfused / 2**20:,.1f} MiB of activations per layer" in line and f"{flash / 2**20:,.1f} MiB" in line
+    assert "fix: install Transformer Engine" in line and "model.transformer_impl=local" in line

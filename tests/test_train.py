@@ -279,6 +279,7 @@ def test_interrupted_run_resumes_and_matches_uninterrupted(tmp_path, cache_dir, 
     built = json.loads((run_dir / "megatron_config.json").read_text())
     assert manifest["megatron_config"] == built and manifest["megatron_config_sha256"] == config_hash(built)
     assert built["transformer"]["bias_activation_fusion"] is True  # Megatron-LM's tanh GELU, on CPU too
+    assert built["transformer"]["transformer_impl"] == "local"  # the layer spec the CPU job built, not the default
     assert built["ddp"]["overlap_grad_reduce"] is False and built["transformer"]["pipeline_model_parallel_size"] == 2
     assert built["ddp"]["bucket_size"] == 1000000  # the pass-through reached megatron-core, carried on resume
     assert "ddp.bucket_size" in second.stdout  # said: a speed change, the model's function as it was

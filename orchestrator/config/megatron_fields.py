@@ -92,13 +92,15 @@ LAYOUT_FIELDS: Dict[str, Tuple[str, ...]] = {
         "pipeline_model_parallel_layout",
         "hierarchical_context_parallel_sizes",
         "cp_comm_type",
+        "transformer_impl",  # the layer spec: judged with the layout (orchestrator.ckpt.compare), named once
     ),
     "ddp": ("use_distributed_optimizer",),
     "optimizer": ("use_distributed_optimizer",),
 }
 """Fields of the parallel layout: the manifest's layout check (:mod:`orchestrator.ckpt.resume`) already
 refused them, or carried them with ``checkpoint.allow_reshard=true``; the megatron config comparison
-leaves them to it (a PP 2 -> 1 reshard also changes ``microbatch_group_size_per_vp_stage``, which is PP)."""
+leaves them to it (a PP 2 -> 1 reshard also changes ``microbatch_group_size_per_vp_stage``, which is PP), as it leaves
+``transformer_impl`` to the layer-spec check beside the layout's."""
 
 
 UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {

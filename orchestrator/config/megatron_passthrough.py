@@ -39,6 +39,7 @@ OWNED: Dict[str, Dict[str, str]] = {
         "add_qkv_bias": "model.add_qkv_bias",
         "layernorm_epsilon": "model.norm_epsilon",
         "inference_sampling_seed": "training.seed",
+        "transformer_impl": "model.transformer_impl",
     },
     "ddp": {
         "overlap_grad_reduce": "parallelism.overlap_grad_reduce",

@@ -94,7 +94,7 @@ def build_rank(cfg: JobConfig, layout: ParallelLayout) -> Rank:
 
     tokenizer = dataset_tokenizer(cfg.data)  # the vocabulary: the plan's (tokenizer_facts), not re-derived
     vocab = model_vocab_size(cfg, tokenizer_facts(cfg.data).vocab_size)[0]
-    built = build_model_and_optimizer(cfg, vocab, info.device, layout.data_parallel_size)
+    built = build_model_and_optimizer(cfg, vocab, info.device, layout)
     model = built.model
     tf = built.tf_config
     tf.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync

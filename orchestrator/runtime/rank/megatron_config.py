@@ -230,6 +230,7 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
             use_cpu_initialization=None if gpu else True,
             perform_initialization=True,  # None: Megatron-LM's
             inference_sampling_seed=t.seed,
+            transformer_impl=impl,  # the layer spec the job builds (megatron_config.json records it)
             cp_comm_type="p2p",
             # math, Megatron-LM's on every device: the fused bias-GELU is GELU's tanh approximation
             # (--bias-gelu-fusion, off without biases as validate_args turns it off); SwiGLU's is exact

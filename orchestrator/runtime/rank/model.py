@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from orchestrator.config.layout import padded_vocab_size
+from orchestrator.config.layout import ParallelLayout, padded_vocab_size
 from orchestrator.config.schedule import lr_schedule
 from orchestrator.config.schema import JobConfig
 from orchestrator.runtime.rank import megatron_config
@@ -127,12 +127,31 @@ def build_gpt_chunks(cfg: JobConfig, vocab_size: int, device: str, mc) -> tuple:
     return chunks, tf_config, padded
 
 
-def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, dp: int) -> Built:
-    """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler (``dp``: the carried layout's DP)."""
+def without_te(cfg: JobConfig, layout: ParallelLayout, vocab_size: int) -> str:
+    """The line a GPU job that asked ``model.transformer_impl=auto`` and got megatron-core's local layer spec says,
+    with its cost in activation memory from the planner (:func:`orchestrator.plan.activations.layer_activation_bytes`:
+    the unfused attention keeps the a·s² softmax scores flash attention never stores) and what else it runs without."""
+    from orchestrator.plan.activations import layer_activation_bytes
+    from orchestrator.plan.inputs import ModelShape
+
+    shape, elem = ModelShape.from_model_config(cfg.model, vocab_size), 4 if cfg.training.precision == "fp32" else 2
+    unfused, flash = (layer_activation_bytes(shape, layout, elem, attention=kind) for kind in ("unfused", "flash"))
+    return (
+        "model.transformer_impl=auto found no Transformer Engine on this GPU node: megatron-core's local layer spec "
+        f"runs unfused attention ({unfused / 2**20:,.1f} MiB of activations per layer and micro-batch instead of flash "
+        f"attention's {flash / 2**20:,.1f} MiB, {unfused / flash:.1f}x) and no TE kernels (fused RoPE, FP8, fused "
+        "layer-norm GEMMs); fix: install Transformer Engine on the GPU nodes (README: GPU install) or set "
+        "model.transformer_impl=local to say this is intended"
+    )
+
+
+def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, layout: ParallelLayout) -> Built:
+    """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler (``layout``: the launcher's, carried)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    dp = layout.data_parallel_size
     mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl), dp)
     if (
         device == "cuda"
@@ -140,11 +159,7 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, dp: 
         and mc.transformer_impl == "local"
         and torch.distributed.get_rank() == 0
     ):  # said once, by rank 0
-        print(
-            "[orchestrator] model.transformer_impl=auto: Transformer Engine is not installed here; megatron-core's "
-            "local layer spec (no TE kernels, no fused RoPE)",
-            flush=True,
-        )
+        print(f"warning: {without_te(cfg, layout, vocab_size)}", flush=True)
     chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
     o, ddp_config = cfg.optimizer, mc.ddp
     model = [
