@@ -96,3 +96,15 @@ def test_gpt2_maps_to_megatron_cores_default_layer_and_its_variants_are_refused(
         with pytest.raises(hf_config.HfConfigError, match=said) as e:
             hf_config.model_keys({**gpt2, **bad})
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "config, missing",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "'n_layer', which a GPT2LMHeadModel config needs"),
+        ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "'num_attention_heads', which a LlamaForCausalLM"),
+    ],
+)
+def test_a_config_json_missing_a_key_is_one_line_naming_it(config, missing):
+    with pytest.raises(hf_config.HfConfigError, match=f"^config.json has no {missing}"):
+        hf_config.model_keys(config)

@@ -85,8 +85,19 @@ def _rope(config: dict) -> Dict[str, Any]:
 
 
 def model_keys(config: dict) -> Dict[str, Any]:
-    """The ``model.*`` keys of a supported config.json dict (HfConfigError otherwise)."""
+    """The ``model.*`` keys of a supported config.json dict (HfConfigError otherwise, one line: also for a key the
+    architecture's config needs that config.json lacks)."""
     arch = architecture(config)
+    try:
+        return _keys_of(arch, config)
+    except KeyError as exc:
+        raise HfConfigError(
+            f"config.json has no {exc.args[0]!r}, which a {arch} config needs; fix: a complete config.json "
+            f"(as transformers' save_pretrained writes it)"
+        ) from None
+
+
+def _keys_of(arch: str, config: dict) -> Dict[str, Any]:
     if arch == "GPT2LMHeadModel":
         return gpt2_keys(config)
     heads = config["num_attention_heads"]
