@@ -77,9 +77,27 @@ EXPERIMENTS = {
         "training.global_batch_size=128",
         "optimizer.use_distributed_optimizer=true",
     ],
+    "llama_8b_tp2_fp8_hybrid_4x8": [
+        *LLAMA_8B,
+        "parallelism=none",
+        "parallelism.tensor_model_parallel_size=2",
+        "parallelism.sequence_parallel=true",
+        "parallelism.data_parallel_size=null",
+        "cluster=slurm_a100_4x8",
+        "training.precision=bf16",
+        "training.fp8=hybrid",
+        "training.fp8_amax_history_len=1024",
+        "training.fp8_amax_compute_algo=max",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=128",
+        "optimizer.use_distributed_optimizer=true",
+    ],
 }
 """The experiments of issue 27: gpt_125m on 1 GPU in bf16; the seed's 6.7B PP2 x DP16 interleaved on
-4 x 8 A100; a Llama-style 8B, TP2 (sequence parallel) with the distributed optimizer, DP16."""
+4 x 8 A100; a Llama-style 8B, TP2 (sequence parallel) with the distributed optimizer, DP16. Issue 37: that
+8B with FP8 (hybrid, delayed scaling, the amax history of Megatron-LM's examples/llama script: 1024, max) on
+the same 4 x 8 nodes (FP8 needs H100s; Megatron-LM's parser reads the GPU's architecture only for the
+TP/CP connection rule, so the node file's A100 shape gives the same config)."""
 
 
 def launch(overrides):

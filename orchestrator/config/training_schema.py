@@ -96,6 +96,17 @@ class TrainingConfig:
     log_interval: int = 1
     precision: str = "fp32"
     """fp32, bf16 or fp16 (bf16/fp16 need a GPU)."""
+    fp8: Optional[str] = None
+    """FP8 GEMMs through Transformer Engine (GPU only, with training.precision=bf16 or fp16): null (off), hybrid
+    (e4m3 forward, e5m2 gradients) or e4m3 (Megatron-LM --fp8-format; megatron-core TransformerConfig.fp8). A
+    resume may switch it on or off (said in one line)."""
+    fp8_recipe: str = "delayed"
+    """The scaling recipe with training.fp8: delayed, tensorwise, mxfp8 (Blackwell) or blockwise (Megatron-LM
+    --fp8-recipe; its default)."""
+    fp8_amax_history_len: int = 1
+    """Delayed scaling: amax values kept per FP8 tensor (Megatron-LM --fp8-amax-history-len; its default 1)."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """Delayed scaling: most_recent or max of the amax history (Megatron-LM --fp8-amax-compute-algo; its default)."""
     device: str = "auto"
     """auto (cuda when the job sees a GPU, else cpu), cpu or cuda."""
     timing_warmup_iters: int = 3

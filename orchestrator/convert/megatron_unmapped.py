@@ -67,9 +67,14 @@ UNMAPPED: List[Flag] = [
     Flag(
         "--fp8-*",
         kind="none",
-        note="FP8 training is not supported here yet (Transformer Engine on GPU); the run trains in --bf16",
+        note="training.fp8 takes --fp8-format, --fp8-recipe and the amax history/algorithm; other FP8 settings: "
+        "+model.megatron.<field> sets megatron-core's field (e.g. fp8_margin)",
     ),
-    Flag("--first-last-layers-bf16", kind="none", note="FP8 is not supported here yet, so every layer runs in bf16"),
+    Flag(
+        "--first-last-layers-bf16",
+        kind="none",
+        note="+model.megatron.first_last_layers_bf16=true sets megatron-core's field (with training.fp8)",
+    ),
     Flag("--rotary-percent", kind="none", note="RoPE rotates whole heads here (Megatron-LM's 1.0)"),
     Flag(
         "--apply-layernorm-1p",
