@@ -81,6 +81,7 @@ NOTES = {
     "training.global_batch_size": "changes tokens per step and the meaning of the LR schedule; "
     "consumed_samples carries the data position",
     "training.seed": "the dataset shuffle order depends on the seed",
+    "training.fp8": "allowed: the same weights, their GEMMs rounded in FP8 (or no longer); the losses move",
     "data.tokenizer": "token ids would mean different things",
     "optimizer.use_distributed_optimizer": "optimizer state layouts differ; checkpoint.init_from loads weights only",
 }

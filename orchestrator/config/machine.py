@@ -20,6 +20,7 @@ import importlib.util
 import os
 from typing import List, Optional
 
+from orchestrator.config.fp8 import problem as fp8_problem
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
 
@@ -41,6 +42,8 @@ def check_cpu_device(cfg: JobConfig) -> None:
     gpus = "cluster.gpus_per_node=<n>"
     if t.device == "cuda":
         raise ConfigError(f"training.device=cuda: no GPU ({where}); fix: {gpus} or training.device=auto")
+    if t.fp8:
+        raise ConfigError(fp8_problem(cfg, "cpu", m.transformer_impl).replace("this job runs on CPU", where))
     if t.precision != "fp32":
         raise ConfigError(
             f"training.precision={t.precision}: needs a GPU ({where}); fix: training.precision=fp32, or {gpus}"
@@ -85,8 +88,9 @@ def check_device(cfg: JobConfig) -> None:
     On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
     optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
     backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
-    cannot run, nor sequence parallelism. ``model.transformer_impl=transformer_engine`` also needs the
-    package installed, checked for local jobs only (SLURM nodes have their own Python).
+    cannot run, nor sequence parallelism, nor FP8. ``model.transformer_impl=transformer_engine`` and
+    ``training.fp8`` also need the package installed, checked for local jobs only (SLURM nodes have their
+    own Python); FP8 on the local layer spec is refused everywhere (:mod:`orchestrator.config.fp8`).
     """
     m = cfg.model
     if runs_on_cpu(cfg):
@@ -113,11 +117,10 @@ def check_device(cfg: JobConfig) -> None:
                 f"import fails ({problem}); fix: repair it (pip install --force-reinstall "
                 "transformer-engine[pytorch]) or model.transformer_impl=local"
             )
-    if (
-        m.transformer_impl == "transformer_engine"
-        and cfg.cluster.kind == "local"
-        and importlib.util.find_spec("transformer_engine") is None
-    ):
+    te_missing = cfg.cluster.kind == "local" and importlib.util.find_spec("transformer_engine") is None
+    if not runs_on_cpu(cfg) and fp8_problem(cfg, "cuda", "local" if te_missing else m.transformer_impl):
+        raise ConfigError(fp8_problem(cfg, "cuda", "local" if te_missing else m.transformer_impl))
+    if m.transformer_impl == "transformer_engine" and te_missing:
         raise ConfigError(
             "model.transformer_impl=transformer_engine: the transformer_engine package is not "
             "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto"
@@ -164,7 +167,7 @@ def local_gpu_count() -> Optional[int]:
 
 def cpu_overrides(cfg: JobConfig) -> List[str]:
     """The overrides that run ``cfg`` on this machine's CPU (what the CPU device checks would ask next)."""
-    out = ["training.device=cpu"]
+    out = ["training.device=cpu"] + (["training.fp8=null"] if cfg.training.fp8 else [])
     if cfg.training.precision != "fp32":
         out.append("training.precision=fp32")
     if cfg.optimizer.use_distributed_optimizer:

@@ -70,6 +70,17 @@ PERFORMANCE_FIELDS: Dict[str, Tuple[str, ...]] = {
 floating-point sums): kernel fusions, communication overlap, bucketing, placement, checks."""
 
 
+FP8_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "transformer": ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo"),
+    "ddp": (),
+    "optimizer": ("fp8_recipe",),
+}
+"""``training.fp8`` and its recipe: they change the GEMMs' rounding, not the weights a checkpoint holds or their
+meaning, so a resume may switch FP8 on or off (a bf16 run finished in FP8, an FP8 run finished in bf16, as
+Megatron-LM resumes with other ``--fp8-*`` flags); carried, and said in its own line
+(:mod:`orchestrator.ckpt.megatron_resume`)."""
+
+
 CARRIED_SECTIONS = ("optimizer",)
 """Sections a resume may change and carries, saying so: the optimizer's hyperparameters (learning rate,
 weight decay, betas, clipping) are the config's from the resumed step on, as Megatron-LM's own resume
@@ -117,7 +128,8 @@ UNUSED_FIELDS: Dict[str, Tuple[str, ...]] = {
     "optimizer": ("barrier_with_L1_time", "fp8_recipe", "muon_momentum", "muon_tp_mode", "optimizer_offload_fraction"),
 }
 """Fields whose default differs between megatron-core lines (0.16.1, 0.19.2, Megatron-LM's 0.20.0) and that no
-job here reads — CUDA graphs, MoE token dispatchers, FSDP, Muon, FP8, optimizer offload and timers are never
+job here reads — CUDA graphs, MoE token dispatchers, FSDP, Muon, FP8 parameters (the optimizer's ``fp8_recipe``
+is read for them only; ``training.fp8`` sets it, Megatron-LM always does), optimizer offload and timers are never
 turned on — or that mean the same: not compared on resume, listed in the README's megatron config table."""
 
 
@@ -189,7 +201,7 @@ def config_hash(config: Dict[str, Any]) -> str:
 
 def split_diff(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[tuple], List[tuple]]:
     """(carried, math) differences between two megatron configs: rows ``(section.field, old, new)``; carried:
-    :data:`PERFORMANCE_FIELDS` and :data:`CARRIED_SECTIONS`.
+    :data:`PERFORMANCE_FIELDS`, :data:`FP8_FIELDS` and :data:`CARRIED_SECTIONS`.
     Fields one side lacks (another megatron-core line), :data:`UNUSED_FIELDS` and :data:`LAYOUT_FIELDS`
     (judged by the layout check) are left out."""
     perf: List[tuple] = []
@@ -199,6 +211,6 @@ def split_diff(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[tuple], L
         for name in sorted(set(a) & set(b) - set(UNUSED_FIELDS[section]) - set(LAYOUT_FIELDS[section])):
             if a[name] != b[name]:
                 row = (f"{section}.{name}", a[name], b[name])
-                carried = name in PERFORMANCE_FIELDS[section] or section in CARRIED_SECTIONS
+                carried = name in PERFORMANCE_FIELDS[section] + FP8_FIELDS[section] or section in CARRIED_SECTIONS
                 (perf if carried else math).append(row)
     return perf, math

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from orchestrator.config.fp8 import FIELDS as FP8_FIELDS
+
 SECTIONS = {"model": "transformer", "parallelism": "ddp", "optimizer": "optimizer"}
 """Config group -> the megatron config (:data:`orchestrator.config.megatron_fields.SECTIONS`) its ``megatron`` sets."""
 
@@ -40,6 +42,7 @@ OWNED: Dict[str, Dict[str, str]] = {
         "layernorm_epsilon": "model.norm_epsilon",
         "inference_sampling_seed": "training.seed",
         "transformer_impl": "model.transformer_impl",
+        **FP8_FIELDS,
     },
     "ddp": {
         "overlap_grad_reduce": "parallelism.overlap_grad_reduce",
@@ -52,6 +55,7 @@ OWNED: Dict[str, Dict[str, str]] = {
         **{name: f"optimizer.{name}" for name in ("sgd_momentum", "clip_grad", "use_distributed_optimizer")},
         **_PRECISION,
         "optimizer": "optimizer.name",
+        "fp8_recipe": "training.fp8_recipe",
         "overlap_param_gather": "parallelism.overlap_param_gather",
     },
 }

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from orchestrator.config.fp8 import optimizer_fields, problem, transformer_fields
 from orchestrator.config.megatron_fields import fields_of, overlaps
 from orchestrator.config.megatron_passthrough import passthrough
 from orchestrator.config.schema import JobConfig
@@ -190,6 +191,8 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     _check_device(cfg, device)
+    if problem(cfg, device, impl):  # FP8: Transformer Engine's GEMMs, on GPU only
+        raise ConfigError(problem(cfg, device, impl))
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     gpu, swiglu, dtype = device == "cuda", m.activation == "swiglu", params_dtype(cfg)
     vpp = p.virtual_pipeline_model_parallel_size if (p.virtual_pipeline_model_parallel_size or 1) > 1 else None
@@ -227,6 +230,7 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
             pipeline_dtype=dtype,
             bf16=t.precision == "bf16",
             fp16=t.precision == "fp16",
+            **transformer_fields(t),
             use_cpu_initialization=None if gpu else True,
             perform_initialization=True,  # None: Megatron-LM's
             inference_sampling_seed=t.seed,
@@ -300,6 +304,7 @@ def optimizer_config(cfg: JobConfig, device: str, dp: int):
             params_dtype=params_dtype(cfg),
             use_distributed_optimizer=o.use_distributed_optimizer,
             overlap_param_gather=gather,
+            **optimizer_fields(t),
         )
     )
 
