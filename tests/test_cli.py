@@ -173,6 +173,7 @@ USER_ERRORS = [
     (["optimizer.use_distributed_optimizer=true"], ["optimizer.use_distributed_optimizer=true: GPU-only"]),
     (["parallelism.distributed_backend=nccl"], ["parallelism.distributed_backend=nccl: needs GPUs"]),
     (["training.device=cuda"], ["training.device=cuda: no GPU"]),
+    (["training.fp8=hybrid"], ["training.fp8=hybrid: FP8 GEMMs are Transformer Engine's and run on GPUs only"]),
     (["+experiment=gpt_pp2_dp2", "training.global_batch_size=18"], ["training.global_batch_size=18 is not divisible"]),
     (["+experiment=gpt_pp2_dp2", "parallelism.pipeline_model_parallel_size=3"], ["model.num_layers=4"]),
     (["optimizer.name=lamb"], ["optimizer.name='lamb': not one of 'adam', 'sgd'"]),

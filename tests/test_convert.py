@@ -187,6 +187,8 @@ if [[ "$DTYPE" == "fp8" ]]; then
     DTYPE_ARGS+=(
         "--fp8-format hybrid"
         "--fp8-amax-history-len 1024"
+        "--fp8-amax-compute-algo max"
+        "--fp8-param-gather"
     )
 elif [[ "$DTYPE" == "bf16" ]]; then
     DTYPE_ARGS+=("--num-layers 99")
@@ -233,8 +235,11 @@ def test_megatron_lm_example_shapes_arrays_appends_and_if_blocks_convert(capsys,
     assert "use_distributed_optimizer: true" in written and "overlap_grad_reduce: true" in written
     assert "sequence_parallel: false  # --sequence-parallel at TP 1" in written
     assert "Megatron-LM warns and turns sequence parallelism off" in section(out, "flagged")
+    for key in ("fp8: hybrid", "fp8_amax_history_len: 1024", "fp8_amax_compute_algo: max"):  # training.fp8 (issue 37)
+        assert key in written, written
     listed = section(out, "not converted")
-    for flag in ("--fp8-format hybrid", "--fp8-amax-history-len 1024", "--rotary-percent 1.0", "--apply-layernorm-1p"):
+    assert "--fp8-format" not in listed and "--fp8-amax" not in listed
+    for flag in ("--fp8-param-gather", "--rotary-percent 1.0", "--apply-layernorm-1p"):
         (line,) = [x for x in listed.splitlines() if x.strip().startswith(flag)]
         assert "not a flag this converter knows" not in line, line  # each with its own reason
 
@@ -320,6 +325,13 @@ ROUND_TRIPS = (
             "training.spike.factor=null",
         ],
         ["+experiment=mixtral_8x7b_a100x32"],
+        [
+            "+experiment=llama3_8b_a100x32",
+            "training.fp8=e4m3",
+            "training.fp8_recipe=tensorwise",
+            "training.fp8_amax_history_len=16",
+            "training.fp8_amax_compute_algo=max",
+        ],
     ]
 )
 

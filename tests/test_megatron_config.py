@@ -3,7 +3,9 @@
 
 The golden files (tests/golden/megatron/*.json) were written by tools/megatron_golden.py from Megatron-LM
 d98e8a6 (its megatron-core 0.20.0): parse_args -> validate_args -> core_transformer_config_from_args /
-get_megatron_ddp_config / get_megatron_optimizer_config on the flags `convert to-megatron` prints.
+get_megatron_ddp_config / get_megatron_optimizer_config on the flags `convert to-megatron` prints (the FP8 one
+with `--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max`; its parser needs no
+Transformer Engine for them). FP8's own tests: tests/test_fp8.py.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def _ours(overrides, device="cuda", te=True):
     return cfg, build(cfg, device, Installed(te, te, version()), dp).as_json()
 
 
-def test_three_goldens_are_there():
+def test_four_goldens_are_there():
     assert {p.stem for p in GOLDEN} == {
         "gpt_125m_1gpu_bf16",
         "gpt_6.7b_pp2_vpp2_dp16_a100_4x8",
         "llama_8b_tp2_distopt_a100_4x8",
+        "llama_8b_tp2_fp8_hybrid_4x8",
     }
 
 

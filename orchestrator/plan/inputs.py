@@ -184,6 +184,10 @@ class Recipe:
     attention: str = "unfused"
     """The attention kernel (:data:`ATTENTION_KERNELS`): ``unfused`` stores the a s^2 scores (megatron-core's
     local spec), ``flash`` does not (Transformer Engine on GPU)."""
+    fp8: Optional[str] = None
+    """``training.fp8`` (hybrid / e4m3): FP8 weight copies and amax buffers (:mod:`orchestrator.plan.fp8`)."""
+    fp8_recipe: str = "delayed"
+    fp8_amax_history_len: int = 1
 
     @property
     def param_bytes(self) -> int:
@@ -285,6 +289,9 @@ def recipe_of(cfg, on_gpu: Optional[bool] = None) -> Recipe:
         use_distributed_optimizer=o.use_distributed_optimizer,
         optimizer=o.name,
         sgd_momentum=o.sgd_momentum,
+        fp8=cfg.training.fp8,
+        fp8_recipe=cfg.training.fp8_recipe,
+        fp8_amax_history_len=cfg.training.fp8_amax_history_len,
     )
 
 

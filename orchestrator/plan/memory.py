@@ -231,6 +231,8 @@ def plan(
     )
     result.headroom, result.vocab_source = cfg.plan_headroom, vocab_source(cfg, vocab_size)
     result.notes.append(attention_note(result, cfg.model.transformer_impl))
+    if cfg.training.fp8:
+        result.notes.append(fp8_note(cfg, preset.name))
     if vpp_no_op(cfg):
         result.notes.append(vpp_no_op(cfg))
     if note:
@@ -268,6 +270,22 @@ def _notes(terms: StepTerms, profile: Optional[DeviceProfile], idle: Optional[fl
     if recipe.precision == "fp32" and profile is None:
         notes.append(f"fp32: peak is {gpu.peak_flops_fp32 / 1e12:g} TFLOP/s (no TF32); activations 4 bytes/element")
     return notes
+
+
+def fp8_note(cfg, preset: str) -> str:
+    """What a plan with ``training.fp8`` counted (:mod:`orchestrator.plan.fp8`) and what not; A100s have no FP8."""
+    t = cfg.training
+    where = (
+        f"; {preset} has no FP8 tensor cores (compute capability 8.0; Transformer Engine's FP8 needs 8.9+: H100, "
+        "H200, L40S): the job would fail there"
+        if preset.startswith("A100")
+        else ""
+    )
+    return (
+        f"fp8: training.fp8={t.fp8} ({t.fp8_recipe}, amax history {t.fp8_amax_history_len}) adds 2 B per GEMM weight "
+        "(Transformer Engine's FP8 cast and its transpose) and the amax buffers; step time and activations are "
+        f"planned as bf16's{where}"
+    )
 
 
 def _positions(shape: ModelShape) -> int:

@@ -65,6 +65,8 @@ def format_plan(plan: Plan) -> str:
         ),
         ("total", [c.total for c in cols]),
     ]
+    if rec.fp8:  # before the total
+        rows.insert(-1, (f"FP8 weight copies + amax ({rec.fp8}, {rec.fp8_recipe})", [c.fp8 for c in cols]))
     unit, scale = ("GiB", GiB) if plan.peak_bytes - plan.worst.overhead >= GiB else ("MiB", 2**20)
     cells = [
         [label] + [str(x) if label.endswith("in flight") else f"{x / scale:.2f}" for x in vals] for label, vals in rows

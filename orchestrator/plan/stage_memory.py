@@ -1,5 +1,6 @@
 """Memory per GPU of each pipeline stage: weights, gradients, optimizer state (sharded over DP with the distributed
-optimizer: Megatron-LM's 6 + 12/DP bytes per parameter), activations at the stage's peak, the framework's overhead;
+optimizer: Megatron-LM's 6 + 12/DP bytes per parameter), activations at the stage's peak, the framework's overhead,
+FP8's weight copies and amax buffers (:mod:`orchestrator.plan.fp8`);
 scaled by a calibrated device profile when there is one. Pure Python."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import List, Optional
 
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.plan.activations import stage_activations
+from orchestrator.plan.fp8 import layer_fp8_bytes
 from orchestrator.plan.inputs import FRAMEWORK_OVERHEAD_BYTES, ModelShape, Recipe
 from orchestrator.plan.profile import DeviceProfile
 
@@ -43,6 +45,7 @@ def stage_memories(
                 activations=act,
                 in_flight=flight,
                 overhead=FRAMEWORK_OVERHEAD_BYTES,
+                fp8=layout.layers_per_stage * layer_fp8_bytes(shape, layout, recipe),
             )
         )
     if profile is not None:  # calibrated memory: overhead + factors x the planner's terms
@@ -79,7 +82,9 @@ class StageMemory:
     in_flight: int
     """Micro-batch chunks whose activations are alive at this stage's peak."""
     overhead: float
+    fp8: float = 0.0
+    """``training.fp8``: FP8 weight copies and amax buffers of the stage's layers (:mod:`orchestrator.plan.fp8`)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead + self.fp8
