@@ -48,25 +48,7 @@ def format_plan(plan: Plan) -> str:
     opt = f"{rec.optimizer}, {rec.optimizer_bytes} B/param" + (
         f", sharded over DP {lay.data_parallel_size}" if rec.use_distributed_optimizer else ""
     )
-    rows = [
-        (f"weights ({rec.param_bytes} B/param)", [c.weights for c in cols]),
-        (f"gradients ({rec.grad_bytes} B/param)", [c.gradients for c in cols]),
-        (f"optimizer state ({opt})", [c.optimizer for c in cols]),
-        ("  without distributed optimizer", [c.optimizer_unsharded for c in cols]),
-        (f"  with distributed optimizer (/DP {lay.data_parallel_size})", [c.optimizer_sharded for c in cols]),
-        (
-            f"activations ({rec.recompute_granularity or 'no'} recompute, {rec.attention} attention)",
-            [c.activations for c in cols],
-        ),
-        ("  micro-batch chunks in flight", [c.in_flight for c in cols]),
-        (
-            "framework overhead (device profile)" if plan.profile is not None else "framework overhead (assumed)",
-            [c.overhead for c in cols],
-        ),
-        ("total", [c.total for c in cols]),
-    ]
-    if rec.fp8:  # before the total
-        rows.insert(-1, (f"FP8 weight copies + amax ({rec.fp8}, {rec.fp8_recipe})", [c.fp8 for c in cols]))
+    rows = _memory_rows(plan, cols, opt)
     unit, scale = ("GiB", GiB) if plan.peak_bytes - plan.worst.overhead >= GiB else ("MiB", 2**20)
     cells = [
         [label] + [str(x) if label.endswith("in flight") else f"{x / scale:.2f}" for x in vals] for label, vals in rows
@@ -99,3 +81,28 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _memory_rows(plan, cols, opt: str) -> list:
+    """The memory table's rows: (label, one value per shown stage)."""
+    rec, lay = plan.recipe, plan.layout
+    rows = [
+        (f"weights ({rec.param_bytes} B/param)", [c.weights for c in cols]),
+        (f"gradients ({rec.grad_bytes} B/param)", [c.gradients for c in cols]),
+        (f"optimizer state ({opt})", [c.optimizer for c in cols]),
+        ("  without distributed optimizer", [c.optimizer_unsharded for c in cols]),
+        (f"  with distributed optimizer (/DP {lay.data_parallel_size})", [c.optimizer_sharded for c in cols]),
+        (
+            f"activations ({rec.recompute_granularity or 'no'} recompute, {rec.attention} attention)",
+            [c.activations for c in cols],
+        ),
+        ("  micro-batch chunks in flight", [c.in_flight for c in cols]),
+        (
+            "framework overhead (device profile)" if plan.profile is not None else "framework overhead (assumed)",
+            [c.overhead for c in cols],
+        ),
+        ("total", [c.total for c in cols]),
+    ]
+    if rec.fp8:  # before the total
+        rows.insert(-1, (f"FP8 weight copies + amax ({rec.fp8}, {rec.fp8_recipe})", [c.fp8 for c in cols]))
+    return rows
