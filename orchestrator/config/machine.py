@@ -117,10 +117,15 @@ def check_device(cfg: JobConfig) -> None:
                 f"import fails ({problem}); fix: repair it (pip install --force-reinstall "
                 "transformer-engine[pytorch]) or model.transformer_impl=local"
             )
-    te_missing = cfg.cluster.kind == "local" and importlib.util.find_spec("transformer_engine") is None
+    here = cfg.cluster.kind == "local" and not (cfg.plan or cfg.dry_run)  # a plan describes the job, not this machine
+    te_missing = here and importlib.util.find_spec("transformer_engine") is None
     if not runs_on_cpu(cfg) and fp8_problem(cfg, "cuda", "local" if te_missing else m.transformer_impl):
         raise ConfigError(fp8_problem(cfg, "cuda", "local" if te_missing else m.transformer_impl))
-    if m.transformer_impl == "transformer_engine" and te_missing:
+    if (
+        m.transformer_impl == "transformer_engine"
+        and cfg.cluster.kind == "local"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
         raise ConfigError(
             "model.transformer_impl=transformer_engine: the transformer_engine package is not "
             "installed here; fix: pip install transformer-engine, or model.transformer_impl=auto"
