@@ -44,6 +44,8 @@ _SRUN_BOOL = {
     "X",
     "Z",
 }
+_FUNCTION = re.compile(r"^(?:function\s+[A-Za-z_][\w-]*\s*(?:\(\s*\))?|[A-Za-z_][\w-]*\s*\(\s*\))\s*\{$")
+_OPENS = ("{", "then", "do", "else", "in")
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 BASH_SETS = ("PWD", "HOME", "USER")
 """Variables bash defines for every script: read from the converting shell (the notes say so when a flag uses one)."""
@@ -86,7 +88,10 @@ def _logical_lines(text: str, src: Source) -> List[Tuple[int, str]]:
     for n, raw in enumerate(text.splitlines(), 1):
         if heredoc is not None:
             if raw.strip() == heredoc:
-                src.notes.append(f"lines {start}-{n}: here-document not read")
+                src.notes.append(
+                    f"lines {start}-{n}: here-document not read, nor carried into cluster.setup; fix: write what it "
+                    "writes before the job, or add it to cluster.setup yourself"
+                )
                 heredoc = None
             continue
         stripped = raw.strip()
@@ -204,8 +209,14 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
             scope.vars[name] = value
             scope.inherited.add(name)
     candidates, fragments = [], []
+    function: List[Tuple[int, str]] = []
     for n, line in _logical_lines(text, src):
         where = f"line {n}"
+        if function or _FUNCTION.match(line):  # a definition: carried whole into the setup lines, body not read
+            function.append((n, line))
+            if _function_done(function, src, branches.reading):
+                function = []
+            continue
         if branches.control(line, n, scope, src.notes):
             continue  # if/elif/else/fi
         if not branches.reading:  # a branch bash would not take, or one only the running script decides (listed)
@@ -234,6 +245,8 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
         launch = _launch(pairs) if pairs else None
         if launch is not None:
             candidates.append((n, line, *launch))
+        elif _HEREDOC.search(line):
+            continue  # its text was skipped (noted): the command alone would hang or write nothing
         else:
             src.setup.append(line)
     chosen = _pick_launch(candidates, path)
@@ -277,6 +290,31 @@ def _branch_flags(line: str, where: str, scope: Scope) -> List[Arg]:
         return []
     first = next((i for i, (w, _) in enumerate(pairs) if w.startswith("--") and len(w) > 2), len(pairs))
     return read_flags([w for w, _ in pairs[first:]], where, [d for _, d in pairs[first:]])[0]
+
+
+def _function_done(function: List[Tuple[int, str]], src: Source, reading: bool) -> bool:
+    """Whether the (line number, line) pairs of a function definition are complete (braces balanced); once they
+    are, the definition goes to the setup lines as one line (where bash would define it) and the notes say so."""
+    lines = [line for _, line in function]
+    if sum(p.endswith("{") for p in lines) > sum(p.startswith("}") for p in lines):
+        return False
+    if reading:
+        src.setup.append(_one_line(lines))
+        name = re.match(r"(?:function\s+)?([\w-]+)", lines[0]).group(1)
+        src.notes.append(
+            f"lines {function[0][0]}-{function[-1][0]}: function {name} carried into cluster.setup as one line; "
+            "its body is not read for flags"
+        )
+    return True
+
+
+def _one_line(lines: List[str]) -> str:
+    """A multi-line function definition as one shell line: ``; `` between commands, a blank after ``{``,
+    ``then``, ``do``, ``else`` and ``in`` (where bash refuses a ``;``)."""
+    out = lines[0]
+    for line in lines[1:]:
+        out += (" " if out.endswith(_OPENS) or out.endswith(";") else "; ") + line
+    return out
 
 
 def _single_word(rhs: str) -> bool:

@@ -85,11 +85,11 @@ class Branches:
 
     @property
     def undecided(self) -> Optional[str]:
-        """``if COND`` (line N) when the current line is in a branch bash may or may not take (every enclosing
-        branch taken or undecided), else None."""
-        if any(b.active is False for b in self.stack):
+        """``if COND`` (line N) when the current line is in a branch bash may or may not take: every enclosing
+        branch taken, undecided, or not taken on a value only the running script knows (``${KEY:-}``); else None."""
+        if any(b.active is False and not b.deps for b in self.stack):
             return None
-        block = next((b for b in reversed(self.stack) if b.active is None), None)
+        block = next((b for b in reversed(self.stack) if b.active is not True), None)
         return None if block is None else f"`if {block.condition}` (line {block.start})"
 
     def _evaluate(self, condition: str, scope) -> Optional[bool]:

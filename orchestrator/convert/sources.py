@@ -81,11 +81,11 @@ class Source:
     orchestrator: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     holders: Dict[str, str] = field(default_factory=dict)
-    undecided: List[Tuple[Arg, str]] = field(default_factory=list)
-    """Flags set inside a branch bash takes or not only when the script runs, with that ``if`` (``\`if [ -n
-    "$KEY" ]\` (line 102)``): listed as not converted, never read as given."""
     """An undefined variable -> the script variable first assigned from it (``CHECKPOINT_PATH=$1``:
     ``{"1": "CHECKPOINT_PATH"}``), to name what ``--var 1=...`` stands for."""
+    undecided: List[Tuple[Arg, str]] = field(default_factory=list)
+    """Flags set inside a branch that bash takes or not only when the script runs, each with that ``if``
+    (``if [ -n "$KEY" ]`` (line 102)): listed as not converted, never read as given."""
 
 
 def _scalar(value) -> str:
