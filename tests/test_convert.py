@@ -232,11 +232,14 @@ def test_megatron_lm_example_shapes_arrays_appends_and_if_blocks_convert(capsys,
     mock = "[run time: $3 (its default here)]"  # the mock-data branch is taken on the script's default for $3
     assert f"--vocab-size 1000 {mock}" in flags
     assert f"--data-cache-path {tmp_path}/cache [run time: $3 (its default here), $PWD (this shell's here)]" in flags
-    (extra,) = [(a.text, where) for a, where in src.undecided]
-    assert extra == (
-        "--hidden-dropout 0.5 [run time: $CHECKPOINT_PATH (unknown here)]",
-        '`if [ ! -f "$CHECKPOINT_PATH/latest" ]` (line 31)',
-    ), extra
+    data_if = '`if [[ "$TOKENIZER_ARG" == "MOCK" ]] || [[ -z "$TOKENIZER_ARG" ]]` (line 26)'
+    file_if = '`if [ ! -f "$CHECKPOINT_PATH/latest" ]` (line 31)'
+    assert [(a.text, where) for a, where in src.undecided] == [  # the branch not taken on $3's default: listed
+        ("--data-path $DATA_ARG [run time: $3 (its default here), $DATA_ARG (unknown here)]", data_if),
+        (f"--tokenizer-type HuggingFaceTokenizer {mock}", data_if),
+        (f"--tokenizer-model MOCK {mock}", data_if),
+        ("--hidden-dropout 0.5 [run time: $CHECKPOINT_PATH (unknown here)]", file_if),
+    ]
     assert not any(f.startswith("--num-layers 9") or f.startswith("--data-path") or "dropout" in f for f in flags)
     (undecided,) = [n for n in src.notes if "cannot be decided here" in n]
     assert undecided.startswith('lines 31-33: `if [ ! -f "$CHECKPOINT_PATH/latest" ]`'), undecided
