@@ -247,6 +247,9 @@ def test_any_megatron_field_passes_through_and_a_bad_one_is_one_line(capsys, tmp
             "+model.megatron.qk_layernormm=true",
             "has no field qk_layernormm; fix: did you mean qk_layernorm",
         ),
+        # typed without + (or as a whole mapping): merged, so the field's own check answers in the first run
+        ("model.megatron.qk_layernormm=true", "has no field qk_layernormm; fix: did you mean qk_layernorm"),
+        ("model.megatron={qk_layernormm: true}", "has no field qk_layernormm; fix: did you mean qk_layernorm"),
         (
             "+model.megatron.num_layers=8",
             "model.megatron.num_layers=8: model.num_layers sets megatron-core's num_layers",

@@ -197,6 +197,10 @@ def test_invalid_and_crashing_points_are_recorded_and_the_sweep_exits_nonzero(tm
         assert point["status"] == rows[num]["status"] and point["reason"] == rows[num]["reason"]
     assert (sd / "summary.md").exists() and (sd / "summary.png").exists()
     assert "1 failed, 1 invalid" in proc.stdout
+    (said,) = [x for x in proc.stderr.splitlines() if x.startswith("error: sweep:")]  # one line, the first failure
+    assert said.startswith("error: sweep: 1 of 2 point(s) did not complete; point 1 (") and "rank 0 failed" in said, (
+        said
+    )
 
 
 def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_dir):
@@ -215,6 +219,8 @@ def test_points_predicted_not_to_fit_are_skipped_unless_asked(tmp_path, cache_di
         check=False,
     )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # invalid, none failed
+    (said,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert said.startswith("error: sweep: 1 of 2 point(s) invalid; point 0 (training.micro_batch_size=3): "), said
     sd = sweep_dir_of(tmp_path, "big")
     rows = {r["point"]: r for r in read_csv(sd / "summary.csv")}
     assert rows["0"]["status"] == "invalid"

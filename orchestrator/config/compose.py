@@ -187,6 +187,25 @@ def sweep_points(overrides: List[str]) -> Tuple[int, List[str]]:
 
 
 # ---------------------------------------------------------------- the composition
+PASSTHROUGH_KEYS = ("model.megatron", "parallelism.megatron", "optimizer.megatron")
+"""The free-form mappings of megatron-core fields (:mod:`orchestrator.config.megatron_passthrough`)."""
+
+
+def merged_passthrough(overrides: List[str]) -> List[str]:
+    """``overrides`` with every one that sets a pass-through mapping or a field in it (``model.megatron={a: 1}``,
+    ``model.megatron.a=1``, ``+model.megatron.a=1``) as Hydra's merge ``++``: the mappings start empty, so Hydra
+    would refuse the first two (``+`` adds a new key) and the third when the key is already set; merged, the
+    fields' own check (megatron-core's dataclass fields, with did-you-mean) judges them in the same run."""
+    out = []
+    for o in overrides:
+        bare = o.lstrip("+")
+        key = bare.split("=", 1)[0]
+        if "=" in bare and any(key == k or key.startswith(k + ".") for k in PASSTHROUGH_KEYS):
+            o = "++" + bare
+        out.append(o)
+    return out
+
+
 def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
     """The composed ``DictConfig`` of one run (no ``hydra`` node; ``run.name``/``run.dir`` set).
 
@@ -199,6 +218,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
 
     from orchestrator.config.schema import register_configs
 
+    overrides = merged_passthrough(overrides)
     parsed = parse_overrides(overrides)
     searched = user_conf_dirs(overrides)
     root = str(config_dir or conf_view(searched))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -114,8 +115,9 @@ def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]
 
 
 def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Optional[float]]:
-    """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` (the
-    mean of the last ``last`` training records) from ``<run_dir>/metrics.jsonl``.
+    """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` from
+    ``<run_dir>/metrics.jsonl``: for a job that ended, its summary's (tokens per step / median step time after the
+    warm-up, the figure of its last line); for a running one, the medians of its last ``last`` training records.
 
     Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
     record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
@@ -126,9 +128,12 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
         return out
     start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
     recent: List[Dict[str, Any]] = []
+    summary: Optional[Dict[str, Any]] = None
     for rec in _records_from_end(path):
         if rec.get("event") == "start" or len(recent) == last:
             break  # the newest ``last`` records of the latest job
+        if rec.get("event") == "summary" and not recent:
+            summary = rec  # the latest job ended: its own figure
         if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
             recent.append(rec)
     if start is not None:
@@ -137,10 +142,13 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
         started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
         start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
         out["train_iters"] = (start or {}).get("train_iters")
-    if recent:
-        out["tokens_per_s"] = sum(r["tokens_per_s"] for r in recent) / len(recent)
+    median_step = (summary or {}).get("step_time_median_s")
+    if median_step and (summary or {}).get("tokens_per_step"):  # what the job's last line said
+        out["tokens_per_s"], out["step_time_s"] = summary["tokens_per_step"] / median_step, median_step
+    elif recent:
+        out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent)
         steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
-        out["step_time_s"] = sum(steps) / len(steps) if steps else None
+        out["step_time_s"] = statistics.median(steps) if steps else None
     return out
 
 

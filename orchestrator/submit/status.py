@@ -2,7 +2,7 @@
 
 ``python -m orchestrator status [runs_root] [--history]`` lists the runs under a directory with
 state (and why the latest attempt ended: ``failed (nan)``, ``failed (hang)`` …), job id, requeues,
-iteration reached / trained to, last loss, tokens/s (mean of the last records) and, for a running
+iteration reached / trained to, last loss, tokens/s (the job summary's median-step figure, or the median of the last records while it runs) and, for a running
 job, the ETA (``--json``: ``train_iters``, ``tokens_per_s``, ``eta_s``), then a failed run's own one-line account or its failing rank's error
 lines; ``--history`` adds every attempt of each run (job id, start, end, cause, iteration reached);
 ``--detail`` each run's newest step breakdown per pipeline stage (``--json``: ``breakdown``).
@@ -41,9 +41,9 @@ class RunStatus:
     train_iters: Optional[int] = None
     """The iteration the latest job trains to (``training.train_iters``)."""
     tokens_per_s: Optional[float] = None
-    """Mean tokens/s of the last few training records."""
+    """Tokens/s: the ended job's tokens per step / median step time, or the median of a running job's last records."""
     eta_s: Optional[float] = None
-    """A running job's remaining time: iterations left x the mean recent step time."""
+    """A running job's remaining time: iterations left x the median recent step time."""
     slowness: List[str] = field(default_factory=list)
     """The latest job's slow links and named stragglers (``link_check`` / ``straggler`` records), one line each."""
     breakdown: Optional[Dict[str, Any]] = None

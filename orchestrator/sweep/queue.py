@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from typing import Any, Dict, Optional
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.sweep.points import DRIVER, Point, rebuild, record_point, say, tail
-from orchestrator.sweep.records import FINAL, POINT_FILE, exit_code, status_of_summary
+from orchestrator.sweep.records import FINAL, POINT_FILE, error_line, exit_code, status_of_summary
 from orchestrator.sweep.render import format_report
 from orchestrator.sweep.table import write_summary
 
@@ -89,7 +90,11 @@ def finish() -> Optional[int]:
     DRIVER.close_pool()
     if DRIVER.submitted and not DRIVER.wait_at_end:
         say(f"jobs queued (cluster.wait=false); later: python -m orchestrator.sweep summarize {sweep_dir}")
-    return exit_code(rows, unfinished_ok=bool(DRIVER.submitted) and not DRIVER.wait_at_end)
+    code = exit_code(rows, unfinished_ok=bool(DRIVER.submitted) and not DRIVER.wait_at_end)
+    line = error_line(rows, code)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code
 
 
 def detached(exc: BaseException) -> None:

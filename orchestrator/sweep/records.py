@@ -91,6 +91,28 @@ def exit_code(rows: Sequence[Dict[str, Any]], unfinished_ok: bool = False) -> in
     return 0
 
 
+def error_line(rows: Sequence[Dict[str, Any]], code: int) -> Optional[str]:
+    """The one ``error:`` line a sweep ending with ``code`` (:func:`exit_code`) says on stderr, or None for 0: how
+    many points failed or were invalid, the first one's overrides and reason (the table has every point's)."""
+    if code == 0:
+        return None
+    kinds = ("invalid",) if code == 2 else (*FAILURES, *UNFINISHED)
+    bad = [r for r in rows if r["status"] in kinds]
+    if not bad:
+        return None
+    first = bad[0]
+    overrides = first.get("overrides") or "-"
+    overrides = overrides if isinstance(overrides, str) else " ".join(overrides)
+    what = "invalid" if code == 2 else "did not complete"
+    lines = [x.strip() for x in str(first.get("reason") or first["status"]).strip().splitlines() if x.strip()]
+    reason = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')} ... {lines[-1]}"  # a traceback: its ends
+    reason = reason if len(reason) <= 400 else reason[:399] + "…"
+    return (
+        f"error: sweep: {len(bad)} of {len(rows)} point(s) {what}; point {first['point']} ({overrides}): {reason}"
+        + ("" if "fix:" in reason else "; fix: see each point's reason in the table above")
+    )
+
+
 def measured(run_dir: Path, warmup_iters: int) -> Dict[str, Any]:
     """What the point's job measured, from ``<run_dir>/metrics.jsonl`` only.
 

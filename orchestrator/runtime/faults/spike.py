@@ -102,14 +102,25 @@ def shared_loss(lm_loss: Optional[float], device) -> Optional[float]:
 
 
 def check(
-    guard, watch: SpikeWatch, iteration: int, lm_loss: Optional[float], grad_norm: Optional[float], device
+    guard,
+    watch: SpikeWatch,
+    iteration: int,
+    lm_loss: Optional[float],
+    grad_norm: Optional[float],
+    device,
+    loss_reduced: bool = True,
 ) -> None:
     """Raise :class:`~orchestrator.errors.LossSpikeError` on every rank when this iteration's loss or
     gradient norm is a spike (call BEFORE any save of ``iteration``, after the NaN guard's check).
-    ``guard``: the rank's :class:`~orchestrator.runtime.faults.guard.Guard` (the attempt's record)."""
+    ``guard``: the rank's :class:`~orchestrator.runtime.faults.guard.Guard` (the attempt's record).
+
+    ``loss_reduced``: whether the loop reduced this iteration's loss (its log, save and stop iterations; the same
+    on every rank). Only then is the loss shared (one all-reduce); on the others only the gradient norm, which every
+    rank already holds from the optimizer's own all-reduce, is checked: no collective, no host sync of ours."""
     if watch.factor is None:
         return
-    for what, value in (("lm loss", shared_loss(lm_loss, device)), ("grad norm", grad_norm)):
+    loss = shared_loss(lm_loss, device) if loss_reduced else None
+    for what, value in (("lm loss", loss), ("grad norm", grad_norm)):
         hit = watch.spike(what, None if value is None else float(value))
         if hit is not None:
             _stop(guard, iteration, what, *hit, len(watch.recent[what]))
