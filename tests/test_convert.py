@@ -166,7 +166,12 @@ def test_shell_reading_variables_arrays_arithmetic_and_vars(tmp_path):
         "  --data-path $DATA\n"
     )
     src = read_source(str(script), {"1": "/given"})
-    assert [a.text for a in src.args] == ["--num-layers 8", "--save /given", "--lr 1e-4", "--data-path $DATA"]
+    assert [a.text for a in src.args] == [
+        "--num-layers 8",
+        "--save /given [run time: $1 (--var here)]",
+        "--lr 1e-4",
+        "--data-path $DATA [run time: $DATA (unknown here)]",
+    ]
     assert src.launcher.option("nproc-per-node")[0] == "4" and src.launcher.option("nodes")[0] == "2"
     assert src.env == {"NCCL_IB_DISABLE": "0"}
     assert any("$DATA is not defined" in n for n in src.notes)
@@ -224,7 +229,17 @@ def test_megatron_lm_example_shapes_arrays_appends_and_if_blocks_convert(capsys,
     assert (
         "--fp8-format hybrid" in flags and "--use-distributed-optimizer" in flags and "--overlap-grad-reduce" in flags
     )
-    assert "--vocab-size 1000" in flags and f"--data-cache-path {tmp_path}/cache" in flags
+    mock = "[run time: $3 (its default here)]"  # the mock-data branch is taken on the script's default for $3
+    assert f"--vocab-size 1000 {mock}" in flags
+    assert f"--data-cache-path {tmp_path}/cache [run time: $3 (its default here), $PWD (this shell's here)]" in flags
+    data_if = '`if [[ "$TOKENIZER_ARG" == "MOCK" ]] || [[ -z "$TOKENIZER_ARG" ]]` (line 26)'
+    file_if = '`if [ ! -f "$CHECKPOINT_PATH/latest" ]` (line 31)'
+    assert [(a.text, where) for a, where in src.undecided] == [  # the branch not taken on $3's default: listed
+        ("--data-path $DATA_ARG [run time: $3 (its default here), $DATA_ARG (unknown here)]", data_if),
+        (f"--tokenizer-type HuggingFaceTokenizer {mock}", data_if),
+        (f"--tokenizer-model MOCK {mock}", data_if),
+        ("--hidden-dropout 0.5 [run time: $CHECKPOINT_PATH (unknown here)]", file_if),
+    ]
     assert not any(f.startswith("--num-layers 9") or f.startswith("--data-path") or "dropout" in f for f in flags)
     (undecided,) = [n for n in src.notes if "cannot be decided here" in n]
     assert undecided.startswith('lines 31-33: `if [ ! -f "$CHECKPOINT_PATH/latest" ]`'), undecided

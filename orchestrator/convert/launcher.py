@@ -22,7 +22,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.convert.launcher_options import SLURM_OPTIONS
-from orchestrator.convert.sources import Source
+from orchestrator.convert.sources import Source, runtime_mark
 from orchestrator.errors import ConfigError
 
 TOPOLOGY = {"nodes", "nnodes", "ntasks", "ntasks-per-node", "nproc-per-node", "gpus-per-node", "gres", "gpus"}
@@ -128,8 +128,13 @@ def cluster(conv, cli_nodes: Optional[int] = None, cli_gpus: Optional[int] = Non
         if args:
             conv.set("cluster.srun_args", args, "srun options")
     ignored = [f"--{k}" + (f" {v}" if v is not None else "") for k, v in (L.torchrun or []) if k not in TOPOLOGY]
+    origins = sorted(
+        {o for k, _ in L.torchrun or [] if k not in TOPOLOGY for o in L.runtime.get(f"torchrun --{k}", ())}
+    )
     if ignored and not conv.from_export:
-        conv.not_converted.append(f"torchrun {' '.join(ignored)}: rendezvous is set up by the orchestrator's launcher")
+        conv.not_converted.append(
+            f"torchrun {' '.join(ignored)}{runtime_mark(origins)}: rendezvous is set up by the orchestrator's launcher"
+        )
     if src.env:
         conv.set("cluster.env", dict(src.env), "export lines")
     if src.setup:

@@ -102,6 +102,13 @@ UNMAPPED: List[Flag] = [
     ),
     Flag("--no-mmap-bin-files", kind="none", note=".bin files are always memory-mapped (megatron-core IndexedDataset)"),
     Flag("--profile*", kind="none", note="no profiler here (training.trace_iteration times one iteration's schedule)"),
+    Flag(
+        "--no-position-embedding",
+        kind="none",
+        note="no learned position table with RoPE already (megatron-core adds one only for "
+        "--position-embedding-type learned_absolute); Megatron-LM refuses this deprecated flag unless "
+        "--position-embedding-type rope (validate_args)",
+    ),
     Flag("--moe-router-load-balancing-type", kind="none", note="the aux loss is megatron-core's default (aux_loss)"),
     Flag(
         "--moe-permute-fusion", kind="none", note="+model.megatron.moe_permute_fusion=true sets megatron-core's field"

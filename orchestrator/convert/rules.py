@@ -16,7 +16,7 @@ from typing import Dict
 
 from orchestrator.convert import megatron_args as M
 from orchestrator.convert.conversion import Conversion, fail, number
-from orchestrator.convert.sources import Arg
+from orchestrator.convert.sources import Arg, runtime_mark
 
 GPT2_FILES = ("--vocab-file", "--merge-file")
 
@@ -122,7 +122,7 @@ def data(conv: Conversion, given: Dict[str, Arg]) -> None:
             weights = None
         paths = words[1::2] if weights is not None else words
         conv.groups["data"] = "indexed"
-        conv.set("data.paths", paths, arg.flag + " (paths)")
+        conv.set("data.paths", paths, arg.flag + " (paths)" + runtime_mark(arg.runtime))
         conv.set("data.weights", weights, arg.flag + (" (weights)" if weights else ": no weights given"))
         if "--split" not in given:
             conv.set("data.split", M.MEGATRON_DEFAULT_SPLIT, "Megatron-LM's --split with --data-path")
@@ -171,11 +171,12 @@ def checkpoints(conv: Conversion, given: Dict[str, Arg]) -> None:
         return
     path = PurePosixPath(base)
     run_dir = path.parent if path.name == "checkpoints" else path
-    if path.name != "checkpoints":
-        conv.derived.append(f"--save {base}: run directory {base}; checkpoints go to {base}/checkpoints")
     flag = "--save" if save else "--load"
-    conv.set("run.root", str(run_dir.parent), f"{flag} {base}: run directory {run_dir}")
-    conv.set("run.name", run_dir.name, f"{flag} {base}")
+    said = f"{flag} {base}{runtime_mark(given[flag].runtime)}"
+    if path.name != "checkpoints":
+        conv.derived.append(f"{said}: run directory {base}; checkpoints go to {base}/checkpoints")
+    conv.set("run.root", str(run_dir.parent), f"{said}: run directory {run_dir}")
+    conv.set("run.name", run_dir.name, said)
 
 
 # ---- model and layout arithmetic ------------------------------------------------------------

@@ -5,8 +5,10 @@ DTYPE_ARGS+=(...)``, mock data unless a tokenizer is given). A condition made of
 ``[ A = B ]``, ``-z A`` / ``-n A``, ``!``, joined by ``||`` / ``&&`` (bash: equal precedence, left to right), is
 evaluated once its variables are known (:class:`~orchestrator.convert.shell_scope.Scope`); the branch bash would take
 is read, the others are skipped. A condition the reader cannot evaluate (a file test, ``$(command)``, a variable set
-at run time) leaves every branch of that ``if`` unread, and the conversion's notes say which lines and why, so their
-flags are listed rather than lost. Pure Python.
+at run time) leaves every branch of that ``if`` unread: the notes say which lines and why, and the flags inside are
+listed as not converted with that reason (:attr:`Branches.undecided`), never lost. A condition decided from a value
+only the running script knows (``${3:-MOCK}``) passes that origin on to every value set inside
+(:attr:`~orchestrator.convert.shell_scope.Scope.context`). Pure Python.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 _OPEN = re.compile(r"^(if|elif)\s+(.+?)\s*(?:;\s*then)?$")
 _SPLIT = re.compile(r"\s*(\|\||&&)\s*")
@@ -67,6 +69,7 @@ class _Block:
     active: Optional[bool]
     taken: bool
     unknown: bool
+    deps: FrozenSet[str]
 
 
 class Branches:
@@ -80,28 +83,48 @@ class Branches:
     def reading(self) -> bool:
         return all(b.active is True for b in self.stack)
 
+    @property
+    def undecided(self) -> Optional[str]:
+        """``if COND`` (line N) when the current line is in a branch bash may or may not take: every enclosing
+        branch taken, undecided, or not taken on a value only the running script knows (``${KEY:-}``); else None."""
+        if any(b.active is False and not b.deps for b in self.stack):
+            return None
+        block = next((b for b in reversed(self.stack) if b.active is not True), None)
+        return None if block is None else f"`if {block.condition}` (line {block.start})"
+
+    def _evaluate(self, condition: str, scope) -> Optional[bool]:
+        scope.touched = set()
+        value = evaluate(condition, scope)
+        self._deps = frozenset(scope.touched)
+        return value
+
     def control(self, line: str, n: int, scope, notes: List[str]) -> bool:
         """Whether ``line`` (logical line ``n``) was a branch keyword; notes an ``if`` whose branches were not read."""
         word = line.split(None, 1)[0] if line.strip() else ""
         m = _OPEN.match(line)
+        self._deps: FrozenSet[str] = frozenset()
         if word == "if" and m:
-            value = evaluate(m.group(2), scope) if self.reading else False
-            self.stack.append(_Block(n, m.group(2), value, value is True, value is None))
+            value = self._evaluate(m.group(2), scope) if self.reading or self.undecided else False
+            self.stack.append(_Block(n, m.group(2), value, value is True, value is None, self._deps))
         elif word == "elif" and m and self.stack:
             top = self.stack[-1]
-            value = False if top.taken or top.unknown else evaluate(m.group(2), scope)
+            value = False if top.taken else self._evaluate(m.group(2), scope)
+            if top.unknown and value is True:
+                value = None  # taken only if the undecided conditions above are false
             top.active, top.taken, top.unknown = value, top.taken or value is True, top.unknown or value is None
+            top.deps |= self._deps
         elif word == "else" and self.stack:
             top = self.stack[-1]
             top.active = None if top.unknown else not top.taken
         elif word == "fi" and self.stack:
             top = self.stack.pop()
-            if top.unknown and self.reading:
+            if top.unknown and (self.reading or self.undecided):
                 notes.append(
                     f"lines {top.start}-{n}: `if {top.condition}` cannot be decided here (a file test, a command or "
-                    "a value set at run time); the flags inside it are not read; fix: --var NAME=VALUE for its "
-                    "variables, or move the flags out of the if"
+                    "a value set at run time); the flags inside it are listed as not converted; fix: --var NAME=VALUE "
+                    "for its variables, or move the flags out of the if"
                 )
         elif word != "then":
             return False
+        scope.context = frozenset().union(*(b.deps for b in self.stack))
         return True

@@ -8,7 +8,9 @@ import ast
 import operator
 import re
 import shlex
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+
+from orchestrator.convert.shell_words import raw_words
 
 VAR_RE = re.compile(
     r"""\$\(\((?P<arith>.*?)\)\)
@@ -30,7 +32,11 @@ ARITH_OPS = {
 
 
 class Scope:
-    """Shell variables and arrays seen so far; ``expand`` substitutes them like bash would."""
+    """Shell variables and arrays seen so far; ``expand`` substitutes them like bash would.
+
+    Each value also carries its run-time origins (:attr:`deps`): the names whose values only the running script
+    knows (``$1``, ``${MASTER_PORT:-29500}``, ``$PWD``, ``$(command)``), each said with what the reader used for
+    it (``$1 (its default here)``), so a flag built from them says so on its row."""
 
     def __init__(self, given: Dict[str, str]):
         self.given = dict(given)
@@ -44,6 +50,16 @@ class Scope:
         self.used_inherited: set = set()
         self.holders: Dict[str, str] = {}
         """An undefined variable -> the variable first assigned from it (``CHECKPOINT_PATH=$1``)."""
+        self.deps: Dict[str, FrozenSet[str]] = {}
+        """A scalar -> the run-time origins of its value."""
+        self.item_deps: Dict[str, List[FrozenSet[str]]] = {}
+        """An array -> the run-time origins of each item."""
+        self.context: FrozenSet[str] = frozenset()
+        """The run-time origins of the ``if`` conditions around the current line (set by ``Branches``)."""
+        self.touched: Set[str] = set()
+        """Run-time origins read by the expansions since it was last emptied."""
+        self.overridden: Set[str] = set()
+        """Script variables replaced with ``--var`` (the user's value, not a run-time one)."""
 
     def _miss(self, name: str, text: str) -> str:
         if name not in self.unresolved:
@@ -52,6 +68,8 @@ class Scope:
 
     def _arith(self, expr: str) -> Optional[str]:
         expr = re.sub(r"\$\{?(\w+)\}?", r"\1", expr).replace("/", "//")
+        for used in re.findall(r"[A-Za-z_]\w*", expr):
+            self.touched |= self.deps.get(used, frozenset())
         expr = re.sub(r"[A-Za-z_]\w*", lambda m: self.vars.get(m.group(0), m.group(0)), expr)
 
         def ev(node):
@@ -76,19 +94,29 @@ class Scope:
             items = self.arrays.get(m.group("arr"))
             if items is None:
                 return self._miss(m.group("arr"), "")
+            for deps in self.item_deps.get(m.group("arr"), []):
+                self.touched |= deps
             return " ".join(items)  # unquoted: bash splits each element into words (``"--fp8-format hybrid"``)
         name = m.group("braced") or m.group("plain")
         if name in self.commands:
+            self.touched.add(f"${name} = $(command) (not run here)")
             return self._miss("$(...)", "$" + name)
         if name in self.vars:
             value = self.vars[name]
+            self.touched |= self.deps.get(name, frozenset())
             if name in self.inherited:
                 self.used_inherited.add(name)
+                self.touched.add(f"${name} (this shell's here)")
+            elif name in self.given and name not in self.overridden:
+                self.touched.add(f"${name} (--var here)")
         elif name in self.arrays:
             value = (self.arrays[name] or [""])[0]
+            self.touched |= (self.item_deps.get(name) or [frozenset()])[0]
         elif m.group("dflt") is not None:
+            self.touched.add(f"${name} (its default here)")
             value = self.expand(m.group("dflt"))
         else:
+            self.touched.add(f"${name} (unknown here)")
             return self._miss(name, "$" + name)
         return value.replace("\\", "\\\\").replace('"', '\\"') if quoted else value
 
@@ -122,16 +150,37 @@ class Scope:
             i += 1
         return "".join(out)
 
+    def words(self, text: str) -> List[Tuple[str, FrozenSet[str]]]:
+        """The words bash would pass for ``text`` (expanded, split, quotes removed), each with its run-time
+        origins (plus :attr:`context`); ``"${A[@]}"`` and ``${A[@]}`` keep each item's own. ValueError on an
+        unbalanced quote."""
+        out: List[Tuple[str, FrozenSet[str]]] = []
+        for raw in raw_words(text):
+            whole = re.fullmatch(r'("?)\$\{(\w+)\[[@*]\]\}\1', raw)
+            if whole and whole.group(2) in self.arrays:
+                items, deps = self.arrays[whole.group(2)], self.item_deps.get(whole.group(2), [])
+                for item, dep in zip(items, [*deps, *[frozenset()] * (len(items) - len(deps))]):
+                    split = [item] if whole.group(1) else shlex.split(item)
+                    out += [(word, dep | self.context) for word in split]
+                continue
+            self.touched = set()
+            expanded = self.expand(raw)
+            out += [(word, frozenset(self.touched) | self.context) for word in shlex.split(expanded)]
+        return out
+
     def assign(self, name: str, rhs: str, where: str, notes: List[str], append: bool = False) -> Optional[str]:
         """Record ``name=rhs`` (an array when ``rhs`` is ``( ... )``; ``append``: ``name+=rhs``); the scalar
         value, if any."""
         if name in self.given:
             notes.append(f"{where}: {name} given with --var; the script's value is not used")
+            self.overridden.add(name)
             return self.vars[name]
         rhs = rhs.strip()
         if rhs.startswith("(") and rhs.endswith(")"):
-            items = shlex.split(self.expand(rhs[1:-1]), comments=True)
-            self.arrays[name] = (self.arrays.get(name, []) if append else []) + items
+            pairs = self.words(rhs[1:-1])
+            keep = append and name in self.arrays
+            self.arrays[name] = (self.arrays[name] if keep else []) + [word for word, _ in pairs]
+            self.item_deps[name] = (self.item_deps.get(name, []) if keep else []) + [dep for _, dep in pairs]
             return None
         if append and name in self.vars:
             rhs = f'"${{{name}}}"{rhs}'
@@ -139,8 +188,10 @@ class Scope:
             self.commands.add(name)
             self.vars.pop(name, None)
             return None
+        self.touched = set()
         words = shlex.split(self.expand(rhs)) if rhs else [""]
         self.vars[name] = " ".join(words)
+        self.deps[name] = frozenset(self.touched) | self.context
         for used in re.findall(r"\$\{?(\w+)", self.vars[name]):
             if used in self.unresolved:
                 self.holders.setdefault(used, name)

@@ -18,7 +18,7 @@ needs to come back exactly. Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import ConfigError
 
@@ -32,11 +32,19 @@ class Arg:
     flag: str
     values: List[str]
     where: str
+    runtime: Tuple[str, ...] = ()
+    """What its value (or its being given at all) depends on that only the running script knows
+    (``$1 (its default here)``, ``$PWD (this shell's here)``), as :func:`runtime_mark` says it."""
 
     @property
     def text(self) -> str:
-        """The flag and its values as written (for messages and comments)."""
-        return " ".join([self.flag, *self.values])
+        """The flag and its values as written (for messages and comments), marked when known only at run time."""
+        return " ".join([self.flag, *self.values]) + runtime_mark(self.runtime)
+
+
+def runtime_mark(origins: Sequence[str]) -> str:
+    """`` [run time: $1 (its default here), ...]`` for a value the running script decides, else ""."""
+    return f" [run time: {', '.join(origins)}]" if origins else ""
 
 
 @dataclass
@@ -47,13 +55,16 @@ class Launcher:
     srun: Optional[List[Option]] = None
     torchrun: Optional[List[Option]] = None
     program: Optional[str] = None
+    runtime: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    """``"torchrun --nnodes"`` -> the run-time origins of its value (``$SLURM_NNODES (its default here)``)."""
 
     def option(self, *names: str) -> Optional[Tuple[str, str]]:
         """(value, "where it was said") of the innermost launcher option among ``names``."""
         for where, opts in (("torchrun", self.torchrun), ("srun", self.srun), ("#SBATCH", self.sbatch)):
             for key, value in reversed(opts or []):
                 if key in names and value is not None:
-                    return value, f"{where} --{key}{'=' if where == '#SBATCH' else ' '}{value}"
+                    mark = runtime_mark(self.runtime.get(f"{where} --{key}", ()))
+                    return value, f"{where} --{key}{'=' if where == '#SBATCH' else ' '}{value}{mark}"
         return None
 
 
@@ -72,6 +83,9 @@ class Source:
     holders: Dict[str, str] = field(default_factory=dict)
     """An undefined variable -> the script variable first assigned from it (``CHECKPOINT_PATH=$1``:
     ``{"1": "CHECKPOINT_PATH"}``), to name what ``--var 1=...`` stands for."""
+    undecided: List[Tuple[Arg, str]] = field(default_factory=list)
+    """Flags set inside a branch that bash takes or not only when the script runs, each with that ``if``
+    (``if [ -n "$KEY" ]`` (line 102)): listed as not converted, never read as given."""
 
 
 def _scalar(value) -> str:
@@ -110,23 +124,27 @@ def from_mapping(data, path: str, form: str) -> Source:
     return src
 
 
-def read_flags(tokens: List[str], where: str) -> Tuple[List[Arg], List[str]]:
-    """Megatron-LM flags with their values (the words up to the next ``--flag``)."""
+def read_flags(
+    tokens: List[str], where: str, deps: Optional[List[FrozenSet[str]]] = None
+) -> Tuple[List[Arg], List[str]]:
+    """Megatron-LM flags with their values (the words up to the next ``--flag``); ``deps``: each word's run-time
+    origins (:meth:`orchestrator.convert.shell_scope.Scope.words`), joined on its flag's :attr:`Arg.runtime`."""
     out: List[Arg] = []
     notes: List[str] = []
+    deps = deps or [frozenset()] * len(tokens)
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         if tok.startswith("--") and len(tok) > 2:
             if "=" in tok:
                 flag, value = tok.split("=", 1)
-                out.append(Arg(flag, [value], where))
+                out.append(Arg(flag, [value], where, tuple(sorted(deps[i]))))
                 i += 1
                 continue
             j = i + 1
             while j < len(tokens) and not (tokens[j].startswith("--") and len(tokens[j]) > 2):
                 j += 1
-            out.append(Arg(tok, tokens[i + 1 : j], where))
+            out.append(Arg(tok, tokens[i + 1 : j], where, tuple(sorted(frozenset().union(*deps[i:j])))))
             i = j
         else:
             notes.append(f"{where}: word {tok!r} before any flag not read")

@@ -76,6 +76,16 @@ def _classify(conv: Conversion, given: Dict[str, Arg]) -> None:
                 _plain(conv, r, arg)
 
 
+def _undecided(conv: Conversion) -> None:
+    """Flags inside an ``if`` only the running script decides: listed (not converted), each with that ``if``."""
+    for arg, where in conv.source.undecided:
+        conv.not_converted.append(
+            f"{arg.text}: inside {where}, which bash decides only when the script runs; not read; fix: --var NAME=VALUE "
+            "for its variables (or move the flag out of the if) and convert again"
+        )
+        conv.status[f"{arg.flag} ({arg.where})"] = "not converted"
+
+
 def _defaults(conv: Conversion, given: Dict[str, Arg]) -> None:
     """Megatron-LM's default for every key no flag set; the required flags that are missing are said."""
     for key in M.mapped_keys():
@@ -156,6 +166,7 @@ def convert(
             )
         given[arg.flag] = arg
     _classify(conv, given)
+    _undecided(conv)
     for rule in (tokenizer, data, checkpoints, tensorboard, model, virtual_pipeline, sequence_parallel):
         rule(conv, given)
     _defaults(conv, given)
