@@ -256,6 +256,31 @@ def test_explain_save_failure(tmp_path):
     assert guard_mod.explain_save_failure(ValueError("shape mismatch"), path) is None
 
 
+def test_a_checkpoint_exception_without_errno_on_a_full_filesystem_is_disk_full(tmp_path):
+    """torch's CheckpointException whose failing writer was another process carries no errno and no text of its
+    cause ("ranks:dict_keys([])"): on a filesystem that is out of space it is the disk (recorded as disk full, not
+    as a crash); with room left it stays unexplained."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    exc = CheckpointException("save", {})
+    assert guard_mod.explain_save_failure(exc, tmp_path / "checkpoints" / "iter_0000004") is None
+    mounted = mounted_tmpfs(tmp_path / "full", 2)
+    mnt = next(mounted)  # held: the generator unmounts when it is closed
+    try:
+        assert os.statvfs(mnt).f_blocks * os.statvfs(mnt).f_frsize <= 4 * 2**20  # the tmpfs, not the disk under it
+        with open(mnt / "filler", "wb") as f:  # fill it, as someone else's job would (at most its 2 MiB)
+            try:
+                for _ in range(64):
+                    f.write(b"\0" * 2**16)
+                    f.flush()
+            except OSError:
+                pass
+        err = guard_mod.explain_save_failure(exc, mnt / "checkpoints" / "iter_0000004")
+        assert isinstance(err, DiskFullError) and str(err).startswith("no space left on device (ENOSPC) saving")
+    finally:
+        mounted.close()
+
+
 def test_enospc_outside_a_save_is_a_full_disk_in_the_line_and_the_history(tmp_path):
     """A metrics append that ran out of space (``OSError`` ENOSPC, no file name: a flush) was recorded as a
     generic crash, and the launcher's fallback said "saving checkpoint <run>/checkpoints" with no save under way.

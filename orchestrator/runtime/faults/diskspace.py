@@ -39,15 +39,15 @@ def explain_save_failure(exc: BaseException, path: "str | os.PathLike") -> Optio
 
     Out of space: an ``OSError`` with ``ENOSPC`` (or ``EDQUOT``) anywhere in the exception chain, a
     message saying so ("No space left", "Errno 28": megatron's async writer passes only the text, torch's
-    ``CheckpointException`` holds each rank's error in its text), or a write failure without an errno
-    (torch's zip writer: "unexpected pos …") on a filesystem that is out of space (:func:`out_of_space`).
+    ``CheckpointException`` holds each rank's error in its text), or any failure of the save on a filesystem that
+    is out of space (:func:`out_of_space`): torch's zip writer says only "unexpected pos …", and a
+    ``CheckpointException`` whose failing writer was another process says only ``ranks:dict_keys([])``.
     """
     chain = _chain(exc)
     errnos = {getattr(x, "errno", None) for x in chain}
     text = " ".join(str(x) for x in chain)
     said = bool({errno.ENOSPC, errno.EDQUOT} & errnos) or "No space left" in text or "Errno 28" in text
-    writey = any(w in text for w in ("unexpected pos", "write", "PytorchStreamWriter"))
-    if not (said or (writey and out_of_space(path))):
+    if not (said or out_of_space(path)):
         return None
     return DiskFullError(disk_full_message(path))
 
