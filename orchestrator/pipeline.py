@@ -158,6 +158,7 @@ def check_hf_source(cfg: JobConfig, path: str) -> None:
 
     from orchestrator.ckpt.hf_dir import HfCheckpointError, weight_map
     from orchestrator.config.hf_config import HfConfigError, read_config, shape_problems
+    from orchestrator.config.layout import padded_vocab_size
     from orchestrator.plan.inputs import vocab_size_of
 
     key = f"checkpoint.init_from=hf:{path}"
@@ -179,6 +180,15 @@ def check_hf_source(cfg: JobConfig, path: str) -> None:
         raise ConfigError(
             f"{key}: the model does not build these weights: {'; '.join(problems)}; fix: the experiment "
             f"`python -m orchestrator convert from-hf {path}` writes"
+        )
+    m, tp = cfg.model, cfg.parallelism.tensor_model_parallel_size
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp)
+    if padded != vocab:  # megatron's loss is a softmax over every row; transformers' over the vocabulary
+        fix = "1 (convert from-hf's)" if vocab % tp == 0 else f"1 and a tensor_model_parallel_size dividing {vocab}"
+        say(
+            f"warning: model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} x TP {tp} pads the "
+            f"vocabulary {vocab} -> {padded}: the padded logits enter the loss, which is then not transformers' on "
+            f"these weights; fix: model.make_vocab_size_divisible_by={fix}"
         )
 
 

@@ -236,13 +236,13 @@ def test_reader_functions_heredocs_commands_and_comments_inside_arrays(tmp_path)
 
     script = tmp_path / "train.sh"
     script.write_text(
-        "#!/bin/bash\nset -euo pipefail\nSTAMP=$(date +%s)\n"
+        "#!/bin/bash\nset -euo pipefail\nSTAMP=$(date +%s)\nCACHE=/tmp/c\n"
         'say() {\n    if [ -n "$1" ]; then\n        echo "$1"\n    fi\n}\n'
         "cat > notes.txt <<EOF\n--num-layers 99\nEOF\n"
         "ARGS=(\n    --num-layers 2  # two ( layers )\n    # --hidden-size 999\n    --hidden-size 64 \\\n"
         "    --run-tag $STAMP\n)\n"
         'if [ -n "${KEY:-}" ]; then\n    ARGS+=(--wandb-project p)\nfi\n'
-        'say "go"\ntorchrun --nproc_per_node 2 pretrain_gpt.py ${ARGS[@]}\n'
+        'say "go"\nmkdir -p "$CACHE" "${SLURM_JOB_ID:-x}" "$(hostname)" "$PWD/$1"\ntorchrun --nproc_per_node 2 pretrain_gpt.py ${ARGS[@]}\n'
     )
     src = read_source(str(script), {})
     assert [a.text for a in src.args] == [
@@ -250,9 +250,14 @@ def test_reader_functions_heredocs_commands_and_comments_inside_arrays(tmp_path)
         "--hidden-size 64",
         "--run-tag $STAMP [run time: $STAMP = $(command) (not run here)]",
     ]
-    assert src.setup == ["set -euo pipefail", 'say() { if [ -n "$1" ]; then echo "$1"; fi; }', 'say "go"']
-    assert [(a.text, where) for a, where in src.undecided] == [
-        ("--wandb-project p [run time: $KEY (its default here)]", '`if [ -n "${KEY:-}" ]` (line 18)')
+    assert src.setup == [  # the script's own variables written in; the job's environment read where it runs
+        "set -euo pipefail",
+        'say() { if [ -n "$1" ]; then echo "$1"; fi; }',
+        'say "go"',
+        'mkdir -p "/tmp/c" "${SLURM_JOB_ID:-x}" "$(hostname)" "$PWD/$1"',
     ]
-    assert any(n.startswith("lines 9-11: here-document not read, nor carried into cluster.setup") for n in src.notes)
-    assert "lines 4-8: function say carried into cluster.setup as one line; its body is not read for flags" in src.notes
+    assert [(a.text, where) for a, where in src.undecided] == [
+        ("--wandb-project p [run time: $KEY (its default here)]", '`if [ -n "${KEY:-}" ]` (line 19)')
+    ]
+    assert any(n.startswith("lines 10-12: here-document not read, nor carried into cluster.setup") for n in src.notes)
+    assert "lines 5-9: function say carried into cluster.setup as one line; its body is not read for flags" in src.notes

@@ -19,6 +19,8 @@ import pytest
 from conftest import run_cli
 from test_cli import run_batch
 
+from orchestrator.io import read_jsonl
+
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
@@ -129,6 +131,9 @@ def test_each_family_loads_at_its_layout_with_transformers_logits(models, tmp_pa
     source, back = _tensors(made[family]), _tensors(out)
     assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
     assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == hf["architecture"]
+    # a run that evaluates nothing (training.eval_iters=0) has no batch to check the export with: one line, exit 2
+    assert _main(["to-hf", str(tmp_path / "r"), str(tmp_path / "e"), "--eval-batch", str(tmp_path / "b")]) == 2
+    assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
 
 
 def _free_port() -> int:
@@ -189,23 +194,45 @@ def _tensors(path) -> dict:
     return out
 
 
+def _hf_loss(path, batch) -> float:
+    """transformers' fp32 lm loss on ``batch`` (``convert to-hf --eval-batch``'s): cross entropy of its logits for
+    ``tokens`` against ``labels``, mean over the tokens ``loss_mask`` counts (the README's check)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():
+        logits = model(batch["tokens"]).logits
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten()
+    return float((losses * mask).sum() / mask.sum())
+
+
 @pytest.mark.slow
+@pytest.mark.mcore_lines  # issue 38: the trained export's loss, on both megatron-core lines
 def test_a_resume_needs_nothing_from_the_source_and_the_trained_export_loads_back(models, tmp_path, cache_dir):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
     root, conf, made = models
     source = tmp_path / "llama"
     shutil.copytree(made["llama"], source)
-    args = ["--config-dir", str(conf), "+experiment=llama", f"checkpoint.init_from=hf:{source}", *RUN[:-1]]
-    args += [f"run.root={tmp_path}", "run.name=r", "parallelism=none"]
-    run_cli([*args, "training.train_iters=2", "training.exit_after_iters=1"], cache=cache_dir)
+    args = ["--config-dir", str(conf), "+experiment=llama", f"checkpoint.init_from=hf:{source}"]
+    args += [a for a in RUN if not a.startswith(("training.eval_iters", "training.train_iters"))]
+    args += [f"run.root={tmp_path}", "run.name=r", "parallelism=none", "training.eval_iters=1"]  # one at the end
+    run_cli([*args, "training.train_iters=10", "training.exit_after_iters=5"], cache=cache_dir)
     shutil.rmtree(source)  # gone: the run resumes from its own checkpoint
-    run_cli([*args, "training.train_iters=2"], cache=cache_dir)
+    run_cli([*args, "training.train_iters=10"], cache=cache_dir)
     log = "".join(p.read_text() for p in (tmp_path / "r" / "submitit").glob("*_log.out"))
-    assert "resumed from" in log and "at iteration 1" in log, log[-2000:]
-    # the trained weights out: they moved from the source's, and a job started from them agrees with transformers
-    trained = tmp_path / "trained"
-    assert _main(["to-hf", str(tmp_path / "r"), str(trained), "--iteration", "2"]) == 0
+    assert "resumed from" in log and "at iteration 5" in log, log[-2000:]
+    # the trained weights out, with the batch our evaluation read: transformers' loss on it is ours
+    trained, file = tmp_path / "trained", tmp_path / "eval.safetensors"
+    assert _main(["to-hf", str(tmp_path / "r"), str(trained), "--iteration", "10", "--eval-batch", str(file)]) == 0
     back, start = _tensors(trained), _tensors(made["llama"])
     assert not torch.equal(back["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    (ours,) = [r["lm_loss"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "eval"]
+    batch = load_file(file)
+    assert batch["tokens"].shape == batch["labels"].shape == (16, 64) and bool(batch["loss_mask"].eq(1).all())
+    assert float(safe_open(file, "pt").metadata()["lm_loss"]) == ours
+    assert abs(_hf_loss(trained, batch) - ours) < 1e-4, (_hf_loss(trained, batch), ours)
+    # a job started from them agrees with transformers at TP2 x PP2
     again = ["--config-dir", str(conf), "+experiment=llama", f"checkpoint.init_from=hf:{trained}", *RUN]
     run_cli([*again, f"run.root={tmp_path}", "run.name=again", "parallelism=tp2_pp2"], cache=cache_dir)
     assert _verified(tmp_path / "again") < 1e-4
@@ -225,7 +252,7 @@ def _bad_dirs(root, made):
     return falcon, sharded
 
 
-def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path):
+def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path, capsys):
     root, conf, made = models
     falcon, sharded = _bad_dirs(root, made)
     runs = tmp_path / "runs"
@@ -255,6 +282,13 @@ def test_bad_sources_are_one_line_exit_2_and_nothing_is_written(models, tmp_path
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert main(["to-hf", str(tmp_path / "empty_run"), str(tmp_path / "full")]) == 2
     assert not (tmp_path / "out").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    # a padded vocabulary (megatron's default; convert from-hf's experiment sets 1) is said: its loss is not theirs
+    from orchestrator.convert.experiment_file import compose
+    from orchestrator.pipeline import check_hf_source
+
+    capsys.readouterr()
+    check_hf_source(compose(["+experiment=llama", "model.make_vocab_size_divisible_by=128"], conf), made["llama"])
+    assert "make_vocab_size_divisible_by=128 x TP 1 pads the vocabulary 320 -> 384" in capsys.readouterr().out
     from orchestrator.runtime.rank.hf_export import architecture_of
 
     neox = {  # GPT-NeoX's shape: LayerNorm, GELU and biases as GPT-2, but rotary positions

@@ -13,7 +13,7 @@
 ``from-hf PATH [--name NAME] [--out DIR] [--seq-length S]``
     a Hugging Face model directory -> ``DIR/experiment/NAME.yaml`` whose model builds its weights and
     whose ``checkpoint.init_from`` is ``hf:PATH`` (:mod:`orchestrator.convert.hf_cli`).
-``to-hf RUN OUT [--iteration N]``
+``to-hf RUN OUT [--iteration N] [--eval-batch FILE]``
     a run's checkpoint, any layout, as a Hugging Face directory transformers loads (imports torch).
 
 No torch import but ``to-hf``'s: the others run on a login node in about a second.

@@ -3,9 +3,15 @@
 
 The file sets every ``model.*`` key config.json decides (:mod:`orchestrator.config.hf_config`: layers, hidden,
 heads, KV groups, FFN, RoPE θ and Llama 3.1 scaling or GPT-2's learned positions, norm ε, biases, tied embeddings,
-vocabulary, MoE experts / top-k), ``data.tokenizer`` = the directory when it holds the tokenizer
-(``tokenizer.json`` or ``tokenizer.model``), and ``checkpoint.init_from: hf:PATH``; then it is composed,
-validated and planned at once, as ``from-megatron`` does. Pure Python: torch is not imported.
+vocabulary, MoE experts / top-k), ``model.make_vocab_size_divisible_by: 1`` (config.json's vocabulary unpadded, as
+Megatron-Bridge's ``should_pad_vocab=False``: padded rows would add logits to the softmax, and the loss would not be
+transformers'), ``data.tokenizer`` = the directory when it holds the tokenizer (``tokenizer.json`` or
+``tokenizer.model``), and ``checkpoint.init_from: hf:PATH``; then it is composed, validated and planned at once, as
+``from-megatron`` does. Pure Python: torch is not imported.
+
+``convert to-hf RUN OUT [--iteration N] [--max-shard-gb G] [--eval-batch FILE]``: the checkpoint as a Hugging Face
+directory (:mod:`orchestrator.runtime.rank.hf_export`); ``--eval-batch`` also writes the token batch of the run's
+evaluation and says our lm loss on it (:mod:`orchestrator.runtime.rank.eval_batch`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, DataError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -40,6 +46,12 @@ def add_export_parser(sub) -> None:
     p.add_argument("out", help="the directory to write (must not exist or be empty)")
     p.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest complete one)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size cap, GB (default 5)")
+    p.add_argument(
+        "--eval-batch",
+        metavar="FILE",
+        help="also write the token batch the run's evaluation reads (safetensors: tokens, labels, loss_mask) and say "
+        "our lm loss on it at this iteration: transformers' loss on it checks the export",
+    )
 
 
 def _checkpoint(run: str, iteration) -> tuple:
@@ -79,6 +91,7 @@ def to_hf(args) -> int:
         arch = hf_export.architecture_of(manifest)
     except ValueError as exc:
         raise ConfigError(f"convert to-hf {args.run}: {exc}") from None
+    check = _EvalBatch(args.eval_batch, ckpt, manifest) if args.eval_batch else None  # before anything is written
     print(f"exporting {ckpt} (iteration {manifest['iteration']}) as {arch} to {out}", flush=True)
     shards = hf_export.export(ckpt, manifest, str(out), int(args.max_shard_gb * 10**9), log=_progress)
     tokenizer = str(manifest["config"]["data"]["tokenizer"])
@@ -91,7 +104,57 @@ def to_hf(args) -> int:
     else:
         print(f"note: the run's tokenizer ({tokenizer}) is not a Hugging Face one: no tokenizer files written")
     print(f"wrote {out}: config.json, generation_config.json, {len(shards)} safetensors shard(s) + index")
+    if check is not None:
+        check.write()
     return 0
+
+
+class _EvalBatch:
+    """``--eval-batch FILE``: the validation samples the run's evaluation reads (runtime.rank.eval_batch), built
+    from the checkpoint's config and data when constructed (ConfigError / DataError, one line, before the export
+    writes anything), and our lm loss at the checkpoint's iteration from the run's metrics.jsonl."""
+
+    def __init__(self, file: str, ckpt: str, manifest: dict) -> None:
+        from orchestrator.ckpt.rundir import metrics_path
+        from orchestrator.config.schema import from_dict
+        from orchestrator.data.prepare import prepare
+        from orchestrator.io import read_jsonl
+        from orchestrator.runtime.rank import eval_batch
+
+        if os.path.exists(file):
+            raise ConfigError(f"--eval-batch {file}: exists; fix: a new file name (nothing is overwritten)")
+        self.file, self.iteration, self.cfg = file, int(manifest["iteration"]), from_dict(manifest["config"])
+        evals = [
+            r
+            for r in read_jsonl(metrics_path(Path(ckpt).parent.parent))
+            if r.get("event") == "eval" and r.get("iteration") == self.iteration
+        ]
+        self.loss = float(evals[-1]["lm_loss"]) if evals else None
+        eval_iters = int(evals[-1]["eval_iters"]) if evals else self.cfg.training.eval_iters
+        if eval_iters < 1:
+            raise ConfigError(
+                f"--eval-batch: the run evaluates nothing (training.eval_iters={eval_iters}); fix: a run trained with "
+                "training.eval_iters > 0, or leave out --eval-batch"
+            )
+        prepared = prepare(self.cfg.data)
+        if prepared.fingerprint != manifest["data"]["fingerprint"]:
+            raise DataError(
+                f"--eval-batch: the run's data changed since it trained (fingerprint {manifest['data']['fingerprint']},"
+                f" now {prepared.fingerprint}); fix: the data it trained on, or leave out --eval-batch"
+            )
+        self.batch = eval_batch.samples(self.cfg, prepared, eval_iters)
+
+    def write(self) -> None:
+        from orchestrator.runtime.rank import eval_batch
+
+        eval_batch.write(self.file, self.batch, self.cfg, self.iteration, self.loss)
+        n, s = self.batch["tokens"].shape
+        said = (
+            f"our lm loss on it at iteration {self.iteration}: {self.loss:.6f} (metrics.jsonl)"
+            if self.loss is not None
+            else f"note: metrics.jsonl holds no evaluation at iteration {self.iteration}"
+        )
+        print(f"eval batch: {self.file}: {n} samples x {s} tokens, as the run's evaluation reads them; {said}")
 
 
 def _progress(line: str) -> None:
@@ -114,6 +177,9 @@ def experiment_text(path: str, name: str, config: dict, seq_length: int) -> str:
         "# the model builds these weights, which the job loads at its layout and checks against transformers.",
         "model:",
         *[f"  {k}: {_yaml(v)}" for k, v in keys.items()],
+        "  # config.json's vocabulary, unpadded (padded only to a multiple of TP), as Megatron-Bridge imports it:",
+        "  # padded logits would take part in the softmax, and the losses would not be transformers'",
+        "  make_vocab_size_divisible_by: 1",
     ]
     if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         lines += ["data:", f"  tokenizer: {_yaml(path)}"]

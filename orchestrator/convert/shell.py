@@ -247,8 +247,8 @@ def parse_shell(text: str, path: str, variables: Dict[str, str]) -> Source:
             candidates.append((n, line, *launch))
         elif _HEREDOC.search(line):
             continue  # its text was skipped (noted): the command alone would hang or write nothing
-        else:
-            src.setup.append(line)
+        else:  # runs before the job, where the script's own variables are gone: their values written in
+            src.setup.append(scope.expand(line, script_only=True))
     chosen = _pick_launch(candidates, path)
     if chosen is not None:
         n, _, launcher, env, words, deps = chosen

@@ -120,8 +120,23 @@ class Scope:
             return self._miss(name, "$" + name)
         return value.replace("\\", "\\\\").replace('"', '\\"') if quoted else value
 
-    def expand(self, text: str) -> str:
-        """``text`` with variables, arrays and arithmetic substituted (not inside single quotes)."""
+    def _script_defined(self, m: "re.Match[str]") -> bool:
+        """Whether the reference ``m`` reads only what the script (or ``--var``) defines: never the environment
+        the line will run in (``$SLURM_JOB_ID``, ``$PWD``, ``$(command)``)."""
+        if m.group("arith") is not None:
+            return all(self._script_defined_name(n) for n in re.findall(r"[A-Za-z_]\w*", m.group("arith")))
+        if m.group("arr") is not None:
+            return m.group("arr") in self.arrays
+        return self._script_defined_name(m.group("braced") or m.group("plain"))
+
+    def _script_defined_name(self, name: str) -> bool:
+        """A scalar the script sets (its value written in, as the job will not have it), not one it reads from the
+        environment the line runs in (``$PWD``, ``$SLURM_JOB_ID``)."""
+        return name in self.vars and name not in self.inherited
+
+    def expand(self, text: str, script_only: bool = False) -> str:
+        """``text`` with variables, arrays and arithmetic substituted (not inside single quotes); ``script_only``:
+        only the script's own variables (a line kept to run later, where the environment has the rest)."""
         out, i, single, double = [], 0, False, False
         while i < len(text):
             c = text[i]
@@ -140,7 +155,7 @@ class Scope:
                 continue
             elif c == "$" and not single:
                 m = VAR_RE.match(text, i)
-                if m:
+                if m and (not script_only or self._script_defined(m)):
                     out.append(self._value(m, double))
                     i = m.end()
                     continue
