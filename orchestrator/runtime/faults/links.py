@@ -18,7 +18,8 @@ links of its kind, or below ``min_gbps`` when set. Leaving the link itself out k
 pulling its own reference down, and with two links of a kind each is compared with the other: on two
 nodes the two directions of their one host pair, so a link slow one way is named, and one slow both ways
 only by ``min_gbps``. A kind with a single link (one data-parallel group spanning nodes: one all-reduce)
-has no peer: only ``min_gbps`` judges it. Intra-node links are never a reference (NVLink or shared memory
+has no peer: only ``min_gbps`` judges it. A check that finds a slow link measures again (at most
+:data:`CONFIRMATIONS` times, each link keeping its best) and names only what stays slow. Intra-node links are never a reference (NVLink or shared memory
 is legitimately many times faster than any NIC). Results go to ``metrics.jsonl`` (``link_check``) and
 every manifest; ``action=refuse`` ends the job before training with :class:`SlowLinkError`.
 """
@@ -32,6 +33,11 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.errors import SlowLinkError
+
+CONFIRMATIONS = 2
+"""Measurements again, at most, of a check that found a slow link; each link keeps its best. A link is named only
+when its best stays below the rule: a shaped or mis-routed link is slow every time, while on a busy machine (CI at
+load 4-8: 12.9 against 26.6 Gbit/s on an unshaped veth) one measurement alone named a link that was not."""
 
 FIX = (
     "fix: check that the interface is the fast fabric (`ip -s link`, `ib_write_bw` between the two hosts), "
@@ -277,8 +283,18 @@ def check_links(rank) -> Optional[Dict[str, object]]:
     lc = rank.cfg.cluster.link_check
     if lc.action == "off" or len(set(rank.info.hosts)) < 2:
         return None
-    record = measure(rank, int(lc.megabytes * 1e6) // 4 * 4)
+    nbytes = int(lc.megabytes * 1e6) // 4 * 4
+    record = measure(rank, nbytes)
     slow = judge(record["links"], lc.min_fraction, lc.min_gbps)  # type: ignore[arg-type]
+    for _ in range(CONFIRMATIONS if slow else 0):  # the same verdict on every rank: all measure again, or none
+        again = measure(rank, nbytes)
+        for link, other in zip(record["links"], again["links"]):  # type: ignore[call-overload]
+            link["gbps"] = max(link["gbps"], other["gbps"])  # a link's best: a busy moment is not its speed
+        record["seconds"] = round(record["seconds"] + again["seconds"], 3)  # type: ignore[operator]
+        record["measurements"] = record.get("measurements", 1) + 1  # type: ignore[operator]
+        slow = judge(record["links"], lc.min_fraction, lc.min_gbps)  # type: ignore[arg-type]
+        if not slow:
+            break
     lines = [describe(link, lc.min_fraction, lc.min_gbps) for link in slow]
     record.update(slow=lines, action=lc.action, min_fraction=lc.min_fraction, min_gbps=lc.min_gbps, time=time.time())
     if rank.rank0:
