@@ -169,7 +169,8 @@ def test_straggler_and_link_check_bad_input_one_line_exit_2(tmp_path, cache_dir)
 
 def test_link_rule_with_few_links_and_the_links_a_layout_uses():
     """The link check's rule (runtime.faults.links.judge) and which links it measures (plan_links), pure."""
-    from orchestrator.runtime.faults.links import judge, plan_links
+    from orchestrator.runtime.faults.link_measure import plan_links
+    from orchestrator.runtime.faults.links import judge
 
     def links(*gbps, kind="p2p"):
         return [{"kind": kind, "gbps": g} for g in gbps]
