@@ -44,6 +44,20 @@ LLAMA_8B = [
 """A Llama-3-8B shape written inline (32 layers, hidden 4096, 32 heads in 8 groups, SwiGLU 14336, RMSNorm,
 RoPE, no biases, untied embeddings, 128,256 ids)."""
 
+LLAMA_8B_TP2_DISTOPT = [
+    *LLAMA_8B,
+    "parallelism=none",
+    "parallelism.tensor_model_parallel_size=2",
+    "parallelism.sequence_parallel=true",
+    "parallelism.data_parallel_size=null",
+    "cluster=slurm_a100_4x8",
+    "training.precision=bf16",
+    "training.micro_batch_size=1",
+    "training.global_batch_size=128",
+    "optimizer.use_distributed_optimizer=true",
+]
+"""The Llama-style 8B at TP2 (sequence parallel) with the distributed optimizer on 4 x 8 A100 (DP16)."""
+
 EXPERIMENTS = {
     "gpt_125m_1gpu_bf16": [
         "model=gpt_125m",
@@ -65,32 +79,12 @@ EXPERIMENTS = {
         "training.micro_batch_size=4",
         "training.global_batch_size=256",
     ],
-    "llama_8b_tp2_distopt_a100_4x8": [
-        *LLAMA_8B,
-        "parallelism=none",
-        "parallelism.tensor_model_parallel_size=2",
-        "parallelism.sequence_parallel=true",
-        "parallelism.data_parallel_size=null",
-        "cluster=slurm_a100_4x8",
-        "training.precision=bf16",
-        "training.micro_batch_size=1",
-        "training.global_batch_size=128",
-        "optimizer.use_distributed_optimizer=true",
-    ],
+    "llama_8b_tp2_distopt_a100_4x8": LLAMA_8B_TP2_DISTOPT,
     "llama_8b_tp2_fp8_hybrid_4x8": [
-        *LLAMA_8B,
-        "parallelism=none",
-        "parallelism.tensor_model_parallel_size=2",
-        "parallelism.sequence_parallel=true",
-        "parallelism.data_parallel_size=null",
-        "cluster=slurm_a100_4x8",
-        "training.precision=bf16",
+        *LLAMA_8B_TP2_DISTOPT,
         "training.fp8=hybrid",
         "training.fp8_amax_history_len=1024",
         "training.fp8_amax_compute_algo=max",
-        "training.micro_batch_size=1",
-        "training.global_batch_size=128",
-        "optimizer.use_distributed_optimizer=true",
     ],
 }
 """The experiments of issue 27: gpt_125m on 1 GPU in bf16; the seed's 6.7B PP2 x DP16 interleaved on
