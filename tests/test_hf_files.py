@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from test_hf_config import TINY  # the tiny Llama shape, stated once
 
 from orchestrator.ckpt import hf_dir
 from orchestrator.runtime.rank import hf_files, hf_llama
@@ -13,15 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path, max_shard_size="20KB", safe_serialization=True)
     files = hf_dir.weight_map(str(tmp_path))
@@ -42,15 +35,7 @@ def test_sharded_directory_reads_per_layer_and_a_missing_shard_is_named(tmp_path
 
 def test_mapped_back_weights_written_as_shards_load_in_transformers_bitwise(tmp_path):
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
     src = transformers.LlamaForCausalLM(cfg)
     sd = {k: v for k, v in src.state_dict().items() if "rotary" not in k}
     back = hf_llama.to_hf(hf_llama.to_megatron(sd, 2, 4, 2, 64), 2, 4, 2, 50)
