@@ -40,10 +40,11 @@ def section_cost_us(n: int = 200_000) -> float:
     """Microseconds per start/stop pair of a megatron-named section (the clock built without a process
     group: only its timing path runs here)."""
     from orchestrator.plan.step_breakdown import CATEGORIES
-    from orchestrator.runtime.training.breakdown import StepClock
+    from orchestrator.runtime.training.breakdown import RunQueueDelay, StepClock
 
     clock = StepClock.__new__(StepClock)
     clock.cuda, clock._sections, clock._open, clock._intervals = False, {}, [], []
+    clock.delay = RunQueueDelay()
     clock._step = dict.fromkeys(CATEGORIES, 0.0)
     start = time.perf_counter()
     for _ in range(n):
@@ -115,7 +116,8 @@ def main() -> int:
         print(
             "  stage {stage}: ".format(**st)
             + " ".join(
-                f"{k} {st[k]:.1%}" for k in ("compute", "bubble", "dp_comm", "optimizer", "data", "sync", "other")
+                f"{k} {st[k]:.1%}"
+                for k in ("compute", "bubble", "dp_comm", "optimizer", "data", "sync", "cpu_wait", "other")
             )
         )
     print(

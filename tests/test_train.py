@@ -205,7 +205,7 @@ def test_the_step_breakdown_per_stage_explains_the_step(reference_run, capsys):
     """The reference PP2 x DP2 run (20 iterations, training.breakdown_interval 10): a breakdown record at
     iterations 10 and 20 and one in the summary, each with both stages of 2 ranks; every category measured
     (DP 2: gradient all-reduce; both stages read data; PP 2: point-to-point waits); the measured categories
-    sum to the step time within 5% (|other| <= 5%), and a window's step is the loop's own step time.
+    sum to the step time within 5% (|other| <= 5%, the run-queue waits counted as cpu_wait), and a window's step is the loop's own step time.
     ``status --detail`` shows the newest (the summary's)."""
     from orchestrator.plan.step_breakdown import CATEGORIES
     from orchestrator.submit.status import main as status_main
@@ -217,10 +217,10 @@ def test_the_step_breakdown_per_stage_explains_the_step(reference_run, capsys):
     for b in [*windows, summary["breakdown"]]:
         assert [(s["stage"], s["ranks"]) for s in b["stages"]] == [(0, 2), (1, 2)]
         for s in b["stages"]:
-            assert all(s[c] > 0 for c in CATEGORIES), s
-            # what no section covers: within 5% on a quiet machine (bench/breakdown.py: <= 0.8%); CI's 2 shared cores
-            # preempt ranks between sections (5.7% seen once in four fresh-clone runs), so the test allows 10%
-            assert abs(s["other"]) <= 0.10, s
+            assert all(s[c] > 0 for c in CATEGORIES if c != "cpu_wait"), s
+            # waits for a core (4 ranks on CI's 2 cores, plus whatever else runs) are cpu_wait wherever they fall,
+            # so what no section covers stays within 5% on a busy machine too (15.8% when they were not taken out)
+            assert 0 <= s["cpu_wait"] < 1 and abs(s["other"]) <= 0.05, s
             assert s["mfu"] is None  # CPU
     steps = [r["step_time_s"] for r in records if "event" not in r and r["iteration"] > 10]
     assert windows[1]["stages"][1]["step_s"] == pytest.approx(sum(steps) / len(steps), rel=0.05)

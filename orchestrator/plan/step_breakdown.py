@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-CATEGORIES = ("compute", "bubble", "dp_comm", "optimizer", "data", "sync")
+CATEGORIES = ("compute", "bubble", "dp_comm", "optimizer", "data", "sync", "cpu_wait")
 """Measured categories, in record order; ``other`` is the step time less their sum."""
 LABELS = {
     "compute": "compute",
@@ -15,6 +15,7 @@ LABELS = {
     "optimizer": "optimizer",
     "data": "data",
     "sync": "loop sync",
+    "cpu_wait": "CPU wait",
     "other": "other",
 }
 

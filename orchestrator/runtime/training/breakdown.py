@@ -23,17 +23,24 @@ category               megatron-core's timer names (0.16 and 0.19)
                        all-reduce, clipping, update) and the LR scheduler's step
 ``sync``               the loop's own collectives over all ranks: the stop poll, the NaN guard's and the
                        loss-spike check's all-reduce (where a rank waits for the slowest of all)
+``cpu_wait``           CPU ranks: the time the rank's thread was ready to run but waited for a core (Linux
+                       ``/proc/thread-self/schedstat``'s run-queue delay, field 2, ns), wherever in the step it
+                       fell: it is taken out of the section it interrupted, so a rank that shares its cores
+                       with other processes (data workers, a neighbour's job, more ranks than cores) shows
+                       it here rather than inflating compute or ``other``; 0 on a GPU and where the kernel
+                       keeps no schedstat
 ``other``              the step time less the above: the schedule's own Python between sections
 =====================  ========================================================================================
 
-A section is timed with ``time.perf_counter()`` on CPU; on a GPU with a pair of CUDA events on the current
+A section is timed with ``time.perf_counter()`` on CPU, less the run-queue delay read at its ends (one
+``pread`` of the schedstat file, about 1.2 µs); on a GPU with a pair of CUDA events on the current
 stream (no synchronisation; they are read at the next window, after one ``torch.cuda.synchronize()``), so a
 section is the device time between the work queued before it and its own: a recv that waits shows as bubble,
 data loading that starves the device as data. Nested sections count once: ``data`` is taken out of the
 ``compute`` that encloses it.
 
 Every N iterations (and at the last) the ranks gather their window's totals on the logging rank (one
-``gather`` of 9 numbers per rank on a gloo group; nothing in between), which prints one line and writes a
+``gather`` of 10 numbers per rank on a gloo group; nothing in between), which prints one line and writes a
 ``breakdown`` record to ``metrics.jsonl``; the job's summary carries the same over its timed iterations
 (after ``training.timing_warmup_iters``). Per stage: the mean over its ranks of each category's share of the
 step, and on a GPU the stage's MFU (model FLOPs of the stage per GPU per step / (step time x the GPU's peak,
@@ -43,6 +50,7 @@ step, and on a GPU the stage's MFU (model FLOPs of the stage per GPU per step / 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -72,6 +80,30 @@ def category(name: str) -> Optional[str]:
         return _NAMES[name]
     parts = name.split("-")
     return "bubble" if "send" in parts or "recv" in parts else None
+
+
+class RunQueueDelay:
+    """The calling thread's run-queue delay so far (seconds): how long it was ready to run but waited for a
+    core (Linux ``/proc/thread-self/schedstat``, second field, nanoseconds; see the kernel's
+    Documentation/scheduler/sched-stats.rst). Read with one ``pread`` on a descriptor opened once by the
+    thread that reads it; ``available`` is False (and every reading 0.0) where the file does not exist."""
+
+    def __init__(self):
+        try:
+            self._fd: Optional[int] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self.available = self._fd is not None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 96, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _Section:
@@ -107,7 +139,9 @@ class StepClock:
         torch.distributed.all_reduce(who, op=torch.distributed.ReduceOp.MAX, group=self.group)
         self.logger = int(who[0])
         self._sections: Dict[str, _Section] = {}
-        self._open: List[list] = []  # [category, start marker]
+        self._open: List[list] = []  # [category, start marker, run-queue delay at start]
+        self.delay = RunQueueDelay() if not self.cuda else None  # CPU: the waits for a core (cpu_wait)
+        self._step_delay = 0.0
         self._step = dict.fromkeys(CATEGORIES, 0.0)
         self._intervals: List[tuple] = []  # GPU: (category, enclosing category, start event, end event)
         self._pending: List[tuple] = []  # GPU: (intervals, step seconds, timed) of finished steps
@@ -129,17 +163,17 @@ class StepClock:
         return time.perf_counter()
 
     def _push(self, cat: str) -> None:
-        self._open.append([cat, self._mark()])
+        self._open.append([cat, self._mark(), self.delay() if self.delay else 0.0])
 
     def _pop(self) -> None:
         if not self._open:
             return
-        cat, start = self._open.pop()
+        cat, start, delay = self._open.pop()
         parent = self._open[-1][0] if self._open else None
         if self.cuda:
             self._intervals.append((cat, parent, start, self._mark()))
             return
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start - (self.delay() - delay if self.delay else 0.0)
         self._step[cat] += elapsed
         if parent is not None and parent != cat:
             self._step[parent] -= elapsed
@@ -158,6 +192,7 @@ class StepClock:
         """Iteration ``iteration`` starts: what was timed since the last step (an evaluation) is dropped."""
         self._open, self._intervals = [], []
         self._step = dict.fromkeys(CATEGORIES, 0.0)
+        self._step_delay = self.delay() if self.delay else 0.0
         if not self.window.iterations:
             self.first = iteration
 
@@ -167,6 +202,8 @@ class StepClock:
             self._pending.append((self._intervals, step_s, timed))
             self._intervals = []
             return
+        if self.delay:
+            self._step["cpu_wait"] = self.delay() - self._step_delay
         self.window.add(self._step, step_s)
         if timed:
             self.run.add(self._step, step_s)
