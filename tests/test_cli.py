@@ -170,7 +170,6 @@ USER_ERRORS = [
     (["optimizer.min_lr=1"], ["optimizer.min_lr=1.0: above optimizer.lr=0.001"]),
     (["model.hidden_size=130"], ["model.hidden_size=130 is not divisible by model.num_attention_heads=4"]),
     (["training.precision=bf16"], ["training.precision=bf16: needs a GPU"]),
-    (["optimizer.use_distributed_optimizer=true"], ["optimizer.use_distributed_optimizer=true: GPU-only"]),
     (["parallelism.distributed_backend=nccl"], ["parallelism.distributed_backend=nccl: needs GPUs"]),
     (["training.device=cuda"], ["training.device=cuda: no GPU"]),
     (["training.fp8=hybrid"], ["training.fp8=hybrid: FP8 GEMMs are Transformer Engine's and run on GPUs only"]),

@@ -185,8 +185,12 @@ def test_pruning_keeps_only_candidates_under_the_margin():
 def test_invalid_combinations_never_become_candidates():
     cands, rejected = search.candidates(compose(["+experiment=gpt_pp2_dp2"]), TuneConfig())
     assert cands and all(validate(c.cfg) == c.layout for c in cands)
-    assert any("use_distributed_optimizer" in r for r in rejected)  # GPU-only: refused by validate on CPU
+    assert any("sequence_parallel=true" in r for r in rejected)  # GPU-only: refused by validate on CPU
+    assert not any(c.layout.sequence_parallel for c in cands)
+    # the distributed optimizer runs on CPU but is not searched there unless tune.distributed_optimizer asks
     assert not any(c.cfg.optimizer.use_distributed_optimizer for c in cands)
+    asked, _ = search.candidates(compose(["+experiment=gpt_pp2_dp2"]), TuneConfig(distributed_optimizer=[True]))
+    assert asked and all(c.cfg.optimizer.use_distributed_optimizer for c in asked)
 
 
 def test_a_traced_tune_traces_every_trial_and_refuses_an_iteration_no_trial_runs(tmp_path):

@@ -237,10 +237,6 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
     [
         (["model.num_query_groups=0", "plan=true"], "model.num_query_groups=0: must be a positive integer"),
         (
-            ["parallelism.overlap_grad_reduce=true"],
-            "parallelism.overlap_grad_reduce=true: communication overlap is for GPU",
-        ),
-        (
             [
                 "parallelism.overlap_param_gather=true",
                 "cluster=slurm_a100_4x8",

@@ -48,11 +48,6 @@ def check_cpu_device(cfg: JobConfig) -> None:
         raise ConfigError(
             f"training.precision={t.precision}: needs a GPU ({where}); fix: training.precision=fp32, or {gpus}"
         )
-    if cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(
-            f"optimizer.use_distributed_optimizer=true: GPU-only in megatron-core 0.16.1 ({where}); "
-            "fix: optimizer.use_distributed_optimizer=false"
-        )
     if m.moe_grouped_gemm:
         raise ConfigError(
             f"model.moe_grouped_gemm=true: megatron-core's grouped-GEMM experts run GPU kernels only (grouped_gemm, "
@@ -85,8 +80,7 @@ def check_cpu_device(cfg: JobConfig) -> None:
 def check_device(cfg: JobConfig) -> None:
     """Refuse, before submission, what the job's device and installed packages cannot run (ConfigError).
 
-    On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, the distributed
-    optimizer (megatron-core 0.16.1's tensor-type checks), ``training.device=cuda``, the nccl
+    On CPU (no ``cluster.gpus_per_node``, or ``training.device=cpu``): bf16/fp16, ``training.device=cuda``, the nccl
     backend, context parallelism (Transformer Engine attention) and Transformer Engine layers
     cannot run, nor sequence parallelism, nor FP8. ``model.transformer_impl=transformer_engine`` and
     ``training.fp8`` also need the package installed, checked for local jobs only (SLURM nodes have their
@@ -102,12 +96,6 @@ def check_device(cfg: JobConfig) -> None:
             "(megatron DDP); fix: optimizer.use_distributed_optimizer=true or "
             "parallelism.overlap_param_gather=null"
         )
-    for key in ("overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(p, key) and runs_on_cpu(cfg):
-            raise ConfigError(
-                f"parallelism.{key}=true: communication overlap is for GPU jobs (CPU ranks reduce "
-                f"synchronously, what is tested here); fix: parallelism.{key}=null"
-            )
     # The launcher's Python is not the compute nodes': only a local job runs where this check looks.
     if not runs_on_cpu(cfg) and cfg.cluster.kind == "local" and m.transformer_impl != "local":
         problem = transformer_engine_problem()
@@ -175,8 +163,6 @@ def cpu_overrides(cfg: JobConfig) -> List[str]:
     out = ["training.device=cpu"] + (["training.fp8=null"] if cfg.training.fp8 else [])
     if cfg.training.precision != "fp32":
         out.append("training.precision=fp32")
-    if cfg.optimizer.use_distributed_optimizer:
-        out.append("optimizer.use_distributed_optimizer=false")
     if cfg.parallelism.distributed_backend == "nccl":
         out.append("parallelism.distributed_backend=auto")
     if cfg.parallelism.context_parallel_size > 1:

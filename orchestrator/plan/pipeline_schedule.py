@@ -235,7 +235,7 @@ def measured_schedule(ranks: List[dict], pp: int, vpp: int, num_microbatches: in
                 steps.append(Step(r["pp_rank"], e["microbatch"], e["chunk"], e["kind"], e["start"], e["end"]))
             elif e["kind"] == "iteration":
                 ends.append((e["start"], e["end"]))
-            else:
+            elif e["kind"] != "param-gather":  # a dispatch (runtime.training.trace), not a wait
                 waits.append({"stage": r["pp_rank"], "kind": e["kind"], "start": e["start"], "end": e["end"]})
     span = (min(s for s, _ in ends), max(e for _, e in ends)) if ends else None
     return Schedule(pp, vpp, num_microbatches, steps, source="measured", span=span, extra={"waits": waits})

@@ -99,15 +99,20 @@ def _show(v: Any) -> str:
 
 def search_space(base: JobConfig, opts: TuneConfig, world: int) -> Dict[str, List[Any]]:
     """The values tried per knob: ``tune.*`` where given, else every divisor / power of two that can be valid."""
+    from orchestrator.config.machine import runs_on_cpu
+
     m, t = base.model, base.training
     node = base.cluster.gpus_per_node or world
+    # on CPU ranks the distributed optimizer runs (tests/test_distopt.py) but saves no memory that matters
+    # there: tried only when tune.distributed_optimizer asks, as the planner's suggestions do
+    distopt = [base.optimizer.use_distributed_optimizer] if runs_on_cpu(base) else [False, True]
     return {
         "tp": opts.tp or [d for d in divisors(world) if d <= node and m.num_attention_heads % d == 0],
         "pp": opts.pp or [d for d in divisors(world) if m.num_layers % d == 0],
         "vpp": opts.vpp or [None] + [v for v in (2, 3, 4) if m.num_layers % v == 0],
         "mbs": opts.mbs or [b for b in (1, 2, 4, 8, 16, 32, 64) if t.global_batch_size % b == 0],
         "recompute": opts.recompute or list(RECOMPUTE),
-        "distributed_optimizer": opts.distributed_optimizer or [False, True],
+        "distributed_optimizer": opts.distributed_optimizer or distopt,
         "sequence_parallel": opts.sequence_parallel or [False, True],
     }
 

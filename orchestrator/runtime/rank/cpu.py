@@ -33,26 +33,32 @@ What it changes (megatron-core 0.16.1 and 0.19.2 alike), all scoped to the named
    host NumPy arrays with ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` only for CUDA tensors; on
    CPU they stayed tensors, which gloo's ``all_to_all_single`` refuses as split sizes. Its
    :func:`_maybe_move_tensor_to_cpu` twin converts CPU tensors as well (same contract). Its CUDA
-   stream and event (the device-to-host copy) are :class:`_NullStream` / :class:`_NullEvent`.
+   stream and event (the device-to-host copy) are :class:`~orchestrator.runtime.rank.cpu_torch.NullStream` /
+   :class:`~orchestrator.runtime.rank.cpu_torch.NullEvent`.
 6. dist_checkpointing needs ``psutil`` (a declared dependency) or its writer
    process dies and ``save()`` hangs; :func:`activate` checks it is importable.
 
-The distributed optimizer is refused on CPU by megatron-core's own tensor-type
-checks; :func:`check_supported` turns that into a clear config error.
+7. The distributed optimizer. ``DistributedOptimizer.__init__`` sorts parameters by ``param.type()``
+   against CUDA type names and raises TypeError for a CPU tensor; while it builds, a CPU float tensor
+   answers with its CUDA twin's name (:func:`_let_distributed_optimizer_take_cpu_tensors`). Everything
+   after that is megatron-core's own: DDP's contiguous buffers, the reduce-scatter of gradients and the
+   all-gather of parameters (async gloo work handles with ``overlap_grad_reduce`` /
+   ``overlap_param_gather``), the sharded Adam step, dp_reshardable checkpoints (tests/test_distopt.py).
+
+The tensor tests of the proxy and the twins: tests/test_cpu_backend.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
-import types
 from typing import Any, Callable, Dict, List
 
 import torch
 
 from orchestrator.errors import BackendError
 from orchestrator.runtime.rank import mcore
+from orchestrator.runtime.rank.cpu_torch import TorchOnCpu
 
 SUPPORTED_MEGATRON = mcore.LINES
 """megatron-core version prefixes this layer was written and tested against (0.16.x and 0.19.x, the lines
@@ -66,6 +72,7 @@ PATCHED_MODULES = (
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.tensor_parallel.random",
     "megatron.core.utils",
@@ -99,121 +106,6 @@ PATCHED_MODULES = (
 
 _ACTIVE = False
 _ORIGINALS: Dict[str, Any] = {}
-
-
-def _cpu_device(device: Any) -> Any:
-    """Map any CUDA device spec (``"cuda"``, ``"cuda:1"``, an int, a cuda ``torch.device``) to ``"cpu"``."""
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return "cpu"
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return "cpu"
-    return device
-
-
-def _factory(fn: Callable) -> Callable:
-    def wrapped(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        return fn(*args, **kwargs)
-
-    wrapped.__name__ = getattr(fn, "__name__", "factory")
-    return wrapped
-
-
-class _NullEvent:
-    """Stands in for ``torch.cuda.Event``: on CPU every operation has completed when it returns."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        return None
-
-    def wait(self, *args, **kwargs):
-        return None
-
-    def record(self, *args, **kwargs):
-        return None
-
-    def query(self):
-        return True
-
-
-class _NullStream:
-    """Stands in for ``torch.cuda.Stream``: waits are no-ops, a recorded event is already complete."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        return None
-
-    def wait_event(self, *args, **kwargs):
-        return None
-
-    def record_event(self, *args, **kwargs):
-        return _NullEvent()
-
-    def synchronize(self):
-        return None
-
-
-class _CudaOnCpu(types.SimpleNamespace):
-    """The parts of ``torch.cuda`` megatron-core touches on the paths we run, as CPU no-ops."""
-
-    def __getattr__(self, name: str) -> Any:  # anything else: the real torch.cuda
-        return getattr(torch.cuda, name)
-
-
-def _make_cuda_namespace() -> _CudaOnCpu:
-    null_ctx = lambda *a, **k: contextlib.nullcontext()  # noqa: E731
-    return _CudaOnCpu(
-        current_device=lambda: "cpu",
-        synchronize=lambda *a, **k: None,
-        empty_cache=lambda: None,
-        Stream=_NullStream,
-        Event=_NullEvent,
-        stream=null_ctx,
-        current_stream=lambda *a, **k: _NullStream(),
-        default_stream=lambda *a, **k: _NullStream(),
-        device=null_ctx,
-        get_rng_state=lambda *a, **k: torch.get_rng_state(),
-        set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
-        manual_seed=lambda seed: torch.manual_seed(seed),
-        memory_allocated=lambda *a, **k: 0,
-        max_memory_allocated=lambda *a, **k: 0,
-        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None, range=null_ctx),
-    )
-
-
-class _TorchOnCpu(types.ModuleType):
-    """A stand-in for the ``torch`` module inside the patched megatron modules."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.cuda = _make_cuda_namespace()
-        for name in (
-            "zeros",
-            "ones",
-            "empty",
-            "full",
-            "tensor",
-            "arange",
-            "randn",
-            "rand",
-            "zeros_like",
-            "ones_like",
-            "empty_like",
-            "as_tensor",
-        ):
-            setattr(self, name, _factory(getattr(torch, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
 
 
 def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -276,7 +168,7 @@ def activate() -> None:
     if _ACTIVE:
         return
     check_supported()
-    proxy = _TorchOnCpu()
+    proxy = TorchOnCpu()
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         _ORIGINALS[name + ".torch"] = module.torch
@@ -310,7 +202,47 @@ def activate() -> None:
             torch.Tensor.cuda = saved
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer_cpu
+    _let_distributed_optimizer_take_cpu_tensors()
     _ACTIVE = True
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"}
+
+
+def _type_as_cuda(original: Callable) -> Callable:
+    """``Tensor.type`` that names a CPU float tensor by its CUDA twin (``torch.FloatTensor`` ->
+    ``torch.cuda.FloatTensor``) when asked for its name (no arguments); a conversion is the real one."""
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or name not in _CUDA_TYPE_NAMES:
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    return type_
+
+
+def _let_distributed_optimizer_take_cpu_tensors() -> None:
+    """``DistributedOptimizer.__init__`` sorts parameters by ``param.type()`` against CUDA type names
+    (``'torch.cuda.FloatTensor'`` ...; 0.16.1 distrib_optimizer.py ``_build_model_and_main_param_groups`` and
+    ``__init__``, 0.19.2 likewise) and raises TypeError for anything else. While it builds, a CPU float
+    tensor answers with its CUDA twin's name, so the real sharding runs on CPU tensors; nothing else is
+    changed and ``Tensor.type`` is the real one again when it returns."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_init = DistributedOptimizer.__init__
+    key = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__"
+    _ORIGINALS[key] = original_init
+
+    def init_on_cpu(self, *args, **kwargs):
+        saved = torch.Tensor.type
+        torch.Tensor.type = _type_as_cuda(saved)
+        try:
+            return original_init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = saved
+
+    DistributedOptimizer.__init__ = init_on_cpu
 
 
 def deactivate() -> None:
@@ -321,6 +253,11 @@ def deactivate() -> None:
             from megatron.core.models.common.language_module.language_module import LanguageModule
 
             LanguageModule.setup_embeddings_and_output_layer = value
+            continue
+        if key.endswith("DistributedOptimizer.__init__"):
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            DistributedOptimizer.__init__ = value
             continue
         modname, attr = key.rsplit(".", 1)
         setattr(importlib.import_module(modname), attr, value)

@@ -169,7 +169,7 @@ def load_optimizer_state(optimizer, state_dict: Any) -> None:
     from megatron.core.optimizer import optimizer as mopt
 
     if hasattr(mopt, "param_group_identifier_keys"):  # 0.19.x
-        subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        subs = subs_of(optimizer)
         many = state_dict.values() if isinstance(state_dict, dict) else state_dict
         parts = [state_dict] if len(subs) == 1 else list(many)
         for sub, part in zip(subs, parts):
@@ -177,6 +177,40 @@ def load_optimizer_state(optimizer, state_dict: Any) -> None:
             for saved, current in zip(groups, sub.optimizer.param_groups):
                 saved["max_lr"], saved["min_lr"] = current.get("max_lr"), current.get("min_lr")
     optimizer.load_state_dict(state_dict)
+    _own_adam_steps(subs_of(optimizer), state_dict)
+
+
+def subs_of(optimizer) -> list:
+    """The optimizers a (chained) megatron optimizer holds, in its order (itself when not chained)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _own_adam_steps(subs: list, state_dict: Any) -> None:
+    """After a load, give every parameter of a ``DistributedOptimizer`` without Apex or Transformer Engine its
+    own Adam ``step`` tensor holding the saved step.
+
+    megatron-core's non-Apex/TE path (0.16.1 and 0.19.2 ``DistributedOptimizer.load_state_dict``: "Extract
+    'step', for non-Apex/TE support") puts *one* tensor in every parameter's state, which torch's foreach
+    Adam then increments once per parameter (52 times per step on gpt_tiny: bias corrections of step 105 at
+    iteration 4), and the parameter-state load that follows leaves the value of the states it found (the
+    zero-gradient step's 1, not the saved 2). A resumed run then took different updates from iteration 2 on
+    (0.054 in the loss at iteration 12 of a PP2 x DP2 run). The saved step is the param groups' ``step``."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    many = state_dict.values() if isinstance(state_dict, dict) else state_dict
+    parts = [state_dict] if len(subs) == 1 else list(many)
+    for sub, part in zip(subs, parts):
+        groups = (part.get("optimizer") or {}).get("param_groups") or []
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+        if not isinstance(sub, DistributedOptimizer) or len(steps) != 1:
+            continue
+        step = steps.pop()
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def async_calls_queue_class() -> Any:

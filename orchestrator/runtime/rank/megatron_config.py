@@ -129,11 +129,6 @@ def _check_device(cfg: JobConfig, device: str) -> None:
         raise ConfigError(
             f"training.precision={cfg.training.precision} needs a GPU; fix: training.precision=fp32 on CPU"
         )
-    if device == "cpu" and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(
-            "optimizer.use_distributed_optimizer=true is rejected on CPU by megatron-core 0.16.1's tensor-type "
-            "checks; fix: optimizer.use_distributed_optimizer=false (or run on GPU)"
-        )
 
 
 def _over(passed: Dict[str, Any], **derived: Any) -> Dict[str, Any]:
@@ -271,7 +266,7 @@ def ddp_config(cfg: JobConfig, device: str, dp: int):
             grad_reduce_in_fp32=cfg.training.precision == "bf16",
             overlap_grad_reduce=grad,
             overlap_param_gather=gather,
-            align_param_gather=device == "cuda" and vpp > 1,  # Megatron-LM: with the interleaved schedule
+            align_param_gather=vpp > 1,  # Megatron-LM: validate_args turns it off without the interleaved schedule
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             average_in_collective=False,
             # not megatron's check: it raises RuntimeError inside the backward pass (rerun machine off), before

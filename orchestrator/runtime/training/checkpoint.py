@@ -55,6 +55,15 @@ def _model_dict_for_optimizer(state: Dict[str, object]) -> Dict[str, object]:
     return {key: state[key] for key in sorted(state) if key.startswith("model")}
 
 
+SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""The ``metadata`` of ``optimizer.sharded_state_dict``: Megatron-LM's default for the distributed optimizer
+(``_build_sharded_state_dict_metadata`` in megatron/training/checkpointing.py without
+``--dist-ckpt-optim-fully-reshardable``): each rank writes its own buffer shards, no gather on DP rank 0;
+resharding only over DP (the resume check refuses any layout change anyway). megatron-core's own default,
+``fully_sharded_model_space``, fails on its own ``flattened_range`` check in 0.16.1. The regular optimizer
+ignores it."""
+
+
 class _Watchdog:
     """Kill the process if a block takes longer than ``timeout_s`` (a hung save must not hang the job)."""
 
@@ -94,7 +103,7 @@ def _prepare(cfg: JobConfig, model, optimizer, scheduler, iteration: int, consum
         path.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     state = _model_sharded_state_dict(model)
-    state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state))
+    state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state), metadata=SHARDING_METADATA)
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"iteration": iteration, "consumed_samples": consumed_samples}
     start_writer_queue()
@@ -231,6 +240,22 @@ def load_failure(exc: BaseException) -> str:
     return f"rank(s) {ranks}: {type(error).__name__}: {first}"
 
 
+def _fill_distributed_optimizer_states(optimizer) -> None:
+    """Give a fresh ``DistributedOptimizer``'s inner torch optimizer its states before a load.
+
+    Without Apex or Transformer Engine (CPU ranks; a GPU job without them), megatron-core's
+    ``DistributedOptimizer.state_dict()`` reads Adam's ``step`` from the inner optimizer's states, which are
+    empty before the first step (``assert len(steps) == 1``, 0.16.1 and 0.19.2), so a resume failed before
+    it read a byte. megatron-core fills them for its FSDP load with its own
+    ``_init_optimizer_states_with_dummy_values`` (a zero-gradient step on the main shards); every value it
+    writes is overwritten by the load that follows (the model's weights and the optimizer's states)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
     from megatron.core import dist_checkpointing
 
@@ -238,7 +263,10 @@ def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
 
     state = _model_sharded_state_dict(model)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(_model_dict_for_optimizer(state), is_loading=True)
+        _fill_distributed_optimizer_states(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            _model_dict_for_optimizer(state), is_loading=True, metadata=SHARDING_METADATA
+        )
     loaded = dist_checkpointing.load(state, str(path))
     if len(model) == 1:
         unwrap(model[0]).load_state_dict(loaded["model"])
@@ -248,7 +276,10 @@ def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
     if optimizer is not None:
         from orchestrator.runtime.rank.mcore import load_optimizer_state
 
-        load_optimizer_state(optimizer, loaded["optimizer"])
+        # no autograd: with fp32 weights the distributed optimizer's main shards are views of the model's
+        # parameters, which megatron-core copies the loaded values into (an in-place op on a leaf's view)
+        with torch.no_grad():
+            load_optimizer_state(optimizer, loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])
     progress = loaded.get("progress", {"iteration": 0, "consumed_samples": 0})

@@ -15,6 +15,12 @@ iteration N (collective: every rank traces the same iteration):
 * on a GPU every clock reading first synchronizes the device (kernels run asynchronously), so the traced
   iteration runs without CPU/GPU overlap: its times are the steps' own, its total a little longer.
 
+* with the distributed optimizer's overlapped parameter all-gather, megatron's bucket groups'
+  ``start_param_sync`` is wrapped too: every dispatch of a chunk's all-gather is a ``param-gather`` event
+  (its chunk, when it was dispatched), whoever dispatched it: the schedule's prefetch through
+  ``config.param_sync_func`` (:mod:`orchestrator.runtime.rank.param_sync`) or, when nothing prefetched it,
+  the chunk's own forward pre-hook at its first forward (the gather is then exposed).
+
 Then every rank's events are gathered; the logging rank writes ``<run.dir>/schedule.json`` (the
 events, the measured and predicted schedules, the bubble per stage), ``<run.dir>/schedule_trace.json``
 (Chrome trace events: chrome://tracing, https://ui.perfetto.dev) and ``<run.dir>/schedule.png``
@@ -42,6 +48,8 @@ from orchestrator.plan.pipeline_schedule import (
 )
 
 SCHEDULE_FILE, CHROME_FILE, PICTURE_FILE = "schedule.json", "schedule_trace.json", "schedule.png"
+PARAM_GATHER = "param-gather"
+"""The event kind of one dispatch of a chunk's parameter all-gather (distributed optimizer, overlapped)."""
 _P2P = (
     "recv_forward",
     "recv_backward",
@@ -117,18 +125,36 @@ class Tracer:
 
         return traced
 
+    def _param_gather(self, start_param_sync):
+        """megatron's bucket-group ``start_param_sync``, recording each dispatch as a ``param-gather`` event of
+        the chunk whose bucket group it is (a forced synchronous gather is not a dispatch and is not recorded)."""
+        owners = {id(g): i for i, c in enumerate(self.rank.built.model) for g in getattr(c, "bucket_groups", ())}
+
+        def traced(group, force_sync: bool = False):
+            start = self._now()
+            out = start_param_sync(group, force_sync=force_sync)
+            if not force_sync:
+                self._event(PARAM_GATHER, start, self._now(), chunk=owners.get(id(group), -1))
+            return out
+
+        return traced
+
     @contextlib.contextmanager
     def recording(self, forward_step):
         """Around one ``forward_backward`` call: yields the forward step to pass to megatron."""
+        from megatron.core.distributed import param_and_grad_buffer as buffers
         from megatron.core.pipeline_parallel import p2p_communication, schedules
 
         torch.distributed.barrier(group=self.group)
         self._zero = time.perf_counter()
+        groups = buffers._ParamAndGradBucketGroup  # megatron-core's bucket group (0.16 and 0.19)
         saved = [(schedules, "backward_step", schedules.backward_step)]
         saved += [(p2p_communication.P2PCommunicator, n, getattr(p2p_communication.P2PCommunicator, n)) for n in _P2P]
+        saved += [(groups, "start_param_sync", groups.start_param_sync)]
         schedules.backward_step = self._backward(schedules.backward_step)
         for name in _P2P:
             setattr(p2p_communication.P2PCommunicator, name, self._p2p(name, saved[1 + _P2P.index(name)][2]))
+        groups.start_param_sync = self._param_gather(saved[-1][2])
         start = self._now()
         try:
             yield self._forward(forward_step)
@@ -154,7 +180,7 @@ class Tracer:
         self.result = bubble_record(measured, self.iteration)
         if self.rank.is_logger:
             write(self.rank.cfg.run.dir, everyone, measured, self.result)
-        for line in describe(measured, self.iteration):
+        for line in describe(measured, self.iteration) + describe_param_gathers(everyone):
             self.rank.say(line)
 
 
@@ -203,6 +229,37 @@ def describe(measured: Schedule, iteration: int) -> List[str]:
         for r, (o, i, q) in enumerate(zip(measured.bubble_overhead(), measured.idle_share(), ops))
     ]
     return lines
+
+
+def prefetched_chunks(events: List[Dict[str, object]]) -> Dict[int, bool]:
+    """Per model chunk with a ``param-gather`` event among one rank's ``events``: True when its first dispatch
+    came before the chunk's first forward started (prefetched by the schedule), False when it came inside it
+    (the forward pre-hook dispatched it: the gather was exposed)."""
+    first_forward: Dict[int, float] = {}
+    for e in events:
+        if e["kind"] == FORWARD:
+            first_forward[e["chunk"]] = min(first_forward.get(e["chunk"], e["start"]), e["start"])  # type: ignore
+    out: Dict[int, bool] = {}
+    for e in sorted((e for e in events if e["kind"] == PARAM_GATHER), key=lambda e: e["start"]):  # type: ignore
+        chunk = int(e["chunk"])  # type: ignore[arg-type]
+        if chunk not in out and chunk in first_forward:
+            out[chunk] = float(e["start"]) < first_forward[chunk]  # type: ignore[arg-type]
+    return out
+
+
+def describe_param_gathers(ranks: List[dict]) -> List[str]:
+    """One line when the traced iteration dispatched parameter all-gathers: on how many ranks every chunk's
+    gather was dispatched ahead of its first forward; none otherwise."""
+    per_rank = {r["rank"]: prefetched_chunks(r["events"]) for r in ranks}
+    per_rank = {k: v for k, v in per_rank.items() if v}
+    if not per_rank:
+        return []
+    exposed = sorted(k for k, v in per_rank.items() if not all(v.values()))
+    verdict = f"exposed at a chunk's first forward on rank(s) {exposed}" if exposed else "none exposed"
+    ahead = len(per_rank) - len(exposed)
+    return [
+        f"  parameter all-gather: every chunk's dispatched ahead of its first forward on {ahead} of {len(per_rank)} ranks; {verdict}"
+    ]
 
 
 def _chrome(ranks: List[dict]) -> Dict[str, object]:
