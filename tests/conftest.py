@@ -62,6 +62,7 @@ LONGEST_FIRST = (
     "test_hosts",
     "test_pipeline_schedule",
     "test_guard",
+    "test_distopt",
     "test_cli",
     "test_sweep",
     "test_retention",
