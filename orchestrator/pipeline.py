@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from orchestrator.config.checks import validate, validate_planned
 from orchestrator.config.hf_config import hf_path
 from orchestrator.config.layout import ParallelLayout, vpp_no_op
+from orchestrator.config.ramp import describe as describe_ramp
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError, ResumeMismatchError
 
@@ -295,6 +296,9 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     check_passthrough(cfg, layout)
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
+    t = cfg.training
+    if t.rampup_batch_size is not None:
+        say(describe_ramp(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, layout.data_parallel_size))
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes
         say(f"note: {vpp_no_op(cfg)}")
     if not cfg.plan:

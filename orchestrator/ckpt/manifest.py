@@ -131,14 +131,15 @@ def model_record(m, vocab_size: int, padded_vocab_size: int) -> dict:
 
 
 def batch_and_format(cfg: JobConfig, layout: ParallelLayout) -> dict:
-    """The manifest's ``batch`` (MBS, GBS, num_microbatches) and ``checkpoint`` (format, optimizer and its
+    """The manifest's ``batch`` (MBS, GBS, num_microbatches, the batch ramp) and ``checkpoint`` (format, optimizer and its
     sharding, precision) sections."""
     t, o = cfg.training, cfg.optimizer
     return {
         "batch": {
             "micro_batch_size": t.micro_batch_size,
             "global_batch_size": t.global_batch_size,
-            "num_microbatches": layout.num_microbatches,
+            "num_microbatches": layout.num_microbatches,  # the full batch's; a ramp's first ones are fewer
+            "rampup_batch_size": list(t.rampup_batch_size) if t.rampup_batch_size is not None else None,
         },
         "checkpoint": {
             "format": CHECKPOINT_FORMAT,

@@ -47,6 +47,7 @@ REFUSE_KEYS = {
     "optimizer.name",
     "optimizer.use_distributed_optimizer",
     "training.precision",
+    "training.rampup_batch_size",
 }
 
 
@@ -81,6 +82,8 @@ NOTES = {
     "training.global_batch_size": "changes tokens per step and the meaning of the LR schedule; "
     "consumed_samples carries the data position",
     "training.seed": "the dataset shuffle order depends on the seed",
+    "training.rampup_batch_size": "each iteration's batch and the LR schedule's unit (samples with a ramp, "
+    "iterations without) follow it; Megatron-LM's checkpoints carry it as an argument of the run",
     "training.fp8": "allowed: the same weights, their GEMMs rounded in FP8 (or no longer); the losses move",
     "data.tokenizer": "token ids would mean different things",
     "optimizer.use_distributed_optimizer": "optimizer state layouts differ; checkpoint.init_from loads weights only",

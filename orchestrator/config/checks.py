@@ -29,6 +29,7 @@ from orchestrator.config.hf_config import hf_path
 from orchestrator.config.layout import ParallelLayout, layout_from_config
 from orchestrator.config.machine import check_device, check_local_gpus, runs_on_cpu
 from orchestrator.config.model_rules import model_problems, recompute_problems
+from orchestrator.config.ramp import problem as rampup_problem
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.values import CHOICES, INTEGERS, NUMBERS, check_types, check_values
 from orchestrator.errors import ConfigError, LayoutError
@@ -60,6 +61,17 @@ def validate(cfg: JobConfig) -> ParallelLayout:
     problems = layout.problems() + model_problems(cfg, layout)
     if problems:
         raise LayoutError(" | ".join(problems))
+    t = cfg.training
+    ramp = rampup_problem(
+        t.rampup_batch_size,
+        t.global_batch_size,
+        t.micro_batch_size,
+        layout.data_parallel_size,
+        layout.pipeline_model_parallel_size,
+        layout.interleaved,
+    )
+    if ramp:
+        raise ConfigError(ramp)
     check_device(cfg)
     check_local_gpus(cfg)  # a local job's GPUs are this machine's
     check_data(cfg)

@@ -90,6 +90,13 @@ class TrainingConfig:
     name: str = "default"
     micro_batch_size: int = 4
     global_batch_size: int = 16
+    rampup_batch_size: Optional[List[int]] = None
+    """Batch-size ramp-up ``[start, increment, samples]`` (Megatron-LM --rampup-batch-size): the global batch
+    starts at ``start`` and grows by ``increment`` over ``samples`` consumed samples to global_batch_size, each
+    iteration's batch from megatron-core's num-microbatches calculator. Unlike Megatron-LM (which allows it only
+    with --train-samples) training stays iteration-based: train_iters counts iterations, the ramp's fewer samples
+    included; the LR schedule then runs in samples (iters x GBS), as Megatron-LM's. start and increment multiples
+    of MBS x DP, (GBS - start) a multiple of increment. Null: no ramp."""
     train_iters: int = 200
     """Optimizer steps to train in total (0: build, initialise and save the iteration-0 checkpoint)."""
     seed: int = 1234

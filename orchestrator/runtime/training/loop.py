@@ -1,7 +1,11 @@
 """The training loop, its evaluation, and nothing the bare megatron-core loop does not need per step.
 
-Per iteration: megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved
-1F1B, chosen by megatron from the parallel state) → ``optimizer.step()`` → ``scheduler.step(1)``.
+Per iteration: megatron-core's num-microbatches calculator (``update_num_microbatches(consumed_samples)``:
+this iteration's micro-batch count and global batch, which ``training.rampup_batch_size`` ramps;
+runtime.training.batch_ramp) → megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B or
+interleaved 1F1B, chosen by megatron from the parallel state) with that many micro-batches →
+``optimizer.step()`` → ``scheduler.step(increment)`` (1 iteration, or the batch's samples with a ramp, as
+Megatron-LM's). ``consumed_samples`` grows by each iteration's own batch.
 
 Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
 The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
@@ -30,6 +34,7 @@ import torch
 from orchestrator.runtime.faults import spike, straggler
 from orchestrator.runtime.rank.build import Data, Rank
 from orchestrator.runtime.training import breakdown, forward, trace
+from orchestrator.runtime.training.batch_ramp import Batch, BatchRamp
 from orchestrator.runtime.training.metrics import Trackers
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.save_schedule import SaveSchedule
@@ -120,10 +125,11 @@ def _eval_due(rank: Rank, data: Data, iteration: int, completed: bool) -> bool:
 
 
 def _step(
-    rank: Rank, data: Data, forward_backward, iteration: int, guard, clock, watch, tracer
+    rank: Rank, data: Data, forward_backward, iteration: int, batch: Batch, guard, clock, watch, tracer
 ) -> Tuple[list, float, bool, Optional[float]]:
-    """Iteration ``iteration``'s forward/backward (megatron-core's schedule) and optimizer step, timed for the
-    breakdown (``clock``), the straggler watch and the trace; ``(losses, lr applied, update_ok, grad_norm)``."""
+    """Iteration ``iteration``'s forward/backward (megatron-core's schedule, ``batch.num_microbatches``) and
+    optimizer step (the LR scheduler advanced by ``batch.scheduler_increment``), timed for the breakdown (``clock``), the straggler
+    watch and the trace; ``(losses, lr applied, update_ok, grad_norm)``."""
     cfg, t, b = rank.cfg, rank.cfg.training, rank.built
     if clock is not None:
         clock.begin_step(iteration)
@@ -136,7 +142,7 @@ def _step(
             forward_step_func=forward_step,
             data_iterator=data.train,
             model=b.model,
-            num_microbatches=rank.layout.num_microbatches,
+            num_microbatches=batch.num_microbatches,
             seq_length=cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
@@ -147,8 +153,16 @@ def _step(
     with breakdown.section(clock, "optimizer"):
         update_ok, grad_norm, _ = guard.step(b.optimizer) if guard is not None else b.optimizer.step()
         if update_ok:  # Megatron-LM's rule: a skipped update does not advance the schedule
-            b.scheduler.step(increment=1)
+            b.scheduler.step(increment=batch.scheduler_increment)
     return losses, lr, update_ok, grad_norm
+
+
+def _stop(poll: StopPoll, saver: Saver, trackers: Trackers, stop, iteration: int) -> None:
+    """After the stop's save: wait for its write (the requeued job resumes from it), say it, requeue or exit."""
+    poll.close()
+    saver.finish()
+    trackers.event({"event": "stopped", "iteration": iteration, "time": time.time()})
+    stop.requeue_or_exit("signal")
 
 
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
@@ -164,6 +178,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     t = rank.cfg.training
     forward_backward = get_forward_backward_func()
     it, consumed, last_loss = start.iteration, start.consumed_samples, math.nan
+    ramp = BatchRamp(rank.cfg, rank.layout.data_parallel_size, torch.distributed.get_rank())
     clock = breakdown.clock_for(rank)  # None when training.breakdown_interval=0
     log, poll = StepLog(rank, trackers, start.iteration, clock), StopPoll(stop)
     status, loop_start = "completed", time.perf_counter()
@@ -173,9 +188,11 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
     watch = straggler.watch_for(rank, trackers, start.iteration)  # None when training.straggler.interval is null
     schedule = SaveSchedule(rank, start.iteration, trackers)  # checkpoint.save_interval, or auto's Young–Daly
     while it < t.train_iters:
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses, lr, update_ok, grad_norm = _step(rank, data, forward_backward, it + 1, guard, clock, watch, tracer)
-        it, consumed = it + 1, consumed + t.global_batch_size
+        t0, c0, batch = time.perf_counter(), time.process_time(), ramp.at(consumed)  # megatron-core's calculator
+        losses, lr, update_ok, grad_norm = _step(
+            rank, data, forward_backward, it + 1, batch, guard, clock, watch, tracer
+        )
+        it, consumed = it + 1, consumed + batch.samples
         last = it == t.train_iters
         with breakdown.section(clock, "loop-sync"):
             stopping = not last and poll.requested()
@@ -191,7 +208,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
                 spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device, reduced)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
-        log.tick(time.perf_counter() - t0, time.process_time() - c0, it)
+        log.tick(time.perf_counter() - t0, time.process_time() - c0, it, batch)
         if watch is not None:
             watch.tick(it)  # every training.straggler.interval iterations: the window's verdict (collective)
         log.breakdown(it, last)
@@ -210,10 +227,7 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         if guard is not None:
             guard.beat(it)
         if stopping:
-            poll.close()
-            saver.finish()  # the requeued job resumes from this save: its write must be complete
-            trackers.event({"event": "stopped", "iteration": it, "time": time.time()})
-            stop.requeue_or_exit("signal")
+            _stop(poll, saver, trackers, stop, it)
         if exiting:
             status = "exited"
             break

@@ -7,7 +7,10 @@ writes; every other rank gets a :class:`Trackers` whose methods do nothing.
   line. Training records have no ``event`` key::
 
       {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
-       "throughput_tflops", "skipped", "max_rss_mb", "max_gpu_mem_mb", "time"}
+       "batch_size", "num_microbatches", "throughput_tflops", "skipped", "max_rss_mb", "max_gpu_mem_mb", "time"}
+
+  ``batch_size`` and ``num_microbatches`` are the record's iteration's (``training.rampup_batch_size`` ramps
+  them); ``tokens_per_s`` counts each iteration since the last record with its own batch.
 
   ``lr`` is the learning rate that iteration's optimizer step applied (the schedule evaluated at
   ``iteration - 1`` completed steps, Megatron's formula). Other records carry ``event``:

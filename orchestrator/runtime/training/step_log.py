@@ -23,12 +23,17 @@ class StepLog:
     def __init__(self, rank: Rank, trackers: Trackers, start: int, clock=None):
         self.rank, self.trackers, self.start, self.clock = rank, trackers, start, clock
         self.window: List[float] = []
+        self.window_samples: List[int] = []  # each iteration's global batch (a batch ramp changes it)
+        self.microbatches = 0  # the latest iteration's num_microbatches
         self.timed: List[float] = []
         self.cpu: List[float] = []
         self.flops = model_flops_per_step(rank) if trackers.enabled else None
 
-    def tick(self, step_time: float, cpu_time: float, iteration: int) -> None:
+    def tick(self, step_time: float, cpu_time: float, iteration: int, batch) -> None:
+        """One iteration's wall and CPU time (s) and its batch (runtime.training.batch_ramp.Batch)."""
         self.window.append(step_time)
+        self.window_samples.append(batch.samples)
+        self.microbatches = batch.num_microbatches
         timed = iteration - self.start > self.rank.cfg.training.timing_warmup_iters
         if timed:
             self.timed.append(step_time)
@@ -48,7 +53,12 @@ class StepLog:
 
     def record(self, iteration: int, consumed: int, loss: float, lr: float, grad_norm, update_ok: bool) -> None:
         step = sum(self.window) / max(1, len(self.window))  # mean over the iterations since the last record
-        self.window = []
+        # tokens/s over the same iterations, each with its own batch (a ramp's smaller ones included)
+        tokens_per_s = sum(self.window_samples) * self.rank.cfg.model.seq_length / max(sum(self.window), 1e-12)
+        gbs = self.rank.cfg.training.global_batch_size
+        batch = self.window_samples[-1] if self.window_samples else gbs
+        share = sum(self.window_samples) / (max(1, len(self.window_samples)) * gbs)  # of a full batch's FLOPs
+        self.window, self.window_samples = [], []
         if not self.trackers.enabled:
             return
         r = self.rank
@@ -59,9 +69,10 @@ class StepLog:
             "lr": lr,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "step_time_s": step,
-            "tokens_per_s": r.layout.tokens_per_step / step,
-            "batch_size": r.cfg.training.global_batch_size,
-            "throughput_tflops": self.flops / (step * r.layout.world_size * 1e12) if self.flops else None,
+            "tokens_per_s": tokens_per_s,
+            "batch_size": batch,
+            "num_microbatches": self.microbatches,
+            "throughput_tflops": self.flops * share / (step * r.layout.world_size * 1e12) if self.flops else None,
             "skipped": not update_ok,
             "max_rss_mb": max_rss_mb(),
             "max_gpu_mem_mb": max_gpu_mb(r.device),

@@ -175,8 +175,10 @@ class Tracer:
         }
         everyone: List[Optional[dict]] = [None] * torch.distributed.get_world_size(self.group)
         torch.distributed.all_gather_object(everyone, mine, group=self.group)
-        lay = self.rank.layout
-        measured = measured_schedule(everyone, lay.pipeline_model_parallel_size, lay.vpp, lay.num_microbatches)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        lay = self.rank.layout  # the traced iteration's micro-batches: megatron-core's calculator (a ramp's)
+        measured = measured_schedule(everyone, lay.pipeline_model_parallel_size, lay.vpp, get_num_microbatches())
         self.result = bubble_record(measured, self.iteration)
         if self.rank.is_logger:
             write(self.rank.cfg.run.dir, everyone, measured, self.result)
