@@ -132,8 +132,10 @@ def test_multinode_example_converts_with_no_flag_dropped_silently(capsys, tmp_pa
             assert re.search(rf"[#(] ?{re.escape(flag)}\b", yaml_text), flag
         else:
             assert flag in listed and f"#   {flag}" in yaml_text, flag  # on screen and in the header
-    for gone in ("--rampup-batch-size 32 32 2000000", "--attention-backend auto"):
-        assert gone in section(out, "not converted")
+    assert "--attention-backend auto" in section(out, "not converted")
+    # Megatron-LM's ramp (which it allows only with --train-samples) converts, iteration-based, and says so
+    assert "rampup_batch_size: [32, 32, 2000000]  # --rampup-batch-size 32 32 2000000" in yaml_text
+    assert "--rampup-batch-size 32 32 2000000 with --train-iters: Megatron-LM refuses the pair" in out
     assert "world size 16 = TP 4 x PP 2 x CP 1 x DP 2" in out
     assert "vocab 50257 -> padded 50688 (multiple of 128 x TP 4)" in out
     assert "0.01 x 200000 = 2000" in out  # --lr-warmup-fraction
@@ -303,6 +305,29 @@ def test_user_errors(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err.startswith("error: parallelism=nope: ")
 
 
+def test_rampup_with_train_samples_counts_megatron_lm_iterations_and_a_bad_ramp_is_one_line(capsys, tmp_path):
+    """--rampup-batch-size 4 4 16 (GBS 12, MBS 1, 2 ranks): batches 4, 4, 8, 12, 12 ... consume 4, 8, 16, 28, 40;
+    Megatron-LM's update_train_iters counts 5 iterations for --train-samples 40 and 6 for 41; its decay
+    (no --lr-decay-*) runs over the train samples: ceil(40 / 12) = 4 iterations of GBS samples."""
+    from orchestrator.convert.cli import main
+    from orchestrator.convert.shell import parse_shell
+    from orchestrator.convert.to_config import convert
+
+    base = "torchrun --nproc_per_node 2 pretrain_gpt.py --micro-batch-size 1 --global-batch-size 12 --mock-data "
+    for samples, iters in ((40, 5), (41, 6)):
+        conv = convert(parse_shell(base + f"--rampup-batch-size 4 4 16 --train-samples {samples}", "r.sh", {}), "r")
+        assert conv.get("training.rampup_batch_size") == [4, 4, 16] and conv.get("training.train_iters") == iters
+        assert conv.get("optimizer.lr_decay_iters") == 4
+    script = tmp_path / "bad.sh"
+    script.write_text(base + "--rampup-batch-size 4 4 --train-iters 3\n")
+    assert main(["from-megatron", str(script), "--out", str(tmp_path / "conf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: --rampup-batch-size: expects three integers <start> <increment> <samples>, got 4 4; "
+        "fix: write `--rampup-batch-size START INCREMENT SAMPLES`"
+    ], err
+
+
 # ---- export and round trip ----------------------------------------------------------------
 
 ROUND_TRIPS = (
@@ -342,6 +367,13 @@ ROUND_TRIPS = (
             "training.spike.factor=null",
         ],
         ["+experiment=mixtral_8x7b_a100x32"],
+        [  # the ramp: exported with the sample-based flags Megatron-LM needs with it, and back
+            "+experiment=gpt_pp2_dp2",
+            "training.micro_batch_size=1",
+            "training.global_batch_size=12",
+            "training.rampup_batch_size=[4,4,16]",
+            "optimizer.lr_warmup_iters=2",
+        ],
         [
             "+experiment=llama3_8b_a100x32",
             "training.fp8=e4m3",

@@ -131,7 +131,7 @@ def test_mock_data_needs_no_vocabulary_file_and_unknown_flags_say_why(tmp_path, 
         "--vocab-file $1 [run time: $1 (unknown here)]: mock data reads no text; the vocabulary is GPT-2 BPE's 50257"
         in lines
     )
-    assert "--step-batch-size-schedule 0:2 100:4: no batch-size schedule here" in lines
+    assert "--step-batch-size-schedule 0:2 100:4: no arbitrary batch-size schedule here" in lines
     assert "--frobnicate-level 3: not a flag this converter knows" in lines
     flagged = re.search(r"^flagged[^\n]*:\n((?:  .*\n)*)", out, re.M).group(1)
     assert "--num-layers-per-virtual-pipeline-stage 2: VPP = 1, one model chunk per rank" in flagged

@@ -262,6 +262,28 @@ def test_random_configs_are_refused_in_one_line_or_accepted_by_megatron(files):
         ),
         (["run.name=../../x"], "run.name='../../x': must be one directory name"),
         (["plan_picture=pp4.png"], "plan_picture='pp4.png': drawn only by the plan"),
+        # Megatron-LM's ramp rules (MBS 4 x DP 2 = 8 per ramp step on gpt_pp2_dp2, GBS 16)
+        (
+            ["+experiment=gpt_pp2_dp2", "training.rampup_batch_size=[4,8,64]"],
+            "training.rampup_batch_size=[4,8,64]: the start (4) is not divisible by training.micro_batch_size x DP "
+            "= 4 x 2 = 8",
+        ),
+        (
+            ["+experiment=gpt_pp2_dp2", "training.global_batch_size=32", "training.rampup_batch_size=[8,16,64]"],
+            "training.rampup_batch_size=[8,16,64]: training.global_batch_size - start = 32 - 8 = 24 is not divisible",
+        ),
+        (
+            ["+experiment=gpt_pp2_dp2", "training.rampup_batch_size=[16,8,64]"],
+            "training.rampup_batch_size=[16,8,64]: the start batch 16 must be below training.global_batch_size=16",
+        ),
+        (
+            ["+experiment=gpt_pp2_dp2", "training.rampup_batch_size=[8,0,64]"],
+            "training.rampup_batch_size=[8,0,64]: must be null or three positive integers",
+        ),
+        (
+            ["parallelism=pp2_vpp2_dp2", "training.global_batch_size=64", "training.rampup_batch_size=[8,8,64]"],
+            "training.rampup_batch_size=[8,8,64]: the interleaved schedule needs every ramp batch's num_microbatches",
+        ),
     ],
 )
 def test_the_issue_list_is_refused_by_validate(overrides, expected):

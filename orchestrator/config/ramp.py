@@ -103,6 +103,36 @@ def step_schedule(ramp: List[int], global_batch_size: int) -> str:
     return " ".join(f"{threshold}:{batch}" for threshold, batch in sorted(steps.items()))
 
 
+def _steps(ramp: List[int], global_batch_size: int) -> List[tuple]:
+    """:func:`step_schedule` as ``[(threshold samples, batch), ...]``."""
+    return [tuple(int(x) for x in e.split(":")) for e in step_schedule(ramp, global_batch_size).split()]
+
+
+def samples_after(ramp: Optional[List[int]], global_batch_size: int, iterations: int) -> int:
+    """Samples consumed by ``iterations`` iterations (each one's batch chosen at its starting count, as megatron-core's
+    ``update_num_microbatches(consumed_samples)`` before each step); ``iterations x GBS`` without a ramp."""
+    if ramp is None:
+        return iterations * global_batch_size
+    consumed, left, steps = 0, iterations, _steps(ramp, global_batch_size)
+    for i, (_, batch) in enumerate(steps):
+        upto = steps[i + 1][0] if i + 1 < len(steps) else None
+        n = left if upto is None else min(left, max(0, -(-(upto - consumed) // batch)))
+        consumed, left = consumed + n * batch, left - n
+    return consumed
+
+
+def iterations_for(ramp: Optional[List[int]], global_batch_size: int, samples: int) -> int:
+    """Iterations until ``samples`` are consumed (Megatron-LM's ``update_train_iters`` for ``--train-samples``:
+    iterate while consumed < samples); ``samples // GBS`` without a ramp, as it."""
+    if ramp is None:
+        return samples // global_batch_size
+    lo, hi = 0, max(1, samples)  # samples_after grows with iterations (every batch >= 1 sample)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if samples_after(ramp, global_batch_size, mid) < samples else (lo, mid)
+    return lo
+
+
 def describe(ramp: Optional[List[int]], global_batch_size: int, micro_batch_size: int, dp: int) -> Optional[str]:
     """The ramp's arithmetic in one line (printed with the layout's), None without a ramp."""
     if ramp is None:

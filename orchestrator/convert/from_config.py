@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from orchestrator.config.compose import CONFIG_GROUPS
 from orchestrator.config.tokenizer import TOKENIZER_TYPES
-from orchestrator.convert import launcher
+from orchestrator.convert import launcher, ramp_flags
 from orchestrator.convert import megatron_args as M
 from orchestrator.convert.experiment_file import compose, json_value, write
 
@@ -190,6 +190,10 @@ def _experts(cfg) -> List[List[str]]:
 
 
 EXPORTERS: Dict[str, Callable[[Any], List[List[str]]]] = {
+    "--rampup-batch-size": ramp_flags.export_rampup,
+    "--train-iters": ramp_flags.in_samples("--train-iters", "--train-samples", "training.train_iters"),
+    "--lr-decay-iters": ramp_flags.in_samples("--lr-decay-iters", "--lr-decay-samples", "optimizer.lr_decay_iters"),
+    "--lr-warmup-iters": ramp_flags.in_samples("--lr-warmup-iters", "--lr-warmup-samples", "optimizer.lr_warmup_iters"),
     "--num-experts": _experts,
     "--overlap-grad-reduce": _overlap("--overlap-grad-reduce", 0),
     "--overlap-param-gather": _overlap("--overlap-param-gather", 1),

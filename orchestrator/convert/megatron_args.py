@@ -186,6 +186,7 @@ TABLE: List[Flag] = [
     Flag("--global-batch-size", "training.global_batch_size", "int"),
     Flag("--train-iters", "training.train_iters", "int"),
     Flag("--train-samples", "training.train_iters", "special", export=False),
+    Flag("--rampup-batch-size", "training.rampup_batch_size", "special", default=None),
     Flag("--seed", "training.seed", "int", default=1234),
     Flag("--log-interval", "training.log_interval", "int", default=100),
     Flag("--bf16", "training.precision", "on", value="bf16", default="fp32"),

@@ -9,15 +9,10 @@ from orchestrator.convert.flag_row import Flag
 
 UNMAPPED: List[Flag] = [
     Flag(
-        "--rampup-batch-size",
-        kind="none",
-        note="no batch-size ramp-up here; the global batch size is constant (the plan uses the final one)",
-    ),
-    Flag(
         "--step-batch-size-schedule",
         kind="none",
-        note="no batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); the global batch "
-        "size is constant: give the final one as --global-batch-size",
+        note="no arbitrary batch-size schedule here (Megatron-LM's successor of --rampup-batch-size); a linear "
+        "ramp is training.rampup_batch_size (--rampup-batch-size), else give the final batch as --global-batch-size",
     ),
     Flag(
         "--tensorboard-*",

@@ -14,8 +14,10 @@ import math
 from pathlib import PurePosixPath
 from typing import Dict
 
+from orchestrator.config.ramp import iterations_for
 from orchestrator.convert import megatron_args as M
 from orchestrator.convert.conversion import Conversion, fail, number
+from orchestrator.convert.ramp_flags import rampup
 from orchestrator.convert.sources import Arg, runtime_mark
 
 GPT2_FILES = ("--vocab-file", "--merge-file")
@@ -227,6 +229,7 @@ def batches_and_schedule(conv: Conversion, given: Dict[str, Arg]) -> None:
             f"training.global_batch_size = MBS x DP = {mbs} x {dp} = {mbs * dp} (Megatron-LM's default)"
         )
     gbs = conv.get("training.global_batch_size")
+    ramp = rampup(conv, given)
     for flag, key in (
         ("--train-samples", "training.train_iters"),
         ("--lr-decay-samples", "optimizer.lr_decay_iters"),
@@ -240,9 +243,17 @@ def batches_and_schedule(conv: Conversion, given: Dict[str, Arg]) -> None:
                     "give --global-batch-size",
                 )
             samples = number(given[flag], "int")
-            iters = math.ceil(samples / gbs)
+            if ramp and flag == "--train-samples":  # Megatron-LM's update_train_iters: iterate the ramp
+                iters = iterations_for(ramp, gbs, samples)
+                conv.derived.append(f"{key} = {iters}: the iterations that consume {samples} samples on the ramp")
+                if "--lr-decay-samples" not in given and "--lr-decay-iters" not in given:  # its decay: train_samples
+                    decay = math.ceil(samples / gbs)
+                    conv.set("optimizer.lr_decay_iters", decay, f"{given[flag].text} / GBS {gbs}")
+                    conv.derived.append(f"optimizer.lr_decay_iters = ceil({samples} / {gbs}) = {decay} (decay samples)")
+            else:  # the LR lengths: samples = iters x GBS (Megatron-LM's rule, with a ramp too)
+                iters = math.ceil(samples / gbs)
+                conv.derived.append(f"{key} = ceil({samples} / {gbs}) = {iters} ({given[flag].text}, GBS)")
             conv.set(key, iters, f"{given[flag].text} / GBS {gbs}")
-            conv.derived.append(f"{key} = ceil({samples} / {gbs}) = {iters} ({given[flag].text}, constant GBS)")
     if "--lr-warmup-fraction" in given:
         if "--lr-warmup-iters" in given:
             raise fail(
