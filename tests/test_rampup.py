@@ -79,6 +79,13 @@ def test_the_ramp_follows_megatron_cores_calculator_and_layouts_agree(tmp_path, 
         assert [r["consumed_samples"] for r in records] == [4, 8, 16, 28, 40, 52]
         manifest = json.loads((run_dir / "checkpoints" / f"iter_{ITERS:07d}" / "manifest.json").read_text())
         assert manifest["consumed_samples"] == 52 and manifest["batch"]["rampup_batch_size"] == [4, 4, 16]
+    # status and the launcher's ETA count samples down: 52 in all (not 6 x 12), 44 left after iteration 2
+    from orchestrator.submit.run_records import remaining_s
+
+    lines = (pp2_dp2 / "metrics.jsonl").read_text().splitlines()
+    start = next(json.loads(line) for line in lines if '"event": "start"' in line)
+    assert start["train_samples"] == 52
+    assert remaining_s(2, ITERS, 1.0, read_metrics(pp2_dp2)[1], start["train_samples"], 0.25) == 44 * 0.25
     a, b = losses_by_iteration(pp2_dp2), losses_by_iteration(tmp_path / "dp4")
     assert sorted(a) == sorted(b) == list(range(1, ITERS + 1))
     for it in a:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.config.schema import JobConfig
 from orchestrator.meter import HEARTBEAT_S
+from orchestrator.submit.run_records import remaining_s
 
 
 def _eta(seconds: float) -> str:
@@ -83,7 +84,8 @@ class Progress:
       saving a checkpoint, ...), echoed as they appear in its log;
     * training: a rich bar on a terminal (plain lines otherwise) from the iteration the job starts at
       (a resumed job starts at its checkpoint's iteration) to ``training.train_iters``, with lm loss,
-      step time, tokens/s and an ETA from an exponentially smoothed step time;
+      step time, tokens/s and an ETA from an exponentially smoothed time per sample (samples left: a batch
+      ramp's later iterations are larger) or, without batch sizes in the records, per step;
     * every evaluation (validation lm loss and perplexity), and "waiting for ranks to exit" once the
       logging rank has written its summary.
     """
@@ -105,6 +107,8 @@ class Progress:
         self.metrics, self.log = Tail(path), Tail(log, from_start=True)
         self.last: Optional[Dict[str, Any]] = None
         self.step_s: Optional[float] = None
+        self.sample_s: Optional[float] = None  # smoothed seconds per sample (a batch ramp's iterations grow)
+        self.train_samples: Optional[int] = None  # the job's start record: what the ETA counts down
         self.bar = None
         self.enabled = enabled
         self.world_size, self.ranks_up, self.every = world_size, ranks_up, every
@@ -180,8 +184,14 @@ class Progress:
                 self.step_s = (
                     step if self.step_s is None else self.SMOOTHING * step + (1 - self.SMOOTHING) * self.step_s
                 )
+                if rec.get("batch_size"):
+                    per = step / rec["batch_size"]
+                    self.sample_s = (
+                        per if self.sample_s is None else self.SMOOTHING * per + (1 - self.SMOOTHING) * self.sample_s
+                    )
             self._show(rec)
         elif event == "start":
+            self.train_samples = rec.get("train_samples")
             if self.bar is not None:
                 self.bar.update(self.task, completed=rec["iteration"], total=self.total)
             if rec.get("iteration"):
@@ -218,7 +228,8 @@ class Progress:
         self.said = time.monotonic()
         if not self.enabled:
             return
-        eta = f" | ETA {_eta(self.step_s * (self.total - rec['iteration']))}" if self.step_s is not None else ""
+        left = remaining_s(rec["iteration"], self.total, self.step_s, rec, self.train_samples, self.sample_s)
+        eta = f" | ETA {_eta(left)}" if left is not None else ""
         text = (
             f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "
             f"{rec['tokens_per_s']:.0f} tok/s{eta}"

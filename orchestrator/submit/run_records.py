@@ -114,7 +114,20 @@ def latest_start(path: Path, block: int = TAIL_BYTES) -> Optional[Dict[str, Any]
     return None
 
 
-def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Optional[float]]:
+def remaining_s(
+    iteration: int, train_iters: int, step_s: Optional[float], rec: Dict[str, Any], train_samples, sample_s
+) -> Optional[float]:
+    """Seconds left of a run at ``iteration`` (``rec``: its newest training record): samples left
+    (``train_samples`` of the job's ``start`` record less ``rec``'s ``consumed_samples``) x seconds per sample
+    when both are known, so a batch ramp's later, larger iterations count as such; else iterations left x the
+    step time ``step_s`` (the same number without a ramp). None when neither is known."""
+    consumed = rec.get("consumed_samples")
+    if isinstance(train_samples, int) and isinstance(consumed, int) and sample_s:
+        return max(0, train_samples - consumed) * sample_s
+    return None if step_s is None else max(0, train_iters - iteration) * step_s
+
+
+def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
     """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` from
     ``<run_dir>/metrics.jsonl``: for a job that ended, its summary's (tokens per step / median step time after the
     warm-up, the figure of its last line); for a running one, the medians of its last ``last`` training records.
@@ -123,7 +136,8 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
     record in ``records`` (``jobs.jsonl``), and only for runs without one is the file searched backwards."""
     path = Path(run_dir) / METRICS_FILE
-    out: Dict[str, Optional[float]] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
+    out: Dict[str, Any] = {"train_iters": None, "tokens_per_s": None, "step_time_s": None}
+    out.update({"train_samples": None, "sample_s": None, "newest": {}})
     if not path.exists():
         return out
     start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
@@ -137,7 +151,7 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
         if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
             recent.append(rec)
     if start is not None:
-        out["train_iters"] = start.get("train_iters")
+        out["train_iters"], out["train_samples"] = start.get("train_iters"), start.get("train_samples")
     else:
         started = [r for r in records if r.get("event") == "attempt_started" and r.get("train_iters") is not None]
         start = {"train_iters": started[-1]["train_iters"]} if started else latest_start(path)
@@ -149,6 +163,8 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
         out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent)
         steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
         out["step_time_s"] = statistics.median(steps) if steps else None
+        per = [r["step_time_s"] / r["batch_size"] for r in recent if r.get("batch_size") and r.get("step_time_s")]
+        out["sample_s"], out["newest"] = (statistics.median(per) if per else None), recent[0]
     return out
 
 

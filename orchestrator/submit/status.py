@@ -23,7 +23,7 @@ from orchestrator.ckpt.history import PathLike, attempts, format_attempts, itera
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.errors import OneLineArgumentParser
 from orchestrator.submit.jobs import JobStatus, failed_rank_tail, job_status
-from orchestrator.submit.run_records import last_metrics, latest_breakdown, live_rates, slowness
+from orchestrator.submit.run_records import last_metrics, latest_breakdown, live_rates, remaining_s, slowness
 
 
 @dataclass
@@ -43,7 +43,8 @@ class RunStatus:
     tokens_per_s: Optional[float] = None
     """Tokens/s: the ended job's tokens per step / median step time, or the median of a running job's last records."""
     eta_s: Optional[float] = None
-    """A running job's remaining time: iterations left x the median recent step time."""
+    """A running job's remaining time: samples left x the median recent seconds per sample (a batch ramp's
+    iterations grow), or iterations left x the median recent step time (submit.run_records.remaining_s)."""
     slowness: List[str] = field(default_factory=list)
     """The latest job's slow links and named stragglers (``link_check`` / ``straggler`` records), one line each."""
     breakdown: Optional[Dict[str, Any]] = None
@@ -116,7 +117,9 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
             None,
         )  # asked to (`orchestrator stop`, a signal to its launcher): saving, then exiting
     if st.state == "running" and rates["step_time_s"] and rs.train_iters and iteration is not None:
-        rs.eta_s = max(0, rs.train_iters - iteration) * rates["step_time_s"]
+        rs.eta_s = remaining_s(
+            iteration, rs.train_iters, rates["step_time_s"], rates["newest"], rates["train_samples"], rates["sample_s"]
+        )
     if st.state == "unknown" and summary is not None and summary.get("status") == "completed":
         st.state = "completed"
     requeues = sum(1 for r in records if r.get("event") == "requeued" and str(r.get("job_id")) == job_id)

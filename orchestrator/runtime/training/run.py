@@ -16,6 +16,7 @@ import time
 from typing import Dict
 
 from orchestrator.config.layout import ParallelLayout
+from orchestrator.config.ramp import samples_after
 from orchestrator.config.schema import JobConfig
 from orchestrator.config.slowness import LINKS_ONLY
 
@@ -131,11 +132,14 @@ def _announce(rank, start, trackers) -> None:
         f"params on rank 0: {count_parameters(rank.built.model):,}; training iterations "
         f"{start.iteration + 1}..{cfg.training.train_iters}"
     )
+    t = cfg.training
     trackers.event(
         {
             "event": "start",
             "iteration": start.iteration,
             "train_iters": cfg.training.train_iters,
+            # what the ETA counts down: train_iters x GBS, or fewer on a batch ramp (config.ramp.samples_after)
+            "train_samples": samples_after(t.rampup_batch_size, t.global_batch_size, t.train_iters),
             "resumed_from": start.resumed_from,
             "load_s": start.load_s,
             "time": time.time(),
