@@ -96,6 +96,7 @@ def test_the_ramp_follows_megatron_cores_calculator_and_layouts_agree(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.mcore_lines
 def test_a_resume_mid_ramp_continues_at_the_ramps_batch(tmp_path, cache_dir, init, pp2_dp2):
     """Stopped after iteration 2 (8 samples, batch 4), resumed: iteration 3 trains 8 samples, the rest 12, and the
     losses are the uninterrupted run's (1e-5 rel). A resume that changes the ramp is refused before anything

@@ -272,6 +272,8 @@ def render(cfg, overrides: List[str], world: int, extras: Dict[str, Any]) -> str
         )
     if cfg.data.tokenizer == "byte":
         lines.append(_byte_tokenizer_comment(cfg))
+    if cfg.training.rampup_batch_size is not None:
+        lines.append(ramp_flags.newer_megatron_comment(cfg))
     choices = [f"{g}={getattr(cfg, g).name}" for g in CONFIG_GROUPS if _is_option(g, getattr(cfg, g).name)]
     lines.append("# orchestrator: defaults " + " ".join(choices))
     lines += [f"# orchestrator: {key}={json_value(value)}" for key, value in extras.items()]

@@ -66,3 +66,17 @@ def in_samples(flag: str, samples_flag: str, key: str) -> Callable[[Any], List[L
         return [[samples_flag, str(iters * t.global_batch_size)]] if iters else []
 
     return exporter
+
+
+def newer_megatron_comment(cfg) -> str:
+    """The export's note for Megatron-LM on megatron-core 0.19 and later, which accepts ``--rampup-batch-size`` but
+    ignores it (deprecated for ``--step-batch-size-schedule``, which replaces ``--global-batch-size``; Megatron-LM
+    d98e8a6 ``training_config.py``): the same ramp as that schedule (:func:`orchestrator.config.ramp.step_schedule`)."""
+    from orchestrator.config.ramp import step_schedule
+
+    t = cfg.training
+    schedule = step_schedule(t.rampup_batch_size, t.global_batch_size)
+    return (
+        "# --rampup-batch-size: Megatron-LM up to megatron-core 0.16; from 0.19 on it is ignored there: replace it and "
+        f"--global-batch-size with --step-batch-size-schedule '{schedule}' (the same ramp, thresholds in samples)."
+    )
