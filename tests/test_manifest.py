@@ -110,7 +110,12 @@ def test_manifest_records_layout_config_versions_and_env(cfg, monkeypatch):
     assert m["schema"] == SCHEMA and m["iteration"] == 50 and m["consumed_samples"] == 800
     assert m["layout"]["pipeline_model_parallel_size"] == 2 and m["layout"]["data_parallel_size"] == 2
     assert m["layout"]["world_size"] == 4 and m["layout"]["layers_per_stage"] == 2
-    assert m["batch"] == {"micro_batch_size": 4, "global_batch_size": 16, "num_microbatches": 2}
+    assert m["batch"] == {
+        "micro_batch_size": 4,
+        "global_batch_size": 16,
+        "num_microbatches": 2,
+        "rampup_batch_size": None,
+    }
     assert m["model"]["vocab_size"] == 258 and m["model"]["padded_vocab_size"] == 384
     assert m["tokenizer"] == {"spec": "byte", **BYTE_ID} and m["data"]["fingerprint"] == "fp-1"
     assert m["checkpoint"]["format"] == "torch_dist" and m["checkpoint"]["distributed_optimizer"] is False

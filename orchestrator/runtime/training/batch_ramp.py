@@ -43,10 +43,10 @@ class BatchRamp:
             data_parallel_size=data_parallel_size,
             decrease_batch_size_if_needed=False,
         )
-        if self.ramp is not None and hasattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator"):
-            options["rampup_batch_size"] = self.ramp  # megatron-core 0.16.1
-        elif self.ramp is not None:
-            options["step_batch_size_schedule"] = step_schedule(self.ramp, t.global_batch_size)  # 0.19
+        if hasattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator"):  # megatron-core 0.16.1: a required argument
+            options["rampup_batch_size"] = self.ramp
+        elif self.ramp is not None:  # 0.19: rampup_batch_size ignored (deprecated), the ramp as its step schedule
+            options["step_batch_size_schedule"] = step_schedule(self.ramp, t.global_batch_size)
         nmc.destroy_num_microbatches_calculator()  # a process that builds a job again (in-place restart, a trial)
         nmc.init_num_microbatches_calculator(**options)
         self._nmc = nmc
