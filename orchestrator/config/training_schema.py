@@ -93,10 +93,7 @@ class TrainingConfig:
     train_iters: int = 200
     """Optimizer steps to train in total (0: build, initialise and save the iteration-0 checkpoint)."""
     seed: int = 1234
-    log_interval: int = 10
-    """Iterations between the loss's all-reduce, its host read, the record in metrics.jsonl and the printed line
-    (every iteration: 1). 10 as Megatron-LM's published recipes (10-100): the other iterations leave the loss
-    a tensor on the device."""
+    log_interval: int = 1
     precision: str = "fp32"
     """fp32, bf16 or fp16 (bf16/fp16 need a GPU)."""
     fp8: Optional[str] = None
