@@ -777,6 +777,55 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
     assert all(not psutil.pid_exists(v.pid) or psutil.Process(v.pid).status() == psutil.STATUS_ZOMBIE for v in victims)
 
 
+@pytest.mark.slow
+def test_a_rank_frozen_during_start_up_is_named_by_the_hang_watchdog(tmp_path, cache_dir):
+    """issue 39: the hang watchdog covers the start-up, not only from the checkpoint load on. Rank 1 of a 2-rank job
+    stops itself (a real SIGSTOP: guard.STARTUP_FREEZE_ENV) before its model build, while rank 0 waits for it in
+    the rendezvous (the first collective). Within hang_timeout_s + 60 s rank 0 names it and the launcher exits 1;
+    before, the watchdog started after the start-up and rank 0 waited training.distributed_timeout_minutes."""
+    import psutil
+
+    timeout_s = 6
+    args = SMALL + [
+        "parallelism=none",
+        "parallelism.data_parallel_size=2",
+        f"run.root={tmp_path}",
+        "run.name=frozen",
+        "training.train_iters=2",
+        f"training.hang_timeout_s={timeout_s}",
+    ]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    env[guard_mod.STARTUP_FREEZE_ENV] = "1"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    seen = set()
+    try:
+        deadline = time.monotonic() + 240  # the start-up under load, then hang_timeout_s + polls
+        while cli.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.update(psutil.Process(cli.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.5)
+        assert cli.poll() is not None, "the launcher still waits on a rank frozen during the start-up"
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        stdout, stderr = (x.decode(errors="replace") for x in cli.communicate())
+        for p in seen:  # the frozen rank, should the launcher have left it
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert cli.returncode == 1, (cli.returncode, stderr[-3000:])
+    (line,) = _error_lines(stderr)
+    assert "hang: rank(s) 1 on host(s) " in line and "after the start of the attempt (start)" in line, line
+    assert "not responding" in line, line
+    (hang,) = [r for r in history.read_records(tmp_path / "frozen") if r["event"] == "hang"]
+    assert hang["stalled"] == [1], hang
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 16 MiB tmpfs (one gpt_tiny checkpoint with Adam state is ~11 MiB); unmounted afterwards."""
