@@ -1033,3 +1033,58 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
     assert "iteration 1/" not in refused.stdout and "params on rank 0" not in refused.stdout, refused.stdout
     assert not (tmp_path / "refused" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "refused")
     assert "requeued" not in refused.stdout, refused.stdout
+
+
+@needs_slurm
+def test_a_signal_before_the_wait_handlers_never_cancels_the_slurm_job(tmp_path, cache_dir, monkeypatch):
+    """issue 39: SIGINT, SIGTERM, SIGHUP to a launcher waiting on a real SLURM job at the instant before its wait's
+    own handlers are in place -- the entry's handler (signals.interrupt: a KeyboardInterrupt) still installed, as
+    between the submission and the wait -- detach: the job is still RUNNING/PENDING (squeue) after each. Before,
+    that KeyboardInterrupt scancelled the job. The test scancels it."""
+    import threading
+
+    import submitit
+
+    from orchestrator.config.compose import compose_config
+    from orchestrator.submit import signals
+    from orchestrator.submit.wait import wait
+
+    args = SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=early", "training.train_iters=5000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args, "cluster.wait=false"],
+        cwd=REPO,
+        env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "early"
+    job_id = submitted_job(run_dir)
+    (record,) = [r for r in history.read_records(run_dir) if r.get("event") == "submitted"]
+    job = submitit.SlurmJob(folder=record["folder"], job_id=job_id, tasks=(0,))
+    cfg = compose_config(args)
+    previous = {sig: signal.getsignal(sig) for sig in signals.SIGNALS}
+    monkeypatch.setattr(signals, "_PENDING", None)  # what the entry's handler remembers
+    got, states = [], []
+    try:
+        for sig in signals.SIGNALS:
+            signal.signal(sig, signals.interrupt)
+            threading.Timer(1.0, os.kill, (os.getpid(), sig)).start()
+            try:
+                wait(job, cfg, 1, own_signals=False)  # no handlers of its own: only the entry's
+            except KeyboardInterrupt as exc:
+                got.append(exc)
+            time.sleep(2)  # a scancel shows in squeue at once
+            states.append(
+                subprocess.run(
+                    ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+                ).stdout.strip()
+            )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert [type(e).__name__ for e in got] == ["Detached"] * 3, got
+    assert [e.signum for e in got] == list(signals.SIGNALS) and all(e.job_id == job_id for e in got), got
+    assert all(s in ("RUNNING", "PENDING") for s in states), states
