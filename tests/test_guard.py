@@ -533,23 +533,20 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     """optimizer.lr=1000 with the default training.spike.factor=10, a checkpoint every iteration: the job
     stops (exit 1, one line naming the iteration, the value and the median, and a lower lr) at the first
     iteration whose loss exceeds 10 x the median of the earlier ones, long before any NaN; no checkpoint
-    at or after it exists; the attempt ends as ``spike``."""
+    at or after it exists; the attempt ends as ``spike``. The same command again (issue 39) resumes from the last
+    checkpoint, and the spike is now the first iteration of the attempt: caught again, the same value against the
+    same reference (the window rebuilt from the run's records); with an empty window it passed, and was saved."""
     run_dir = tmp_path / "spike"
-    proc = run_cli(
-        SMALL
-        + [
-            "parallelism=none",
-            f"run.root={tmp_path}",
-            "run.name=spike",
-            "training.train_iters=8",
-            "checkpoint.save_interval=1",
-            "checkpoint.keep_last=null",
-            "optimizer.lr=1000",
-        ],
-        cache=cache_dir,
-        check=False,
-        timeout=900,
-    )
+    args = SMALL + [
+        "parallelism=none",
+        f"run.root={tmp_path}",
+        "run.name=spike",
+        "training.train_iters=8",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=null",
+        "optimizer.lr=1000",
+    ]
+    proc = run_cli(args, cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr
@@ -573,6 +570,16 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
     (a,) = history.attempts(history.read_records(run_dir))
     assert (a.cause, a.iteration) == ("spike", spiked)
+
+    rerun = run_cli(args, cache=cache_dir, check=False, timeout=900)  # resumes: the spike is its first iteration
+    assert spiked >= 2 and f"resume from {run_dir / 'checkpoints' / f'iter_{spiked - 1:07d}'}" in rerun.stdout
+    assert rerun.returncode == 1, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    (again,) = _error_lines(rerun.stderr)
+    m2 = re.search(r"(lm loss|grad norm) spike at iteration (\d+): (\S+) > .* (median|max) (\S+) ", again)
+    assert m2 and m2.group(1, 2, 4) == m.group(1, 2, 4), (line, again)
+    assert float(m2.group(3)) == pytest.approx(value, rel=1e-4) and float(m2.group(5)) == pytest.approx(reference)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
+    assert [(x.cause, x.iteration) for x in history.attempts(history.read_records(run_dir))] == [("spike", spiked)] * 2
 
 
 def test_spike_watch_compares_with_the_recent_median():
