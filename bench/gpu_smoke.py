@@ -57,7 +57,7 @@ WHEELS = REPO / "bench" / "wheels"
 SITE = Path("/tmp/gpu_smoke_site")
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (NVIDIA datasheet); the planner's "H200" preset says the same
 TOTAL_S = 480  # the whole device run: 8 minutes
-BUDGET_S = {"install": 45, "orchestrator": 150, "bare": 120, "cycle": 150}
+BUDGET_S = {"install": 45, "orchestrator": 130, "bare": 110, "cycle": 140, "fp8": 50}
 CYCLE_TOL = 1e-5  # relative: the resumed losses vs the uninterrupted run's
 PINS = {
     "megatron-core": "0.19.2",
@@ -307,15 +307,43 @@ def orchestrator_overrides(a: argparse.Namespace, root: str) -> List[str]:
     ]
 
 
+OVERLAPPED = [
+    "optimizer.use_distributed_optimizer=true",
+    "parallelism.overlap_grad_reduce=true",
+    "parallelism.overlap_param_gather=true",
+]
+"""The cycle's optimizer: megatron-core's DistributedOptimizer with both overlaps, the forced gather before its
+save and the pre-hooks after (runtime/rank/param_sync.py) on a GPU; at DP 1 it shards nothing, so its losses
+must equal step 3's plain optimizer's within CYCLE_TOL (tests/test_distopt.py holds DP 2 and 4 on CPU)."""
+
+
 def cycle_steps(a: argparse.Namespace, root: str) -> List[Tuple[str, List[str]]]:
-    """Save -> resume -> continue: the orchestrator run's config in ``<root>/gpu_cycle``, stopped after half
-    its iterations (a checkpoint there), then the same command again (it resumes and finishes)."""
+    """Save -> resume -> continue with :data:`OVERLAPPED`: the orchestrator run's config in ``<root>/gpu_cycle``,
+    stopped after half its iterations (a checkpoint there), then the same command again (it resumes and
+    finishes)."""
     half = a.iters // 2
-    new = ["run.name=gpu_cycle", f"checkpoint.save_interval={half}"]
+    new = ["run.name=gpu_cycle", f"checkpoint.save_interval={half}", *OVERLAPPED]
     keys = {n.split("=", 1)[0] for n in new}  # each key once on the command line
     overrides = [o for o in orchestrator_overrides(a, root) if o.split("=", 1)[0] not in keys] + new
     base = [sys.executable, "-m", "orchestrator", *overrides]
     return [("cycle-save", base + [f"training.exit_after_iters={half}"]), ("cycle-resume", base)]
+
+
+def fp8_step(a: argparse.Namespace, root: str) -> Optional[List[str]]:
+    """The orchestrator run's config with ``training.fp8=hybrid`` (Transformer Engine's delayed-scaling recipe,
+    Megatron-LM's defaults) in ``<root>/gpu_fp8``, 20 iterations; None when Transformer Engine is not importable
+    (the orchestrator refuses fp8 without it, in one line)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    new = ["run.name=gpu_fp8", "training.fp8=hybrid", "training.train_iters=20", "training.timing_warmup_iters=5"]
+    keys = {n.split("=", 1)[0] for n in new}
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        *[o for o in orchestrator_overrides(a, root) if o.split("=", 1)[0] not in keys],
+        *new,
+    ]
 
 
 def read_losses(run_dir: Path) -> Dict[int, float]:
@@ -622,7 +650,18 @@ def device_run(a: argparse.Namespace) -> int:
         if rc != 0:
             break
     result["cycle"] = compare_cycle(work / "gpu_smoke", work / "gpu_cycle", after=a.iters // 2)
-    say(f"save -> resume -> continue: {result['cycle']}")
+    say(f"save -> resume -> continue (distributed optimizer, both overlaps): {result['cycle']}")
+    fp8 = fp8_step(a, str(work))
+    if fp8 is None:
+        say("fp8: skipped, Transformer Engine is not importable here")
+    else:
+        rc, _ = run_step("fp8", fp8, left(BUDGET_S["fp8"]), env, out / "fp8.log")
+        result["fp8"] = read_summary(work / "gpu_fp8")
+        losses = read_losses(work / "gpu_fp8")
+        say(
+            f"fp8 hybrid: rc {rc}, {len(losses)} losses, last {losses.get(max(losses)) if losses else None}, "
+            f"summary {result['fp8']}"
+        )
     result["ok"] = bool(result["orchestrator"] and result["bare"] and result["cycle"]["ok"])
     return finish(0 if result["ok"] else 1)
 
@@ -672,11 +711,16 @@ def dry_run(a: argparse.Namespace) -> int:
     )
     rc = dry_run_configs(a, root) or rc
     say(
-        f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue, losses after iteration {a.iters // 2} vs "
+        f"step 5 (<= {BUDGET_S['cycle']} s): save -> resume -> continue with the distributed optimizer and both overlaps, losses after iteration {a.iters // 2} vs "
         f"step 3's (relative {CYCLE_TOL}):"
     )
     for name, cmd in cycle_steps(a, root):
         say(f"        {name}: $ " + shlex.join(cmd))
+    fp8 = fp8_step(a, root)
+    say(
+        f"step 5b (<= {BUDGET_S['fp8']} s): fp8 hybrid, 20 iterations: "
+        + ("$ " + shlex.join(fp8) if fp8 else "skipped here (no Transformer Engine); runs where TE imports")
+    )
     say(
         "step 6: table (tokens/s and MFU orchestrator vs bare and their ratio; peak torch.cuda.max_memory_allocated "
         "vs the planner) + $OUT/gpu_smoke.json, $OUT/{install,orchestrator,bare,cycle-save,cycle-resume}.log"

@@ -48,6 +48,12 @@ def _bare_worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
     )
+    from orchestrator.runtime.rank.startup import jit_fuser_off
+
+    # megatron-core's @jit_fuser kernels (the fused bias-GELU here) as a CPU rank of the orchestrator runs
+    # them: eager, not torch.compile'd (runtime/rank/startup.py; --compiled-fuser keeps torch.compile)
+    if not os.environ.get("OVERHEAD_COMPILED_FUSER"):
+        jit_fuser_off()
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -78,7 +84,7 @@ def _bare_worker(
         attention_dropout=0.0,
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
-        bias_activation_fusion=False,
+        bias_activation_fusion=True,  # Megatron-LM's default (--bias-gelu-fusion; the orchestrator's gelu too)
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
@@ -92,6 +98,7 @@ def _bare_worker(
         max_sequence_length=seq,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,  # Megatron-LM's default (no --untie-embeddings-...)
     )
     ddp = DistributedDataParallel(
         config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
@@ -202,6 +209,27 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
 
 
+def counts(args, tp: int, pp: int, dp: int) -> None:
+    """Collectives and host reads per iteration on every rank, the bare loop's and the orchestrator's (runs
+    of 10 and 30 iterations each way, bench/call_counts.py)."""
+    import call_counts
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+
+        def orch(n: int) -> None:
+            orchestrated(args.parallelism, n, 0, args.mbs, args.gbs, args.log_interval, root, f"count{n}")
+
+        orch(1)  # the data cache, before anything is counted
+        bare_counts = call_counts.per_iteration(lambda n: bare(tp, pp, dp, n, 0, args.mbs, args.gbs), 10, 30)
+        orch_counts = call_counts.per_iteration(orch, 10, 30)
+    print(f"per iteration, bare megatron-core loop:\n{call_counts.describe(bare_counts)}")
+    print(
+        f"per iteration, orchestrator (log_interval {args.log_interval}: the loss is read and reduced once in "
+        f"{args.log_interval} iterations):\n{call_counts.describe(orch_counts)}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parallelism", default="pp2_dp2", choices=sorted(LAYOUTS))
@@ -218,6 +246,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-steps", action="store_true", help="only the 1-iteration job comparison")
     ap.add_argument("--skip-job", action="store_true", help="only the steady-state step comparison")
+    ap.add_argument(
+        "--counts",
+        action="store_true",
+        help="only: collectives and host reads per iteration, per rank, both ways (bench/call_counts.py)",
+    )
     ap.add_argument("--bare-job", action="store_true", help=argparse.SUPPRESS)  # one bare 1-iteration job
     args = ap.parse_args()
     tp, pp, dp = LAYOUTS[args.parallelism]
@@ -225,6 +258,9 @@ def main() -> None:
         bare(tp, pp, dp, 1, 0, args.mbs, args.gbs)
         return
     print(f"before: {_load()}", flush=True)
+    if args.counts:
+        counts(args, tp, pp, dp)
+        return
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         # Warm the data cache (prepared corpus, sample indices) so no job below prepares anything.

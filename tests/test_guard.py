@@ -533,23 +533,20 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     """optimizer.lr=1000 with the default training.spike.factor=10, a checkpoint every iteration: the job
     stops (exit 1, one line naming the iteration, the value and the median, and a lower lr) at the first
     iteration whose loss exceeds 10 x the median of the earlier ones, long before any NaN; no checkpoint
-    at or after it exists; the attempt ends as ``spike``."""
+    at or after it exists; the attempt ends as ``spike``. The same command again (issue 39) resumes from the last
+    checkpoint, and the spike is now the first iteration of the attempt: caught again, the same value against the
+    same reference (the window rebuilt from the run's records); with an empty window it passed, and was saved."""
     run_dir = tmp_path / "spike"
-    proc = run_cli(
-        SMALL
-        + [
-            "parallelism=none",
-            f"run.root={tmp_path}",
-            "run.name=spike",
-            "training.train_iters=8",
-            "checkpoint.save_interval=1",
-            "checkpoint.keep_last=null",
-            "optimizer.lr=1000",
-        ],
-        cache=cache_dir,
-        check=False,
-        timeout=900,
-    )
+    args = SMALL + [
+        "parallelism=none",
+        f"run.root={tmp_path}",
+        "run.name=spike",
+        "training.train_iters=8",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=null",
+        "optimizer.lr=1000",
+    ]
+    proc = run_cli(args, cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr
@@ -573,6 +570,16 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
     (a,) = history.attempts(history.read_records(run_dir))
     assert (a.cause, a.iteration) == ("spike", spiked)
+
+    rerun = run_cli(args, cache=cache_dir, check=False, timeout=900)  # resumes: the spike is its first iteration
+    assert spiked >= 2 and f"resume from {run_dir / 'checkpoints' / f'iter_{spiked - 1:07d}'}" in rerun.stdout
+    assert rerun.returncode == 1, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    (again,) = _error_lines(rerun.stderr)
+    m2 = re.search(r"(lm loss|grad norm) spike at iteration (\d+): (\S+) > .* (median|max) (\S+) ", again)
+    assert m2 and m2.group(1, 2, 4) == m.group(1, 2, 4), (line, again)
+    assert float(m2.group(3)) == pytest.approx(value, rel=1e-4) and float(m2.group(5)) == pytest.approx(reference)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
+    assert [(x.cause, x.iteration) for x in history.attempts(history.read_records(run_dir))] == [("spike", spiked)] * 2
 
 
 def test_spike_watch_compares_with_the_recent_median():
@@ -775,6 +782,55 @@ def test_sigstopped_rank_is_named_restarted_in_place_then_ends_the_job(tmp_path,
     row = _status(tmp_path)["hang"]
     assert (row["state"], row["job"]["cause"]) == ("failed", "hang"), row
     assert all(not psutil.pid_exists(v.pid) or psutil.Process(v.pid).status() == psutil.STATUS_ZOMBIE for v in victims)
+
+
+@pytest.mark.slow
+def test_a_rank_frozen_during_start_up_is_named_by_the_hang_watchdog(tmp_path, cache_dir):
+    """issue 39: the hang watchdog covers the start-up, not only from the checkpoint load on. Rank 1 of a 2-rank job
+    stops itself (a real SIGSTOP: guard.STARTUP_FREEZE_ENV) before its model build, while rank 0 waits for it in
+    the rendezvous (the first collective). Within hang_timeout_s + 60 s rank 0 names it and the launcher exits 1;
+    before, the watchdog started after the start-up and rank 0 waited training.distributed_timeout_minutes."""
+    import psutil
+
+    timeout_s = 6
+    args = SMALL + [
+        "parallelism=none",
+        "parallelism.data_parallel_size=2",
+        f"run.root={tmp_path}",
+        "run.name=frozen",
+        "training.train_iters=2",
+        f"training.hang_timeout_s={timeout_s}",
+    ]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    env[guard_mod.STARTUP_FREEZE_ENV] = "1"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    seen = set()
+    try:
+        deadline = time.monotonic() + 240  # the start-up under load, then hang_timeout_s + polls
+        while cli.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.update(psutil.Process(cli.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.5)
+        assert cli.poll() is not None, "the launcher still waits on a rank frozen during the start-up"
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        stdout, stderr = (x.decode(errors="replace") for x in cli.communicate())
+        for p in seen:  # the frozen rank, should the launcher have left it
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert cli.returncode == 1, (cli.returncode, stderr[-3000:])
+    (line,) = _error_lines(stderr)
+    assert "hang: rank(s) 1 on host(s) " in line and "after the start of the attempt (start)" in line, line
+    assert "not responding" in line, line
+    (hang,) = [r for r in history.read_records(tmp_path / "frozen") if r["event"] == "hang"]
+    assert hang["stalled"] == [1], hang
 
 
 @pytest.fixture

@@ -1033,3 +1033,82 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
     assert "iteration 1/" not in refused.stdout and "params on rank 0" not in refused.stdout, refused.stdout
     assert not (tmp_path / "refused" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "refused")
     assert "requeued" not in refused.stdout, refused.stdout
+
+
+@needs_slurm
+def test_a_slurm_job_is_never_ended_by_an_early_signal_or_an_unreadable_state(tmp_path, cache_dir, monkeypatch):
+    """issue 39, one real SLURM job, its launcher's wait run in this process:
+
+    * SIGINT, SIGTERM, SIGHUP at the instant before the wait's own handlers are in place -- the entry's handler
+      (signals.interrupt: a KeyboardInterrupt) still installed, as between the submission and the wait -- each
+      detach: the job is still RUNNING/PENDING (squeue) after each. Before, that KeyboardInterrupt scancelled it.
+    * then scontrol and squeue fail for the wait's own calls (a PATH shim answering as an unreachable controller,
+      exit 1) for 18 s, past the wait's 15 s grace for an ended job: the state is UNREADABLE, polled again, never
+      the job's end -- the wait goes on (a SIGINT ends it: a detach) and the job runs on. Taken as UNKNOWN, the
+      wait reported the job ended and scancelled it. The test scancels it."""
+    import shutil
+    import threading
+
+    import submitit
+
+    from orchestrator.config.compose import compose_config
+    from orchestrator.submit import signals
+    from orchestrator.submit.wait import wait
+
+    real_squeue = shutil.which("squeue")
+    args = SMALL + ONE_RANK + [f"run.root={tmp_path}", "run.name=early", "training.train_iters=5000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args, "cluster.wait=false"],
+        cwd=REPO,
+        env=dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "early"
+    job_id = submitted_job(run_dir)
+    (record,) = [r for r in history.read_records(run_dir) if r.get("event") == "submitted"]
+    job = submitit.SlurmJob(folder=record["folder"], job_id=job_id, tasks=(0,))
+    cfg = compose_config(args)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    for tool in ("scontrol", "squeue"):  # fails for this process's own calls only (the job's are its children's)
+        (shim / tool).write_text(
+            f'#!/bin/sh\nif [ "$PPID" = "{os.getpid()}" ]; then echo x >> {shim}/{tool}.failed; echo "slurm_load_jobs '
+            f'error: Unable to contact slurm controller (connect failure)" >&2; exit 1; fi\nexec {shutil.which(tool)} "$@"\n'
+        )
+        (shim / tool).chmod(0o755)
+    previous = {sig: signal.getsignal(sig) for sig in signals.SIGNALS}
+    monkeypatch.setattr(signals, "_PENDING", None)  # what the entry's handler remembers
+    got, states = [], []
+
+    def waited(after_s: float) -> None:
+        timer = threading.Timer(after_s, os.kill, (os.getpid(), sig))
+        timer.start()
+        try:
+            wait(job, cfg, 1, own_signals=False)  # no handlers of its own: only the entry's
+        except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt, or the failure the test names
+            got.append(exc)
+        finally:
+            timer.cancel()
+        time.sleep(2)  # a scancel shows in squeue at once
+        run = subprocess.run([real_squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        states.append(run.stdout.strip())
+
+    try:
+        for sig in signals.SIGNALS:
+            signal.signal(sig, signals.interrupt)
+            waited(1.0)
+        monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+        sig = signal.SIGINT
+        waited(18.0)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert [type(e).__name__ for e in got] == ["Detached"] * 4, got
+    assert [e.signum for e in got] == [*signals.SIGNALS, signal.SIGINT] and all(e.job_id == job_id for e in got), got
+    assert all(s in ("RUNNING", "PENDING") for s in states), states
+    failed = {t: len((shim / f"{t}.failed").read_text().split()) for t in ("scontrol", "squeue")}
+    assert failed["scontrol"] >= 5 and failed["squeue"] >= 5, failed  # the wait polled an unreadable state

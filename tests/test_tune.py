@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 import re
 import shutil
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, slurm_unavailable_reason
 
 from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
@@ -373,3 +374,53 @@ def test_kendall_tau():
     assert calibrate.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
     assert calibrate.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
     assert calibrate.kendall_tau([1], [1]) is None
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.skipif(
+    bool(slurm_unavailable_reason()), reason=f"SLURM dev cluster not reachable: {slurm_unavailable_reason()}"
+)
+def test_a_signal_to_tune_never_cancels_its_slurm_warm_pool(tmp_path, cache_dir):
+    """issue 39: SIGTERM to `tune` while its trial trains on a SLURM warm pool: tune exits 130 and the pool's job is
+    still RUNNING (squeue) -- its ranks were asked to exit after the trial (a stop file), never scancelled (before,
+    the pool's KeyboardInterrupt handler scancelled it). The test scancels it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from orchestrator.ckpt import history
+
+    tune_dir = tmp_path / "tune" / "sig"
+    args = [*BASE, "cluster=slurm_dev", "cluster.tasks_per_node=2", f"run.root={tmp_path}", "tune.name=sig"]
+    args += ["tune.tp=1", "tune.pp=1", "tune.mbs=4", "tune.sequence_parallel=false", "tune.recompute=none"]
+    args += ["tune.iters=100000", "tune.max_minutes=5", "tune.trial_timeout_min=5"]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "out.txt", "w") as out:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "tune", *args], cwd=REPO, env=env, stdout=out, stderr=out
+        )
+    job_id, state = None, ""
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.stat().st_size > 2000 for p in tune_dir.glob("*/metrics.jsonl")):  # the trial trains
+            assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+            time.sleep(0.5)
+        (run_dir,) = [p.parent for p in tune_dir.glob("*/metrics.jsonl")]
+        job_id = next(r["job_id"] for r in history.read_records(run_dir) if r.get("warm_pool"))
+        cli.send_signal(signal.SIGTERM)
+        code = cli.wait(timeout=120)
+        time.sleep(3)  # a scancel's effect shows in squeue at once; a left job stays RUNNING
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        if job_id is not None:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    log = (tmp_path / "out.txt").read_text() + "".join(p.read_text() for p in tune_dir.glob("*/*.log"))
+    assert code == 130, log[-3000:]
+    assert state in ("RUNNING", "PENDING"), (state, log[-3000:])
+    assert f"warm ranks' SLURM job {job_id} not cancelled" in log, log[-3000:]

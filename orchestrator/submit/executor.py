@@ -205,23 +205,30 @@ def launch(cfg: JobConfig, layout: ParallelLayout, prepared, *, show_progress: b
             cfg, layout, prepared, show_progress=show_progress
         )
     job = submit(cfg, layout, prepared)
-    print(
-        f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}): starting {layout.world_size} ranks\n"
-        f"[orchestrator]   run dir: {cfg.run.dir}\n"
-        f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/",
-        flush=True,
-    )
-    if not cfg.cluster.wait:
-        return {"job_id": str(job.job_id), "status": "submitted"}
-    progress = Progress(
-        Path(cfg.run.dir) / METRICS_FILE,
-        cfg.training.train_iters,
-        enabled=show_progress,
-        log=Path(job.task(0).paths.stdout),
-        world_size=layout.world_size,
-        ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
-        every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2),
-    )
+    try:
+        print(
+            f"[orchestrator] submitted job {job.job_id} ({cfg.cluster.kind}): starting {layout.world_size} ranks\n"
+            f"[orchestrator]   run dir: {cfg.run.dir}\n"
+            f"[orchestrator]   logs:    {Path(job.paths.stdout).parent}/",
+            flush=True,
+        )
+        if not cfg.cluster.wait:
+            return {"job_id": str(job.job_id), "status": "submitted"}
+        progress = Progress(
+            Path(cfg.run.dir) / METRICS_FILE,
+            cfg.training.train_iters,
+            enabled=show_progress,
+            log=Path(job.task(0).paths.stdout),
+            world_size=layout.world_size,
+            ranks_up=ranks_up(Path(cfg.run.dir), str(job.job_id)),
+            every=max(0.5, HEARTBEAT_S - cfg.cluster.poll_interval_s / 2),
+        )
+    except KeyboardInterrupt:  # a signal before the wait's handlers: a SLURM job runs on (signals.py), detached
+        from orchestrator.submit.signals import HELD, WaitSignals
+
+        if cfg.cluster.kind in HELD:
+            raise
+        raise WaitSignals(cfg, str(job.job_id)).detached_late(True) from None
     summaries = wait(job, cfg, layout.world_size, progress, tasks=agent_tasks(cfg) or None)
     if agent_tasks(cfg):  # one summary a node: the ranks' summaries each agent found
         ranks = {r: s for node in summaries if isinstance(node, dict) for r, s in node.get("ranks", {}).items()}

@@ -137,7 +137,7 @@ class WarmPool:
         except BaseException as exc:
             from orchestrator.submit import outcome
 
-            self.cancel()
+            self.close(interrupted=True) if isinstance(exc, KeyboardInterrupt) else self.cancel()
             cause = "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed"
             why = "the launcher was interrupted (Ctrl-C or a signal)" if cause == "interrupted" else str(exc)
             outcome.record_end(cfg.run.dir, str(self.job.job_id), cause, why)  # unless the trial recorded it
@@ -262,12 +262,23 @@ class WarmPool:
             self._stopped = True
             write_atomic(trial_path(self.dir, self.next), json.dumps({"stop": True}))
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the ranks to exit (a stop file) and wait for them; cancel them after ``timeout_s``."""
+    def close(self, timeout_s: float = 30.0, interrupted: bool = False) -> None:
+        """Ask the ranks to exit (a stop file) and wait for them; cancel them after ``timeout_s``. ``interrupted``
+        (a signal to the launcher): local ranks are cancelled at once; a SLURM job is never cancelled by a signal
+        (:mod:`orchestrator.submit.signals`): its ranks exit after their current trial, said in one line."""
         if not self.alive:
             return
         self.stop()
         self.alive = False
+        if interrupted:
+            if self.cfg.cluster.kind == "local":
+                return self.cancel()
+            from orchestrator.submit.signals import tell
+
+            return tell(
+                f"[orchestrator] warm ranks' SLURM job {self.job.job_id} not cancelled: its ranks exit after their "
+                f"current trial (scancel {self.job.job_id} ends it now)"
+            )
         # Every rank has returned once its result file exists; the interpreters' own exit (seconds with
         # torch loaded) is not waited for.
         results = [Path(self.job.task(r).paths.result_pickle) for r in range(1 if self.forked else self.world_size)]
@@ -331,7 +342,8 @@ class PoolLauncher:
         if self.pool is not None:
             self.pool.stop()
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """End the warm ranks (``interrupted``: a signal to the launcher, :meth:`WarmPool.close`)."""
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(interrupted=interrupted)
             self.pool = None

@@ -169,6 +169,16 @@ class WaitSignals:
             f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop at once, unsaved)"
         )
 
+    def detached_late(self, say: bool) -> Detached:
+        """A SLURM job's launcher got a signal before these handlers were in place (the entry's
+        :func:`interrupt`: a KeyboardInterrupt): the same detach as :meth:`_handle`'s, never a cancel; said
+        (and recorded) when ``say``."""
+        signum = _PENDING or signal.SIGINT
+        exc = Detached(detach_line(self.cfg, self.job_id, signum), signum, self.job_id)
+        if say:
+            say_detached(exc, {self.cfg.run.dir: self.job_id})
+        return exc
+
     def stopped(self, asked: Optional[Dict[str, Any]]) -> JobStopped:
         """The job ended after the stop ``asked`` (this launcher's signal, or ``orchestrator stop``)."""
         how = "stopped at once, unsaved" if asked and asked.get("now") else "stopped after saving"

@@ -1,10 +1,10 @@
 """Watching a submitted job until it ends: :func:`wait` and :func:`cancel`.
 
-:func:`wait` reads each task's submitit result file, cancels the whole job as soon as one rank
-fails (the others would otherwise block in a collective until the process-group timeout), and
-bounds every wait by the job's time limit plus a margin. On SLURM the job's state comes from
-``scontrol`` (accounting may be absent, and submitit polls sacct rarely), so a job cancelled
-outside our control is reported, not waited on forever. No torch import.
+:func:`wait` reads each task's submitit result file, cancels the whole job as soon as one rank fails (the others
+would block in a collective until the process-group timeout) and bounds every wait by the job's time limit plus a
+margin. A SLURM job's state comes from ``scontrol`` (accounting may be absent, submitit polls sacct rarely): a job
+cancelled outside our control is reported, not waited on forever; a signal to the launcher never cancels it.
+No torch import.
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ class _Wait:
         self.last_poll = self.started = time.time()
         self.results: Dict[int, Tuple[str, Any]] = {}
         self.ended_since: Optional[float] = None
-        self.requeues = 0
-        self.state = ""
+        self.requeues, self.state = 0, ""
         self.local = self.c.kind == "local"
         self.asked: Optional[Dict[str, Any]] = None  # the stop asked of the job (ckpt.stop), once seen
         self.restarts_seen = 0  # in-place restart decisions already reported (cluster.max_restarts)
@@ -112,8 +111,7 @@ class _Wait:
         failed = self.failed()
         if not failed:
             return
-        job = self.job
-        errors = [self.results[i][1] for i in sorted(failed)]
+        job, errors = self.job, [self.results[i][1] for i in sorted(failed)]
         from orchestrator.errors import RunLockedError, SlowLinkError
 
         for kind in (RunLockedError, SlowLinkError):  # another run took the directory; a slow link refused
@@ -329,6 +327,8 @@ def wait(
     except JobStopped:
         raise
     except KeyboardInterrupt:  # a second signal, or one before the handlers were in place: stop at once
+        if not signals.held:  # a SLURM job: never cancelled by a signal to its launcher, however early
+            raise signals.detached_late(own_signals) from None
         cancel(job, cfg)
         outcome.record_end(
             w.run_dir,

@@ -202,9 +202,9 @@ class TrialRunner:
                 print(reason, flush=True)
         return (summary if not reason else None), reason, time.time() - start
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(interrupted=interrupted)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -247,7 +248,7 @@ class Tuner:
                 self.learn(self.run_trial(self.remaining()[0]))
                 reason = self.stop()
         except KeyboardInterrupt:
-            self.runner.close()
+            self.runner.close(interrupted=True)  # a SLURM pool is not cancelled: its ranks exit after the trial
             if self.trials and self.trials[-1].status == "running":
                 trial = self.trials[-1]
                 trial.status, trial.reason = "interrupted", "interrupted (Ctrl-C) while running"
@@ -323,7 +324,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         from orchestrator.config.confdirs import with_config_dir_flags
+        from orchestrator.submit.signals import SIGNALS, interrupt
 
+        for sig in SIGNALS:  # SIGTERM, SIGHUP as Ctrl-C: the table is written, warm SLURM ranks are not cancelled
+            signal.signal(sig, interrupt)
         tune_args, overrides = split_args(with_config_dir_flags(argv))
         opts = search.parse_tune_args(tune_args)
         tuner = Tuner(compose_base(overrides), overrides, opts, tune_args)

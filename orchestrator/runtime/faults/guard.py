@@ -120,7 +120,8 @@ class Guard(NumericsGuard):
     def begin(self, start_iteration: int) -> None:
         """Training starts after iteration ``start_iteration`` (0, or the checkpoint resumed): rank 0
         records the attempt's start (``status`` reads the total there). The watchdog has been running
-        since the guard was made, so a rank that stops during the checkpoint load is named too."""
+        since the guard was made (before the model build and the first collective), so a rank that stops
+        during the start-up or the checkpoint load is named too."""
         self.iteration = start_iteration
         if self.rank == 0:
             quietly(lambda: history.clear_attempt_markers(self.run_dir, self.job_id, self.attempt))
@@ -317,3 +318,18 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+STARTUP_FREEZE_ENV = "ORCHESTRATOR_TEST_FREEZE_AT_STARTUP"
+"""Test-only: the rank it names stops itself (SIGSTOP) at the start of its start-up (:func:`startup_fault`)."""
+
+
+def startup_fault(rank: int) -> None:
+    """Where :data:`STARTUP_FREEZE_ENV` names ``rank``: stop this process (SIGSTOP: every thread of it, the
+    watchdog's too) before its model build and first collective, as a frozen or stopped process would; its
+    peers then wait in the rendezvous until the hang watchdog names it. Nothing otherwise."""
+    import os
+    import signal
+
+    if os.environ.get(STARTUP_FREEZE_ENV) == str(rank):
+        os.kill(os.getpid(), signal.SIGSTOP)

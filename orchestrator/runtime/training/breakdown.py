@@ -248,7 +248,7 @@ class StepClock:
             self.window = _Totals()
         if everyone is None:
             return None
-        rows = [[float(x) for x in t] for t in everyone]
+        rows = [t.tolist() for t in everyone]
         return {"iterations": [first, iteration] if not run else None, **per_stage(rows, mfu_inputs(self.rank))}
 
 

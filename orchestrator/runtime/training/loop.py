@@ -10,9 +10,10 @@ Megatron-LM's). ``consumed_samples`` grows by each iteration's own batch.
 Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
 The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
 over DP x CP, in nats per token) is reduced and read only on iterations that log, save or stop. The
-stop request (preemption/time-limit signal) is agreed on without blocking: each iteration starts a
+stop request (preemption/time-limit signal) is agreed on without blocking: a poll starts a
 non-blocking MAX all-reduce of this rank's signal flag on a gloo group and reads the one started
-the iteration before, so every rank stops after the same iteration, one iteration after the signal.
+at the poll before, so every rank stops after the same iteration, one poll after the signal; polls are
+about a second apart (every iteration when steps take a second or more, :class:`StopPoll`).
 
 Evaluation (``training.eval_iters > 0``): every ``training.eval_interval`` iterations and after
 the last, the validation lm loss over the first ``eval_iters`` global batches of the held-out
@@ -63,23 +64,41 @@ def _inject_nonfinite_grad(model, iteration: int) -> None:
 
 class StopPoll:
     """The stop decision of :class:`~orchestrator.runtime.faults.preempt.StopRequest`, without a blocking
-    collective per iteration (see the module docstring). Collective: every rank polls every iteration."""
+    collective per iteration (see the module docstring). Collective: every rank calls it every iteration and
+    polls on the same ones.
+
+    A poll is one non-blocking MAX all-reduce of ``[this rank's signal flag, seconds since its last poll]``
+    on a gloo group, read at the next poll: a stop is agreed one poll after the signal. Polls are about
+    :attr:`POLL_S` apart: after each, every rank takes the same slowest rank's seconds per iteration from the
+    result and polls again after ``max(1, POLL_S // that)`` iterations, so a job of second-long steps polls
+    every iteration (as Megatron-LM's ``--exit-signal-handler`` checks, with a blocking all-gather) and a
+    small one adds a collective only every few iterations."""
+
+    POLL_S = 1.0
 
     def __init__(self, stop):
         self.stop = stop
         self.group = torch.distributed.new_group(backend="gloo")  # CPU flag: no device sync on GPU runs
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._sent = torch.zeros(2, dtype=torch.float64)
         self._work = None
+        self.every, self._left, self._last = 1, 1, time.perf_counter()
 
     def requested(self) -> bool:
         """True on every rank when any rank had received a signal by the previous poll."""
-        decided = False
+        self._left -= 1
+        if self._left > 0:
+            return False
+        decided, spanned = False, self.every
         if self._work is not None:
             self._work.wait()
-            decided = bool(self._flag[0])
-        self._flag = torch.tensor([int(self.stop.local_flag)], dtype=torch.int32)
+            flag, seconds = self._sent.tolist()
+            decided = flag > 0
+            self.every = max(1, int(self.POLL_S * spanned // max(seconds, 1e-9)))
+        now = time.perf_counter()
+        self._sent = torch.tensor([float(self.stop.local_flag), now - self._last], dtype=torch.float64)
+        self._last, self._left = now, self.every
         self._work = torch.distributed.all_reduce(
-            self._flag, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True
+            self._sent, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True
         )
         if decided and not self.stop.local_flag:
             self.stop.trigger("peer")  # another rank got the signal; requeue_or_exit names it

@@ -1,9 +1,9 @@
 """One rank's job, top to bottom: build → resume → data → loop → final save → summary.
 
 stop    = StopRequest(...).install()      first: a USR2 during start-up must not reach submitit
+guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog (from here on), save faults
 rank    = build_rank(cfg)                  runtime.build: process group, parallel state, model, optimizer
 links   = check_links(rank)                runtime.faults.links: cross-node bandwidth (multi-node jobs)
-guard   = Guard(cfg, ...)                  runtime.guard: NaN/inf stop or skip, hang watchdog, save faults
 start   = restore(rank, prepared)          runtime.resume: in-job resume check, load (config's lr schedule)
 data    = build_data(rank, prepared, ...)  runtime.build: GPTDatasets (train, validation), iterators
 outcome = loop.train(...)                  runtime.loop: the iterations, evaluation, saves, stop
@@ -12,6 +12,7 @@ summary = summarize(rank, outcome, ...)    runtime.summary: the record every ran
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict
 
@@ -69,19 +70,23 @@ def run(cfg: JobConfig, prepared, layout: ParallelLayout, *, keep_process_group:
 
         return links_only(cfg, layout)
     from orchestrator.runtime.faults.diskspace import explain_write_failure
-    from orchestrator.runtime.faults.guard import Guard
+    from orchestrator.runtime.faults.guard import Guard, startup_fault
     from orchestrator.runtime.faults.links import check_links
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
+    from orchestrator.runtime.rank.rendezvous import rendezvous_from_env
     from orchestrator.runtime.training import loop
     from orchestrator.runtime.training.metrics import Trackers
     from orchestrator.runtime.training.resume import Saver, restore
     from orchestrator.runtime.training.summary import summarize
 
-    rank = build_rank(cfg, layout)
-    rank.link_check = check_links(rank)  # multi-node: slow links named (or refused) before anything is loaded
-    guard = Guard(cfg, cfg.run.dir, rank.info.rank, rank.info.hosts[rank.info.rank], world_size=rank.info.world_size)
+    # The hang watchdog first: a rank that stops during the start-up (model build, link check, the first
+    # collective, where its peers would wait for training.distributed_timeout_minutes) is named too
+    guard = Guard(cfg, cfg.run.dir, rendezvous_from_env(os.environ).rank, world_size=layout.world_size)
     try:
+        startup_fault(guard.rank)
+        rank = build_rank(cfg, layout)
+        rank.link_check = check_links(rank)  # multi-node: slow links named (or refused) before anything is loaded
         with guard.phase("load"):  # the hang watchdog names a rank that stops here too
             start = restore(rank, prepared)
             data = build_data(rank, prepared, start.consumed_samples)
