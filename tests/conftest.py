@@ -44,6 +44,8 @@ SLURM_ORDER = (
     "test_a_nan_is_never",
     "test_scancel_",
     "test_signals_to_a_slurm_",
+    "test_a_signal_to_tune_",
+    "test_a_slurm_job_is_never_ended_",
     "test_killed_rank_",
     "test_slow_link_",
     "test_slurm_run_across_nodes",
