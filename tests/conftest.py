@@ -78,6 +78,7 @@ LONGEST_FIRST = (
     "test_data",
     "test_cp",
     "test_eval_tb",
+    "test_rampup",
     "test_tune",
     "test_validate",
     "test_convert",
