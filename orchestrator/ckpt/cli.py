@@ -33,7 +33,12 @@ def _summary(manifest: dict) -> str:
             f"{lay['data_parallel_size']}; VPP {vpp}; EP {lay['expert_model_parallel_size']}; "
             f"SP {lay['sequence_parallel']}; layers/stage {lay['layers_per_stage']}",
             f"batch: MBS {lay['micro_batch_size']} GBS {lay['global_batch_size']} "
-            f"num_microbatches {lay['num_microbatches']}",
+            f"num_microbatches {lay['num_microbatches']}"
+            + (
+                f"; ramp-up {ramp} (start, increment, samples)"
+                if (ramp := manifest.get("batch", {}).get("rampup_batch_size"))
+                else ""
+            ),
             f"model: {mod['num_layers']} layers, hidden {mod['hidden_size']}, heads {mod['num_attention_heads']}, "
             f"seq {mod['seq_length']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
             f"tokenizer: {json.dumps(manifest['tokenizer'], sort_keys=True)}",
