@@ -296,9 +296,8 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     check_passthrough(cfg, layout)
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
-    t = cfg.training
-    if t.rampup_batch_size is not None:
-        say(describe_ramp(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, layout.data_parallel_size))
+    if cfg.training.rampup_batch_size is not None:
+        say(describe_ramp(cfg.training, layout.data_parallel_size))
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes
         say(f"note: {vpp_no_op(cfg)}")
     if not cfg.plan:

@@ -133,14 +133,25 @@ def iterations_for(ramp: Optional[List[int]], global_batch_size: int, samples: i
     return lo
 
 
-def describe(ramp: Optional[List[int]], global_batch_size: int, micro_batch_size: int, dp: int) -> Optional[str]:
-    """The ramp's arithmetic in one line (printed with the layout's), None without a ramp."""
+def describe(training, dp: int) -> Optional[str]:
+    """The ramp's arithmetic of ``training`` (a TrainingConfig) with ``dp`` DP ranks in one line (printed with the
+    layout's), None without a ramp."""
+    t = training
+    ramp, global_batch_size, micro_batch_size, train_iters = (
+        t.rampup_batch_size,
+        t.global_batch_size,
+        t.micro_batch_size,
+        t.train_iters,
+    )
     if ramp is None:
         return None
     start, inc, samples = ramp
     n = (global_batch_size - start) // inc
     step = micro_batch_size * dp
+    total = samples_after(ramp, global_batch_size, train_iters)
     return (
         f"batch ramp-up: GBS {start} -> {global_batch_size} in {n} steps of {inc} over {samples} samples "
-        f"(~{samples / n:g} samples each); num_microbatches {start // step} -> {global_batch_size // step}"
+        f"(~{samples / n:g} samples each); num_microbatches {start // step} -> {global_batch_size // step}; "
+        f"training.train_iters={train_iters} iterations consume {total:,} samples (not {train_iters} x "
+        f"{global_batch_size}); the LR schedule counts samples"
     )
