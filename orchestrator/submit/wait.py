@@ -16,26 +16,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.config.schema import JobConfig
-from orchestrator.errors import JobFailedError, ranks_died
+from orchestrator.errors import JobFailedError
 from orchestrator.slurm import slurm_state
+from orchestrator.submit import failure_report
 from orchestrator.submit.jobs import SLURM_ENDED
-from orchestrator.submit.liveness import dead_ranks, is_stale, read_result, result_mtime
+from orchestrator.submit.liveness import is_stale, read_result, result_mtime
 from orchestrator.submit.progress import Progress
 from orchestrator.submit.stop import cancel  # noqa: F401 - the launcher's way to end a job at once, used here
-
-
-def _stderr_tail(job, task: int, lines: int = 25) -> str:
-    try:
-        paths = job.task(task).paths
-        text = ""
-        for p in (paths.stderr, paths.stdout):
-            if Path(p).exists():
-                text = Path(p).read_text(errors="replace")
-                if "Traceback" in text or "Error" in text:
-                    break
-        return "\n".join(text.rstrip().splitlines()[-lines:])
-    except Exception:  # pragma: no cover - diagnostics only
-        return ""
 
 
 def _pause(job, cfg: JobConfig) -> None:
@@ -106,41 +93,7 @@ class _Wait:
 
     def check_failed_rank(self) -> None:
         """A rank returned an error: raise the job's own explanation, else that rank's last lines."""
-        from orchestrator.submit import outcome
-
-        failed = self.failed()
-        if not failed:
-            return
-        job, errors = self.job, [self.results[i][1] for i in sorted(failed)]
-        from orchestrator.errors import RunLockedError, SlowLinkError
-
-        for kind in (RunLockedError, SlowLinkError):  # another run took the directory; a slow link refused
-            refused = next((outcome.orchestrator_error(e) for e in errors if f"{kind.__name__}: " in str(e)), None)
-            if refused:  # user errors (exit 2), found in the job
-                cancel(self.job, self.cfg)
-                raise kind(refused)
-        known = outcome.known_failure(self.run_dir, self.job_id, errors)
-        if known:
-            raise self.fail(
-                f"job {self.job_id}: {known} (logs: {Path(job.task(failed[0]).paths.stderr).parent}/)", "crashed", known
-            )  # (a job that recorded its own end, a NaN stop or a hang, keeps it)
-        # Often the root cause is a rank that died silently (SIGKILL, OOM) and the error above is its peers': say so.
-        dead = dead_ranks(job, self.world_size, self.results) if self.local else outcome.srun_killed_after(job, errors)
-        rank = failed[0]
-        detail = self.results[rank][1]
-        tail = str(detail).strip().splitlines()[-15:] if detail else []
-        cause = (
-            f"{ranks_died(dead, '' if self.local else 'exit by signal 9, SIGKILL, per srun')}; then " if dead else ""
-        )
-        srun = "" if self.local else outcome.srun_errors(job)
-        raise self.fail(
-            f"job {job.job_id}: {cause}rank {rank} failed:\n"
-            + "\n".join(tail)
-            + (f"\n{srun}" if srun else "")
-            + f"\nlogs: {job.task(rank).paths.stderr}",
-            "crashed",
-            f"{cause}rank {rank} failed: {tail[-1] if tail else ''}",
-        )  # status names the dead
+        failure_report.check_failed_rank(self)
 
     def check_stopped(self, ended: bool, signals) -> None:
         """The job ended after a stop asked of it (a signal to this launcher, ``orchestrator stop``):
@@ -154,43 +107,7 @@ class _Wait:
 
     def check_dead_local(self) -> None:
         """A local rank process gone without a result (SIGKILL, OOM): stop the others."""
-        from orchestrator.submit import outcome
-
-        if not self.local or time.time() - self.started <= 5 or self.asked is not None:
-            return  # (ranks that stop on request exit without results: check_stopped waits for the job's end)
-        dead = dead_ranks(self.job, self.world_size, self.results)
-        if not dead:
-            return
-        logs = Path(self.job.task(dead[0]).paths.stderr).parent
-        how = self.death_signals(dead)
-        stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)
-        errors = [r[1] for r in self.results.values() if r[0] != "success"]  # a forking rank 0 names the signal
-        if known := stopped or outcome.known_failure(self.run_dir, self.job_id, errors):
-            raise self.fail(f"job {self.job_id}: {known} (logs: {logs}/)", None if stopped else "crashed", known)
-        raise self.fail(
-            f"job {self.job.job_id}: {ranks_died(dead, how)}; the other ranks were stopped.\nlogs: {logs}/",
-            "crashed",
-            ranks_died(dead, how),
-        )
-
-    def death_signals(self, dead: List[int]) -> str:
-        """How forked ranks that died ended, when a signal did (``exit by signal 9, SIGKILL``): read from their
-        zombies (runtime.start.forked.zombie_signals), else from the forking rank 0's result — it reaps them and
-        fails a moment after their death breaks its collective, so it gets up to 10 s to say so. "" otherwise."""
-        if not getattr(self.job, "forks_ranks", False) or 0 in dead:
-            return ""
-        from orchestrator.runtime.start.forked import zombie_signals
-
-        deadline = time.monotonic() + 10.0
-        while True:
-            found = zombie_signals(self.job.paths.folder, str(self.job.job_id))
-            lines = sorted({found[r] for r in dead if r in found})
-            if lines:
-                return "; ".join(lines)
-            self.read_results()
-            if 0 in self.results or time.monotonic() > deadline:
-                return ""
-            time.sleep(0.2)
+        failure_report.check_dead_local(self)
 
     def poll_scheduler(self) -> bool:
         """Read the job's state; report a requeue; True once the job has ended."""
@@ -222,42 +139,7 @@ class _Wait:
 
     def check_ended(self, ended: bool) -> None:
         """The job ended without every result: after a short grace for result files, explain it."""
-        from orchestrator.submit import outcome
-
-        if not ended:
-            self.ended_since = None
-            return
-        cancelled = not self.local and self.state.startswith("CANCELLED")
-        # Allow result files a moment to land after the processes exit (the state is re-read every poll, so a transient
-        # answer does not end the wait). A local task writes its result before it exits, here: a short grace is enough.
-        self.ended_since = self.ended_since or time.time()
-        if time.time() - self.ended_since <= (3 if cancelled or self.local else 15):
-            return
-        job, state, logs = self.job, self.state, Path(self.job.paths.stderr).parent
-        missing = [i for i in range(self.world_size) if i not in self.results]
-        stopped = outcome.stopped_itself(self.run_dir, self.job_id, self.c)  # e.g. its requeues used up: no srun lines
-        if (known := stopped or outcome.known_failure(self.run_dir, self.job_id)) and not cancelled:
-            if not stopped:  # e.g. a full disk the ranks could not record (kept if they did)
-                outcome.record_end(self.run_dir, self.job_id, "crashed", known)
-            raise JobFailedError(f"job {self.job_id}{'' if stopped else f' ({state})'}: {known} (logs: {logs}/)")
-        outcome.record_end(
-            self.run_dir,
-            self.job_id,
-            "crashed" if self.local else outcome.slurm_cause(state),
-            f"job ended ({state}) without results from rank(s) {missing}",
-        )
-        if cancelled:
-            raise JobFailedError(
-                f"job {job.job_id} was cancelled (scancel or the scheduler) before it finished; "
-                f"rerunning the same command resumes from its latest checkpoint, if it saved one.\n"
-                f"logs: {logs}/"
-            )
-        srun = "" if self.local else outcome.srun_errors(job)
-        raise JobFailedError(
-            f"job {job.job_id} ended ({state}) without results from rank(s) {missing}:\n"
-            + (f"{srun}\n" if srun else "")
-            + f"{_stderr_tail(job, missing[0])}\nlogs: {job.task(missing[0]).paths.stderr}"
-        )
+        failure_report.check_ended(self, ended)
 
     def check_hang_and_bound(self, ended: bool) -> None:
         """Every rank silent past the hang allowance, or the launcher's time bound spent: cancel."""
