@@ -4,7 +4,7 @@
 :mod:`orchestrator.__main__`), what every sweep point runs and what each ``tune`` trial runs; the
 entry point keeps the error boundary, composition and the sub-tools. ``launcher`` chooses how the job
 runs: a fresh submitit job (:func:`orchestrator.submit.executor.launch`, the default) or warm ranks
-(:class:`orchestrator.submit.pool.PoolLauncher`).
+(:class:`orchestrator.submit.pool_launcher.PoolLauncher`).
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
 
     ``launcher``: what submits and waits, ``(cfg, layout, prepared) -> summary``; default
     :func:`orchestrator.submit.executor.launch` (a fresh job); sweeps and tune pass a
-    :class:`~orchestrator.submit.pool.PoolLauncher` (warm ranks)."""
+    :class:`~orchestrator.submit.pool_launcher.PoolLauncher` (warm ranks)."""
     from orchestrator.plan.inputs import gpu_preset
 
     Current.cfg = cfg

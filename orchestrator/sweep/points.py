@@ -54,7 +54,7 @@ class Driver:
     """(point, JobConfig, world size, job id) of SLURM jobs submitted without waiting."""
     wait_at_end: bool = True
     pool: Any = None
-    """The warm ranks of local points (orchestrator.submit.pool.PoolLauncher), made by the first one."""
+    """The warm ranks of local points (orchestrator.submit.pool_launcher.PoolLauncher), made by the first one."""
     points: Optional[int] = None
     """How many points the sweep has (:func:`announce`), for "point 2 of 3"."""
     signals: Any = None
@@ -65,7 +65,7 @@ class Driver:
         if cfg.cluster.kind != "local" or not cfg.sweep.warm_pool:
             return None
         if self.pool is None:
-            from orchestrator.submit.pool import PoolLauncher
+            from orchestrator.submit.pool_launcher import PoolLauncher
 
             self.pool = PoolLauncher(Path(self.sweep_dir) / ".pool")
         return self.pool

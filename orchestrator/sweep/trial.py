@@ -5,7 +5,7 @@ preflight, launch) with :func:`trial_overrides` added, writes its own ``metrics.
 ``<tune dir>/<n>`` and its launcher output to ``<tune dir>/<n>/tune_trial.log``; :func:`run_trial`
 returns the job's summary or the reason it failed.
 
-* warm (``tune.warm_pool=true``): :class:`~orchestrator.submit.pool.PoolLauncher` keeps one pool
+* warm (``tune.warm_pool=true``): :class:`~orchestrator.submit.pool_launcher.PoolLauncher` keeps one pool
   job (local ranks, or one SLURM allocation holding every trial in sequence) and hands it each
   trial; a failed trial cancels the pool and the next trial starts a fresh one.
 * fresh: a subprocess per trial (its own job, its own process start-up), as a user would type it.
@@ -152,7 +152,7 @@ class TrialRunner:
         self.opts, self.root = opts, Path(root)
         self.pool = None
         if opts.warm_pool:
-            from orchestrator.submit.pool import PoolLauncher
+            from orchestrator.submit.pool_launcher import PoolLauncher
 
             # SLURM: every trial in one allocation, as long as the whole tune may take
             self.pool = PoolLauncher(
