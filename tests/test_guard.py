@@ -434,6 +434,28 @@ def test_a_stopped_rank_is_named_within_hang_timeout_while_its_peers_save_or_loa
     dogs[0].stop()
 
 
+def test_ranks_restarted_in_place_do_not_follow_the_hang_of_their_previous_start(tmp_path):
+    """Ranks restarted in place keep the job id and attempt, and their watchdog starts before the model build,
+    seconds after the hang that restarted them was declared: that hang's file (restart 0) must not stop them
+    (a CI run under load: both restarted ranks followed it and exited 79 before training). A hang of their own
+    start (restart 1) still does."""
+    exits = {}
+
+    def exit_1(code):
+        exits[1] = code
+        raise _Exit(code)
+
+    path = hang_path(tmp_path, "job9", 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stalled": [1], "reporter": 0, "done": True, "time": time.time(), "restart": 0}))
+    dog = Watchdog(tmp_path, 1, 2, "host1", "job9", 0, 30.0, poll_s=0.05, exit=exit_1, restart=1).start()
+    time.sleep(0.5)
+    assert exits == {}, "a restarted rank followed the hang of the start before it"
+    path.write_text(json.dumps({"stalled": [0], "reporter": 0, "done": True, "time": time.time(), "restart": 1}))
+    assert _wait(lambda: exits.get(1) == HANG_EXIT_CODE, 10), exits
+    dog.stop()
+
+
 def test_launcher_backstop_sees_every_rank_silent(tmp_path):
     dogs, exits = _watchdogs(tmp_path, [2, 2], timeout_s=30)
     watch = JobWatch(tmp_path, "job9", 2, timeout_s=0.3, grace_s=0.0, every_s=0.05)

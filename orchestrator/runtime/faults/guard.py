@@ -112,6 +112,9 @@ class Guard(NumericsGuard):
                 self.attempt,
                 float(t.hang_timeout_s),
                 on_hang=self._requeue_failure,
+                restart=inplace.restart_number(self.run_dir, self.job_id, self.attempt)[0]
+                if inplace.agent_restarts()
+                else 0,
             ).start()
         _ACTIVE = self
         if start_iteration is not None:

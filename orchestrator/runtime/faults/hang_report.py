@@ -99,6 +99,7 @@ class HangReport:
             "frozen": frozen,
             "done": False,
             "time": time.time(),
+            "restart": getattr(self, "restart", 0),  # which start in place of this attempt declared it
         }
         hpath = hang_path(self.run_dir, self.job_id, self.attempt)
         write_atomic(hpath, json.dumps(info), fsync=False)

@@ -95,6 +95,7 @@ class Watchdog(HangReport):
         on_hang: Optional[Callable[[str], Tuple[bool, str]]] = None,
         poll_s: Optional[float] = None,
         exit: Callable[[int], None] = os._exit,
+        restart: int = 0,
     ):
         self.run_dir, self.rank, self.world_size, self.host = Path(run_dir), rank, world_size, host
         self.job_id, self.attempt, self.timeout_s = str(job_id), int(attempt), float(timeout_s)
@@ -111,6 +112,9 @@ class Watchdog(HangReport):
         self._thread = threading.Thread(target=self._run, name="orchestrator-watchdog", daemon=True)
         self.declared: Optional[str] = None
         self._born = time.time()  # a hang file older than this is from an earlier job with the same id
+        # ranks restarted in place keep the job and attempt: a hang file of an earlier start (another restart
+        # number) is not theirs, however recent (they start watching before the model build)
+        self.restart = int(restart)
         self._started = time.monotonic()
 
     # ---- the training loop's side (cheap) ------------------------------------------------------
@@ -183,7 +187,7 @@ class Watchdog(HangReport):
     def _tick(self) -> None:
         self._write()
         hang = read_json(hang_path(self.run_dir, self.job_id, self.attempt))
-        if hang is not None and float(hang.get("time") or 0) >= self._born - 5.0:
+        if hang is not None and self._ours(hang):
             self._follow(hang)
             return
         started = self._last_progress is not None
@@ -195,6 +199,11 @@ class Watchdog(HangReport):
         self._observe()
         if (stale > self.timeout_s and self._frozen()) or (started and stale > self.allowance_s):
             self._declare(stale)
+
+    def _ours(self, hang: Dict[str, Any]) -> bool:
+        """A hang file of this start: declared since this watchdog was born (5 s of clock skew between hosts
+        allowed) by a rank of the same start in place."""
+        return int(hang.get("restart") or 0) == self.restart and float(hang.get("time") or 0) >= self._born - 5.0
 
     def _observe(self) -> None:
         now = time.monotonic()
