@@ -51,7 +51,7 @@ def _bare_worker(
     from orchestrator.runtime.rank.startup import jit_fuser_off
 
     # megatron-core's @jit_fuser kernels (the fused bias-GELU here) as a CPU rank of the orchestrator runs
-    # them: eager, not torch.compile'd (runtime/rank/startup.py; --compiled-fuser keeps torch.compile)
+    # them: eager, not torch.compile'd (runtime/rank/startup.py; OVERHEAD_COMPILED_FUSER=1 keeps torch.compile)
     if not os.environ.get("OVERHEAD_COMPILED_FUSER"):
         jit_fuser_off()
     import torch
