@@ -180,6 +180,22 @@ def load_optimizer_state(optimizer, state_dict: Any) -> None:
     _own_adam_steps(subs_of(optimizer), state_dict)
 
 
+def fill_distributed_optimizer_states(optimizer) -> None:
+    """Give a fresh ``DistributedOptimizer``'s inner torch optimizer its states before a load.
+
+    Without Apex or Transformer Engine (CPU ranks; a GPU job without them), megatron-core's
+    ``DistributedOptimizer.state_dict()`` reads Adam's ``step`` from the inner optimizer's states, which are
+    empty before the first step (``assert len(steps) == 1``, 0.16.1 and 0.19.2), so a resume failed before
+    it read a byte. megatron-core fills them for its FSDP load with its own
+    ``_init_optimizer_states_with_dummy_values`` (a zero-gradient step on the main shards); every value it
+    writes is overwritten by the load that follows (the model's weights and the optimizer's states)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in subs_of(optimizer):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def subs_of(optimizer) -> list:
     """The optimizers a (chained) megatron optimizer holds, in its order (itself when not chained)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])

@@ -240,22 +240,6 @@ def load_failure(exc: BaseException) -> str:
     return f"rank(s) {ranks}: {type(error).__name__}: {first}"
 
 
-def _fill_distributed_optimizer_states(optimizer) -> None:
-    """Give a fresh ``DistributedOptimizer``'s inner torch optimizer its states before a load.
-
-    Without Apex or Transformer Engine (CPU ranks; a GPU job without them), megatron-core's
-    ``DistributedOptimizer.state_dict()`` reads Adam's ``step`` from the inner optimizer's states, which are
-    empty before the first step (``assert len(steps) == 1``, 0.16.1 and 0.19.2), so a resume failed before
-    it read a byte. megatron-core fills them for its FSDP load with its own
-    ``_init_optimizer_states_with_dummy_values`` (a zero-gradient step on the main shards); every value it
-    writes is overwritten by the load that follows (the model's weights and the optimizer's states)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
 def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
     from megatron.core import dist_checkpointing
 
@@ -263,7 +247,9 @@ def _load(path: Path, model, optimizer, scheduler) -> Dict[str, int]:
 
     state = _model_sharded_state_dict(model)
     if optimizer is not None:
-        _fill_distributed_optimizer_states(optimizer)
+        from orchestrator.runtime.rank.mcore import fill_distributed_optimizer_states
+
+        fill_distributed_optimizer_states(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             _model_dict_for_optimizer(state), is_loading=True, metadata=SHARDING_METADATA
         )
