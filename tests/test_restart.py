@@ -144,7 +144,10 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
         (0, 0, "crashed", True),
         (0, 1, "completed", False),
     ], starts
-    assert rank in (starts[0].failed or []) and starts[1].start_iteration == 8, starts
+    assert starts[0].failed == [rank] and starts[1].start_iteration == 8, starts
+    # the killed rank is the recorded cause (its agent saw the signal), not a peer whose connection broke (issue 39)
+    killed = f"rank {rank} ({node}) died: exit by signal 9, SIGKILL; then rank "
+    assert starts[0].message.startswith(killed), starts[0]
     records = read_metrics(run_dir)
     its = [r["iteration"] for r in records]
     cut = next(i for i in range(1, len(its)) if its[i] <= its[i - 1])  # where the restarted ranks' records start
@@ -156,6 +159,7 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
         assert_losses_match({rec["iteration"]: rec["lm_loss"]}, local, [rec["iteration"]])
     listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
     assert f"job {job_id} attempt 0 restart 1 " in listing and "crashed (restarted in place; " in listing, listing
+    assert f"(restarted in place; no word from rank(s) {rank} after the failure)" in listing and killed in listing
 
     start_up = records[0]["time"] - next(r["time"] for r in history.read_records(run_dir) if r["event"] == "submitted")
     log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
