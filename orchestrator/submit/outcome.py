@@ -21,7 +21,7 @@ import contextlib
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from orchestrator.ckpt import history
 from orchestrator.errors import PEER_LOST, RANKS_DIED
@@ -244,3 +244,18 @@ def say_restarts(run_dir: str, job_id: str, seen: int) -> int:
         detail = f"\n[orchestrator] job {job_id}: {r['detail']}" if r.get("detail") else ""
         print(f"[orchestrator] job {job_id}: {r.get('message')}{detail}", flush=True)
     return len(decided)
+
+
+def dead_tasks(run_dir: str, job_id: str) -> Dict[int, str]:
+    """``{task: host}``: the tasks of ``job_id``'s latest attempt whose node died and a spare took its place
+    (:mod:`orchestrator.runtime.start.spares`: ``node_left_out`` with the dead node's task, said by a live node, and
+    ``spare_joined`` replacing it). Such a task never writes its result; the job's ranks ran on without it."""
+    mine = [r for r in history.read_records(run_dir) if str(r.get("job_id")) == str(job_id)]
+    latest = max((int(r.get("attempt") or 0) for r in mine), default=0)
+    mine = [r for r in mine if int(r.get("attempt") or 0) == latest]
+    replaced = {r.get("replaces") for r in mine if r.get("event") == "spare_joined"}
+    return {
+        int(r["task"]): str(r["host"])
+        for r in mine
+        if r.get("event") == "node_left_out" and r.get("task") is not None and r.get("host") in replaced
+    }

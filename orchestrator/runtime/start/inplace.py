@@ -127,12 +127,19 @@ class NodeAgent:
 
             spares.register(self.run_dir, job_dir)
             args.rdzv_backend = spares.BACKEND
-            if env.node >= self.nnodes and spares.wait_for_a_place(self.run_dir, job_dir) is None:
+            first = env.hostnames[0]
+            if env.node >= self.nnodes and spares.wait_for_a_place(self.run_dir, job_dir, first=first) is None:
                 return {"ranks": {}}  # a spare the job never needed
+            beat = spares.beating(job_dir, env.global_rank)  # the spares take this node's place if it dies
             try:
                 code = run_node(args)
             except spares.LeftOut as exc:
                 return self._left_out(job_dir, str(exc))
+            except BaseException:
+                spares.mark_done(job_dir)  # an end without a node left out: no spare is needed any more
+                raise
+            finally:
+                beat.set()
             spares.mark_done(job_dir)
         else:
             code = run_node(args)
