@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Iterator
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.data.prepare import PreparedData, indices_marker, samples_needed, valid_samples_needed
