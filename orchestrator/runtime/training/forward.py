@@ -46,6 +46,23 @@ def mean_loss(rank: Rank, per_step: List[torch.Tensor]) -> Optional[float]:
     return float(total[0]) / (torch.distributed.get_world_size(group) * max(1, len(per_step)))
 
 
+def shared_mean_loss(rank: Rank, per_step: List[torch.Tensor]) -> Optional[float]:
+    """:func:`mean_loss` read on every rank, in one all-reduce: ``[sum, count]`` of the last stage's
+    ``per_step`` over the world (the other stages add zeros; TP copies of a loss are equal, so the mean over
+    the last stage's ranks is the mean over its loss group), read on the host. The loss the spike guard needs
+    on every rank and the logging rank's record, in the one collective Megatron-LM's ``train_step`` spends on
+    the loss (there: a DP all-reduce of ``[loss sum, tokens]`` every iteration; here at ``log_interval``).
+    None when no rank has a loss (collective over the world)."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, dtype=torch.float64, device=rank.tensor_device)
+    if per_step and ps.is_pipeline_last_stage(ignore_virtual=True):
+        total[0], total[1] = torch.stack(per_step).double().mean(), 1.0  # on the device: no host sync
+    torch.distributed.all_reduce(total)
+    loss_sum, count = total.tolist()
+    return loss_sum / count if count else None
+
+
 def step_loss(losses) -> Optional[torch.Tensor]:
     """This iteration's mean micro-batch loss as a tensor (no host sync); None off the last stage."""
     return torch.stack([x["lm loss"] for x in losses]).mean() if losses else None

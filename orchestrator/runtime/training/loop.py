@@ -218,14 +218,16 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
         save_now = schedule.due(it) and not last  # due: every rank, every iteration (auto chooses collectively)
         loss, reduced = None, last or stopping or exiting or save_now or it % t.log_interval == 0  # alike on all ranks
+        shared = None  # the loss on every rank (the spike guard's); ``loss``: the last stage's view of it
         if reduced:
             step_loss = forward.step_loss(losses)
             with breakdown.section(clock, "loss-all-reduce"):
-                loss = forward.mean_loss(rank, [step_loss] if step_loss is not None else [])
+                shared = forward.shared_mean_loss(rank, [step_loss] if step_loss is not None else [])
+            loss = shared if step_loss is not None else None
         if guard is not None:  # raises before anything of this iteration is saved
             with breakdown.section(clock, "loop-sync"):
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
-                spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device, reduced)  # likewise
+                spike.check(guard, spikes, it, shared, grad_norm, reduced)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it, batch)
         if watch is not None:
