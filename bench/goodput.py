@@ -1,0 +1,314 @@
+"""Goodput under injected failures: measured ETTR and its account against the forecast, per checkpoint interval.
+
+On the SLURM dev cluster (``launch/slurm-dev-up.sh --nodes 3``), ``+experiment=gpt_pp2_dp2`` (gpt_tiny, PP=2 x
+DP=2, 2 nodes x 2 ranks, ``cluster.spare_nodes=1``, ``cluster.max_restarts`` high) trains for ``--minutes`` of
+wall time from its first iteration while this script SIGKILLs one random rank process at random: the failure
+clock runs while the job is up (from the first iteration of each start, saves included: the time the forecast's
+model exposes to failures), its gaps drawn from an exponential of mean T (a Poisson process) and the rank
+uniformly, both from ``--seed``, so every run of a rate sees the same failure sequence. Then it stops the run
+(``orchestrator stop``: a save, an exit) and reads its records.
+
+For each rate T (``--rates``, seconds) it runs three jobs, each with ``cluster.mtbf_hours`` = T / 3600:
+``checkpoint.save_interval=auto`` (Young–Daly, chosen by the job), then fixed intervals 4x shorter and 4x longer
+than the interval auto chose. Per run it prints the account (``orchestrator.ckpt.goodput.account``: ETTR over the
+whole wall and the causes) and, over the steady window (the first iteration to the stop: what a weeks-long run
+is made of; start-up and shutdown are one-off), the measured ETTR against the forecast
+``orchestrator.plan.goodput.expected_ettr`` (Young 1974, Daly 2006, Kokolis et al. 2024:
+ETTR = tau/(tau+C) / (1 + (R + (tau+C)/2)/M)) fed with this run's measured save blocking C (mean of its saves),
+restart cost R (failure detection and restart + checkpoint load, per failure), tau = interval x median step, and
+M = T; and again with the realised M (up time / failures injected) to separate the model's error from the
+Poisson draw's. Finally a table, and whether the targets hold: forecast within 5 points of measured, auto no
+more than 1 point below the better fixed interval, the forecast ordering the three runs as measured.
+
+    python bench/goodput.py                              # T = 60 s and 180 s, 10 minutes a run (~70 minutes)
+    python bench/goodput.py --minutes 2 --rates 60       # smoke: one rate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import agent_worker  # noqa: E402  (the rank's process under its agent, as the tests find it)
+
+from orchestrator.ckpt.goodput import CAUSES, account  # noqa: E402
+from orchestrator.plan.goodput import expected_ettr  # noqa: E402
+
+WORLD = 4
+JOB = [
+    "+experiment=gpt_pp2_dp2",
+    "data.stdlib_max_mb=2",
+    "training.eval_iters=0",
+    "training.log_interval=1",
+    "training.train_iters=1000000",
+    "checkpoint.auto_min_interval=2",
+    "cluster=slurm_dev",
+    "cluster.nodes=2",
+    "cluster.tasks_per_node=2",
+    "cluster.spare_nodes=1",
+    "cluster.max_restarts=1000",
+]
+
+
+def _records(run_dir: Path) -> List[Dict]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
+
+
+def _iterations(run_dir: Path) -> List[Dict]:
+    return [r for r in _records(run_dir) if "event" not in r and r.get("iteration") is not None]
+
+
+def _wait(what: str, until, proc: subprocess.Popen, log: Path, timeout_s: float = 900.0):
+    """Poll ``until()`` until it returns something true; exit naming ``what`` if the job ends or time runs out."""
+    deadline = time.time() + timeout_s
+    while True:
+        got = until()
+        if got:
+            return got
+        if proc.poll() is not None or time.time() > deadline:
+            raise SystemExit(
+                f"no {what}: the launcher {'ended' if proc.poll() is not None else 'timed out'}; see {log}"
+            )
+        time.sleep(0.2)
+
+
+def _inject(run_dir: Path, proc, log: Path, minutes: float, mean_s: float, seed: int) -> Dict:
+    """Kill ranks at Poisson times of mean ``mean_s`` of up time until ``minutes`` after the first iteration;
+    returns the kills and the window."""
+    rng = random.Random(seed)
+    first = _wait("first iteration", lambda: _iterations(run_dir), proc, log)[0]
+    t_first = float(first["time"]) - float(first.get("step_time_s") or 0.0)
+    t_stop = t_first + 60.0 * minutes
+    kills: List[Dict] = []
+    up_since = time.time()
+    while True:
+        gap, rank = rng.expovariate(1.0 / mean_s), rng.randrange(WORLD)
+        at = up_since + gap
+        while time.time() < min(at, t_stop):
+            if proc.poll() is not None:
+                raise SystemExit(f"the job ended while training; see {log}")
+            time.sleep(0.1)
+        if time.time() >= t_stop:
+            break
+        victim = agent_worker(run_dir, rank)
+        if victim is None:  # between a rank's start and its registration: the next draw
+            up_since = time.time()
+            continue
+        victim.kill()
+        killed = time.time()
+        kills.append({"time": round(killed, 3), "rank": rank, "gap_s": round(gap, 2)})
+        print(f"  kill {len(kills)}: rank {rank} after {gap:.1f} s up", flush=True)
+        up_since = _wait(
+            "iteration after a restart",
+            lambda k=killed: next((float(r["time"]) for r in _iterations(run_dir) if float(r["time"]) > k + 0.5), None),
+            proc,
+            log,
+        )
+    return {"kills": kills, "t_first": t_first, "t_stop": t_stop, "up_s": _up_time(t_first, t_stop, kills, run_dir)}
+
+
+def _up_time(t_first: float, t_stop: float, kills: List[Dict], run_dir: Path) -> float:
+    """Seconds the job was up (the failure clock ran): the window less each kill to the next iteration."""
+    times = sorted(float(r["time"]) for r in _iterations(run_dir))
+    down = 0.0
+    for k in kills:
+        nxt = next((t for t in times if t > k["time"] + 0.5), t_stop)
+        down += min(nxt, t_stop) - k["time"]
+    return t_stop - t_first - down
+
+
+def run_one(root: Path, name: str, interval, mean_s: float, minutes: float, seed: int) -> Dict:
+    """One job: train, inject, stop; returns its measurements."""
+    run_dir = root / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        *JOB,
+        f"run.root={root}",
+        f"run.name={name}",
+        f"checkpoint.save_interval={interval}",
+        f"cluster.mtbf_hours={mean_s / 3600:.6g}",
+        f"cluster.timeout_min={int(minutes) + 20}",
+    ]
+    log = root / f"{name}.log"
+    print(f"{name}: save_interval={interval}, T={mean_s:g} s; log {log}", flush=True)
+    load = os.getloadavg()[0]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            window = _inject(run_dir, proc, log, minutes, mean_s, seed)
+            subprocess.run(
+                [sys.executable, "-m", "orchestrator", "stop", str(run_dir), "--timeout", "300"],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=400,
+            )
+            proc.wait(timeout=600)
+            window["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return measure(run_dir, interval, mean_s, window)
+
+
+def measure(run_dir: Path, interval, mean_s: float, window: Dict) -> Dict:
+    """The run's account, its measured C, R, tau, lost work, and the forecast for them."""
+    acc = account(run_dir)
+    recs = _records(run_dir)
+    t_first, t_stop, kills = window["t_first"], window["t_stop"], window["kills"]
+    saves = [r for r in recs if r.get("event") == "saved"]  # the stop's own save too: a save's blocking
+    steps = [float(r["step_time_s"]) for r in recs if "event" not in r and r.get("step_time_s")]
+    choices = [r for r in recs if r.get("event") == "save_interval"]
+    every = statistics.median_low([int(c["interval"]) for c in choices]) if interval == "auto" else int(interval)
+    step_s = statistics.median(steps)
+    save_s = statistics.mean(float(r.get("blocking_s") or 0.0) for r in saves) if saves else 0.0
+    n = max(len(kills), 1)
+    secs = acc.seconds
+    restart_s = (secs["failure detection and restart"] + secs["checkpoint load"]) / n
+    productive = sum(
+        min(s.end, t_stop) - max(s.start, t_first)
+        for s in acc.segments
+        if s.cause == "productive" and s.end > t_first and s.start < t_stop
+    )
+    tau = every * step_s
+    up_s = window["up_s"]
+    return {
+        "run": run_dir.name,
+        "T_s": mean_s,
+        "interval": every,
+        "auto": interval == "auto",
+        "failures": len(kills),
+        "tau_s": tau,
+        "step_s": step_s,
+        "C_s": save_s,
+        "saves": len(saves),
+        "R_s": restart_s,
+        "lost_s_per_failure": secs["lost work"] / n,
+        "save_share": secs["save blocking"] / max(up_s, 1e-9),
+        "window_s": t_stop - t_first,
+        "up_s": up_s,
+        "ettr_account": acc.ettr,
+        "ettr_window": productive / (t_stop - t_first),
+        "forecast": expected_ettr(tau, save_s, mean_s, restart_s),
+        "forecast_realised_M": expected_ettr(tau, save_s, up_s / n, restart_s) if kills else None,
+        "account": {k: round(secs[k], 1) for k in CAUSES if secs[k] > 0.05},
+        "wall_s": acc.wall_s,
+        "kills": kills,
+        "window": {k: window[k] for k in ("t_first", "t_stop", "up_s")},
+        "load": window.get("load"),
+    }
+
+
+def report(m: Dict) -> None:
+    """The run's account and its forecast, terms apart."""
+    n = max(m["failures"], 1)
+    pct = {k: f"{100 * v / m['wall_s']:.1f}%" for k, v in m["account"].items()}
+    print(
+        f"{m['run']}: load {m['load']} (before, after); account over {m['wall_s']:.0f} s wall: ETTR {100 * m['ettr_account']:.1f}%; {pct}"
+    )
+    print(
+        f"  window {m['window_s']:.0f} s (up {m['up_s']:.0f} s), {m['failures']} failures, every {m['interval']} "
+        f"iterations (tau {m['tau_s']:.2f} s at step {m['step_s']:.3f} s), {m['saves']} saves, C {m['C_s']:.3f} s, "
+        f"R {m['R_s']:.1f} s, lost work {m['lost_s_per_failure']:.2f} s/failure (model (tau+C)/2 = "
+        f"{(m['tau_s'] + m['C_s']) / 2:.2f}), save blocking {100 * m['save_share']:.1f}% of up time (model "
+        f"C/(tau+C) = {100 * m['C_s'] / (m['tau_s'] + m['C_s']):.1f}%)"
+    )
+    realised = m["forecast_realised_M"]
+    print(
+        f"  ETTR window measured {100 * m['ettr_window']:.1f}%, forecast (M = T = {m['T_s']:g} s) "
+        f"{100 * m['forecast']:.1f}%, forecast with realised M = {m['up_s'] / n:.0f} s "
+        f"{'-' if realised is None else f'{100 * realised:.1f}%'}",
+        flush=True,
+    )
+
+
+def verdicts(rows: List[Dict]) -> List[str]:
+    """The three targets, per rate."""
+    out = []
+    for T in sorted({r["T_s"] for r in rows}):
+        runs = [r for r in rows if r["T_s"] == T]
+        worst = max(abs(r["ettr_window"] - r["forecast"]) for r in runs)
+        out.append(f"T={T:g} s: forecast within 5 points: {worst <= 0.05} (worst {100 * worst:.1f})")
+        auto = next((r for r in runs if r["auto"]), None)
+        fixed = [r for r in runs if not r["auto"]]
+        if auto and fixed:
+            best = max(r["ettr_window"] for r in fixed)
+            gap = 100 * (best - auto["ettr_window"])
+            out.append(f"T={T:g} s: auto within 1 point of the better fixed: {gap <= 1.0} ({gap:+.1f} points below)")
+        if len(runs) > 1:
+            measured = [r["run"] for r in sorted(runs, key=lambda r: -r["ettr_window"])]
+            forecast = [r["run"] for r in sorted(runs, key=lambda r: -r["forecast"])]
+            out.append(f"T={T:g} s: forecast orders as measured: {measured == forecast} ({measured} vs {forecast})")
+    return out
+
+
+def table(rows: List[Dict]) -> None:
+    print(
+        "\n| T (s) | interval | tau (s) | failures (up/T) | C (s) | R (s) | lost/failure (s) | ETTR account | "
+        "ETTR window | forecast | forecast (realised M) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        realised = r["forecast_realised_M"]
+        print(
+            f"| {r['T_s']:g} | {'auto ' if r['auto'] else ''}{r['interval']} | {r['tau_s']:.2f} | {r['failures']} ({r['up_s'] / r['T_s']:.1f}) | "
+            f"{r['C_s']:.3f} | {r['R_s']:.1f} | {r['lost_s_per_failure']:.2f} | {100 * r['ettr_account']:.1f}% | "
+            f"{100 * r['ettr_window']:.1f}% | {100 * r['forecast']:.1f}% | "
+            f"{'-' if realised is None else f'{100 * realised:.1f}%'} |"
+        )
+    for line in verdicts(rows):
+        print(line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall time of a run from its first iteration")
+    parser.add_argument("--rates", default="60,180", help="mean seconds between failures T, comma-separated")
+    parser.add_argument("--seed", type=int, default=39, help="seed of the failure times and ranks")
+    parser.add_argument("--only-auto", action="store_true", help="no fixed-interval runs")
+    parser.add_argument("--root", default=None, help="run root (default: a fresh temporary directory)")
+    parser.add_argument("--json", default=None, help="also write every run's measurements to this file")
+    args = parser.parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="goodput-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    rows: List[Dict] = []
+    for T in [float(x) for x in args.rates.split(",")]:
+        auto = run_one(root, f"T{T:g}_auto", "auto", T, args.minutes, args.seed)
+        report(auto)
+        rows.append(auto)
+        others: List[Optional[int]] = (
+            [] if args.only_auto else [max(1, round(auto["interval"] / 4)), auto["interval"] * 4]
+        )
+        for every in others:
+            m = run_one(root, f"T{T:g}_every{every}", every, T, args.minutes, args.seed)
+            report(m)
+            rows.append(m)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
