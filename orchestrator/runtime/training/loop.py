@@ -135,6 +135,29 @@ def _stop(poll: StopPoll, saver: Saver, trackers: Trackers, stop, iteration: int
     stop.requeue_or_exit("signal")
 
 
+def _loss_and_stop(
+    rank: Rank, clock, poll: StopPoll, losses, logging: bool, last: bool
+) -> Tuple[Optional[float], Optional[float], bool]:
+    """(the loss on the last stage or None, the loss on every rank or None, whether to stop after this iteration).
+
+    A logging iteration (``logging``) reduces the loss and polls the stop in one all-reduce; another polls the
+    stop (:class:`StopPoll`) and reduces the loss only when it stops (its iteration is saved and logged)."""
+    shared, stopping = None, False
+    step_loss = forward.step_loss(losses)  # a tensor on the last stage: no host sync
+    mine = [step_loss] if step_loss is not None else []
+    if logging:
+        with breakdown.section(clock, "loss-all-reduce"):
+            shared, (flags, seconds) = forward.reduce_for_log(rank, mine, poll.share())
+        stopping = not last and poll.merged(flags, seconds)  # after the last: nothing to stop
+    else:
+        with breakdown.section(clock, "loop-sync"):
+            stopping = poll.requested()
+        if stopping:
+            with breakdown.section(clock, "loss-all-reduce"):
+                shared, _ = forward.reduce_for_log(rank, mine, [])
+    return (shared if step_loss is not None else None), shared, stopping
+
+
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
     """Train from ``start`` to ``training.train_iters`` (or a stop / ``exit_after_iters``); collective.
 
@@ -167,21 +190,8 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
         save_now = schedule.due(it) and not last  # due: every rank, every iteration (auto chooses collectively)
         logging = last or exiting or save_now or it % t.log_interval == 0  # alike on all ranks
-        stopping, loss, shared = False, None, None  # shared: the loss on every rank (the spike guard's)
-        step_loss = forward.step_loss(losses)  # a tensor on the last stage: no host sync
-        mine = [step_loss] if step_loss is not None else []
-        if logging:  # the loss and the stop poll in one all-reduce
-            with breakdown.section(clock, "loss-all-reduce"):
-                shared, (flags, seconds) = forward.reduce_for_log(rank, mine, poll.share())
-            stopping = not last and poll.merged(flags, seconds)  # after the last: nothing to stop
-        else:
-            with breakdown.section(clock, "loop-sync"):
-                stopping = poll.requested()
-            if stopping:  # the stop's iteration is saved and logged with its loss
-                with breakdown.section(clock, "loss-all-reduce"):
-                    shared, _ = forward.reduce_for_log(rank, mine, [])
+        loss, shared, stopping = _loss_and_stop(rank, clock, poll, losses, logging, last)
         reduced = logging or stopping
-        loss = shared if step_loss is not None else None
         if guard is not None:  # raises before anything of this iteration is saved
             with breakdown.section(clock, "loop-sync"):
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
