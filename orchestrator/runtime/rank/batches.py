@@ -67,8 +67,8 @@ class MicroBatchIterator:
     """The iterator megatron's schedule reads: this DP rank's micro-batches from ``consumed_samples`` on, each a
     dict of :data:`KEYS` tensors of shape ``[micro_batch_size, seq_length]`` on ``device``.
 
-    ``num_workers``: DataLoader worker processes (0: read in this process); raises ValueError for an empty
-    dataset."""
+    ``num_workers``: DataLoader worker processes (0: read in this process), started at the first read; raises
+    ValueError for an empty dataset."""
 
     def __init__(
         self,
@@ -93,11 +93,13 @@ class MicroBatchIterator:
             pin_memory=device == "cuda",
             **(extra if num_workers > 0 else {}),
         )
-        self._batches = iter(self.loader)
+        self._batches = None  # started at the first read: a chunk that never reads (a middle stage) starts no worker
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Dict[str, object]:
+        if self._batches is None:
+            self._batches = iter(self.loader)
         batch = next(self._batches)
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
