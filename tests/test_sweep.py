@@ -25,6 +25,7 @@ SHORT = [
     "training.timing_warmup_iters=1",
     "data.stdlib_max_mb=2",
     "checkpoint.save_at_end=false",
+    "training.log_interval=1",
 ]
 WARMUP = 1
 
