@@ -54,6 +54,7 @@ SLURM_ORDER = (
     "test_two_detached_",
     "test_node_loss_",
     "test_in_place_restart_",
+    "test_a_dead_node_is_replaced_",
 )
 """The SLURM tests run one after another (they share the dev cluster), in this order: the short ones
 first (the suite's first minutes, when every worker starts at once, are the most loaded)."""

@@ -252,6 +252,15 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     assert "killed by SIGKILL" in line and named_after <= 30, (named_after, first.text[-3000:])
     job_id = next(p.name for p in (run_dir / "agents").iterdir())
     assert _job_processes(job_id) == []
+    # recorded and shown as the README says: a node failure naming the host, not the BrokenPipeError its rank
+    # raised on the lost session's output ("rank 2 ... crashed"), nor "rank 0 raised an exception" (issue 39)
+    from orchestrator.ckpt.history import attempts, read_records
+    from orchestrator.submit.status import run_status
+
+    lost = "host hnode2: the SSH client was killed by SIGKILL"
+    ended = [a for a in attempts(read_records(run_dir)) if a.job_id == job_id]
+    assert [(a.cause, a.message.startswith(lost)) for a in ended] == [("node failure", True)], ended
+    assert run_status(run_dir).job.describe().startswith(f"failed (node failure) - {lost}"), run_status(run_dir).job
     manifest = json.loads((run_dir / "checkpoints" / "iter_0000003" / "manifest.json").read_text())
     assert manifest["hosts"] == ["hnode1", "hnode1", "hnode2", "hnode2"], manifest["hosts"]
 

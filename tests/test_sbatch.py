@@ -301,6 +301,16 @@ def test_no_requeue_flag_when_requeues_disabled():
     assert "--requeue" not in sbatch.render_sbatch(cfg, 4, "/f")
 
 
+def test_a_job_with_spare_nodes_survives_a_node_failure():
+    """Issue 39: with cluster.spare_nodes (and in-place restarts) the job is submitted with --no-kill, so SLURM does not
+    end it when a node dies and a spare can take that node's place; without spares, no --no-kill; a user's own
+    no-kill is refused (managed)."""
+    assert "#SBATCH --no-kill\n" in sbatch.render_sbatch(slurm_cfg(max_restarts=1, spare_nodes=1), 4, "/f")
+    assert "--no-kill" not in sbatch.render_sbatch(slurm_cfg(max_restarts=1), 4, "/f")
+    with pytest.raises(ConfigError, match="cluster.spare_nodes"):
+        sbatch.executor_parameters(slurm_cfg(additional_parameters={"no_kill": True}), 4)
+
+
 def test_world_size_must_match_allocation():
     cfg = slurm_cfg(nodes=2, tasks_per_node=4)
     with pytest.raises(LayoutError, match=r"2 x 4 = 8 tasks but the layout needs world size 4"):

@@ -38,8 +38,10 @@ def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
 @pytest.mark.mcore_lines
 def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir, reference, resume_args):
     """parallelism=none and pp2_dp2 (the module's reference run), same iteration-0 weights and data
-    order: same losses (1e-3 rel)."""
-    run_cli(resume_args + [f"run.root={tmp_path}", "parallelism=none", "run.name=single"], cache=cache_dir)
+    order: same losses (1e-3 rel). The single rank reads its micro-batches through 2 DataLoader workers (the
+    reference in its own process): the same batches."""
+    single = ["parallelism=none", "run.name=single", "data.num_workers=2"]
+    run_cli(resume_args + [f"run.root={tmp_path}", *single], cache=cache_dir)
     a, b = losses_by_iteration(tmp_path / "single"), reference
     assert sorted(a) == sorted(b) == list(range(1, REFERENCE_ITERS + 1))
     for it in range(1, REFERENCE_ITERS + 1):
@@ -468,6 +470,7 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     equals the uninterrupted run's (1e-5 rel.), history and `status --history` show the restart apart from a
     requeue with its recovery time; a second kill finds the restarts used up: the job ends, the line says why."""
     import os
+    import socket
     import subprocess
     import sys
     import time
@@ -517,6 +520,9 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
         (0, 1, "crashed", False),
     ], starts
     assert starts[1].start_iteration == 4 and 0 < starts[1].recovery_s < 120, starts
+    # the killed rank is the cause, not the peer whose collective broke (its agent saw the signal): issue 39
+    killed = f"rank 1 ({socket.gethostname()}) died: exit by signal 9, SIGKILL; then rank "
+    assert all(a.message.startswith(killed) and a.failed == [1] for a in starts), starts
     assert 0 <= starts[0].end - killed_at < 10, (starts[0], killed_at)  # the failure is seen at once
     assert "restarts used up (1 of cluster.max_restarts=1): not requeued (a local run)" in out, out[-3000:]
     assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in out, out[-3000:]
@@ -527,9 +533,11 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     listing = run_cli(["status", str(tmp_path), "--history"], cache=cache_dir).stdout
     assert "(1 in-place restart(s)); " in listing and "crashed (restarted in place" in listing, listing
     assert " restart 1 " in listing and "s from the failure to its first iteration" in listing, listing
+    assert "(restarted in place; no word from rank(s) 1 after the failure)" in listing and killed in listing, listing
     acc = account(run_dir)  # goodput: every second of the wall has one cause; the redone iterations are lost work
     assert abs(sum(acc.seconds.values()) - acc.wall_s) <= 0.01 * acc.wall_s, acc.seconds
     assert acc.lost_iterations >= 2 and [f.cause for f in acc.failures] == ["crashed", "crashed"], acc
+    assert all(f.message.startswith(killed) for f in acc.failures), acc.failures
     assert acc.seconds["failure detection and restart"] > 0 and acc.seconds["checkpoint load"] > 0, acc.seconds
     shown = run_cli(["status", str(run_dir), "--goodput", "--timeline", str(tmp_path / "t.png")], cache=cache_dir)
     assert f"ETTR {100 * acc.ettr:.1f}%" in shown.stdout and (tmp_path / "t.png").stat().st_size > 5000, shown.stdout

@@ -266,6 +266,8 @@ def attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     died = RANKS_DIED.match(last.message or "")
     if died and st.state == "failed":  # the rank that died first, not its peers' broken collectives
         st.detail = died.group(0)
+    elif last.cause == "node failure" and st.state == "failed":  # the host lost, not its ranks' errors after it
+        st.detail = (last.message or "").split("; ")[0]
     if (
         last.cause in ("nan", "spike", "hang", "disk full")
         and not last.requeued

@@ -21,7 +21,7 @@ import contextlib
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from orchestrator.ckpt import history
 from orchestrator.errors import PEER_LOST, RANKS_DIED
@@ -136,14 +136,17 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
     """Record the end of the latest attempt of ``job_id`` unless the job (or anyone) already did (a crash
     whose line is a full disk's is recorded as ``disk full``). A crash the launcher found ranks dead for (a
     :func:`~orchestrator.errors.ranks_died` line) amends a crash a surviving peer recorded first: the dead ranks
-    are its cause, the peer's broken connection follows."""
+    are its cause, the peer's broken connection follows. So does a ``node failure`` the launcher saw (a host's SSH
+    session lost: ``cluster=hosts``) where a rank recorded the crash it caused (``BrokenPipeError`` on the lost
+    session's output, a peer's broken collective)."""
     from orchestrator.runtime.faults.diskspace import DISK_FULL
 
     cause = "disk full" if cause == "crashed" and message.startswith(DISK_FULL) else cause
     latest = _latest(run_dir, job_id)
     attempt = latest.attempt if latest is not None else 0
     if latest is not None and latest.end is not None:
-        if cause == latest.cause == "crashed" and RANKS_DIED.match(message) and not RANKS_DIED.match(latest.message):
+        died = cause == latest.cause == "crashed" and RANKS_DIED.match(message) and not RANKS_DIED.match(latest.message)
+        if died or (cause == "node failure" and latest.cause == "crashed"):
             with contextlib.suppress(OSError):  # bookkeeping never hides the failure itself
                 history.record_attempt_ended(
                     run_dir,
@@ -152,7 +155,8 @@ def record_end(run_dir: str, job_id: str, cause: str, message: str) -> None:
                     cause,
                     iteration=latest.iteration,
                     amends=True,
-                    message=f"{message.splitlines()[0]}; its peers' errors followed: {latest.message}",
+                    message=f"{message.splitlines()[0]}; {'its peers' if died else 'the ranks'}' errors followed: "
+                    + latest.message,
                     recorded_by="launcher",
                 )
         return
@@ -240,3 +244,18 @@ def say_restarts(run_dir: str, job_id: str, seen: int) -> int:
         detail = f"\n[orchestrator] job {job_id}: {r['detail']}" if r.get("detail") else ""
         print(f"[orchestrator] job {job_id}: {r.get('message')}{detail}", flush=True)
     return len(decided)
+
+
+def dead_tasks(run_dir: str, job_id: str) -> Dict[int, str]:
+    """``{task: host}``: the tasks of ``job_id``'s latest attempt whose node died and a spare took its place
+    (:mod:`orchestrator.runtime.start.spares`: ``node_left_out`` with the dead node's task, said by a live node, and
+    ``spare_joined`` replacing it). Such a task never writes its result; the job's ranks ran on without it."""
+    mine = [r for r in history.read_records(run_dir) if str(r.get("job_id")) == str(job_id)]
+    latest = max((int(r.get("attempt") or 0) for r in mine), default=0)
+    mine = [r for r in mine if int(r.get("attempt") or 0) == latest]
+    replaced = {r.get("replaces") for r in mine if r.get("event") == "spare_joined"}
+    return {
+        int(r["task"]): str(r["host"])
+        for r in mine
+        if r.get("event") == "node_left_out" and r.get("task") is not None and r.get("host") in replaced
+    }

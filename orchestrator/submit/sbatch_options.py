@@ -51,6 +51,7 @@ MANAGED_OPTIONS: Dict[str, str] = {
     "signal": "cluster.signal_delay_s",
     "requeue": "cluster.max_num_timeout (0 disables requeueing)",
     "no-requeue": "cluster.max_num_timeout=0",
+    "no-kill": "cluster.spare_nodes (a job with spares survives a node's failure)",
     "output": "nothing: submitit writes the logs under its folder",
     "error": "nothing: submitit writes the logs under its folder",
     "open-mode": "nothing: submitit appends to its logs (a requeued job continues them)",
@@ -97,7 +98,8 @@ def no_control(key: str, value: Any) -> str:
 
 
 def additional_parameters(cfg) -> Dict[str, Any]:
-    """Validated ``cluster.additional_parameters`` plus the managed ``requeue`` flag.
+    """Validated ``cluster.additional_parameters`` plus the managed ``requeue`` flag, and ``no-kill`` for a job with
+    spare nodes (``cluster.spare_nodes``: SLURM must not end it when one of its nodes fails).
 
     Keys are normalised to sbatch spelling (``_`` -> ``-``). A ``false`` or ``null`` value means
     "option not given" and is dropped (submitit would render ``--exclusive=False``).
@@ -147,4 +149,6 @@ def additional_parameters(cfg) -> Dict[str, Any]:
         out[key] = no_control(where, value)
     if c.max_num_timeout > 0:
         out["requeue"] = True
+    if int(getattr(c, "spare_nodes", 0) or 0) > 0 and int(getattr(c, "max_restarts", 0) or 0) > 0:
+        out["no-kill"] = True  # a node's death must not end the job: a spare takes its place (runtime.start.spares)
     return out

@@ -88,6 +88,23 @@ class _Wait:
             self.stale.update({i: result_mtime(Path(self.job.task(i).paths.result_pickle)) for i in self.results})
             self.results.clear()  # the requeued attempt writes its own results
 
+    def summaries(self) -> Optional[List[Any]]:
+        """Every task's summary once each wrote its result, or (a job with spares) once the tasks without one are
+        those of dead nodes a spare took the place of (``{"ranks": {}, "left_out": host}`` for them); else None."""
+        if len(self.results) == self.world_size:
+            return [self.results[i][1] for i in range(self.world_size)]
+        if not (self.c.max_restarts and getattr(self.c, "spare_nodes", 0) and self.results):
+            return None
+        from orchestrator.submit import outcome
+
+        gone = outcome.dead_tasks(self.run_dir, self.job_id)
+        if not gone or any(i not in self.results and i not in gone for i in range(self.world_size)):
+            return None
+        return [
+            self.results[i][1] if i in self.results else {"ranks": {}, "left_out": gone[i]}
+            for i in range(self.world_size)
+        ]
+
     def failed(self) -> List[int]:
         return [i for i, r in self.results.items() if r[0] != "success"]
 
@@ -194,8 +211,9 @@ def wait(
                 w.read_results()
                 w.restarts_seen = outcome.say_restarts(w.run_dir, w.job_id, w.restarts_seen) if w.c.max_restarts else 0
                 w.check_failed_rank()
-                if len(w.results) == w.world_size:
-                    return [w.results[i][1] for i in range(w.world_size)]
+                summaries = w.summaries()
+                if summaries is not None:
+                    return summaries
                 ended = w.poll_scheduler()
                 w.check_stopped(ended, signals)
                 w.check_dead_local()

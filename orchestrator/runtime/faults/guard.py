@@ -269,7 +269,14 @@ class Guard(NumericsGuard):
         slurm = slurm and quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             cause, message = crash_cause(
-                self.run_dir, self.job_id, self.attempt, self.world_size, message, slurm, since=self._born
+                self.run_dir,
+                self.job_id,
+                self.attempt,
+                self.world_size,
+                message,
+                slurm,
+                since=self._born,
+                agent=bool(inplace.agent_restarts()),
             )
             history_ok = quietly(
                 lambda: history.record_attempt_ended(

@@ -61,10 +61,11 @@ def decide(
     """After this attempt's failure (its end recorded): restart in place, or requeue per ``cluster.max_failures``.
     ``cluster``: the job's ClusterConfig (``max_restarts``, ``max_failures``).
     Returns (requeued?, one line saying which and why). ``fields`` (cause, reporter, iteration) go in the record,
-    with ``failed``: the ranks of ``world_size`` that did not report alive since ``since`` (their start) when some
-    did (:mod:`~orchestrator.runtime.faults.lost`; without heartbeats, none is named)."""
+    with ``failed``: the ranks a signal ended since ``since`` (their start) when their agents said so, else the ranks
+    of ``world_size`` that did not report alive since then when some did (:mod:`~orchestrator.runtime.faults.lost`;
+    without heartbeats, none is named)."""
     global _DECIDED
-    from orchestrator.runtime.faults.lost import alive_since
+    from orchestrator.runtime.faults.lost import alive_since, signalled_since
     from orchestrator.runtime.faults.requeue import requeue_for_failure
 
     max_restarts, max_failures = int(cluster.max_restarts), int(cluster.max_failures)
@@ -78,6 +79,8 @@ def decide(
         if alive == before:
             break
     failed = sorted(set(range(world_size)) - alive) if alive else []
+    signalled = signalled_since(run_dir, job_id, attempt, since)  # the ranks a signal ended (their agents say)
+    failed = sorted(signalled) if signalled else failed
     record = dict(
         job_id=str(job_id),
         attempt=int(attempt),

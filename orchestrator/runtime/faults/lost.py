@@ -5,7 +5,13 @@ in a crash first records ``rank_alive`` (its rank, this attempt) in the run's hi
 records the crash then waits up to ``wait_s`` for the others' and reads every rank's host from its
 heartbeat file (:mod:`orchestrator.runtime.faults.watchdog`). Every rank of some host(s) silent while
 another host's answered: those nodes were lost. Otherwise (one rank killed, a one-host job, no
-heartbeat files because ``training.hang_timeout_s`` is null): a crash. Torch-free.
+heartbeat files because ``training.hang_timeout_s`` is null): a crash.
+
+Under torch elastic's agents (in-place restarts), the agent of a rank that a signal ended (SIGKILL: the OOM killer,
+a user) records it the moment it dies (:data:`SIGNALLED_EVENT`, :mod:`orchestrator.runtime.start.worker_deaths`);
+its peers see only a broken collective. The rank that records the crash then names that rank first (``rank 2
+(node2) died: exit by signal 9, SIGKILL; then rank 3 (node2) crashed ...: Connection reset by peer``), never
+its own broken connection alone. Torch-free.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import time
 from typing import Dict, List, Mapping, Set, Tuple
 
 from orchestrator.ckpt import history
+from orchestrator.errors import PEER_LOST
 from orchestrator.runtime.faults.watchdog import heartbeat_path, read_heartbeat
 
 ALIVE_EVENT = "rank_alive"
+SIGNALLED_EVENT = "rank_signalled"
 
 
 def report_alive(run_dir: str, job_id: str, attempt: int, rank: int) -> None:
@@ -55,6 +63,33 @@ def alive_since(run_dir: str, job_id: str, attempt: int, since: float = 0.0) -> 
     }
 
 
+def signalled_since(run_dir: str, job_id: str, attempt: int, since: float = 0.0) -> Dict[int, str]:
+    """``{rank: "rank 2 (node2) died: exit by signal 9, SIGKILL"}`` for the ranks of attempt ``attempt`` of ``job_id``
+    that a signal ended at or after ``since`` (:data:`SIGNALLED_EVENT`, written by their node's agent), the first
+    record of each rank."""
+    found: Dict[int, str] = {}
+    for r in history.read_records(run_dir):
+        if (
+            r.get("event") == SIGNALLED_EVENT
+            and str(r.get("job_id")) == str(job_id)
+            and r.get("attempt") == attempt
+            and float(r.get("time") or 0) >= since
+        ):
+            found.setdefault(int(r["rank"]), str(r.get("message") or f"rank {r['rank']} died: {r.get('how')}"))
+    return found
+
+
+def _signalled(run_dir: str, job_id: str, attempt: int, since: float, message: str, wait_s: float) -> Dict[int, str]:
+    """:func:`signalled_since`, waited for up to ``wait_s`` when ``message`` is a peer's loss seen from this rank (the
+    agent's record follows the death by milliseconds; the broken connection may come first)."""
+    deadline = time.monotonic() + (wait_s if any(w in message for w in PEER_LOST) else 0.0)
+    while True:
+        found = signalled_since(run_dir, job_id, attempt, since)
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
 def crash_cause(
     run_dir: str,
     job_id: str,
@@ -64,10 +99,15 @@ def crash_cause(
     look: bool = True,
     wait_s: float = 3.0,
     since: float = 0.0,
+    agent: bool = False,
 ) -> Tuple[str, str]:
     """(``node failure`` or ``crashed``, ``message`` led by the lost nodes: ``node node2 lost (ranks
     2,3): ...``) for the crash of attempt ``attempt``; call after :func:`report_alive`. Waits at most
-    ``wait_s`` seconds, only for a job whose ranks span several hosts; ``look=False``: ``crashed``."""
+    ``wait_s`` seconds, only for a job whose ranks span several hosts; ``look=False``: ``crashed``.
+    ``agent``: torch elastic's agents run the ranks; a rank a signal ended leads the message (``crashed``)."""
+    dead = _signalled(run_dir, job_id, attempt, since, message, wait_s) if agent else {}
+    if dead:
+        return "crashed", "; ".join(dead[r] for r in sorted(dead)) + (f"; then {message}" if message else "")
     hosts = _hosts(run_dir, job_id, attempt, world_size) if look else {}
     if len(hosts) < world_size or len(set(hosts.values())) < 2:
         return "crashed", message

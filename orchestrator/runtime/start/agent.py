@@ -114,7 +114,9 @@ def _watch_stdin() -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    """Run this node's ranks under torch's elastic agent; 0 when they all succeeded, 1 otherwise."""
+    """Run this node's ranks under torch's elastic agent; 0 when they all succeeded, 1 otherwise. ``args.on_death``
+    (optional): called ``(rank, "exit by signal 9, SIGKILL")`` the moment a signal ends a worker
+    (:mod:`~orchestrator.runtime.start.worker_deaths`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -135,6 +137,10 @@ def run_node(args: argparse.Namespace) -> int:
     )
     if args.watch_stdin:
         _watch_stdin()
+    if getattr(args, "on_death", None) is not None:  # which worker a signal ended (its peers only see the break)
+        from orchestrator.runtime.start.worker_deaths import watch
+
+        watch(Path(args.job_file).absolute().parent, args.on_death)
     try:
         elastic_launch(config, sys.executable)("-m", "orchestrator.runtime.start.agent", "rank", args.job_file)
     except ChildFailedError as exc:
@@ -159,8 +165,10 @@ def run_rank(job_file: str) -> int:
     import traceback
 
     from orchestrator.io import write_atomic
+    from orchestrator.runtime.start.worker_deaths import note_worker
 
     rank = int(os.environ.get("RANK", "0"))
+    note_worker(job_file, rank)
     job = pickle.loads(Path(job_file).read_bytes())
     try:
         outcome: Any = ("success", job())

@@ -41,6 +41,29 @@ def read_outcomes(job_dir: Path) -> Dict[int, Tuple[str, Any]]:
     return found
 
 
+def record_death(run_dir: str, job_id: str, attempt: int, rank: int, how: str) -> None:
+    """A signal ended rank ``rank`` on this node (``how``: ``exit by signal 9, SIGKILL``): say so in ``jobs.jsonl``
+    (:data:`~orchestrator.runtime.faults.lost.SIGNALLED_EVENT`) before its peers' broken collectives are recorded as
+    the attempt's end; the rank that records it names this rank first (:func:`~orchestrator.runtime.faults.lost.crash_cause`)."""
+    from orchestrator.ckpt import history
+    from orchestrator.runtime.faults.lost import SIGNALLED_EVENT
+
+    host = socket.gethostname()
+    try:
+        history.record_event(
+            run_dir,
+            SIGNALLED_EVENT,
+            job_id=str(job_id),
+            attempt=int(attempt),
+            rank=int(rank),
+            host=host,
+            how=how,
+            message=f"rank {rank} ({host}) died: {how}",
+        )
+    except OSError:
+        pass
+
+
 class NodeAgent:
     """``NodeAgent(job, run_dir, nproc_per_node, nnodes, max_restarts)()`` runs this node's share of ``job`` (a
     :class:`~orchestrator.runtime.start.job.TrainJob`) under torch's elastic agent; returns ``{"ranks": {rank:
@@ -97,18 +120,26 @@ class NodeAgent:
             watch_stdin=False,
             job_file=str(job_file),
             rdzv_backend="c10d",
+            on_death=lambda rank, how: record_death(self.run_dir, job_id, attempt, rank, how),
         )
         if getattr(env, "cluster", "") != "local":  # SLURM: a health check before each start; spares wait
             from orchestrator.runtime.start import spares
 
             spares.register(self.run_dir, job_dir)
             args.rdzv_backend = spares.BACKEND
-            if env.node >= self.nnodes and spares.wait_for_a_place(self.run_dir, job_dir) is None:
+            first = env.hostnames[0]
+            if env.node >= self.nnodes and spares.wait_for_a_place(self.run_dir, job_dir, first=first) is None:
                 return {"ranks": {}}  # a spare the job never needed
+            beat = spares.beating(job_dir, env.global_rank)  # the spares take this node's place if it dies
             try:
                 code = run_node(args)
             except spares.LeftOut as exc:
                 return self._left_out(job_dir, str(exc))
+            except BaseException:
+                spares.mark_done(job_dir)  # an end without a node left out: no spare is needed any more
+                raise
+            finally:
+                beat.set()
             spares.mark_done(job_dir)
         else:
             code = run_node(args)

@@ -14,6 +14,13 @@ make the running agents restart (torch elastic's membership change), and one pas
 rendezvous (nvidia-resiliency-ext #348). A spare waits on that folder instead: once a node is left out, the first
 spare to claim it (an ``O_EXCL`` file) checks itself and joins the rendezvous the other agents are waiting in, with
 the layout's world size unchanged. The first node hosts the rendezvous store and is never replaced.
+
+A node that dies (its processes and slurmd gone) cannot say it is left out: its agent beats instead (every
+:data:`BEAT_S` seconds it touches ``agent_<host>`` in the attempt's folder, :func:`beating`), and a waiting spare
+that finds an active node's beat older than :data:`DEAD_AFTER_S` (and no mark of its own) writes the mark on its
+behalf (:func:`dead_nodes`, the problem naming the silence and SLURM's state of the node), then takes its place as
+for a drained node. torch's rendezvous drops the dead agent by its own keep-alive (15 s), and the job survives the
+node's loss in SLURM's eyes through ``--no-kill`` (:mod:`orchestrator.submit.sbatch`, jobs with spares).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +39,10 @@ from typing import Any, Optional
 from orchestrator.slurm import JOB_ID_VAR
 
 BACKEND = "orchestrator-c10d"
+BEAT_S = 2.0
+"""How often an active node's agent says it is alive (``agent_<host>``'s modification time)."""
+DEAD_AFTER_S = 30.0
+"""An active node whose agent has not beaten for this long is dead: a spare takes its place."""
 UNHEALTHY_STATES = ("DRAIN", "DOWN", "FAIL", "NOT_RESPONDING", "POWER")
 """Words of ``scontrol show node``'s ``State`` that leave a node out (``DRAIN`` includes ``DRAINING``)."""
 
@@ -56,10 +68,16 @@ def health_problem(run_dir: str, host: str) -> Optional[str]:
         return f"cannot write the run root {run_dir}: {exc.strerror or exc}"
     finally:
         probe.unlink(missing_ok=True)
+    return slurm_problem(host)
+
+
+def slurm_problem(host: str) -> Optional[str]:
+    """``SLURM has the node DOWN*`` when ``scontrol show node`` says it is drained, down or not responding; None
+    when it does not, or does not answer (no verdict)."""
     try:
         out = subprocess.run(["scontrol", "show", "node", host], capture_output=True, text=True, timeout=15).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None  # no SLURM answer is no verdict on this node
+        return None
     state = next((f.split("=", 1)[1] for f in out.split() if f.startswith("State=")), "")
     bad = [w for w in UNHEALTHY_STATES if w in state.upper()] or (["NOT_RESPONDING"] if state.endswith("*") else [])
     return f"SLURM has the node {state}" if bad else None
@@ -91,6 +109,9 @@ class _Checked:
 
     def next_rendezvous(self):
         host = socket.gethostname()
+        if (self.job_dir / f"left_out_{host}.json").exists():  # taken for dead (silent too long): a spare has come
+            self.left_out = True
+            raise LeftOut(f"node {host} was taken for dead by a spare node (its agent was silent too long)")
         problem = health_problem(self.run_dir, host)
         if problem:
             leave(self.run_dir, self.job_dir, host, problem)
@@ -133,23 +154,71 @@ def _record(run_dir: str, event: str, **fields: Any) -> None:
         pass
 
 
-def leave(run_dir: str, job_dir: Path, host: str, problem: str) -> None:
-    """Say that ``host`` is left out (for the spares, and in ``jobs.jsonl``)."""
-    (job_dir / f"left_out_{host}.json").write_text(json.dumps({"host": host, "problem": problem, "time": time.time()}))
+def leave(
+    run_dir: str, job_dir: Path, host: str, problem: str, by: Optional[str] = None, task: Optional[int] = None
+) -> bool:
+    """Say that ``host`` is left out (for the spares, and in ``jobs.jsonl``); ``by``: the live node that says it for
+    a dead one, whose job task was ``task`` (it writes no result: the launcher counts it as left out). False when
+    the mark was there already (said once)."""
+    try:
+        fd = os.open(job_dir / f"left_out_{host}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"host": host, "problem": problem, "time": time.time(), "by": by or host}))
+    what = f"is dead ({problem}; said by node {by})" if by else f"failed its health check and is left out: {problem}"
     _record(
-        run_dir,
-        "node_left_out",
-        host=host,
-        problem=problem,
-        message=f"node {host} failed its health check and is left out: {problem}",
+        run_dir, "node_left_out", host=host, problem=problem, by=by or host, task=task, message=f"node {host} {what}"
     )
+    return True
 
 
-def wait_for_a_place(run_dir: str, job_dir: Path, poll_s: float = 0.5) -> Optional[str]:
-    """A spare node: block until a node is left out and this spare claims its place (its host, returned), or the
-    job's ranks are done (None)."""
+def beating(job_dir: Path, task: int) -> threading.Event:
+    """This active node's agent (job task ``task``) says it is alive (``agent_<host>``, holding ``task``, written
+    every :data:`BEAT_S`) until the returned event is set."""
+    path, stop = job_dir / f"agent_{socket.gethostname()}", threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                path.write_text(f"{task}\n")
+            except OSError:
+                pass
+            if stop.wait(BEAT_S):
+                return
+
+    threading.Thread(target=beat, name="agent-beat", daemon=True).start()
+    return stop
+
+
+def dead_nodes(run_dir: str, job_dir: Path, first: Optional[str], dead_after_s: float = DEAD_AFTER_S) -> None:
+    """A spare: mark left out (:func:`leave`, on their behalf) the active nodes whose agent has been silent for
+    ``dead_after_s`` seconds; never ``first`` (it hosts the rendezvous store: the job cannot outlive it)."""
+    now = time.time()
+    for beat in job_dir.glob("agent_*"):
+        host = beat.name[len("agent_") :]
+        if host == first or (job_dir / f"left_out_{host}.json").exists():
+            continue
+        try:
+            silent, text = now - beat.stat().st_mtime, beat.read_text().strip()
+        except OSError:
+            continue
+        if silent > dead_after_s:
+            slurm = slurm_problem(host)
+            problem = f"its agent has been silent for {silent:.0f} s" + (f"; {slurm}" if slurm else "")
+            task = int(text) if text.isdigit() else None
+            leave(run_dir, job_dir, host, problem, by=socket.gethostname(), task=task)
+
+
+def wait_for_a_place(
+    run_dir: str, job_dir: Path, poll_s: float = 0.5, first: Optional[str] = None, dead_after_s: float = DEAD_AFTER_S
+) -> Optional[str]:
+    """A spare node: block until a node is left out (by itself, or by a spare for a dead one: :func:`dead_nodes`)
+    and this spare claims its place (its host, returned), or the job's ranks are done (None). ``first``: the node
+    that hosts the rendezvous store."""
     host = socket.gethostname()
     while not (job_dir / "done").exists():
+        dead_nodes(run_dir, job_dir, first, dead_after_s)
         for marker in sorted(job_dir.glob("left_out_*.json")):
             left = json.loads(marker.read_text())["host"]
             try:
