@@ -3,7 +3,9 @@
 Runs, in this one invocation:
 1. a bare megatron-core loop (hand-written here: TransformerConfig → GPTModel per stage → DDP →
    get_megatron_optimizer → get_forward_backward_func, fixed in-memory token batches, no data
-   pipeline, no logging, no checkpoints) on ``--world`` gloo processes;
+   pipeline, no checkpoints) on ``--world`` gloo processes, with the collectives and host reads Megatron-LM's
+   ``train_step`` and ``training_log`` add at their defaults (the last stage's loss all-reduce over DP x CP every
+   iteration, summed on the device; a barrier and the loss's host read every ``--log-interval``);
 2. ``python -m orchestrator`` with the same model, layout and batch settings
    (checkpoint saves and evaluation off, records every ``--log-interval`` iterations) and reads
    ``step_time_median_s`` from its metrics.jsonl;
@@ -39,7 +41,17 @@ LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4":
 
 
 def _bare_worker(
-    rank: int, world: int, tp: int, pp: int, iters: int, warmup: int, mbs: int, gbs: int, port: int, out: str
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    iters: int,
+    warmup: int,
+    mbs: int,
+    gbs: int,
+    log_interval: int,
+    port: int,
+    out: str,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -115,19 +127,24 @@ def _bare_worker(
         "loss_mask": torch.ones(mbs, seq),
     }
 
+    def loss_func(o):
+        # Megatron-LM's pretrain_gpt.loss_func: the loss, and [its sum, the tokens] for the report
+        mask = batch["loss_mask"]
+        total, tokens = (o.float() * mask).sum(), mask.sum()
+        return total / tokens, {"lm loss": torch.cat([total.detach().view(1), tokens.view(1)])}
+
     def step(it, m):
-        out = m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, lambda o: ((o.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum(), {})
+        return m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), loss_func
 
     fb = get_forward_backward_func()
     dp = ps.get_data_parallel_world_size()
     m = gbs // (mbs * dp)
-    times, cpu = [], []
+    times, cpu, total_loss = [], [], torch.zeros(1)
     for i in range(iters):
         t0, c0 = time.perf_counter(), time.process_time()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        fb(
+        losses = fb(
             forward_step_func=step,
             data_iterator=iter([None] * m),
             model=[ddp],
@@ -137,6 +154,18 @@ def _bare_worker(
             forward_only=False,
         )
         opt.step()
+        # Megatron-LM's train_step: the last stage all-reduces [loss sum, tokens] over DP x CP every
+        # iteration; training_log adds it to total_loss_dict on the device and, every log_interval, times
+        # the interval with a barrier (timers('interval-time').elapsed(barrier=True)) and reads it (.item())
+        if ps.is_pipeline_last_stage():
+            val = torch.vstack([x["lm loss"] for x in losses]).sum(dim=0)
+            torch.distributed.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+            total_loss = total_loss + val[0] / val[1]
+        if (i + 1) % log_interval == 0:
+            torch.distributed.barrier()
+            if ps.is_pipeline_last_stage():
+                total_loss.item()
+                total_loss = torch.zeros(1)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
@@ -146,7 +175,7 @@ def _bare_worker(
     torch.distributed.destroy_process_group()
 
 
-def bare(tp, pp, dp, iters, warmup, mbs, gbs) -> Tuple[float, float]:
+def bare(tp, pp, dp, iters, warmup, mbs, gbs, log_interval) -> Tuple[float, float]:
     """(median wall, median CPU) seconds per step of the bare loop, on its last rank."""
     import torch.multiprocessing as mp
 
@@ -154,7 +183,9 @@ def bare(tp, pp, dp, iters, warmup, mbs, gbs) -> Tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bare.json")
         mp.spawn(
-            _bare_worker, args=(world, tp, pp, iters, warmup, mbs, gbs, 29000 + os.getpid() % 1000, out), nprocs=world
+            _bare_worker,
+            args=(world, tp, pp, iters, warmup, mbs, gbs, log_interval, 29000 + os.getpid() % 1000, out),
+            nprocs=world,
         )
         result = json.loads(Path(out).read_text())
         return result["median_s"], result["cpu_median_s"]
@@ -221,7 +252,9 @@ def counts(args, tp: int, pp: int, dp: int) -> None:
             orchestrated(args.parallelism, n, 0, args.mbs, args.gbs, args.log_interval, root, f"count{n}")
 
         orch(1)  # the data cache, before anything is counted
-        bare_counts = call_counts.per_iteration(lambda n: bare(tp, pp, dp, n, 0, args.mbs, args.gbs), 10, 30)
+        bare_counts = call_counts.per_iteration(
+            lambda n: bare(tp, pp, dp, n, 0, args.mbs, args.gbs, args.log_interval), 10, 30
+        )
         orch_counts = call_counts.per_iteration(orch, 10, 30)
     print(f"per iteration, bare megatron-core loop:\n{call_counts.describe(bare_counts)}")
     print(
@@ -255,7 +288,7 @@ def main() -> None:
     args = ap.parse_args()
     tp, pp, dp = LAYOUTS[args.parallelism]
     if args.bare_job:
-        bare(tp, pp, dp, 1, 0, args.mbs, args.gbs)
+        bare(tp, pp, dp, 1, 0, args.mbs, args.gbs, args.log_interval)
         return
     print(f"before: {_load()}", flush=True)
     if args.counts:
@@ -270,7 +303,7 @@ def main() -> None:
             for r in range(args.repeats):  # alternate which goes first: the machine's load drifts
                 for which in ("bare", "orch") if r % 2 == 0 else ("orch", "bare"):
                     if which == "bare":
-                        bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs))
+                        bares.append(bare(tp, pp, dp, args.iters, args.warmup, args.mbs, args.gbs, args.log_interval))
                     else:
                         orchs.append(
                             orchestrated(

@@ -436,6 +436,7 @@ def test_plan_and_dry_run_write_nothing_and_stay_torch_free(tmp_path):
 TINY = [
     "training.global_batch_size=4",
     "training.eval_iters=0",
+    "training.log_interval=1",
     "model.transformer_impl=local",
     "checkpoint.save_interval=1",
 ]
@@ -515,10 +516,12 @@ def no_rank_left(run_dir: Path, within_s: float = 30) -> list:
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory, cache_dir):
-    """One real run (1 CPU rank, a checkpoint every iteration), stopped by Ctrl-C at iteration 2."""
+    """One real run (1 CPU rank, a checkpoint every iteration), stopped by Ctrl-C at iteration 2. Its rank reads
+    through 2 DataLoader workers (data.num_workers, forked: in the process group Ctrl-C reaches)."""
     cwd = tmp_path_factory.mktemp("interrupted")
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    proc = interrupt([*TINY, "training.train_iters=1000", f"run.root={cwd / 'runs'}"], cwd, env, "iteration 2/")
+    args = [*TINY, "training.train_iters=1000", "data.num_workers=2", f"run.root={cwd / 'runs'}"]
+    proc = interrupt(args, cwd, env, "iteration 2/")
     return cwd, cwd / "runs" / "gpt_tiny_none", env, proc
 
 

@@ -146,6 +146,12 @@ from orchestrator.config.compose import compose_config
 from orchestrator.config.checks import validate
 from orchestrator.data.tokenizer import dataset_tokenizer
 print("fuser", jit.jit_fuser is jit.noop_decorator, type(fused_bias_gelu.bias_gelu).__name__)
+import torch
+from megatron.core.pipeline_parallel import schedules  # imports megatron's moe.router (0.19: @torch.compile in it)
+from orchestrator.runtime.rank.startup import deferred_compile
+twice = deferred_compile(torch.compile)(lambda x: 2 * x)
+print("inductor", "torch._inductor.compile_fx" in sys.modules, torch.compile.__module__)
+print("deferred", twice(torch.ones(1)).item(), "torch._inductor.compile_fx" in sys.modules)
 cfg = compose_config(["data.tokenizer=GPT2BPETokenizer", "data.vocab_file=" + sys.argv[1], "data.merge_file=" + sys.argv[2],
                       "run.dir=" + sys.argv[3]])
 validate(cfg)  # the job's own validate still knows transformers is installed
@@ -157,7 +163,9 @@ print("kept out", sys.modules["transformers"] is None, sys.modules["wandb"] is N
 @pytest.mark.mcore_lines
 def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validates(tmp_path):
     """What every rank process does before importing megatron-core (runtime/rank/startup.py): megatron's
-    jit fuser is its own no-op (a fused function stays a plain function, not torch.compile's wrapper),
+    jit fuser is its own no-op (a fused function stays a plain function, not torch.compile's wrapper), the
+    import of megatron's schedules (0.19.x: the router's @torch.compile) leaves torch's inductor out until a
+    deferred compile is first called,
     transformers, wandb and boto3 are never imported, the byte tokenizer still builds, and the job's validate
     of an HF-tokenized run still sees transformers installed (distribution metadata, not sys.modules)."""
     import json
@@ -177,4 +185,10 @@ def test_a_rank_keeps_transformers_wandb_and_the_jit_fuser_out_and_still_validat
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["fuser True function", "byte eod 256", "kept out True True True"], out.stdout
+    assert out.stdout.splitlines() == [
+        "fuser True function",
+        "inductor False torch",  # 0.19's router imported with torch.compile deferred, and torch.compile restored
+        "deferred 2.0 True",  # a deferred torch.compile compiles (imports the inductor) at its first call
+        "byte eod 256",
+        "kept out True True True",
+    ], out.stdout

@@ -143,6 +143,7 @@ def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path
         "training.global_batch_size=8",
         "training.micro_batch_size=4",
         "training.eval_iters=0",
+        "training.log_interval=1",
     ]
     first = run_cli(common + ["data.weights=[0.5,0.5]"], cache=cache, timeout=400)
     assert "data a: 150 documents" in first.stdout and "data b: 150 documents" in first.stdout

@@ -16,6 +16,7 @@ MOE = [
     "parallelism.data_parallel_size=2",
     "data.stdlib_max_mb=2",
     "training.eval_iters=0",
+    "training.log_interval=1",
     "training.micro_batch_size=2",
     "training.global_batch_size=4",
     "training.train_iters=3",

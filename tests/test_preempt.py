@@ -130,6 +130,71 @@ def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
     assert "rank 1 stops after iteration 3 local=SIGUSR2" in outs[1]
 
 
+_POLL_WORKER = textwrap.dedent("""
+    import os, signal, sys, time, torch, torch.distributed as dist
+    from orchestrator.runtime.faults.preempt import StopRequest
+    from orchestrator.runtime.training.stop_poll import StopPoll
+    rank, log_every, step_s = int(sys.argv[1]), int(sys.argv[3]), float(sys.argv[4])
+    dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+    stop = StopRequest(max_requeues=3).install()
+    poll, reduces = StopPoll(stop), 0
+    for it in range(1, 40):
+        if rank == 1 and it == 3:
+            os.kill(os.getpid(), signal.SIGUSR2)   # only rank 1 gets the signal
+        time.sleep(step_s)                          # "training"
+        if log_every and it % log_every == 0:      # the loop's logging all-reduce carries the poll
+            total = torch.tensor([0.0, 0.0, *poll.share()], dtype=torch.float64)
+            dist.all_reduce(total); reduces += 1
+            stopping = poll.merged(total[2].item(), total[3].item() / 2)
+        else:
+            stopping = poll.requested()
+        if stopping:
+            print(f"rank {rank} stops after iteration {it} local={stop.signal_name} every={poll.every}", flush=True)
+            break
+    poll.close(); dist.barrier(); dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize(
+    "log_every,step_s,first,last",
+    [
+        (5, 0.0, 5, 5),  # short steps: the poll rides on the logging all-reduce of iteration 5, no poll of its own
+        # no logging all-reduce, steps of >= 0.5 s: a poll at most every 2 s / 0.5 s = 4 iterations; the first
+        # after the signal carries it, the next reads it: after iteration 4 at the earliest, 3 + 2 x 4 at the latest
+        (0, 0.5, 4, 11),
+    ],
+)
+def test_the_stop_poll_agrees_on_one_iteration_on_the_logging_all_reduce_or_within_two_polls(
+    clean_env, tmp_path, log_every, step_s, first, last
+):
+    """Two gloo ranks, rank 1 signalled at iteration 3: both stop after the same iteration, within the bounds
+    of the poll's rule (runtime/training/stop_poll.py), whichever path carried the poll."""
+    import re
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "poll_worker.py"
+    script.write_text(_POLL_WORKER)
+    args = [f"tcp://127.0.0.1:{port}", str(log_every), str(step_s)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    found = [re.search(r"rank (\d) stops after iteration (\d+) local=(\S+)", out) for out in outs]
+    assert all(found), outs
+    (at,) = {int(m.group(2)) for m in found}  # the same iteration on both ranks
+    assert first <= at <= last and [m.group(3) for m in found] == ["peer", "SIGUSR2"], outs
+
+
 def _job_gets_usr2():
     """Runs inside a submitit task: our handler must replace submitit's (which would requeue)."""
     import os

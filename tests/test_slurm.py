@@ -150,6 +150,7 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
         "data.stdlib_max_mb=1",
         "training.train_iters=2",
         "training.eval_iters=0",
+        "training.log_interval=1",
     ]
     clis = [_cli(args, cache_dir), _cli(args, cache_dir)]
     ids = []

@@ -690,9 +690,9 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
             states += subprocess.run(
                 ["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True, timeout=30
             ).stdout.split()
-        done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
         before = iterations_done(hup)
-        stopped = stop_cli("hup", "--root", str(tmp_path))
+        stopped = stop_cli("hup", "--root", str(tmp_path))  # before the second ends: the first trains no longer
+        done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
     finally:
         a.kill()
         b.kill()
@@ -977,10 +977,12 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
     """One node's link shaped with tc (tbf, 100 Mbit/s into it; the fault lock held, the qdisc always
     removed): ``check links`` names that link with both numbers and exits 1; a training job with
     ``cluster.link_check.action=refuse`` stops before iteration 1 with one ``error:`` line, exit 2.
-    The unshaped case (no warning) is asserted on the run across nodes above."""
+    PP=2 on two nodes, one rank on each (the one cross-node pipeline link, as ranks 0 <-> 2 of the PP2 x DP2
+    run across nodes: half the rank start-ups). The unshaped case (no warning) is asserted on that run above."""
     first, second = _NODES[:2]
     pin = [f"cluster.exclude={','.join(_NODES[2:])}"] if len(_NODES) > 2 else []
-    common = SMALL + ["cluster=slurm_dev", *ACROSS_NODES, *pin, f"run.root={tmp_path}", "training.train_iters=2"]
+    pp2 = ["parallelism.data_parallel_size=1", "cluster.nodes=2", "cluster.tasks_per_node=1"]
+    common = SMALL + ["cluster=slurm_dev", *pp2, *pin, f"run.root={tmp_path}", "training.train_iters=2"]
     veth = _veth(second)
     with open("/tmp/dev-fault.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -1020,7 +1022,7 @@ def test_slow_link_named_by_check_links_and_refused_before_iteration_1(tmp_path,
             subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], timeout=30)
     # check links: every link measured, the slow one (into the shaped node) named with both numbers
     slow = [ln for ln in check.stdout.splitlines() if "slow link:" in ln]
-    assert len(slow) == 1 and f"slow link: {first} -> {second} (ranks 0 -> 2, pipeline neighbours) over dev0" in slow[0]
+    assert len(slow) == 1 and f"slow link: {first} -> {second} (ranks 0 -> 1, pipeline neighbours) over dev0" in slow[0]
     measured, reference = (float(x) for x in re.search(r": ([\d.]+) Gbit/s vs ([\d.]+) Gbit/s", slow[0]).groups())
     assert measured < 0.2 < 2 < reference, slow[0]  # 100 Mbit/s shaped; the other direction free
     assert f"cluster.exclude={first} or {second}" in slow[0] and "GLOO_SOCKET_IFNAME" in slow[0]

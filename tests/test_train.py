@@ -38,8 +38,10 @@ def test_invalid_pipeline_split_fails_before_any_process(tmp_path, cache_dir):
 @pytest.mark.mcore_lines
 def test_layouts_agree_from_the_same_initial_weights(tmp_path, cache_dir, reference, resume_args):
     """parallelism=none and pp2_dp2 (the module's reference run), same iteration-0 weights and data
-    order: same losses (1e-3 rel)."""
-    run_cli(resume_args + [f"run.root={tmp_path}", "parallelism=none", "run.name=single"], cache=cache_dir)
+    order: same losses (1e-3 rel). The single rank reads its micro-batches through 2 DataLoader workers (the
+    reference in its own process): the same batches."""
+    single = ["parallelism=none", "run.name=single", "data.num_workers=2"]
+    run_cli(resume_args + [f"run.root={tmp_path}", *single], cache=cache_dir)
     a, b = losses_by_iteration(tmp_path / "single"), reference
     assert sorted(a) == sorted(b) == list(range(1, REFERENCE_ITERS + 1))
     for it in range(1, REFERENCE_ITERS + 1):

@@ -63,6 +63,7 @@ _IGNORE_KEYS = {
     "gpu",
     "data.cache_dir",
     "data.name",
+    "data.num_workers",  # how batches are read, not which
     "model.name",
     "training.name",
     "training.log_interval",

@@ -81,6 +81,10 @@ class DataConfig:
     workers: Optional[int] = None
     """Processes that tokenize (Megatron-LM preprocess_data.py's --workers). Null: one per core
     (one for less than 4 MB of text)."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank that read training micro-batches ahead, each prefetching 2, into
+    pinned memory on a GPU (Megatron-LM's --num-workers). Null: 2 on a GPU (Megatron-LM's default), 0 on a CPU
+    rank (reads in the rank's process: the cores are the ranks'). Not math: a resume may change it."""
 
 
 @dataclass
@@ -100,7 +104,10 @@ class TrainingConfig:
     train_iters: int = 200
     """Optimizer steps to train in total (0: build, initialise and save the iteration-0 checkpoint)."""
     seed: int = 1234
-    log_interval: int = 1
+    log_interval: int = 10
+    """Iterations between the loss's host read, metrics.jsonl record, log line and TensorBoard point (10, as
+    Megatron-Bridge's recipes; Megatron-LM's --log-interval defaults to 100). The last iteration, a save's and a
+    stop's are always logged. 1 logs (and reads the loss) every iteration."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (bf16/fp16 need a GPU)."""
     fp8: Optional[str] = None

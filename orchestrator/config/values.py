@@ -51,6 +51,7 @@ INTEGERS: List[Tuple[str, int, bool]] = [
     ("parallelism.data_parallel_size", 1, True),
     ("data.eod_id", 0, True),
     ("data.workers", 1, True),
+    ("data.num_workers", 0, True),
     ("model.num_layers", 1, False),
     ("model.hidden_size", 1, False),
     ("model.num_attention_heads", 1, False),

@@ -211,6 +211,7 @@ TABLE: List[Flag] = [
     Flag("--data-path", "data.paths", "special"),
     Flag("--mock-data", "data.kind", "special", export=False),
     Flag("--split", "data.split", "str"),
+    Flag("--num-workers", "data.num_workers", "int"),  # unset: ours picks 2 on GPU (Megatron-LM's), 0 on CPU
     Flag(
         "--data-cache-path",
         "data.cache_dir",

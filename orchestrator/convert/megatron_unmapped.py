@@ -28,7 +28,6 @@ UNMAPPED: List[Flag] = [
         kind="none",
         note='kernel fusions are Megatron-LM\'s defaults on GPU (README "Megatron config"), not configurable here',
     ),
-    Flag("--num-workers", kind="none", note="data loading workers are not configurable here"),
     Flag(
         "--exit-interval",
         kind="none",

@@ -87,39 +87,26 @@ class SpikeWatch:
         return None
 
 
-def shared_loss(lm_loss: Optional[float], device) -> Optional[float]:
-    """The loss every rank sees: one MAX all-reduce of this rank's loss (-inf where it is None);
-    None when no rank has one (an iteration whose loss the loop did not reduce)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return lm_loss
-    t = torch.tensor([-math.inf if lm_loss is None else float(lm_loss)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    value = float(t.item())
-    return None if value == -math.inf else value
-
-
 def check(
     guard,
     watch: SpikeWatch,
     iteration: int,
     lm_loss: Optional[float],
     grad_norm: Optional[float],
-    device,
     loss_reduced: bool = True,
 ) -> None:
     """Raise :class:`~orchestrator.errors.LossSpikeError` on every rank when this iteration's loss or
     gradient norm is a spike (call BEFORE any save of ``iteration``, after the NaN guard's check).
     ``guard``: the rank's :class:`~orchestrator.runtime.faults.guard.Guard` (the attempt's record).
 
+    ``lm_loss``: the loss every rank sees (the loop's one all-reduce of it,
+    :func:`~orchestrator.runtime.training.forward.shared_mean_loss`), None where no rank has one.
     ``loss_reduced``: whether the loop reduced this iteration's loss (its log, save and stop iterations; the same
-    on every rank). Only then is the loss shared (one all-reduce); on the others only the gradient norm, which every
-    rank already holds from the optimizer's own all-reduce, is checked: no collective, no host sync of ours."""
+    on every rank). On the others only the gradient norm, which every rank already holds from the optimizer's own
+    all-reduce, is checked. No collective and no host sync of its own."""
     if watch.factor is None:
         return
-    loss = shared_loss(lm_loss, device) if loss_reduced else None
+    loss = lm_loss if loss_reduced else None
     for what, value in (("lm loss", loss), ("grad norm", grad_norm)):
         hit = watch.spike(what, None if value is None else float(value))
         if hit is not None:

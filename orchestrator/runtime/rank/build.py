@@ -123,12 +123,13 @@ class Data:
 def _iterators(rank: Rank, dataset, consumed: int) -> object:
     from megatron.core import parallel_state as ps
 
-    from orchestrator.runtime.rank.dataset import MicroBatchIterator
+    from orchestrator.runtime.rank.batches import MicroBatchIterator, loader_workers
 
     mbs = rank.cfg.training.micro_batch_size
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    workers = loader_workers(rank.cfg.data.num_workers, rank.device)
     its: List[object] = [
-        MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device) for _ in rank.built.model
+        MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device, workers) for _ in rank.built.model
     ]
     return its if len(its) > 1 else its[0]
 

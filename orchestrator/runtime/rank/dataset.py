@@ -7,10 +7,8 @@
   job that one build runs inside a process group of one (gloo over an in-process ``HashStore``: no
   port, no network), destroyed right after — a real world of size 1, in which megatron's own rank-0
   path builds and caches, rather than a copy of megatron's private cache-file naming.
-* :class:`MicroBatchIterator` — samples in Megatron's pretraining order: global batch ``k`` holds
-  samples ``[k*GBS, (k+1)*GBS)``; within it, micro-batch ``j`` of DP rank ``r`` holds samples
-  ``k*GBS + j*MBS*DP + r*MBS + [0, MBS)``. The order depends only on the consumed-sample count, so
-  every layout sees the same global batches.
+
+What a rank reads of them, micro-batch by micro-batch, is :mod:`orchestrator.runtime.rank.batches`.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Iterator
 
 from orchestrator.config.schema import JobConfig
 from orchestrator.data.prepare import PreparedData, indices_marker, samples_needed, valid_samples_needed
@@ -111,36 +109,6 @@ def build_datasets(cfg: JobConfig, prepared: PreparedData, tokenizer, num_sample
 def build_train_dataset(cfg: JobConfig, prepared: PreparedData, tokenizer, num_samples: int):
     """The train dataset of :func:`build_datasets` (which also builds and caches the validation one)."""
     return build_datasets(cfg, prepared, tokenizer, num_samples)[0]
-
-
-class MicroBatchIterator:
-    """Yields this DP rank's micro-batches in Megatron's pretraining order, from ``consumed_samples`` on.
-
-    Each item: dict of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` tensors, shape
-    ``[micro_batch_size, seq_length]``.
-    """
-
-    def __init__(
-        self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, device: str = "cpu"
-    ):
-        self.dataset = dataset
-        self.next_sample = consumed_samples
-        self.mbs, self.dp_rank, self.dp_size, self.device = micro_batch_size, dp_rank, dp_size, device
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Dict[str, "object"]:
-        import torch
-
-        start = self.next_sample + self.dp_rank * self.mbs
-        idx = [(start + i) % len(self.dataset) for i in range(self.mbs)]
-        self.next_sample += self.mbs * self.dp_size
-        items = [self.dataset[i] for i in idx]
-        batch = {}
-        for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            batch[key] = torch.stack([it[key] for it in items]).to(self.device, non_blocking=True)
-        return batch
 
 
 def cache_indices(cfg: JobConfig, prepared: PreparedData) -> None:

@@ -6,7 +6,7 @@ The evaluation (:func:`orchestrator.runtime.training.forward.evaluate`) reads th
 global batches of the validation split, from its first sample every time: samples ``[0, eval_iters * GBS)`` of
 megatron-core's validation ``GPTDataset``, built here by the ranks' own :func:`build_datasets` from the run's config
 and data (the same cached sample indices). Micro-batch ``j`` of DP rank ``r`` in global batch ``k`` is samples
-``k*GBS + j*MBS*DP + r*MBS + [0, MBS)`` (:class:`MicroBatchIterator`), so the file's rows in order are the
+``k*GBS + j*MBS*DP + r*MBS + [0, MBS)`` (:class:`~orchestrator.runtime.rank.batches.MicroBatchIterator`), so the file's rows in order are the
 micro-batches, ``MBS`` rows each.
 
 Its loss (nats/token): megatron-core's cross entropy of ``logits[b, s]`` against ``labels[b, s]`` (the next token:

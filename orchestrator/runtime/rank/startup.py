@@ -2,7 +2,7 @@
 
 A rank spends most of its start-up importing torch and megatron-core (3 CPU-s on this project's CI
 machine, Python 3.11, megatron-core 0.16.1, before this module's savings), and a local job's ranks, or
-a SLURM job's tasks, pay it each. Four parts of it never serve a rank:
+a SLURM job's tasks, pay it each. Five parts of it never serve a rank:
 
 * ``transformers`` (0.9 CPU-s per process, measured after megatron-core's own import): megatron-core's
   ``tokenizers.text`` imports it for its HuggingFace tokenizer, yet a rank never tokenizes -- it reads
@@ -17,6 +17,11 @@ a SLURM job's tasks, pay it each. Four parts of it never serve a rank:
 * ``torch.compile`` set-up for megatron-core's ``@jit_fuser`` kernels on a CPU job (0.75 CPU-s): the
   fused functions it decorates run only with the fusions the runtime turns off on CPU
   (:mod:`orchestrator.runtime.rank.model`), yet decorating them with ``torch.compile`` at import costs it.
+* torch's inductor (0.8-1.1 CPU-s per process, measured on :func:`orchestrator.runtime.start.forked.preload`
+  under megatron-core 0.19.2: 4.3-4.5 -> 3.2-3.4 CPU-s), imported by the ``@torch.compile`` that 0.19's
+  ``megatron.core.transformer.moe.router`` applies as it is imported (``InferenceTopKRouter``'s routing: inference
+  only, never called in training): on a CPU job that module is imported with ``torch.compile`` deferred to the
+  decorated function's first call (:data:`COMPILES_AT_IMPORT`).
 
 What this relies on in megatron-core is the same in both lines (listed in
 :mod:`orchestrator.runtime.rank.mcore`); the savings were measured with ``time.process_time`` around the
@@ -25,10 +30,11 @@ rank's imports (:func:`orchestrator.runtime.start.forked.preload`).
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 KEPT_OUT = ("transformers", "boto3", "botocore")
 """Packages no rank process imports (``sys.modules[name] = None``, Python's documented way to make an
@@ -56,43 +62,88 @@ def let_in(name: str) -> None:
         del sys.modules[name]
 
 
-class _JitFuserOff(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` with the regular path finder and runs its ``disable_jit_fuser()`` the
-    moment the module has executed, before any megatron module takes ``jit_fuser`` from it."""
+COMPILES_AT_IMPORT = "megatron.core.transformer.moe.router"
+"""The megatron-core module (0.19.x) that calls ``torch.compile`` while it is imported; 0.16.x's does not."""
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Finds module ``name`` with the regular path finder (once) and has ``run(exec_module, module)`` execute it."""
+
+    def __init__(self, name: str, run: Callable[[Callable[[Any], None], Any], None]):
+        self.name, self.run = name, run
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if name != "megatron.core.jit":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _DisableAfterExec(spec.loader)
+            spec.loader = _RunExec(spec.loader, self.run)
         return spec
 
 
-class _DisableAfterExec(importlib.abc.Loader):
-    def __init__(self, loader: Any):
-        self.loader = loader
+class _RunExec(importlib.abc.Loader):
+    def __init__(self, loader: Any, run: Callable[[Callable[[Any], None], Any], None]):
+        self.loader, self.run = loader, run
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        module.disable_jit_fuser()
+        self.run(self.loader.exec_module, module)
+
+
+def _then_disable_jit_fuser(exec_module: Callable[[Any], None], module: Any) -> None:
+    exec_module(module)
+    module.disable_jit_fuser()
+
+
+def deferred_compile(compile_: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` (as ``compile_(fn, **options)`` or ``@compile_(**options)``) that compiles ``fn`` at its
+    first call instead of at once: the same function to its callers, no inductor import until it is called."""
+
+    def defer(fn: Optional[Callable[..., Any]] = None, **options: Any) -> Any:
+        if fn is None:
+            return lambda f: defer(f, **options)
+        compiled: list = []
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not compiled:
+                compiled.append(compile_(fn, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    return defer
+
+
+def _with_compile_deferred(exec_module: Callable[[Any], None], module: Any) -> None:
+    import torch
+
+    compile_ = torch.compile
+    torch.compile = deferred_compile(compile_)
+    try:
+        exec_module(module)
+    finally:
+        torch.compile = compile_
 
 
 def jit_fuser_off() -> None:
     """megatron-core's ``jit_fuser`` decorator as its own ``disable_jit_fuser()`` leaves it (the function
-    unchanged) instead of ``torch.compile``, for a job on CPU. megatron's modules bind ``jit_fuser`` when
-    they are imported (``from megatron.core.jit import jit_fuser``), so this must run before megatron-core
-    is imported: it installs an import hook that disables it as soon as ``megatron.core.jit`` has loaded.
-    Called later, it disables it for the modules not imported yet."""
+    unchanged) instead of ``torch.compile``, for a job on CPU; and :data:`COMPILES_AT_IMPORT` imported with
+    ``torch.compile`` deferred (:func:`deferred_compile`). megatron's modules bind ``jit_fuser`` when they are
+    imported (``from megatron.core.jit import jit_fuser``), so this must run before megatron-core is imported:
+    it installs import hooks, one that disables it as soon as ``megatron.core.jit`` has loaded. Called later,
+    it disables it for the modules not imported yet."""
+    hooks = [f.name for f in sys.meta_path if isinstance(f, _OnImport)]
     jit = sys.modules.get("megatron.core.jit")
     if jit is not None:
         jit.disable_jit_fuser()
-    elif not any(isinstance(f, _JitFuserOff) for f in sys.meta_path):
-        sys.meta_path.insert(0, _JitFuserOff())
+    elif "megatron.core.jit" not in hooks:
+        sys.meta_path.insert(0, _OnImport("megatron.core.jit", _then_disable_jit_fuser))
+    if COMPILES_AT_IMPORT not in sys.modules and COMPILES_AT_IMPORT not in hooks:
+        sys.meta_path.insert(0, _OnImport(COMPILES_AT_IMPORT, _with_compile_deferred))
 
 
 def on_cpu(device: str) -> bool:

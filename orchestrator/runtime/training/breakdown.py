@@ -16,13 +16,13 @@ category               megatron-core's timer names (0.16 and 0.19)
                        gradients, and their transfer
 ``dp_comm``            ``all-grads-sync`` (DDP's gradient all-reduce / reduce-scatter, or the wait for the
                        overlapped one), ``embedding-grads-all-reduce`` and megatron's other gradient syncs of
-                       ``finalize_model_grads``; the loop's lm-loss all-reduce over DP x CP on the last stage
-                       (on logging iterations)
+                       ``finalize_model_grads``; the loop's lm-loss all-reduce over all ranks (on logging
+                       iterations: the last stage's loss to every rank, for the spike guard too)
 ``data``               ``batch-generator`` (Megatron-LM's name): the forward step's ``next(data_iterator)``
 ``optimizer``          the loop's zeroing of the gradient buffers, ``optimizer.step()`` (gradient norm and its
                        all-reduce, clipping, update) and the LR scheduler's step
-``sync``               the loop's own collectives over all ranks: the stop poll, the NaN guard's and the
-                       loss-spike check's all-reduce (where a rank waits for the slowest of all)
+``sync``               the loop's own collectives over all ranks: the stop poll and the NaN guard's
+                       all-reduce (where a rank waits for the slowest of all)
 ``cpu_wait``           CPU ranks: the time the rank's thread was ready to run but waited for a core (Linux
                        ``/proc/thread-self/schedstat``'s run-queue delay, field 2, ns), wherever in the step it
                        fell: it is taken out of the section it interrupted, so a rank that shares its cores

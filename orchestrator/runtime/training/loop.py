@@ -9,11 +9,9 @@ Megatron-LM's). ``consumed_samples`` grows by each iteration's own batch.
 
 Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
 The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
-over DP x CP, in nats per token) is reduced and read only on iterations that log, save or stop. The
-stop request (preemption/time-limit signal) is agreed on without blocking: a poll starts a
-non-blocking MAX all-reduce of this rank's signal flag on a gloo group and reads the one started
-at the poll before, so every rank stops after the same iteration, one poll after the signal; polls are
-about a second apart (every iteration when steps take a second or more, :class:`StopPoll`).
+over DP x CP, in nats per token) is reduced and read only on iterations that log, save or stop. That
+one all-reduce also carries the stop poll (every rank stops after the same iteration once any got a signal;
+between logging iterations a non-blocking poll at most every two seconds: runtime.training.stop_poll).
 
 Evaluation (``training.eval_iters > 0``): every ``training.eval_interval`` iterations and after
 the last, the validation lm loss over the first ``eval_iters`` global batches of the held-out
@@ -40,6 +38,7 @@ from orchestrator.runtime.training.metrics import Trackers
 from orchestrator.runtime.training.resume import Saver, Start
 from orchestrator.runtime.training.save_schedule import SaveSchedule
 from orchestrator.runtime.training.step_log import StepLog
+from orchestrator.runtime.training.stop_poll import StopPoll
 
 NONFINITE_GRAD_ENV = "ORCHESTRATOR_TEST_NONFINITE_GRAD_AT"
 """Test-only (tests/test_guard.py): a comma-separated list of iterations at which every rank sets one
@@ -60,54 +59,6 @@ def _inject_nonfinite_grad(model, iteration: int) -> None:
             if grad is not None:
                 grad.view(-1)[0] = math.inf
                 return
-
-
-class StopPoll:
-    """The stop decision of :class:`~orchestrator.runtime.faults.preempt.StopRequest`, without a blocking
-    collective per iteration (see the module docstring). Collective: every rank calls it every iteration and
-    polls on the same ones.
-
-    A poll is one non-blocking MAX all-reduce of ``[this rank's signal flag, seconds since its last poll]``
-    on a gloo group, read at the next poll: a stop is agreed one poll after the signal. Polls are about
-    :attr:`POLL_S` apart: after each, every rank takes the same slowest rank's seconds per iteration from the
-    result and polls again after ``max(1, POLL_S // that)`` iterations, so a job of second-long steps polls
-    every iteration (as Megatron-LM's ``--exit-signal-handler`` checks, with a blocking all-gather) and a
-    small one adds a collective only every few iterations."""
-
-    POLL_S = 1.0
-
-    def __init__(self, stop):
-        self.stop = stop
-        self.group = torch.distributed.new_group(backend="gloo")  # CPU flag: no device sync on GPU runs
-        self._sent = torch.zeros(2, dtype=torch.float64)
-        self._work = None
-        self.every, self._left, self._last = 1, 1, time.perf_counter()
-
-    def requested(self) -> bool:
-        """True on every rank when any rank had received a signal by the previous poll."""
-        self._left -= 1
-        if self._left > 0:
-            return False
-        decided, spanned = False, self.every
-        if self._work is not None:
-            self._work.wait()
-            flag, seconds = self._sent.tolist()
-            decided = flag > 0
-            self.every = max(1, int(self.POLL_S * spanned // max(seconds, 1e-9)))
-        now = time.perf_counter()
-        self._sent = torch.tensor([float(self.stop.local_flag), now - self._last], dtype=torch.float64)
-        self._last, self._left = now, self.every
-        self._work = torch.distributed.all_reduce(
-            self._sent, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True
-        )
-        if decided and not self.stop.local_flag:
-            self.stop.trigger("peer")  # another rank got the signal; requeue_or_exit names it
-        return decided
-
-    def close(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
 
 
 @dataclass
@@ -184,6 +135,29 @@ def _stop(poll: StopPoll, saver: Saver, trackers: Trackers, stop, iteration: int
     stop.requeue_or_exit("signal")
 
 
+def _loss_and_stop(
+    rank: Rank, clock, poll: StopPoll, losses, logging: bool, last: bool
+) -> Tuple[Optional[float], Optional[float], bool]:
+    """(the loss on the last stage or None, the loss on every rank or None, whether to stop after this iteration).
+
+    A logging iteration (``logging``) reduces the loss and polls the stop in one all-reduce; another polls the
+    stop (:class:`StopPoll`) and reduces the loss only when it stops (its iteration is saved and logged)."""
+    shared, stopping = None, False
+    step_loss = forward.step_loss(losses)  # a tensor on the last stage: no host sync
+    mine = [step_loss] if step_loss is not None else []
+    if logging:
+        with breakdown.section(clock, "loss-all-reduce"):
+            shared, (flags, seconds) = forward.reduce_for_log(rank, mine, poll.share())
+        stopping = not last and poll.merged(flags, seconds)  # after the last: nothing to stop
+    else:
+        with breakdown.section(clock, "loop-sync"):
+            stopping = poll.requested()
+        if stopping:
+            with breakdown.section(clock, "loss-all-reduce"):
+                shared, _ = forward.reduce_for_log(rank, mine, [])
+    return (shared if step_loss is not None else None), shared, stopping
+
+
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
     """Train from ``start`` to ``training.train_iters`` (or a stop / ``exit_after_iters``); collective.
 
@@ -213,19 +187,15 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         )
         it, consumed = it + 1, consumed + batch.samples
         last = it == t.train_iters
-        with breakdown.section(clock, "loop-sync"):
-            stopping = not last and poll.requested()
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
         save_now = schedule.due(it) and not last  # due: every rank, every iteration (auto chooses collectively)
-        loss, reduced = None, last or stopping or exiting or save_now or it % t.log_interval == 0  # alike on all ranks
-        if reduced:
-            step_loss = forward.step_loss(losses)
-            with breakdown.section(clock, "loss-all-reduce"):
-                loss = forward.mean_loss(rank, [step_loss] if step_loss is not None else [])
+        logging = last or exiting or save_now or it % t.log_interval == 0  # alike on all ranks
+        loss, shared, stopping = _loss_and_stop(rank, clock, poll, losses, logging, last)
+        reduced = logging or stopping
         if guard is not None:  # raises before anything of this iteration is saved
             with breakdown.section(clock, "loop-sync"):
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
-                spike.check(guard, spikes, it, loss, grad_norm, rank.tensor_device, reduced)  # likewise
+                spike.check(guard, spikes, it, shared, grad_norm, reduced)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it, batch)
         if watch is not None:
