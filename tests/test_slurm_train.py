@@ -690,9 +690,9 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
             states += subprocess.run(
                 ["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True, timeout=30
             ).stdout.split()
-        done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
         before = iterations_done(hup)
-        stopped = stop_cli("hup", "--root", str(tmp_path))
+        stopped = stop_cli("hup", "--root", str(tmp_path))  # before the second ends: the first trains no longer
+        done = wait_until(lambda: jobs.slurm_job_status(ids[1]).state == "completed", 400, "the second job to end")
     finally:
         a.kill()
         b.kill()
