@@ -14,11 +14,19 @@ Two measures, printed with the load average (a shared machine's wall times are o
 
     python bench/straggler.py                    # 3 pairs of 60-iteration jobs
     python bench/straggler.py --pairs 5 -- training.train_iters=100
+
+3. ``--rule``: the default rule's two sides (issue 39): ``--runs`` unthrottled jobs of ``--iters`` iterations at
+   the default ``training.straggler`` settings, each printing the load average and whom it named (goal: nobody);
+   then one job whose rank 3 is held to ``--quota`` percent of a core (a cgroup v1 CPU quota, root) from
+   iteration ``--at`` on, printing the iteration it was named at (goal: within 30 iterations)::
+
+    python bench/straggler.py --rule --runs 3 --iters 120 --quota 20 --at 64
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -119,12 +127,79 @@ def verdict_cost() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+RULE = [a for a in BASE if not a.startswith(("training.train_iters=", "training.log_interval="))] + [
+    "training.micro_batch_size=1",
+    "training.global_batch_size=4",
+    "training.log_interval=1",
+]
+"""The test's job (tests/test_straggler.py): 4 ranks, PP=2 x DP=2, one record per iteration."""
+
+
+def _named(run_dir: Path) -> List[dict]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == "straggler"]
+
+
+def rule(runs: int, iters: int, quota: int, at: int) -> None:
+    """Option 3 of the module docstring."""
+    cgroup = Path("/sys/fs/cgroup/cpu") / f"bench-straggler-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="bench-straggler-") as root:
+        for i in range(runs + 1):
+            throttled = i == runs
+            load0, t0, name = os.getloadavg()[0], time.monotonic(), f"rule{i}"
+            args = [*RULE, f"training.train_iters={iters}", f"run.root={root}", f"run.name={name}"]
+            env = dict(os.environ, PYTHONPATH=str(REPO))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", *args],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            moved = None
+            try:
+                while throttled and moved is None and proc.poll() is None:
+                    beat, metrics = Path(root, name, "heartbeat", "rank_3"), Path(root, name, "metrics.jsonl")
+                    done = metrics.exists() and sum(1 for x in metrics.read_text().splitlines() if '"lm_loss"' in x)
+                    if done and done >= at and beat.exists():
+                        cgroup.mkdir(exist_ok=True)
+                        (cgroup / "cpu.cfs_period_us").write_text("100000")
+                        (cgroup / "cpu.cfs_quota_us").write_text(str(quota * 1000))
+                        (cgroup / "cgroup.procs").write_text(str(json.loads(beat.read_text())["pid"]))
+                        moved = done
+                    time.sleep(0.1)
+                if proc.wait() != 0:
+                    raise SystemExit(f"job {name} failed:\n{proc.stderr.read()[-2000:]}")
+            finally:
+                if cgroup.exists():
+                    for pid in (cgroup / "cgroup.procs").read_text().split():
+                        with contextlib.suppress(OSError):
+                            Path("/sys/fs/cgroup/cpu/cgroup.procs").write_text(pid)
+                    cgroup.rmdir()
+            named = [(r.get("rank"), r["iteration"], r.get("slower_by")) for r in _named(Path(root, name))]
+            what = f"rank 3 held to {quota}% of a core from iteration {moved}" if throttled else "unthrottled"
+            print(
+                f"{name}: {what}, {iters} iterations in {time.monotonic() - t0:.0f} s, load {load0:.1f} -> "
+                f"{os.getloadavg()[0]:.1f}: named (rank, iteration, slower by) {named or 'nobody'}",
+                flush=True,
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rule", action="store_true", help="the default rule's two sides (option 3)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=120)
+    parser.add_argument("--quota", type=int, default=20)
+    parser.add_argument("--at", type=int, default=64)
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.rule:
+        rule(args.runs, args.iters, args.quota, args.at)
+        return 0
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     on: List[Tuple[float, float, int]] = []
     off: List[Tuple[float, float, int]] = []

@@ -107,7 +107,7 @@ def test_the_forecast_is_young_daly():
 def test_the_forecast_is_the_mean_of_poisson_failures_while_the_job_is_up():
     """Failures at rate 1/M while the job trains, saves or redoes lost work (bench/goodput.py injects them so),
     each costing R and the work since the last completed save: 200,000 simulated failures at M = 60 s, R = 23.4 s,
-    tau = 23.74 s, C = 0.79 s (bench/goodput.py's T = 60 s run, every 72 iterations) give the forecast's ETTR
+    tau = 23.74 s, C = 0.79 s (bench/goodput.py's regime at T = 60 s) give the forecast's ETTR
     within 0.3 points; the first-order form (half a cycle lost per failure, failures only during kept work) was
     4 points above."""
     import random

@@ -218,6 +218,12 @@ def test_straggler_rule_ranks_and_hosts():
     assert slower[:3] == [None, None, None] and abs(slower[3] - 0.5) < 1e-9
     assert judge([1.0, 1.3], 0.2)[1] is not None and judge([1.0, 1.1], 0.2) == [None, None]
     assert judge([2.0], 0.2) == [None]  # nobody to compare with
+    # the default rule (issue 39): against each rank's own best window too, as nvidia-resiliency-ext's individual
+    # score: slower than the others but not than itself (load it always had) is nobody; slower than both is named
+    assert judge([1.0, 1.0, 1.0, 1.4], 0.2, [1.0, 1.0, 1.0, 1.3]) == [None] * 4
+    assert abs(judge([1.0, 1.0, 1.0, 1.4], 0.2, [1.0, 1.0, 1.0, 1.0])[3] - 0.4) < 1e-9
+    assert judge([1.0, 1.0, 1.0, 1.4], 0.2, [None] * 4) == [None] * 4  # no history yet: only more than 2x
+    assert abs(judge([1.0, 1.0, 1.0, 2.5], 0.2, [None, None, None, 2.5])[3] - 1.5) < 1e-9
     hosts = ["a", "a", "b", "b"]
     assert straggling_hosts(hosts, [0, 0, 2, 2], 2) == [("b", [2, 3])]
     assert straggling_hosts(hosts, [0, 0, 2, 1], 2) == []  # one of b's ranks is not (yet) named

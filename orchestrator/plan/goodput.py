@@ -13,9 +13,9 @@ by renewal-reward (kept training over up time plus restart, per failure)
 
 which to first order in ``c / M`` is ``tau / (tau + C) x 1 / (1 + (R + (tau + C) / 2) / M)`` (half a cycle lost
 per failure), and the interval that maximises it is, to first order, Young–Daly's ``tau* = sqrt(2 C M)``. The
-first-order form counts failures only during kept work: at ``c / M`` = 0.4 it was 7.7 points above a measured
-ETTR of 53.0% that this form puts at 56.3% (``bench/goodput.py``, T = 60 s, an interval of 72 iterations).
-Failures during a restart are not modelled (second order in ``R / M``).
+first-order form counts failures only during kept work: at ``c / M`` = 0.5 it was 6.0 points above a measured
+ETTR of 53.0%, which this form puts at 53.3% (``bench/goodput.py``: T = 60 s, every 72
+iterations). Failures during a restart are not modelled (second order in ``R / M``).
 
 Pure Python, no torch: ``plan=true`` prints it.
 """

@@ -20,7 +20,9 @@ compute seconds (:func:`lower_quartile`), divided by its pipeline stage's planne
 so ranks of different stages compare; data-parallel peers of a stage have the same FLOPs) — is gathered on
 a gloo group of its own (not the default group: nvidia-resiliency-ext's detector deadlocked there under
 sub-meshes, its #277). Every rank then judges the same numbers: a rank whose score exceeds the median of the
-*other* ranks' by more than ``threshold`` straggles in that window; after ``windows`` windows in a row it is
+*other* ranks' by more than ``threshold`` and its own best score of the windows before by more than ``threshold``
+(it got slower: nvidia-resiliency-ext's individual score; or it is more than twice as slow as the others,
+:data:`ALONE`) straggles in that window (:func:`judge`); after ``windows`` windows in a row it is
 named (rank 0 prints one line; the logging rank writes a ``straggler`` record to ``metrics.jsonl``), once
 per episode. On a job of several hosts, a host whose ranks are all named is named as the host. The named
 ranks and hosts go into the run's summary (``stragglers``).
@@ -57,14 +59,28 @@ def lower_quartile(values: List[float]) -> float:
     return sorted(values)[len(values) // 4]
 
 
-def judge(scores: List[float], threshold: float) -> List[Optional[float]]:
+ALONE = 1.0
+"""Slower than the other ranks by more than this (2x) straggles whatever the rank's own history says (a rank slow
+from its first window has no faster past to compare with)."""
+
+
+def judge(scores: List[float], threshold: float, best: Optional[List[Optional[float]]] = None) -> List[Optional[float]]:
     """For each rank, how much slower than the median of the other ranks' scores it is (0.35 = 35% slower)
-    when that exceeds ``threshold``, else None. Fewer than 2 ranks: nobody."""
+    when that exceeds ``threshold``, else None. Fewer than 2 ranks: nobody.
+
+    ``best``: each rank's own best (lowest) score of the windows before (None: no history yet). With it, a rank
+    straggles only when it is also slower than its own best by more than ``threshold`` — it got slower, as
+    nvidia-resiliency-ext's individual score asks (its relative score alone named a different, unthrottled rank
+    in most stretches on a loaded shared machine, where ranks differ by up to 45% for as long as the load lasts)
+    — or when it is more than :data:`ALONE` slower than the others."""
     out: List[Optional[float]] = []
     for r, score in enumerate(scores):
         others = scores[:r] + scores[r + 1 :]
         ref = statistics.median(others) if others else 0.0
         slower = score / ref - 1.0 if ref > 0 else 0.0
+        if best is not None and slower <= ALONE:
+            own = best[r]
+            slower = slower if own and score / own - 1.0 > threshold else 0.0
         out.append(slower if slower > threshold else None)
     return out
 
@@ -100,6 +116,7 @@ class StragglerWatch:
         self._events: List[tuple] = []
         self._window: List[tuple] = []  # per iteration: (wall s or the iteration's events, cpu s)
         self.streak = [0] * self.world
+        self.best: List[Optional[float]] = [None] * self.world  # each rank's best score so far (its own history)
         self.named: List[Dict[str, object]] = []
         self._named_hosts: set = set()
 
@@ -161,7 +178,9 @@ class StragglerWatch:
         gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(self.world)]
         torch.distributed.all_gather(gathered, mine, group=self.group)
         rows = [g.tolist() for g in gathered]
-        slower = judge([r[0] for r in rows], self.threshold)
+        scores = [r[0] for r in rows]
+        slower = judge(scores, self.threshold, self.best)
+        self.best = [s if b is None else min(b, s) for b, s in zip(self.best, scores)]  # every rank: the same
         hosts = list(self.rank.info.hosts)
         for r, s in enumerate(slower):
             self.streak[r] = self.streak[r] + 1 if s is not None else 0
