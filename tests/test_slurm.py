@@ -209,7 +209,13 @@ def test_a_job_the_partition_cannot_hold_is_one_line_before_anything_is_queued(t
             "error: cluster.partition=nosuch: no such partition (sinfo lists dev",
         ),
     ]
-    queued = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout
+
+    def job_ids() -> set:  # the queue's jobs (not their TIME column, which runs on for any job already there)
+        return set(
+            subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()
+        )
+
+    queued = job_ids()
     for extra, expected in cases:
         args = [
             "+experiment=gpt_pp2_dp2",
@@ -228,4 +234,4 @@ def test_a_job_the_partition_cannot_hold_is_one_line_before_anything_is_queued(t
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
         assert "preparing data" not in proc.stdout and not (tmp_path / "big").exists()
-    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout == queued
+    assert job_ids() <= queued  # nothing queued by the refused submissions
