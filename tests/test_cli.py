@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import REPO
+from conftest import REPO, losses_by_iteration
 
 # Runs many argv lists through orchestrator.__main__.main in one interpreter (Hydra and the
 # schema imported once), capturing each one's stdout, stderr and exit code.
@@ -607,8 +607,8 @@ def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_ca
     import re
 
     env = {"ORCHESTRATOR_CACHE": str(cache_dir)}
-    args = [
-        *TINY[:-1],
+    args = [  # at the shipped training.log_interval (10): the stop iterations are recorded all the same
+        *(a for a in TINY[:-1] if not a.startswith("training.log_interval")),
         "checkpoint.save_interval=1000",
         "training.train_iters=1000",
         f"run.root={tmp_path}",
@@ -650,6 +650,8 @@ def test_sigterm_saves_the_stop_iteration_stop_ends_a_live_run_and_deep_check_ca
     assert st.job.describe() == "stopped (by request)" and st.iteration > stop_at, st
     assert (run_dir / "checkpoints" / f"iter_{st.iteration:07d}" / "manifest.json").exists()
     assert f"resumes from {run_dir}/checkpoints/iter_{st.iteration:07d}" in stopped.stdout, stopped.stdout
+    # each attempt's first iteration and both stop iterations have their loss on record (between log intervals)
+    assert {1, stop_at, stop_at + 1, st.iteration} <= set(losses_by_iteration(run_dir)), stop_at
     for bad, what in ((["term"], "is not live"), (["nope"], "no run directory")):
         before = _files(run_dir)
         again = _stop([*bad, "--root", str(tmp_path)], tmp_path, env)

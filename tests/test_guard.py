@@ -551,6 +551,33 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_at_the_shipped_log_interval_a_spike_within_the_first_interval_is_caught_against_the_first_iteration(
+    tmp_path, cache_dir
+):
+    """At the shipped training.log_interval (10) the loss is read at the attempt's first iteration (as Megatron-LM
+    logs its first) and every 10th: optimizer.lr=5 blows gpt_tiny's loss up within the first 10 iterations, and the
+    guard stops at iteration 10 against iteration 1's loss, nothing saved (exit 1; without the first iteration's
+    read the run completed and saved the blown-up weights: iteration 10 had no reference)."""
+    run_dir = tmp_path / "spike10"
+    args = [a for a in SMALL if not a.startswith("training.log_interval")] + [
+        "parallelism=none",
+        f"run.root={tmp_path}",
+        "run.name=spike10",
+        "training.train_iters=12",
+        "optimizer.lr=5.0",
+    ]
+    proc = run_cli(args, cache=cache_dir, check=False, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    m = re.search(
+        r"lm loss spike at iteration 10: (\S+) > training.spike.factor=10 x median (\S+) of the last 1 ", line
+    )
+    assert m, line
+    records = {r["iteration"]: r["lm_loss"] for r in read_metrics(run_dir)}
+    assert sorted(records) == [1] and float(m.group(2)) == pytest.approx(records[1], rel=1e-5)
+    assert float(m.group(1)) > 10 * records[1] and not (run_dir / "checkpoints").exists()
+
+
 def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache_dir):
     """optimizer.lr=1000 with the default training.spike.factor=10, a checkpoint every iteration: the job
     stops (exit 1, one line naming the iteration, the value and the median, and a lower lr) at the first

@@ -107,7 +107,8 @@ class TrainingConfig:
     log_interval: int = 10
     """Iterations between the loss's host read, metrics.jsonl record, log line and TensorBoard point (10, as
     Megatron-Bridge's recipes; Megatron-LM's --log-interval defaults to 100). The last iteration, a save's and a
-    stop's are always logged. 1 logs (and reads the loss) every iteration."""
+    stop's, an exit's and an attempt's first (as Megatron-LM's) are always logged. 1 logs (and reads the
+    loss) every iteration."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (bf16/fp16 need a GPU)."""
     fp8: Optional[str] = None

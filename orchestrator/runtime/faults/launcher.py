@@ -81,7 +81,7 @@ def watch_launcher(
             time.sleep(poll_s)
         reason = f"the launcher (pid {owner.get('pid')}) died"
         print(
-            f"[orchestrator] {reason}: stopping the job at the next iteration (saving a checkpoint first); "
+            f"[orchestrator] {reason}: stopping the job at the iteration its ranks agree on (saving a checkpoint first); "
             f"it is ended in {grace_s:.0f} s otherwise",
             file=sys.stderr,
             flush=True,
@@ -122,7 +122,7 @@ def watch_stop(
             if asked is not None:
                 who = str(asked.get("by") or "a stop request")
                 print(
-                    f"[orchestrator] stop asked by {who}: stopping at the next iteration (saving a checkpoint first)",
+                    f"[orchestrator] stop asked by {who}: stopping at the iteration the ranks agree on (saving a checkpoint first)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -189,7 +189,9 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         last = it == t.train_iters
         exiting = bool(t.exit_after_iters) and it - start.iteration >= t.exit_after_iters and not last
         save_now = schedule.due(it) and not last  # due: every rank, every iteration (auto chooses collectively)
-        logging = last or exiting or save_now or it % t.log_interval == 0  # alike on all ranks
+        # alike on all ranks; the attempt's first iteration too, as Megatron-LM's training_log (the spike guard's
+        # first reference, and a record from the start)
+        logging = last or exiting or save_now or it % t.log_interval == 0 or it == start.iteration + 1
         loss, shared, stopping = _loss_and_stop(rank, clock, poll, losses, logging, last)
         reduced = logging or stopping
         if guard is not None:  # raises before anything of this iteration is saved
@@ -201,10 +203,9 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         if watch is not None:
             watch.tick(it)  # every training.straggler.interval iterations: the window's verdict (collective)
         log.breakdown(it, last)
-        if loss is not None:
+        if loss is not None:  # every iteration whose loss was read: a log, save, stop or exit, the first, the last
             last_loss = loss
-            if last or it % t.log_interval == 0:
-                log.record(it, consumed, loss, lr, grad_norm, update_ok)
+            log.record(it, consumed, loss, lr, grad_norm, update_ok)
         if _eval_due(rank, data, it, completed=last):
             with _phase(guard, "evaluation"):
                 log.eval(it, consumed, forward.evaluate(rank, forward_backward, data))
