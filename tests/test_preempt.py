@@ -107,16 +107,16 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
+def _two_ranks(tmp_path: Path, source: str, *args: str):
+    """Run ``source`` as 2 gloo ranks (argv: rank, init method, ``args``); (return codes, outputs)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    init = f"tcp://127.0.0.1:{port}"
+    script.write_text(source)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), init],
+            [sys.executable, str(script), str(r), f"tcp://127.0.0.1:{port}", *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -125,7 +125,12 @@ def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
         for r in range(2)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [STOP_EXIT_CODE, STOP_EXIT_CODE], outs
+    return [p.returncode for p in procs], outs
+
+
+def test_all_ranks_stop_at_the_same_iteration(clean_env, tmp_path):
+    codes, outs = _two_ranks(tmp_path, _WORKER)
+    assert codes == [STOP_EXIT_CODE, STOP_EXIT_CODE], outs
     assert "rank 0 stops after iteration 3 local=peer" in outs[0]
     assert "rank 1 stops after iteration 3 local=SIGUSR2" in outs[1]
 
@@ -171,24 +176,8 @@ def test_the_stop_poll_agrees_on_one_iteration_on_the_logging_all_reduce_or_with
     of the poll's rule (runtime/training/stop_poll.py), whichever path carried the poll."""
     import re
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "poll_worker.py"
-    script.write_text(_POLL_WORKER)
-    args = [f"tcp://127.0.0.1:{port}", str(log_every), str(step_s)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    codes, outs = _two_ranks(tmp_path, _POLL_WORKER, str(log_every), str(step_s))
+    assert codes == [0, 0], outs
     found = [re.search(r"rank (\d) stops after iteration (\d+) local=(\S+)", out) for out in outs]
     assert all(found), outs
     (at,) = {int(m.group(2)) for m in found}  # the same iteration on both ranks
