@@ -120,14 +120,14 @@ class Data:
     """A fresh iterator (or list) over the first ``eval_iters`` validation batches; None: no eval."""
 
 
-def _iterators(rank: Rank, dataset, consumed: int) -> object:
+def _iterators(rank: Rank, dataset, consumed: int, workers: int) -> object:
+    """One iterator per model chunk over ``dataset`` from ``consumed`` samples, each read by ``workers`` processes."""
     from megatron.core import parallel_state as ps
 
-    from orchestrator.runtime.rank.batches import MicroBatchIterator, loader_workers
+    from orchestrator.runtime.rank.batches import MicroBatchIterator
 
     mbs = rank.cfg.training.micro_batch_size
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    workers = loader_workers(rank.cfg.data.num_workers, rank.device)
     its: List[object] = [
         MicroBatchIterator(dataset, consumed, mbs, dp_rank, dp_size, rank.device, workers) for _ in rank.built.model
     ]
@@ -140,11 +140,15 @@ def build_data(rank: Rank, prepared, consumed: int) -> Data:
     Raises DataError for an empty split part.
     """
     from orchestrator.data.prepare import samples_needed
+    from orchestrator.runtime.rank.batches import loader_workers
     from orchestrator.runtime.rank.dataset import build_datasets
 
     train, valid = build_datasets(rank.cfg, prepared, rank.tokenizer, samples_needed(rank.cfg))
-    make_valid = (lambda: _iterators(rank, valid, 0)) if valid is not None else None
-    return Data(train=_iterators(rank, train, consumed), valid=make_valid)
+    # validation reads its eval_iters batches afresh at every evaluation, in the rank's process (no workers to start
+    # each time); training through data.num_workers
+    make_valid = (lambda: _iterators(rank, valid, 0, 0)) if valid is not None else None
+    workers = loader_workers(rank.cfg.data.num_workers, rank.device)
+    return Data(train=_iterators(rank, train, consumed, workers), valid=make_valid)
 
 
 def versions() -> dict:
