@@ -81,6 +81,24 @@ def drained(node: str):
             subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30)
 
 
+def _spare_node_job(tmp_path, cache_dir):
+    """The 2-node SLURM job with one spare node and one in-place restart that the tests below attack, started
+    (its run directory, the uninterrupted local reference of the same math, the launcher)."""
+    common = SMALL + [
+        f"run.root={tmp_path}",
+        f"training.train_iters={RESTART_ITERS}",
+        f"checkpoint.save_interval={RESTART_SAVE}",
+    ]
+    ref = SharedReference(SMALL + [f"training.train_iters={RESTART_ITERS}"], cache_dir)  # made by the run across nodes
+    cli = Cli(
+        common
+        + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
+        cache_dir,
+        tmp_path / "logs",
+    )
+    return tmp_path / "slurm", ref, cli
+
+
 @needs_three_nodes
 def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_and_its_losses(
     tmp_path,
@@ -96,15 +114,7 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     restart apart from requeues. Prints the time from the kill to the first new iteration, next to the job's own
     start-up and checkpoint load."""
     n = RESTART_ITERS
-    common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
-    run_dir = tmp_path / "slurm"
-    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)  # made by the run across nodes already
-    cli = Cli(
-        common
-        + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
-        cache_dir,
-        tmp_path / "logs",
-    )
+    run_dir, ref, cli = _spare_node_job(tmp_path, cache_dir)
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 10, 400, "iteration 10 on SLURM", cli, poll_s=0.1)
@@ -241,15 +251,7 @@ def test_a_dead_node_is_replaced_by_a_spare_and_the_slurm_job_completes(
     the dead node's task never writing a result (the launcher counts it as left out), every loss equal to the
     uninterrupted run's. Before: the spare waited for a mark that never came and the job never finished."""
     n = RESTART_ITERS
-    common = SMALL + [f"run.root={tmp_path}", f"training.train_iters={n}", f"checkpoint.save_interval={RESTART_SAVE}"]
-    run_dir = tmp_path / "slurm"
-    ref = SharedReference(SMALL + [f"training.train_iters={n}"], cache_dir)
-    cli = Cli(
-        common
-        + ["cluster=slurm_dev", *ACROSS_NODES, "run.name=slurm", "cluster.max_restarts=1", "cluster.spare_nodes=1"],
-        cache_dir,
-        tmp_path / "logs",
-    )
+    run_dir, ref, cli = _spare_node_job(tmp_path, cache_dir)
     try:
         job_id = wait_until(lambda: submitted_job(run_dir), 180, "the submission", cli)
         wait_until(lambda: iterations_done(run_dir) >= 10, 400, "iteration 10 on SLURM", cli, poll_s=0.1)
