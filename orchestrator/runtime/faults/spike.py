@@ -100,7 +100,7 @@ def check(
     ``guard``: the rank's :class:`~orchestrator.runtime.faults.guard.Guard` (the attempt's record).
 
     ``lm_loss``: the loss every rank sees (the loop's one all-reduce of it,
-    :func:`~orchestrator.runtime.training.forward.shared_mean_loss`), None where no rank has one.
+    :class:`~orchestrator.runtime.training.exchange.Exchange`), None where no rank has one.
     ``loss_reduced``: whether the loop reduced this iteration's loss (its log, save and stop iterations; the same
     on every rank). On the others only the gradient norm, which every rank already holds from the optimizer's own
     all-reduce, is checked. No collective and no host sync of its own."""

@@ -15,14 +15,15 @@ slowest one).
   quota), so a throttled rank is invisible to CPU time. The CPU seconds of the same calls are kept beside
   it (``cpu_ms``): a wall far above them says the rank waited for a core.
 
-Every ``interval`` iterations each rank's score — the lower quartile over the window's iterations of its
-compute seconds (:func:`lower_quartile`), divided by its pipeline stage's planned hardware FLOPs (:func:`orchestrator.plan.cost.flops_per_step`,
-so ranks of different stages compare; data-parallel peers of a stage have the same FLOPs) — is gathered on
-a gloo group of its own (not the default group: nvidia-resiliency-ext's detector deadlocked there under
-sub-meshes, its #277). Every rank then judges the same numbers: a rank whose score exceeds the median of the
-*other* ranks' by more than ``threshold`` and its own best score of the windows before by more than ``threshold``
-(it got slower: nvidia-resiliency-ext's individual score; or it is more than twice as slow as the others,
-:data:`ALONE`) straggles in that window (:func:`judge`); after ``windows`` windows in a row it is
+Each window of at least ``interval`` iterations, at the loop's next logging iteration, each rank's score — the
+lower quartile over the window's iterations of its compute seconds (:func:`lower_quartile`), divided by its
+pipeline stage's planned hardware FLOPs (:func:`orchestrator.plan.cost.flops_per_step`, so ranks of different
+stages compare; data-parallel peers of a stage have the same FLOPs) — rides to every rank on that iteration's
+one all-reduce (runtime.training.exchange: no collective of its own; with the shipped ``training.log_interval``
+10 and ``interval`` 8, windows of 10). Every rank then judges the same numbers: a rank whose score exceeds the
+median of the *other* ranks' by more than ``threshold`` and its own best score of the windows before by more
+than ``threshold`` (it got slower: nvidia-resiliency-ext's individual score; or it is more than twice as slow
+as the others, :data:`ALONE`) straggles in that window (:func:`judge`); after ``windows`` windows in a row it is
 named (rank 0 prints one line; the logging rank writes a ``straggler`` record to ``metrics.jsonl``), once
 per episode. On a job of several hosts, a host whose ranks are all named is named as the host. The named
 ranks and hosts go into the run's summary (``stragglers``).
@@ -97,8 +98,9 @@ def straggling_hosts(hosts: List[str], streak: List[int], windows: int) -> List[
 
 
 class StragglerWatch:
-    """One rank's compute clock and the window verdicts (see the module docstring). Build it on every rank
-    (collective: a gloo group); ``timing`` wraps each iteration's schedule, ``tick`` ends each iteration."""
+    """One rank's compute clock and the window verdicts (see the module docstring). Build it on every rank;
+    ``timing`` wraps each iteration's schedule, ``tick`` ends it; when :meth:`due`, :meth:`row` rides on the
+    logging all-reduce and :meth:`verdict` reads every rank's."""
 
     def __init__(self, rank, trackers, start: int):
         from megatron.core import parallel_state as ps
@@ -106,7 +108,6 @@ class StragglerWatch:
         sc = rank.cfg.training.straggler
         self.rank, self.trackers = rank, trackers
         self.interval, self.threshold, self.windows = int(sc.interval), float(sc.threshold), int(sc.windows)
-        self.group = torch.distributed.new_group(backend="gloo")
         self.world = torch.distributed.get_world_size()
         self.pp_rank, self.dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
         self.flops = stage_flops(rank)[self.pp_rank]
@@ -153,15 +154,25 @@ class StragglerWatch:
             schedules.backward_step = saved
 
     def tick(self, iteration: int) -> None:
-        """End of an iteration; every ``interval`` iterations, the window's verdict (collective)."""
+        """End of iteration ``iteration``'s schedule: its compute seconds join the window."""
         if iteration <= self.skip_until:
             self._iter_wall, self._iter_cpu, self._events = 0.0, 0.0, []
             return
         self._window.append((list(self._events) if self.cuda else self._iter_wall, self._iter_cpu))
         self._iter_wall, self._iter_cpu, self._events = 0.0, 0.0, []
-        if len(self._window) >= self.interval:
-            self._verdict(iteration)
-            self._window = []
+
+    def due(self) -> bool:
+        """The window holds ``interval`` iterations: its verdict rides on the next logging all-reduce (the
+        same on every rank)."""
+        return len(self._window) >= self.interval
+
+    def row(self) -> List[float]:
+        """This rank's part of the verdict (closes the window): ``[score, compute s, CPU s, pp rank, dp rank]``,
+        the score being the window's :func:`lower_quartile` compute seconds per planned FLOP of the stage."""
+        compute = lower_quartile(self._seconds())
+        cpu = lower_quartile([c for _, c in self._window])
+        self._window = []
+        return [compute / self.flops, compute, cpu, float(self.pp_rank), float(self.dp_rank)]
 
     def _seconds(self) -> List[float]:
         if not self.cuda:
@@ -171,13 +182,8 @@ class StragglerWatch:
         return [sum(s.elapsed_time(e) for s, e in evs) / 1000.0 for evs, _ in self._window]
 
     # -- the verdict
-    def _verdict(self, iteration: int) -> None:
-        compute = lower_quartile(self._seconds())
-        cpu = lower_quartile([c for _, c in self._window])
-        mine = torch.tensor([compute / self.flops, compute, cpu, self.pp_rank, self.dp_rank], dtype=torch.float64)
-        gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(self.world)]
-        torch.distributed.all_gather(gathered, mine, group=self.group)
-        rows = [g.tolist() for g in gathered]
+    def verdict(self, iteration: int, rows: List[List[float]]) -> None:
+        """Every rank's :meth:`row` (rank order), the same on every rank: who straggles, who is named."""
         scores = [r[0] for r in rows]
         slower = judge(scores, self.threshold, self.best)
         self.best = [s if b is None else min(b, s) for b, s in zip(self.best, scores)]  # every rank: the same

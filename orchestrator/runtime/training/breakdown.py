@@ -39,8 +39,10 @@ section is the device time between the work queued before it and its own: a recv
 data loading that starves the device as data. Nested sections count once: ``data`` is taken out of the
 ``compute`` that encloses it.
 
-Every N iterations (and at the last) the ranks gather their window's totals on the logging rank (one
-``gather`` of 10 numbers per rank on a gloo group; nothing in between), which prints one line and writes a
+Every N iterations (at the first logging iteration that closes a window of N, and at the last) each rank's
+window totals ride to the logging rank on that iteration's one all-reduce (runtime.training.exchange; no
+collective of their own; the logging iteration's own all-reduce and what follows it fall in no window, only in
+the run's), which prints one line and writes a
 ``breakdown`` record to ``metrics.jsonl``; the job's summary carries the same over its timed iterations
 (after ``training.timing_warmup_iters``). Per stage: the mean over its ranks of each category's share of the
 step, and on a GPU the stage's MFU (model FLOPs of the stage per GPU per step / (step time x the GPU's peak,
@@ -144,10 +146,11 @@ class StepClock:
         self._step_delay = 0.0
         self._step = dict.fromkeys(CATEGORIES, 0.0)
         self._intervals: List[tuple] = []  # GPU: (category, enclosing category, start event, end event)
-        self._pending: List[tuple] = []  # GPU: (intervals, step seconds, timed) of finished steps
+        self._pending: List[tuple] = []  # GPU: (intervals, step seconds, timed, in window) of finished steps
         self.window = _Totals()
         self.run = _Totals()
-        self.first = 0
+        self.first = self.closed_first = 0
+        self._closed = False  # row() closed the window inside this step: its end joins the run's totals only
 
     def __call__(self, name: str, log_level: Optional[int] = None) -> _Section:
         section = self._sections.get(name)
@@ -198,41 +201,72 @@ class StepClock:
 
     def end_step(self, step_s: float, timed: bool) -> None:
         """The step ended after ``step_s`` seconds (the loop's step time); ``timed``: past the warm-up."""
+        in_window, self._closed = not self._closed, False
         if self.cuda:
-            self._pending.append((self._intervals, step_s, timed))
+            self._pending.append((self._intervals, step_s, timed, in_window))
             self._intervals = []
             return
         if self.delay:
             self._step["cpu_wait"] = self.delay() - self._step_delay
-        self.window.add(self._step, step_s)
+        if in_window:
+            self.window.add(self._step, step_s)
         if timed:
             self.run.add(self._step, step_s)
+
+    def _seconds_of(self, intervals: List[tuple]) -> Dict[str, float]:
+        """GPU: seconds per category of one step's recorded events (after a synchronisation)."""
+        seconds = dict.fromkeys(CATEGORIES, 0.0)
+        for cat, parent, start, end in intervals:
+            elapsed = start.elapsed_time(end) / 1e3
+            seconds[cat] += elapsed
+            if parent is not None and parent != cat:
+                seconds[parent] -= elapsed
+        return seconds
 
     def _resolve(self) -> None:
         """GPU: read the events of the finished steps (one synchronisation)."""
         if not self._pending:
             return
         torch.cuda.synchronize()
-        for intervals, step_s, timed in self._pending:
-            seconds = dict.fromkeys(CATEGORIES, 0.0)
-            for cat, parent, start, end in intervals:
-                elapsed = start.elapsed_time(end) / 1e3
-                seconds[cat] += elapsed
-                if parent is not None and parent != cat:
-                    seconds[parent] -= elapsed
-            self.window.add(seconds, step_s)
+        for intervals, step_s, timed, in_window in self._pending:
+            seconds = self._seconds_of(intervals)
+            if in_window:
+                self.window.add(seconds, step_s)
             if timed:
                 self.run.add(seconds, step_s)
         self._pending = []
 
     def due(self, iteration: int, last: bool) -> bool:
-        return last or iteration % self.interval == 0
+        """The window spans ``interval`` iterations to ``iteration`` (or it is the last): on a logging iteration,
+        its :meth:`row` rides on the all-reduce (the same on every rank)."""
+        return last or iteration - self.first + 1 >= self.interval
 
-    def gather(self, iteration: int, run: bool = False) -> Optional[Dict[str, object]]:
-        """The window's (``run``: the timed iterations') per-stage shares on the logging rank, None elsewhere;
-        resets the window. Collective over every rank."""
+    def row(self, step_so_far_s: float) -> List[float]:
+        """This rank's window to the current iteration, closing it: ``[stage, iterations, step s, seconds per
+        category (CATEGORIES)]``, the current iteration counted with its sections so far and ``step_so_far_s``
+        seconds (the rest of it goes into the run's totals only)."""
         self._resolve()
-        totals = self.run if run else self.window
+        if self.cuda:
+            torch.cuda.synchronize()
+            current = self._seconds_of(self._intervals)  # the sections closed so far
+        else:
+            current = dict(self._step)
+            if self.delay:
+                current["cpu_wait"] = self.delay() - self._step_delay
+        totals = self.window
+        totals.add(current, step_so_far_s)
+        self.window, self._closed, self.closed_first = _Totals(), True, self.first
+        return [float(self.stage), float(totals.iterations), totals.step_s] + [totals.seconds[c] for c in CATEGORIES]
+
+    def result(self, iteration: int, rows: List[List[float]]) -> Dict[str, object]:
+        """The closed window's per-stage shares from every rank's :meth:`row` (the logging rank's record)."""
+        return {"iterations": [self.closed_first, iteration], **per_stage(rows, mfu_inputs(self.rank))}
+
+    def gather(self) -> Optional[Dict[str, object]]:
+        """The timed iterations' per-stage shares on the logging rank, None elsewhere (the job's summary; once
+        per run). Collective over every rank: one ``gather`` on a gloo group."""
+        self._resolve()
+        totals = self.run
         mine = torch.tensor(
             [float(self.stage), float(totals.iterations), totals.step_s] + [totals.seconds[c] for c in CATEGORIES],
             dtype=torch.float64,
@@ -243,13 +277,9 @@ class StepClock:
             else None
         )
         torch.distributed.gather(mine, everyone, dst=self.logger, group=self.group)
-        first = self.first
-        if not run:
-            self.window = _Totals()
         if everyone is None:
             return None
-        rows = [t.tolist() for t in everyone]
-        return {"iterations": [first, iteration] if not run else None, **per_stage(rows, mfu_inputs(self.rank))}
+        return {"iterations": None, **per_stage([t.tolist() for t in everyone], mfu_inputs(self.rank))}
 
 
 class _Totals:

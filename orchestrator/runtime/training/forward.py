@@ -4,7 +4,7 @@ reports, and evaluation: the forward-only schedule over the validation data."""
 from __future__ import annotations
 
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -44,27 +44,6 @@ def mean_loss(rank: Rank, per_step: List[torch.Tensor]) -> Optional[float]:
     group = cp.loss_group()
     torch.distributed.all_reduce(total, group=group)
     return float(total[0]) / (torch.distributed.get_world_size(group) * max(1, len(per_step)))
-
-
-def reduce_for_log(rank: Rank, per_step: List[torch.Tensor], extra: List[float]) -> Tuple[Optional[float], List[float]]:
-    """The loss on every rank, and ``extra`` averaged over the ranks, in one all-reduce (collective over the
-    world): ``[sum, count]`` of the last stage's :func:`step_loss` values (the other stages add zeros; the TP
-    copies of a loss are equal, so the mean over the last stage's ranks is :func:`mean_loss`'s mean over its
-    loss group) and each rank's ``extra`` (the stop poll's flag and seconds), summed on the device and read on
-    the host once. This is the collective Megatron-LM's ``train_step`` spends on the loss (there: the last
-    stage's DP all-reduce of ``[loss sum, tokens]``, every iteration); here only on logging iterations, and
-    the spike guard and the stop poll ride on it. Returns (loss or None when no rank has one, extra's means)."""
-    from megatron.core import parallel_state as ps
-
-    total = torch.zeros(2 + len(extra), dtype=torch.float64, device=rank.tensor_device)
-    if per_step and ps.is_pipeline_last_stage(ignore_virtual=True):
-        total[0], total[1] = torch.stack(per_step).double().mean(), 1.0  # on the device: no host sync
-    if extra:
-        total[2:] = torch.tensor(extra, dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    loss_sum, count, *sums = total.tolist()
-    world = torch.distributed.get_world_size()
-    return (loss_sum / count if count else None), [v / world for v in sums]
 
 
 def step_loss(losses) -> Optional[torch.Tensor]:

@@ -10,8 +10,9 @@ Megatron-LM's). ``consumed_samples`` grows by each iteration's own batch.
 Host synchronisation: none beyond megatron's own (its gradient-norm all-reduce, when clipping).
 The micro-batch losses stay tensors; the lm loss (mean over micro-batches on the last stage, then
 over DP x CP, in nats per token) is reduced and read only on iterations that log, save or stop. That
-one all-reduce also carries the stop poll (every rank stops after the same iteration once any got a signal;
-between logging iterations a non-blocking poll at most every two seconds: runtime.training.stop_poll).
+one all-reduce (runtime.training.exchange) also carries the stop poll (every rank stops after the same iteration
+once any got a signal; between logging iterations a non-blocking poll at most every few seconds:
+runtime.training.stop_poll) and, when their windows close, the straggler watch's and the step breakdown's rows.
 
 Evaluation (``training.eval_iters > 0``): every ``training.eval_interval`` iterations and after
 the last, the validation lm loss over the first ``eval_iters`` global batches of the held-out
@@ -32,7 +33,7 @@ import torch
 
 from orchestrator.runtime.faults import spike, straggler
 from orchestrator.runtime.rank.build import Data, Rank
-from orchestrator.runtime.training import breakdown, forward, trace
+from orchestrator.runtime.training import breakdown, exchange, forward, trace
 from orchestrator.runtime.training.batch_ramp import Batch, BatchRamp
 from orchestrator.runtime.training.metrics import Trackers
 from orchestrator.runtime.training.resume import Saver, Start
@@ -135,27 +136,47 @@ def _stop(poll: StopPoll, saver: Saver, trackers: Trackers, stop, iteration: int
     stop.requeue_or_exit("signal")
 
 
-def _loss_and_stop(
-    rank: Rank, clock, poll: StopPoll, losses, logging: bool, last: bool
-) -> Tuple[Optional[float], Optional[float], bool]:
-    """(the loss on the last stage or None, the loss on every rank or None, whether to stop after this iteration).
+@dataclass
+class Reduced:
+    """What a logging iteration's all-reduce brought (runtime.training.exchange), or a plain iteration's poll."""
 
-    A logging iteration (``logging``) reduces the loss and polls the stop in one all-reduce; another polls the
-    stop (:class:`StopPoll`) and reduces the loss only when it stops (its iteration is saved and logged)."""
-    shared, stopping = None, False
+    loss: Optional[float] = None
+    """The loss on the last stage (None elsewhere and where it was not reduced)."""
+    shared: Optional[float] = None
+    """The loss on every rank (the spike guard's), None where not reduced."""
+    stopping: bool = False
+    """Every rank stops after this iteration."""
+    reduced: bool = False
+    breakdown: Optional[Dict[str, object]] = None
+    """A closed breakdown window (on the logging rank)."""
+
+
+def _reduce(rank: Rank, clock, poll: StopPoll, watch, losses, it: int, logging: bool, last: bool, t0: float) -> Reduced:
+    """Iteration ``it``'s one collective of ours: on a logging iteration (``logging``) the loss, the stop poll and,
+    when due, the straggler and breakdown windows ride on one all-reduce; another iteration polls the stop
+    (:class:`StopPoll`) and reduces the loss only when it stops (its iteration is saved and logged)."""
     step_loss = forward.step_loss(losses)  # a tensor on the last stage: no host sync
-    mine = [step_loss] if step_loss is not None else []
-    if logging:
-        with breakdown.section(clock, "loss-all-reduce"):
-            shared, (flags, seconds) = forward.reduce_for_log(rank, mine, poll.share())
-        stopping = not last and poll.merged(flags, seconds)  # after the last: nothing to stop
-    else:
+    if watch is not None:
+        watch.tick(it)  # this iteration's compute joins the straggler window
+    if not logging:
         with breakdown.section(clock, "loop-sync"):
-            stopping = poll.requested()
-        if stopping:
-            with breakdown.section(clock, "loss-all-reduce"):
-                shared, _ = forward.reduce_for_log(rank, mine, [])
-    return (shared if step_loss is not None else None), shared, stopping
+            if not poll.requested():
+                return Reduced()
+    ex = exchange.Exchange(rank.tensor_device, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    ex.add("stop", poll.share() if logging else [])
+    straggling = watch is not None and watch.due()
+    if straggling:
+        ex.add_row("straggler", watch.row())
+    closing = clock is not None and clock.due(it, last)
+    if closing:
+        ex.add_row("breakdown", clock.row(time.perf_counter() - t0))
+    with breakdown.section(clock, "loss-all-reduce"):
+        got = ex.all_reduce(step_loss)
+    stopping = not logging or (not last and poll.merged(got["stop"][0], got["stop"][1] / ex.world))
+    if straggling:
+        watch.verdict(it, got["straggler"])
+    shaped = clock.result(it, got["breakdown"]) if closing and rank.is_logger else None
+    return Reduced(got["loss"] if step_loss is not None else None, got["loss"], stopping, True, shaped)
 
 
 def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers, stop, guard=None) -> Outcome:
@@ -192,17 +213,15 @@ def train(rank: Rank, data: Data, start: Start, saver: Saver, trackers: Trackers
         # alike on all ranks; the attempt's first iteration too, as Megatron-LM's training_log (the spike guard's
         # first reference, and a record from the start)
         logging = last or exiting or save_now or it % t.log_interval == 0 or it == start.iteration + 1
-        loss, shared, stopping = _loss_and_stop(rank, clock, poll, losses, logging, last)
-        reduced = logging or stopping
+        got = _reduce(rank, clock, poll, watch, losses, it, logging, last, t0)
+        loss, stopping = got.loss, got.stopping
         if guard is not None:  # raises before anything of this iteration is saved
             with breakdown.section(clock, "loop-sync"):
                 update_ok = guard.check(it, loss, grad_norm) and update_ok
-                spike.check(guard, spikes, it, shared, grad_norm, reduced)  # likewise
+                spike.check(guard, spikes, it, got.shared, grad_norm, got.reduced)  # likewise
         # the whole iteration but its record, evaluation and save; wall and this process's CPU time
         log.tick(time.perf_counter() - t0, time.process_time() - c0, it, batch)
-        if watch is not None:
-            watch.tick(it)  # every training.straggler.interval iterations: the window's verdict (collective)
-        log.breakdown(it, last)
+        log.breakdown(it, got.breakdown)
         if loss is not None:  # every iteration whose loss was read: a log, save, stop or exit, the first, the last
             last_loss = loss
             log.record(it, consumed, loss, lr, grad_norm, update_ok)

@@ -41,12 +41,9 @@ class StepLog:
         if self.clock is not None:
             self.clock.end_step(step_time, timed)
 
-    def breakdown(self, iteration: int, last: bool) -> None:
-        """At the clock's windows: every rank's section times to the logging rank, which says and records
-        them (collective)."""
-        if self.clock is None or not self.clock.due(iteration, last):
-            return
-        result = self.clock.gather(iteration)
+    def breakdown(self, iteration: int, result: Optional[Dict[str, object]]) -> None:
+        """A closed breakdown window (runtime.training.breakdown's ``result``, on the logging rank): said and
+        recorded."""
         if result is not None and self.trackers.enabled:
             self.trackers.event({"event": "breakdown", "iteration": iteration, **result, "time": time.time()})
             print(describe_breakdown(result, f"iterations {result['iterations'][0]}-{iteration}"), flush=True)
@@ -89,7 +86,7 @@ class StepLog:
 
     def whole_run(self) -> Optional[Dict[str, object]]:
         """The breakdown over the timed iterations, said on the logging rank (collective); None when off."""
-        whole = self.clock.gather(0, run=True) if self.clock is not None else None
+        whole = self.clock.gather() if self.clock is not None else None
         if whole is not None and whole["stages"]:
             print(describe_breakdown(whole, f"over {len(self.timed)} timed iterations"), flush=True)
         return whole

@@ -6,7 +6,7 @@ every rank of ``[this rank's signal flag, seconds since the previous poll]``. Po
 own where they can help it:
 
 * on the loop's logging iterations (``training.log_interval``, a save's, a stop's, the last) the poll rides on
-  the all-reduce that carries the loss (:func:`~orchestrator.runtime.training.forward.reduce_for_log`): the
+  the all-reduce that carries the loss (:class:`~orchestrator.runtime.training.exchange.Exchange`): the
   decision is immediate;
 * between them, once :attr:`StopPoll.POLL_S` seconds of iterations have passed since the previous poll, a
   non-blocking MAX all-reduce on a gloo group (a CPU flag: no device sync on a GPU) is started and read at the
@@ -31,9 +31,10 @@ class StopPoll:
     """The stop decision of ``stop`` (a StopRequest). Collective: every rank calls :meth:`requested` or
     :meth:`merged` every iteration, the same one on the same iterations."""
 
-    POLL_S = 2.0
+    POLL_S = 5.0
     """Seconds of training between polls: a stop is agreed at most about this long after its signal (plus one
-    step), well inside the warning SLURM gives before a time limit or preemption (``--signal``, 90 s here)."""
+    step), well inside the warning SLURM gives before a time limit or preemption (``--signal``, 90 s here).
+    With the shipped ``training.log_interval`` (10), steps of up to 0.5 s poll only on logging iterations."""
 
     def __init__(self, stop):
         self.stop = stop
