@@ -38,6 +38,9 @@ from typing import List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
+EXTRA: List[str] = []
+"""``--set KEY=VALUE`` overrides for the orchestrator's jobs (what a feature costs: e.g. ``--set
+training.breakdown_interval=0``); none by default: the orchestrator as shipped."""
 
 
 def _bare_worker(
@@ -209,6 +212,7 @@ def _orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root:
         "checkpoint.save_at_end=false",
         "checkpoint.save_interval=null",
         "optimizer.lr_warmup_iters=0",
+        *EXTRA,
     ]
 
 
@@ -284,9 +288,13 @@ def main() -> None:
         action="store_true",
         help="only: collectives and host reads per iteration, per rank, both ways (bench/call_counts.py)",
     )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override for the orchestrator's jobs"
+    )
     ap.add_argument("--bare-job", action="store_true", help=argparse.SUPPRESS)  # one bare 1-iteration job
     args = ap.parse_args()
     tp, pp, dp = LAYOUTS[args.parallelism]
+    EXTRA.extend(args.set)
     if args.bare_job:
         bare(tp, pp, dp, 1, 0, args.mbs, args.gbs, args.log_interval)
         return

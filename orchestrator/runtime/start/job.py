@@ -83,6 +83,9 @@ class TrainJob:
             watch_stop(self.config["run"]["dir"], job_id, request_stop)
 
     def __call__(self) -> Dict[str, Any]:
+        from orchestrator.runtime.rank import startup
+
+        startup.pause_collector()  # back on before the training loop (runtime.training.run)
         os.environ.update(self.env)
         lighten_imports(self.config)
         done = exit_fast_after_success()

@@ -72,6 +72,7 @@ def run(cfg: JobConfig, prepared, layout: ParallelLayout, *, keep_process_group:
     from orchestrator.runtime.faults.diskspace import explain_write_failure
     from orchestrator.runtime.faults.guard import Guard, startup_fault
     from orchestrator.runtime.faults.links import check_links
+    from orchestrator.runtime.rank import startup
     from orchestrator.runtime.rank.build import build_data, build_rank
     from orchestrator.runtime.rank.distributed import shutdown, teardown_parallel_state
     from orchestrator.runtime.rank.rendezvous import rendezvous_from_env
@@ -97,6 +98,7 @@ def run(cfg: JobConfig, prepared, layout: ParallelLayout, *, keep_process_group:
     trackers = Trackers(cfg, rank.is_logger)
     saver = Saver(rank, prepared, start.origin, guard, trackers)
     _announce(rank, start, trackers)
+    startup.resume_collector()  # off since the job started (TrainJob): start-up's objects frozen
     try:
         outcome = loop.train(rank, data, start, saver, trackers, stop, guard)
         resumed_finished = start.resumed_from is not None and outcome.iteration == start.iteration
