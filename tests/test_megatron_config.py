@@ -5,7 +5,12 @@ The golden files (tests/golden/megatron/*.json) were written by tools/megatron_g
 d98e8a6 (its megatron-core 0.20.0): parse_args -> validate_args -> core_transformer_config_from_args /
 get_megatron_ddp_config / get_megatron_optimizer_config on the flags `convert to-megatron` prints (the FP8 one
 with `--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max`; its parser needs no
-Transformer Engine for them). FP8's own tests: tests/test_fp8.py.
+Transformer Engine for them). FP8's own tests: tests/test_fp8.py. Each golden also holds where Megatron-LM carries
+the batch and its ramp, which none of its config dataclasses has: the validated args (`batch`), the fields of the
+OptimizerParamScheduler its get_optimizer_param_scheduler builds (`scheduler`) and megatron-core's
+num-microbatches calculator as its set_global_variables builds it (`microbatches`); the ramp-up one
+(gpt_125m_rampup_dp8) also the same with the `--step-batch-size-schedule` our export's comment gives in place of
+`--rampup-batch-size` (`step_schedule`), which d98e8a6 parses but ignores. Ramp-up's own tests: tests/test_rampup.py.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ def _ours(overrides, device="cuda", te=True):
     return cfg, build(cfg, device, Installed(te, te, version()), dp).as_json()
 
 
-def test_four_goldens_are_there():
+def test_five_goldens_are_there():
     assert {p.stem for p in GOLDEN} == {
         "gpt_125m_1gpu_bf16",
         "gpt_6.7b_pp2_vpp2_dp16_a100_4x8",
         "llama_8b_tp2_distopt_a100_4x8",
         "llama_8b_tp2_fp8_hybrid_4x8",
+        "gpt_125m_rampup_dp8",
     }
 
 
@@ -67,6 +73,112 @@ def test_gpu_config_equals_megatron_lm_field_by_field(path):
         facts.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallelism.tensor_model_parallel_size
     )
     assert golden["gpt_model"]["eod"] == facts.eod
+
+
+SCHEDULER_BY_DESIGN = {
+    "override_opt_param_scheduler": "ours True: on resume the config's schedule wins (README); Megatron-LM's default "
+    "False refuses a schedule that differs from the checkpoint's",
+    "wd_incr_steps": "read only by a non-constant wd_incr_style; ours is constant (start_wd = end_wd = "
+    "optimizer.weight_decay): ours the LR decay length, Megatron-LM's the training length",
+    "lr_wsd_decay_style": "read only by lr_decay_style=WSD, which optimizer.lr_decay_style does not offer",
+}
+"""OptimizerParamScheduler fields that differ from Megatron-LM's get_optimizer_param_scheduler, and why."""
+
+STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "num_steps"}
+"""Lengths in the scheduler's steps: Megatron-LM's always count samples; ours iterations without a ramp (x GBS)."""
+
+
+def _our_batch(cfg, layout) -> dict:
+    """Our batch settings in Megatron-LM's arg names: the manifest's ``batch`` record, the layout's DP, and the LR
+    schedule's lengths the runtime builds (in samples with a ramp, as the export's ``--*-samples``)."""
+    from orchestrator.ckpt.manifest import batch_and_format
+    from orchestrator.config.ramp import samples_after
+    from orchestrator.config.schedule import lr_schedule
+
+    t, o, lr = cfg.training, cfg.optimizer, lr_schedule(cfg)
+    record = batch_and_format(cfg, layout)["batch"]
+    ramp = record["rampup_batch_size"]
+    return {
+        **{k: record[k] for k in ("micro_batch_size", "global_batch_size", "rampup_batch_size")},
+        "data_parallel_size": layout.data_parallel_size,
+        "seq_length": cfg.model.seq_length,
+        "step_batch_size_schedule": None,  # megatron-core 0.19's ramp: BatchRamp's own, from rampup_batch_size
+        "decrease_batch_size_if_needed": False,  # BatchRamp's
+        "eval_global_batch_size": t.global_batch_size,  # evaluation keeps the full batch
+        "train_iters": None if ramp else t.train_iters,  # with a ramp Megatron-LM counts samples: ours consumed
+        "train_samples": samples_after(ramp, t.global_batch_size, t.train_iters) if ramp else None,
+        "lr_warmup_iters": 0 if ramp else o.lr_warmup_iters,
+        "lr_warmup_samples": lr.lr_warmup_steps if ramp else 0,
+        "lr_warmup_fraction": None,
+        "lr_decay_iters": None if ramp else o.lr_decay_iters,
+        "lr_decay_samples": lr.lr_decay_steps if ramp else None,
+    }
+
+
+WITH_BATCH = [p for p in GOLDEN if "scheduler" in json.loads(p.read_text())]
+"""The goldens with ``batch`` / ``scheduler`` / ``microbatches``: the ramp-up one (the four older files predate them
+and are kept as written; tools/megatron_golden.py would add them, and --log-interval 10 for their 1)."""
+
+
+@pytest.mark.mcore_lines
+@pytest.mark.parametrize("path", WITH_BATCH, ids=lambda p: p.stem)
+def test_batch_lr_scheduler_and_ramp_equal_megatron_lm_s(path):
+    """Our batch settings, the runtime's OptimizerParamScheduler (its own builder, on a one-parameter torch
+    optimizer) and megatron-core's num-microbatches calculator as BatchRamp drives it, field by field against
+    Megatron-LM's (golden ``batch`` / ``scheduler`` / ``microbatches``)."""
+    import torch
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    from orchestrator.config.layout import layout_from_config
+    from orchestrator.config.ramp import iterations_for
+    from orchestrator.convert.ramp_flags import newer_megatron_comment
+    from orchestrator.runtime.rank.model import lr_scheduler
+    from orchestrator.runtime.training.batch_ramp import BatchRamp
+
+    golden = json.loads(path.read_text())
+    cfg = compose_config(golden["overrides"])
+    layout, t = layout_from_config(cfg), cfg.training
+    ours = _our_batch(cfg, layout)
+    assert set(golden["batch"]) - set(ours) == {"gtp_weight_remat_size"}  # GTP weight remat: not a feature here
+    assert golden["batch"]["gtp_weight_remat_size"] == 1
+    assert {k: ours[k] for k in golden["batch"] if k in ours} == {k: v for k, v in golden["batch"].items() if k in ours}
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = lr_scheduler(cfg, optimizer)
+    per = 1 if t.rampup_batch_size is not None else t.global_batch_size  # ours in its without a ramp
+    mine = {k: v * per if k in STEP_FIELDS else v for k, v in vars(scheduler).items() if k != "optimizer"}
+    theirs = {k: v for k, v in golden["scheduler"].items() if k != "lr_at"}
+    assert len(set(mine) & set(theirs)) >= 15, set(theirs) - set(mine)
+    differ = {k: (mine[k], theirs[k]) for k in set(mine) & set(theirs) if mine[k] != theirs[k]}
+    assert set(differ) <= set(SCHEDULER_BY_DESIGN), differ
+    for steps, lr, wd in golden["scheduler"]["lr_at"]:  # Megatron-LM's steps are samples, multiples of GBS
+        scheduler.num_steps = steps // per
+        assert scheduler.get_lr(optimizer.param_groups[0]) == pytest.approx(lr, rel=1e-12), steps
+        assert scheduler.get_wd(optimizer.param_groups[0]) == pytest.approx(wd, rel=1e-12), steps
+
+    ramp = BatchRamp(cfg, layout.data_parallel_size, rank=0)
+    try:
+        batches = {c: ramp.at(c) for c, _, _ in golden["microbatches"]["at"]}
+        at = [[c, b.samples, b.num_microbatches] for c, b in batches.items()]
+    finally:
+        destroy_num_microbatches_calculator()
+    if t.rampup_batch_size is None:
+        assert at == golden["microbatches"]["at"]
+        assert golden["microbatches"]["train_iters"] == t.train_iters
+        return
+    # d98e8a6 parses --rampup-batch-size and ignores it (set_global_variables never passes it to the calculator):
+    # the full batch from sample 0, and update_train_iters' train_samples // GBS iterations. Ours ramps (README).
+    assert {tuple(b) for _, *b in golden["microbatches"]["at"]} == {(t.global_batch_size, layout.num_microbatches)}
+    assert golden["microbatches"]["train_iters"] == ours["train_samples"] // t.global_batch_size != t.train_iters
+    # the ramp as the step schedule our export's comment gives for Megatron-LM on megatron-core 0.19+: equal
+    step = golden["step_schedule"]
+    assert f"--step-batch-size-schedule '{step['flags'][1]}'" in newer_megatron_comment(cfg)
+    assert at == step["microbatches"]["at"]
+    assert (
+        step["microbatches"]["train_iters"]
+        == t.train_iters
+        == iterations_for(t.rampup_batch_size, t.global_batch_size, ours["train_samples"])
+    )
 
 
 def test_cpu_math_is_megatron_lm_s_and_speed_fields_stay_cpu():

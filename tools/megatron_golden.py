@@ -7,9 +7,15 @@ world size and ``export`` lines of ``convert to-megatron`` (orchestrator/convert
 ``tools/megatron_lm_config.py`` under ``--python`` with the Megatron-LM checkout first on PYTHONPATH
 (its ``megatron/core`` too, not the installed one) and writes ``tests/golden/megatron/<name>.json``:
 the overrides, flags, world size, environment, the checkout's commit and megatron-core version, the
-padded vocabulary and eod of the tokenizer Megatron-LM builds, and every field of ``transformer``,
-``ddp`` and ``optimizer``. ``tests/test_megatron_config.py`` compares our builder with these files
-(no network, no Megatron-LM checkout needed there).
+padded vocabulary and eod of the tokenizer Megatron-LM builds, every field of ``transformer``,
+``ddp`` and ``optimizer``, and where Megatron-LM carries the batch and its ramp: ``batch`` (the validated args),
+``scheduler`` (its ``get_optimizer_param_scheduler``'s fields and LR / WD at a few steps) and ``microbatches``
+(its num-microbatches calculator at :func:`probes`). For an experiment with ``training.rampup_batch_size`` the
+child runs twice: the flags as exported, and with ``--rampup-batch-size`` and ``--global-batch-size`` replaced by
+the ``--step-batch-size-schedule`` the export's comment gives for Megatron-LM on megatron-core 0.19+ (which ignores
+``--rampup-batch-size``): that run's ``batch`` and ``microbatches`` are the record's ``step_schedule``.
+``tests/test_megatron_config.py`` compares our builder, LR scheduler and batch ramp with these files (no network,
+no Megatron-LM checkout needed there).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -86,16 +93,33 @@ EXPERIMENTS = {
         "training.fp8_amax_history_len=1024",
         "training.fp8_amax_compute_algo=max",
     ],
+    "gpt_125m_rampup_dp8": [
+        "model=gpt_125m",
+        "parallelism=none",
+        "parallelism.data_parallel_size=8",
+        "data=mock",
+        "cluster=local",
+        "cluster.gpus_per_node=8",
+        "training.device=cuda",
+        "training.precision=bf16",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=64",
+        "training.rampup_batch_size=[16,16,1000]",
+        "training.train_iters=40",
+    ],
 }
 """The experiments of issue 27: gpt_125m on 1 GPU in bf16; the seed's 6.7B PP2 x DP16 interleaved on
 4 x 8 A100; a Llama-style 8B, TP2 (sequence parallel) with the distributed optimizer, DP16. Issue 37: that
 8B with FP8 (hybrid, delayed scaling, the amax history of Megatron-LM's examples/llama script: 1024, max) on
 the same 4 x 8 nodes (FP8 needs H100s; Megatron-LM's parser reads the GPU's architecture only for the
-TP/CP connection rule, so the node file's A100 shape gives the same config)."""
+TP/CP connection rule, so the node file's A100 shape gives the same config); gpt_125m on 8 GPUs (DP8, MBS 2) with
+the batch ramped 16 -> 64 in 3 steps over 1000 samples (333.3 each: megatron-core 0.16.1's float division) for 40
+iterations, exported with ``--train-samples`` / ``--lr-warmup-samples`` / ``--lr-decay-samples``."""
 
 
 def launch(overrides):
-    """(flags, world size, exported environment) of ``convert to-megatron`` for ``overrides``."""
+    """(flags, world size, exported environment, the step schedule its comment gives or None, the config) of
+    ``convert to-megatron`` for ``overrides``."""
     from orchestrator.convert.cli import check
     from orchestrator.convert.experiment_file import compose
     from orchestrator.convert.from_config import export, flags
@@ -105,7 +129,64 @@ def launch(overrides):
     script = export(cfg, list(overrides), layout.world_size)
     env = dict(line[len("export ") :].split("=", 1) for line in script.splitlines() if line.startswith("export "))
     env = {k: shlex.split(v)[0] if v else "" for k, v in env.items()}
-    return [w for group in flags(cfg) for w in group], layout.world_size, env
+    schedule = re.search(r"--step-batch-size-schedule '([^']*)'", script)
+    return (
+        [w for group in flags(cfg) for w in group],
+        layout.world_size,
+        env,
+        schedule.group(1) if schedule else None,
+        cfg,
+    )
+
+
+def probes(training) -> list:
+    """Consumed-sample counts to ask the calculators at: 0 and the full batch's, and with a ramp
+    ``[start, increment, samples]`` (``n`` steps) each step's edge ``floor(k x samples / n)`` and its neighbours,
+    ``samples + 1`` (megatron-core 0.16.1: the full batch once consumed > samples) and the end of the ramp's run."""
+    from orchestrator.config.ramp import samples_after
+
+    t = training
+    counts = {0, t.global_batch_size}
+    if t.rampup_batch_size is not None:
+        start, inc, samples = t.rampup_batch_size
+        n = (t.global_batch_size - start) // inc
+        counts |= {k * samples // n + d for k in range(1, n + 1) for d in (-1, 0, 1)} | {samples + 1}
+        counts.add(samples_after(t.rampup_batch_size, t.global_batch_size, t.train_iters))
+    return sorted(counts)
+
+
+def without_ramp(words, schedule) -> list:
+    """``words`` with ``--rampup-batch-size S I N`` and ``--global-batch-size G`` replaced by
+    ``--step-batch-size-schedule SCHEDULE`` (Megatron-LM refuses it beside ``--global-batch-size``)."""
+    out, i = [], 0
+    while i < len(words):
+        skip = {"--rampup-batch-size": 4, "--global-batch-size": 2}.get(words[i], 0)
+        out, i = (out, i + skip) if skip else (out + [words[i]], i + 1)
+    return out + ["--step-batch-size-schedule", schedule]
+
+
+def child(name, words, world, env, counts, checkout: Path, python: str) -> dict:
+    """tools/megatron_lm_config.py's record for one command line (module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="megatron-golden-") as tmp:
+        out = Path(tmp) / "config.json"
+        cmd = [
+            python,
+            str(REPO / "tools" / "megatron_lm_config.py"),
+            "--world-size",
+            str(world),
+            "--out",
+            str(out),
+            "--probe-samples",
+            ",".join(map(str, counts)),
+            *[f"--env={k}={v}" for k, v in env.items()],
+            "--",
+            *words,
+        ]
+        run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(REPO)])}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name}: Megatron-LM refused or failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def commit_of(checkout: Path) -> str:
@@ -119,26 +200,10 @@ def commit_of(checkout: Path) -> str:
 
 def golden(name, overrides, checkout: Path, python: str, commit: str) -> dict:
     """Run Megatron-LM's parser and config construction for one experiment; the golden record."""
-    words, world, env = launch(overrides)
-    with tempfile.TemporaryDirectory(prefix="megatron-golden-") as tmp:
-        out = Path(tmp) / "config.json"
-        cmd = [
-            python,
-            str(REPO / "tools" / "megatron_lm_config.py"),
-            "--world-size",
-            str(world),
-            "--out",
-            str(out),
-            *[f"--env={k}={v}" for k, v in env.items()],
-            "--",
-            *words,
-        ]
-        run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(REPO)])}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name}: Megatron-LM refused or failed:\n{proc.stderr[-3000:]}")
-        fields = json.loads(out.read_text())
-    return {
+    words, world, env, schedule, cfg = launch(overrides)
+    counts = probes(cfg.training)
+    fields = child(name, words, world, env, counts, checkout, python)
+    record = {
         "experiment": name,
         "overrides": list(overrides),
         "world_size": world,
@@ -147,6 +212,14 @@ def golden(name, overrides, checkout: Path, python: str, commit: str) -> dict:
         "megatron_lm": {"commit": commit, "megatron_core": fields.pop("megatron_core")},
         **fields,
     }
+    if schedule is not None:
+        replaced = child(name, without_ramp(words, schedule), world, env, counts, checkout, python)
+        record["step_schedule"] = {
+            "flags": ["--step-batch-size-schedule", schedule],
+            "batch": replaced["batch"],
+            "microbatches": replaced["microbatches"],
+        }
+    return record
 
 
 def main(argv=None) -> int:
@@ -167,7 +240,10 @@ def main(argv=None) -> int:
         print(
             f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}: Megatron-LM {commit[:7]} "
             f"(megatron-core {record['megatron_lm']['megatron_core']}), "
-            + ", ".join(f"{s} {len(record[s])} fields" for s in ("transformer", "ddp", "optimizer"))
+            + ", ".join(
+                f"{s} {len(record[s])} fields" for s in ("transformer", "ddp", "optimizer", "batch", "scheduler")
+            )
+            + (", and its step schedule" if "step_schedule" in record else "")
         )
     return 0
 

@@ -71,12 +71,17 @@ def in_samples(flag: str, samples_flag: str, key: str) -> Callable[[Any], List[L
 def newer_megatron_comment(cfg) -> str:
     """The export's note for Megatron-LM on megatron-core 0.19 and later, which accepts ``--rampup-batch-size`` but
     ignores it (deprecated for ``--step-batch-size-schedule``, which replaces ``--global-batch-size``; Megatron-LM
-    d98e8a6 ``training_config.py``): the same ramp as that schedule (:func:`orchestrator.config.ramp.step_schedule`)."""
+    d98e8a6 ``training_config.py``): the same ramp as that schedule (:func:`orchestrator.config.ramp.step_schedule`),
+    its thresholds in tokens (samples x ``model.seq_length``): Megatron-LM's ``set_global_variables`` passes
+    ``seq_length`` to megatron-core's calculator, which then reads thresholds as tokens (``threshold //
+    seq_length`` samples; golden ``tests/golden/megatron/gpt_125m_rampup_dp8.json``)."""
     from orchestrator.config.ramp import step_schedule
 
-    t = cfg.training
-    schedule = step_schedule(t.rampup_batch_size, t.global_batch_size)
+    t, seq = cfg.training, cfg.model.seq_length
+    steps = (e.split(":") for e in step_schedule(t.rampup_batch_size, t.global_batch_size).split())
+    schedule = " ".join(f"{int(samples) * seq}:{batch}" for samples, batch in steps)
     return (
         "# --rampup-batch-size: Megatron-LM up to megatron-core 0.16; from 0.19 on it is ignored there: replace it and "
-        f"--global-batch-size with --step-batch-size-schedule '{schedule}' (the same ramp, thresholds in samples)."
+        f"--global-batch-size with --step-batch-size-schedule '{schedule}' (the same ramp; thresholds in tokens, "
+        f"samples x --seq-length {seq})."
     )

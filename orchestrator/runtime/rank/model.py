@@ -149,7 +149,6 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, layo
     """GPT chunks → megatron DDP → megatron optimizer → LR/WD scheduler (``layout``: the launcher's, carried)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     dp = layout.data_parallel_size
     mc = megatron_config.build(cfg, device, megatron_config.installed(cfg.model.transformer_impl), dp)
@@ -161,14 +160,33 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, layo
     ):  # said once, by rank 0
         print(f"warning: {without_te(cfg, layout, vocab_size)}", flush=True)
     chunks, tf_config, padded = build_gpt_chunks(cfg, vocab_size, device, mc)
-    o, ddp_config = cfg.optimizer, mc.ddp
+    ddp_config = mc.ddp
     model = [
         DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
     optimizer = get_megatron_optimizer(mc.optimizer, model)
-    lr = lr_schedule(cfg)
-    scheduler = OptimizerParamScheduler(
+    scheduler = lr_scheduler(cfg, optimizer)
+    return Built(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tf_config=tf_config,
+        padded_vocab_size=padded,
+        megatron=mc,
+    )
+
+
+def lr_scheduler(cfg: JobConfig, optimizer):
+    """megatron-core's ``OptimizerParamScheduler`` for ``optimizer`` (a MegatronOptimizer, or any object with torch
+    ``param_groups``): the schedule of :func:`orchestrator.config.schedule.lr_schedule` (iterations, or samples with
+    a batch ramp), constant weight decay ``optimizer.weight_decay``, and on resume the config's schedule
+    (``override_opt_param_scheduler=True``). Megatron-LM's own is ``get_optimizer_param_scheduler``
+    (megatron/training/training.py; compared field by field in tests/test_megatron_config.py)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    lr, o = lr_schedule(cfg), cfg.optimizer
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=lr.init_lr,
         max_lr=lr.max_lr,
@@ -183,14 +201,6 @@ def build_model_and_optimizer(cfg: JobConfig, vocab_size: int, device: str, layo
         # On resume the config's schedule wins over the checkpoint's (orchestrator.config.schedule).
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
-    )
-    return Built(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        tf_config=tf_config,
-        padded_vocab_size=padded,
-        megatron=mc,
     )
 
 
