@@ -175,5 +175,6 @@ def resume_collector() -> None:
     pages by the collector's bookkeeping) and collection is back on for what training makes."""
     import gc
 
-    gc.freeze()
-    gc.enable()
+    if not gc.isenabled():  # a warm pool's rank (runtime.start.pool) never paused it: nothing to freeze there
+        gc.freeze()
+        gc.enable()
