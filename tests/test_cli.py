@@ -29,6 +29,8 @@ from typing import Dict, List
 import pytest
 from conftest import REPO, losses_by_iteration
 
+from orchestrator.runtime.faults.requeue import EXIT_HUNG
+
 # Runs many argv lists through orchestrator.__main__.main in one interpreter (Hydra and the
 # schema imported once), capturing each one's stdout, stderr and exit code.
 BATCH = r"""
@@ -541,6 +543,9 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_signal_stops_at_once(interrupte
         f"{run_dir}/checkpoints/iter_{saved:07d} (iteration {saved}) with: python -m orchestrator "
     ), last
     assert saved >= 2 and not no_rank_left(run_dir)
+    # the rank's DataLoader workers ended with its training: its exit never waited for the exit watchdog
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.err"))
+    assert logs and EXIT_HUNG not in logs, logs[-2000:]
     fresh = interrupt(
         [*TINY, "training.train_iters=1000", f"run.root={tmp_path}", "run.name=fresh"],
         cwd,

@@ -178,6 +178,10 @@ def destroy_process_groups() -> None:
         pass
 
 
+EXIT_HUNG = "interpreter shutdown hung"
+"""What the exit watchdog's line says (in the task's log) when it had to end the process."""
+
+
 def arm_exit_watchdog(code: int) -> None:
     """Make sure a submitit task ends even if interpreter shutdown hangs (a non-daemon thread
     left by a library): a daemon thread ``os._exit``s after a minute. Only armed inside submitit
@@ -185,6 +189,12 @@ def arm_exit_watchdog(code: int) -> None:
 
     def _kill() -> None:
         time.sleep(_EXIT_WATCHDOG_S)
+        print(
+            f"[orchestrator] warning: {EXIT_HUNG} for {_EXIT_WATCHDOG_S:.0f} s (a thread or child process left "
+            f"behind); exiting with {code}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(code)
 
     threading.Thread(target=_kill, name="orchestrator-exit-watchdog", daemon=True).start()

@@ -119,6 +119,12 @@ class Data:
     valid: Optional[Callable[[], object]]
     """A fresh iterator (or list) over the first ``eval_iters`` validation batches; None: no eval."""
 
+    def close(self) -> None:
+        """Stop the training iterators' DataLoader workers now, however training ended (see
+        :meth:`~orchestrator.runtime.rank.batches.MicroBatchIterator.close`)."""
+        for iterator in self.train if isinstance(self.train, list) else [self.train]:
+            iterator.close()
+
 
 def _iterators(rank: Rank, dataset, consumed: int, workers: int) -> object:
     """One iterator per model chunk over ``dataset`` from ``consumed`` samples, each read by ``workers`` processes."""

@@ -114,6 +114,7 @@ def run(cfg: JobConfig, prepared, layout: ParallelLayout, *, keep_process_group:
             raise
         raise full from exc
     finally:
+        data.close()  # the DataLoader workers end with training, whatever ended it (a stop's SystemExit too)
         trackers.close()
         guard.close()  # records how this attempt ended (from the exception in flight, if any)
     if keep_process_group:
