@@ -116,6 +116,7 @@ class StragglerWatch:
         self._iter_wall, self._iter_cpu = 0.0, 0.0
         self._events: List[tuple] = []
         self._window: List[tuple] = []  # per iteration: (wall s or the iteration's events, cpu s)
+        self.window_iterations = self.interval  # the last closed window's length (a logging iteration closes it)
         self.streak = [0] * self.world
         self.best: List[Optional[float]] = [None] * self.world  # each rank's best score so far (its own history)
         self.named: List[Dict[str, object]] = []
@@ -171,7 +172,7 @@ class StragglerWatch:
         the score being the window's :func:`lower_quartile` compute seconds per planned FLOP of the stage."""
         compute = lower_quartile(self._seconds())
         cpu = lower_quartile([c for _, c in self._window])
-        self._window = []
+        self.window_iterations, self._window = len(self._window), []
         return [compute / self.flops, compute, cpu, float(self.pp_rank), float(self.dp_rank)]
 
     def _seconds(self) -> List[float]:
@@ -203,7 +204,7 @@ class StragglerWatch:
                         "compute_ms": round(rows[r][1] * 1e3, 3),
                         "cpu_ms": round(rows[r][2] * 1e3, 3),
                         "windows": self.windows,
-                        "interval": self.interval,
+                        "interval": self.window_iterations,  # the window as closed (>= interval)
                         "time": time.time(),
                     }
                 )
@@ -220,7 +221,7 @@ class StragglerWatch:
                         "host": host,
                         "ranks": ranks,
                         "windows": self.windows,
-                        "interval": self.interval,
+                        "interval": self.window_iterations,  # the window as closed (>= interval)
                         "time": time.time(),
                     }
                 )

@@ -166,9 +166,8 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
     env = submitit.JobEnvironment()
     folder, job_id = Path(env.paths.folder), str(env.job_id)
     preload()
-    # the forks' collectors leave the imported objects alone: fewer copy-on-write copies (no full collection
-    # first: the collector is off during start-up, runtime.rank.startup.pause_collector)
-    gc.freeze()
+    gc.collect()  # the imports' garbage (the collector is off during start-up: startup.pause_collector) is freed
+    gc.freeze()  # the forks' collectors leave the imported objects alone: fewer copy-on-write copies
     pages = resident_file_pages()
     os.environ["SUBMITIT_LOCAL_NTASKS"] = str(world_size)
     pids = {
