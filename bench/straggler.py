@@ -3,12 +3,13 @@
 Two measures, printed with the load average (a shared machine's wall times are only as quiet as it is):
 
 1. A/B jobs: ``+experiment=gpt_pp2_dp2`` (4 CPU ranks, PP=2 x DP=2; other overrides after ``--``) with the
-   detector on (the default, every 8 iterations) and off (``training.straggler.interval=null``),
+   detector on (the default: windows of at least 8 iterations, closed at logging iterations) and off (``training.straggler.interval=null``),
    alternated ``--pairs`` times; per job the summary's median step wall time and the logging rank's median
    CPU time per step; the overhead is the difference of the medians over the pairs.
 2. The detector's own work, timed directly on this machine: one timed call (the wrapper around a forward
-   or backward step: two clock reads of each kind) and one window's verdict on 4 gloo ranks (the
-   ``all_gather`` of 5 numbers and the judgement), combined for the job's calls per iteration
+   or backward step: two clock reads of each kind) and one window's verdict on 4 gloo ranks (an
+   ``all_gather`` of 5 numbers and the judgement; since 2026-12-05 the rows ride on the loop's logging
+   all-reduce instead, so the gather is an upper bound on what they add), combined for the job's calls per iteration
    (2 x micro-batches per rank) and divided by its step time: an upper bound that does not depend on the
    A/B noise.
 
