@@ -162,7 +162,7 @@ def _reduce(rank: Rank, clock, poll: StopPoll, watch, losses, it: int, logging: 
         with breakdown.section(clock, "loop-sync"):
             if not poll.requested():
                 return Reduced()
-    ex = exchange.Exchange(rank.tensor_device, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    ex = exchange.Exchange(rank.tensor_device, rank.info.rank, rank.layout.world_size)  # the carried layout
     ex.add("stop", poll.share() if logging else [])
     straggling = watch is not None and watch.due()
     if straggling:
