@@ -505,9 +505,12 @@ def _status(root: Path):
 @pytest.mark.slow
 @pytest.mark.mcore_lines
 def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
-    """optimizer.lr=1000 on gpt_tiny: the first non-finite gradient norm stops the job with one line;
-    the checkpoints it would have written at and after that iteration do not exist; status says nan;
-    the same command with a sane lr resumes from the last good checkpoint and finishes."""
+    """A sane run saves iteration 4; rerun with optimizer.lr=1e30 (a user's typo), the first non-finite gradient
+    norm stops the job with one line; the checkpoints it would have written at and after that iteration do not
+    exist; status says nan; the same command with the sane lr again resumes from the last good checkpoint and
+    finishes. (lr 1e30 blows the weights up at the first step with a non-zero lr, so the forward after it is
+    non-finite and no blown-up checkpoint is saved: with lr=1000 the loss grew for ~9 iterations before it overflowed,
+    and where it overflowed depended on the data, so the last "good" checkpoint held weights no lr could rescue.)"""
     run_dir = tmp_path / "nan"
     # the spike stop (test_a_loss_spike_stops_...) would end it first, and the rerun from its blown-up
     # checkpoint: opted out, the NaN guard's turn
@@ -519,7 +522,13 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
         "checkpoint.save_interval=4",
         "training.spike.factor=null",
     ]
-    proc = run_cli(common + ["optimizer.lr=1000"], cache=cache_dir, check=False, timeout=900)
+    sane = ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5"]
+    run_cli(
+        [a for a in common if not a.startswith("training.train_iters")] + sane + ["training.train_iters=4"],
+        cache=cache_dir,
+        timeout=900,
+    )
+    proc = run_cli(common + ["optimizer.lr=1e30"], cache=cache_dir, check=False, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = _error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -540,14 +549,15 @@ def test_nan_stops_before_saving_and_a_sane_rerun_resumes(tmp_path, cache_dir):
     row = _status(tmp_path)["nan"]
     assert (row["state"], row["job"]["cause"]) == ("failed", "nan") and row["attempts"][-1]["iteration"] == bad
 
-    resumed = run_cli(common + ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5"], cache=cache_dir, timeout=900)
+    resumed = run_cli(common + sane, cache=cache_dir, timeout=900)
     assert f"resume from {run_dir / 'checkpoints' / f'iter_{max(listed):07d}'}" in resumed.stdout
     losses = losses_by_iteration(run_dir)
     assert sorted(losses) == list(range(1, 15)) and all(math.isfinite(losses[i]) for i in range(max(listed) + 1, 15))
     attempts = _status(tmp_path)["nan"]["attempts"]
-    assert [a["cause"] for a in attempts] == ["nan", "completed"], attempts
+    assert [a["cause"] for a in attempts] == ["completed", "nan", "completed"], attempts
     final = json.loads((run_dir / "checkpoints" / "iter_0000014" / "manifest.json").read_text())
-    assert [(a["cause"], a["iteration"]) for a in final["history"]] == [("nan", bad), ("completed", 14)]
+    history = [(a["cause"], a["iteration"]) for a in final["history"]]
+    assert history == [("completed", 4), ("nan", bad), ("completed", 14)], history
 
 
 @pytest.mark.slow
