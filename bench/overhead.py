@@ -37,7 +37,11 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = {"none": (1, 1, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
+LAYOUTS = {"none": (1, 1, 1), "pp2": (1, 2, 1), "pp2_dp2": (1, 2, 2), "tp2_pp2": (2, 2, 1), "pp4": (1, 4, 1)}
+PRESET = {"pp2": ["parallelism=pp2_dp2", "parallelism.name=pp2", "parallelism.data_parallel_size=1"]}
+"""Layouts without a preset of their own (conf/parallelism): the orchestrator's overrides. ``pp2`` is one rank per
+core on a 2-core machine, where ``pp2_dp2``'s four ranks time the scheduler's sharing of two cores as much as the
+step."""
 EXTRA: List[str] = []
 """``--set KEY=VALUE`` overrides for the orchestrator's jobs (what a feature costs: e.g. ``--set
 training.breakdown_interval=0``); none by default: the orchestrator as shipped."""
@@ -199,7 +203,7 @@ def _orchestrator_args(parallelism, iters, warmup, mbs, gbs, log_interval, root:
         sys.executable,
         "-m",
         "orchestrator",
-        f"parallelism={parallelism}",
+        *PRESET.get(parallelism, [f"parallelism={parallelism}"]),
         f"run.root={root}",
         f"run.name=bench_{tag}",
         f"training.train_iters={iters}",

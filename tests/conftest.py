@@ -361,6 +361,11 @@ def pytest_runtest_protocol(item, nextitem):
 
     began, wall = cpu(), time.monotonic()
     yield
-    record = {"test": item.nodeid, "cpu_s": round(cpu() - began, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    record = {
+        "test": item.nodeid,
+        "cpu_s": round(cpu() - began, 2),
+        "wall_s": round(time.monotonic() - wall, 2),
+        "python": sys.prefix,  # .ci/run's two legs (the 0.19.2 venv's) write to one file
+    }
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
