@@ -310,6 +310,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
             dry_run(cfg, layout)
         return None
 
+    from orchestrator.ckpt.lock import RunLock
     from orchestrator.submit.executor import launch, one_task
     from orchestrator.submit.signals import raise_if_interrupted
 
@@ -328,6 +329,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
         return {"status": "already_done", "iteration": latest.iteration}
     prepared = prepare_data(cfg, indices=launcher is None and not one_task(cfg, layout.world_size))
     raise_if_interrupted()  # a signal lost while the data were prepared: nothing is recorded or submitted
+    RunLock(cfg.run.dir).probe()  # again: a job submitted to run.dir while the data were prepared
     record_config(cfg)
     summary = (launcher or launch)(cfg, layout, prepared)
     if summary.get("status") in ("completed", "exited", "stopped"):

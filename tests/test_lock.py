@@ -127,3 +127,88 @@ def test_probe_takes_nothing(tmp_path):
         with pytest.raises(RunLockedError, match=r"^run.dir: .* is in use by another run \(pid \d+"):
             RunLock(tmp_path).probe()
     lock.probe()
+
+
+def _gated_python(path: Path, gate: Path) -> str:
+    """A ``cluster.python`` that waits for ``gate`` to exist before running the job's interpreter: the job is
+    submitted (its submitit controller lives) but its rank 0 has not taken the run lock, as in SLURM's queue."""
+    path.write_text(f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{sys.executable}" "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def _wait_for(what: str, ready, timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = ready()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _listing(run_dir: Path) -> list:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+def test_second_launch_is_refused_before_the_first_job_takes_the_lock(tmp_path):
+    """The same command launched twice, the second while the first's job is submitted but its rank 0 has not
+    started (gated, like a job pending in SLURM's queue): the second launcher refuses in one line naming the
+    first job, exit 2, and writes nothing. Then a job that slipped past the launcher (a genuine race) is refused
+    the lock by the job, and neither the run's status nor its history counts it; the first run completes."""
+    from orchestrator.ckpt.history import attempts, format_attempts, read_records
+    from orchestrator.submit.status import run_status
+
+    run_dir, gate_a, gate_b = tmp_path / "run", tmp_path / "gate_a", tmp_path / "gate_b"
+    args = ["data=mock", f"run.dir={run_dir}", "training.train_iters=3", "training.log_interval=1"]
+    args_a = [*args, f"cluster.python={_gated_python(tmp_path / 'py_a', gate_a)}"]
+    env = dict(os.environ, ORCHESTRATOR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "first.out", "w") as out:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *args_a], cwd=Path(__file__).resolve().parents[1], env=env,
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        jobs_file = run_dir / "jobs.jsonl"
+        submitted = _wait_for(
+            "the first submission", lambda: [r for r in history.read_records(run_dir) if r["event"] == "submitted"]
+        )
+        job_a = submitted[0]["job_id"]
+        logs = [run_dir / "submitit" / f"{job_a}_0_log.{ext}" for ext in ("out", "err")]
+        _wait_for("job A's task (gated)", lambda: all(p.exists() for p in logs))  # its controller writes no more
+        before = (jobs_file.read_bytes(), _listing(run_dir))
+        assert not (run_dir / RunLock.NAME).exists()  # the gap: submitted, the lock not taken yet
+        second = run_cli(args_a, cache=tmp_path / "cache", check=False, timeout=240)
+        assert second.returncode == 2, second.stdout + second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: run.dir: {run_dir} is in use by another run"), lines
+        assert f"job {job_a}, pid {job_a} on host" in lines[0] and "fix: " in lines[0], lines
+        assert "submitted job" not in second.stdout, second.stdout
+        assert (jobs_file.read_bytes(), _listing(run_dir)) == before  # nothing created, nothing recorded
+
+        cfg = compose_config(
+            [
+                *args,
+                f"cluster.python={_gated_python(tmp_path / 'py_b', gate_b)}",
+                f"data.cache_dir={tmp_path / 'cache'}",
+            ]
+        )
+        job_b = executor.submit(cfg, validate(cfg), prepare(cfg.data))  # slipped past the launcher's check
+        gate_a.touch()
+        _wait_for("job A's lock", lambda: (run_dir / RunLock.NAME).exists() or first.poll() is not None)
+        assert json.loads(decision_path(run_dir, job_a).read_text())["ok"] is True
+        gate_b.touch()
+        _wait_for("job B's refusal", lambda: jobs.result_outcomes(run_dir / "submitit", job_b.job_id))
+        assert jobs.result_outcomes(run_dir / "submitit", job_b.job_id) == {0: "error"}
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
+    finally:
+        gate_a.touch(), gate_b.touch()
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    status = run_status(run_dir)
+    assert (status.state, status.job.job_id, status.iteration) == ("completed", job_a, 3), status
+    items = attempts(read_records(run_dir))
+    assert [(a.job_id, a.cause, a.iteration) for a in items] == [(job_a, "completed", 3)], format_attempts(items)
+    shown = run_cli(["status", str(run_dir.parent), "--history"], cache=tmp_path / "cache")
+    assert "running" not in shown.stdout and f"job {job_b.job_id}" not in shown.stdout, shown.stdout

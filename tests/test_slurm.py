@@ -29,8 +29,10 @@ from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_l
 
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
+from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
 from orchestrator.config.schema import JobConfig
+from orchestrator.data.prepare import prepare
 from orchestrator.errors import RunLockedError
 from orchestrator.submit import executor, jobs, sbatch, status
 
@@ -135,10 +137,13 @@ def _cli(args: List[str], cache: Path) -> subprocess.Popen:
 
 
 def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path, cache_dir):
-    """Issue 9's acceptance: two `cluster.wait=false` submissions to one run directory. Both are
-    submitted held (`--hold`) and released together, so both jobs start while neither launcher can
-    see a lock: the jobs' rank 0s decide. One trains; the other stops on every rank with the
-    error naming the holder (its host, pid and SLURM job id) and trains nothing."""
+    """Issue 9's acceptance: two `cluster.wait=false` submissions to one run directory. The first is
+    submitted held (`--hold`): pending in the queue, it holds no lock yet, and a second launch of the same
+    command is refused up front (one line naming the queued job, exit 2, nothing recorded). A second job that
+    slipped past the launcher (a genuine race: submitted here past its check) is released together with the
+    first, so both start while neither sees a lock: the jobs' rank 0s decide. One trains; the other stops on
+    every rank with the error naming the holder (its host, pid and SLURM job id), trains nothing, and is not
+    the run's status."""
     run = tmp_path / "run"
     args = [
         "parallelism.data_parallel_size=2",
@@ -152,14 +157,20 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
         "training.eval_iters=0",
         "training.log_interval=1",
     ]
-    clis = [_cli(args, cache_dir), _cli(args, cache_dir)]
-    ids = []
-    for cli in clis:
-        out, err = cli.communicate(timeout=300)
-        assert cli.returncode == 0, out + err
-        ids.append(out.split("submitted job ")[1].split()[0])
+    first = _cli(args, cache_dir)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, out + err
+    ids = [out.split("submitted job ")[1].split()[0]]
+    records = (run / "jobs.jsonl").read_bytes()
+    second = _cli(args, cache_dir)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 2 and "submitted job" not in out, out + err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: run.dir: {run} is in use by another run (job {ids[0]}, queued in SLURM"), line
+    assert (run / "jobs.jsonl").read_bytes() == records  # nothing recorded, nothing queued
+    cfg = compose_config([*args, f"data.cache_dir={cache_dir}"])
+    ids.append(str(executor.submit(cfg, validate(cfg), prepare(cfg.data)).job_id))  # slipped past the check
     subprocess.run(["scontrol", "release", *ids], check=True, timeout=30)
-    cfg = compose_config(args[:4] + args[5:])
     outcomes = {}
     for job_id in ids:
         job = executor.make_executor(cfg, 2).job_class(run / "submitit", job_id, tasks=(0, 1))
@@ -184,6 +195,8 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
     assert "success" not in jobs.result_outcomes(run / "submitit", loser).values()
     assert not (run / RunLock.NAME).exists()  # released when the winner finished
     assert json.loads((run / "submitit" / f"{loser}_lock.json").read_text())["ok"] is False
+    st = status.run_status(run)  # the loser is neither the run's latest job nor its failure
+    assert (st.state, st.job.job_id, [a["job_id"] for a in st.attempts]) == ("completed", winner, [winner]), st
 
 
 def test_a_job_the_partition_cannot_hold_is_one_line_before_anything_is_queued(tmp_path):

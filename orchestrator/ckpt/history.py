@@ -213,9 +213,10 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
     """Fold ``attempt_started``/``attempt_ended`` records (in file order) into one Attempt each.
 
     A submission without an ``attempt_started`` (a job that failed before training) still shows as
-    attempt 0 of that job. The first ``attempt_ended`` of an attempt wins, except that one marked ``amends`` (the
-    launcher's: the rank a signal killed, where a peer recorded its broken connection) replaces its cause and
-    message. A submission or start
+    attempt 0 of that job, except one whose rank 0 was refused the run lock (``lock_refused``: another run
+    held the directory): not an attempt of this run, it is left out. The first ``attempt_ended`` of an
+    attempt wins, except that one marked ``amends`` (the launcher's: the rank a signal killed, where a peer
+    recorded its broken connection) replaces its cause and message. A submission or start
     under an id whose attempt already ended is a new job that got a recycled id (local job ids are
     process ids): it starts a new Attempt.
     """
@@ -236,10 +237,15 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
             "requeue_decision",
             "restart_decision",
             "restart_resumed",
+            "lock_refused",
         ):
             continue
         key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
         a = current.get(key)
+        if event == "lock_refused":  # never trained: not this run's attempt (its holder's job is)
+            if a is not None and a.end is None and a.start_iteration is None:
+                items.remove(current.pop(key))
+            continue
         if event == "submitted":
             if a is None or a.end is not None:
                 fresh(key).start = rec.get("time")

@@ -2,7 +2,11 @@
 
 The job's rank 0 holds it for the job's life (local or SLURM, waited on or detached; see
 :mod:`orchestrator.runtime.start.job`); a requeued attempt of the same SLURM job takes it over. The
-launcher only :meth:`~RunLock.probe` s it, to refuse early when a live run holds the directory.
+launcher only :meth:`~RunLock.probe` s it, to refuse early when a live run holds the directory. A job
+submitted but whose rank 0 has not decided on the lock yet (starting, or pending in SLURM's queue) holds
+the directory too: its submission record in ``jobs.jsonl`` carries a ``claim`` (:func:`submission_claim`:
+the local job's pid and start time, or the SLURM job id) that :meth:`~RunLock.probe` reads like the lock's
+own record, until ``<run_dir>/submitit/<job_id>_lock.json`` (:func:`decision_path`) says rank 0 decided.
 No torch import.
 """
 
@@ -18,9 +22,35 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.ckpt.rundir import LOCK_FILE
+from orchestrator.ckpt.rundir import JOBS_FILE, LOCK_FILE, SUBMITIT_DIR
 from orchestrator.errors import RunLockedError
+from orchestrator.io import read_jsonl
 from orchestrator.slurm import JOB_ID_VAR
+
+CLAIMS_READ = 4
+"""How many of the newest submissions :meth:`RunLock.probe` reads for an undecided claim."""
+
+
+def decision_path(run_dir: "str | os.PathLike", job_id: str) -> Path:
+    """Where rank 0 of job ``job_id`` writes its lock decision (``{"ok": ..., "attempt": ...}``)."""
+    return Path(run_dir) / SUBMITIT_DIR / f"{job_id}_lock.json"
+
+
+def submission_claim(cluster_kind: str, job_id: str) -> dict:
+    """The ``claim`` a launcher records with a local or SLURM submission: a holder record as the lock's
+    (:meth:`RunLock.stale_reason` reads it) for the gap before the job's rank 0 takes the lock. Local: the
+    job's pid (submitit's local job id) on this host with its start time; SLURM: the job id."""
+    import psutil
+
+    claim: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "submitted": str(job_id)}
+    if cluster_kind == "slurm":
+        return {**claim, "job_id": str(job_id)}
+    claim.update(pid=int(job_id), host=socket.gethostname())
+    try:
+        claim["create_time"] = psutil.Process(int(job_id)).create_time()
+    except psutil.NoSuchProcess:
+        claim["create_time"] = 0.0  # already ended: stale
+    return claim
 
 
 class RunLock:
@@ -102,17 +132,40 @@ class RunLock:
         return pid_gone
 
     def _refusal(self, holder: dict) -> RunLockedError:
+        if holder.get("submitted"):  # a claim: submitted, its rank 0 not yet holding the lock
+            job, local = holder["submitted"], bool(holder.get("pid"))
+            where = f"pid {holder['pid']} on host {holder.get('host')}" if local else "queued in SLURM"
+            return RunLockedError(
+                f"run.dir: {self.path.parent} is in use by another run (job {job}, {where}, submitted "
+                f"{holder.get('started')}, not yet started); fix: wait for it or use another run.name / run.dir, "
+                f"or end that job ({'kill' if local else 'scancel'} {job})"
+            )
         return RunLockedError(
             f"run.dir: {self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
             f"{holder.get('host')}, SLURM job {holder.get('job_id') or '-'}, since {holder.get('started')}); "
             f"fix: wait for it or use another run.name / run.dir; if that run is dead, remove {self.path}"
         )
 
+    def pending_claims(self) -> list:
+        """The claims (:func:`submission_claim`) of the newest submissions whose rank 0 has not decided on
+        the lock yet (no :func:`decision_path` file), newest first; their liveness is not checked here."""
+        records = read_jsonl(self.path.parent / JOBS_FILE)
+        submitted = [r for r in records if r.get("event") == "submitted" and isinstance(r.get("claim"), dict)]
+        return [
+            r["claim"]
+            for r in reversed(submitted[-CLAIMS_READ:])
+            if not decision_path(self.path.parent, str(r.get("job_id"))).exists()
+        ]
+
     def probe(self) -> None:
-        """Raise RunLockedError naming the holder when a live run holds the lock; take nothing."""
+        """Raise RunLockedError naming the holder when a live run holds the lock, or a live job submitted to
+        this directory has not decided on it yet (:meth:`pending_claims`); take nothing."""
         holder = self.holder()
         if holder is not None and self.stale_reason(holder) is None:
             raise self._refusal(holder)
+        for claim in self.pending_claims():
+            if self.stale_reason(claim) is None:
+                raise self._refusal(claim)
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)

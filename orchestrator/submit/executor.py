@@ -184,7 +184,10 @@ def as_rank_tasks(job, world_size: int):
 
 
 def _record(cfg: JobConfig, job, world_size: int) -> None:
+    """The submission record, with the job's claim on the run directory until its rank 0 takes the run lock
+    (:func:`orchestrator.ckpt.lock.submission_claim`: a second launcher's probe refuses meanwhile)."""
     from orchestrator.ckpt.history import record_submission
+    from orchestrator.ckpt.lock import submission_claim
 
     record_submission(
         cfg.run.dir,
@@ -192,6 +195,7 @@ def _record(cfg: JobConfig, job, world_size: int) -> None:
         cfg.cluster,
         {"stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)},
         num_tasks=world_size,
+        claim=submission_claim(cfg.cluster.kind, str(job.job_id)),
     )
 
 

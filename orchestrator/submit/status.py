@@ -84,7 +84,7 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
         rs.breakdown = latest_breakdown(run_dir)
         return rs
     records = read_records(run_dir)
-    submissions = [r for r in records if r.get("event") == "submitted"]
+    submissions = own_submissions(records)
     iteration, loss, summary = last_metrics(run_dir)
     rs = RunStatus(
         run_dir=str(run_dir),
@@ -128,6 +128,21 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
     if st.state == "failed" and folder and not st.message:
         rs.failure = failed_rank_tail(folder, job_id, last.get("num_tasks"))
     return rs
+
+
+def own_submissions(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The run's ``submitted`` records, in file order, less those of jobs whose rank 0 was then refused the run
+    lock (a ``lock_refused`` record after the submission: another run held the directory, so that job is
+    neither this run's latest job nor its failure)."""
+    out: List[Dict[str, Any]] = []
+    for rec in records:
+        if rec.get("event") == "submitted":
+            out.append(rec)
+        elif rec.get("event") == "lock_refused":
+            hit = [i for i, s in enumerate(out) if str(s.get("job_id")) == str(rec.get("job_id"))]
+            if hit:  # the newest submission of that id (local ids are recycled pids)
+                del out[hit[-1]]
+    return out
 
 
 def warm_trial_status(

@@ -247,10 +247,10 @@ def whoami() -> Tuple[int, Optional[str], int]:
 
 
 def decision_path(run_dir: "str | os.PathLike", job_id: str) -> Path:
-    """Where rank 0 of job ``job_id`` writes its lock decision."""
-    from orchestrator.ckpt.rundir import SUBMITIT_DIR
+    """Where rank 0 of job ``job_id`` writes its lock decision (:func:`orchestrator.ckpt.lock.decision_path`)."""
+    from orchestrator.ckpt import lock
 
-    return Path(run_dir) / SUBMITIT_DIR / f"{job_id}_lock.json"
+    return lock.decision_path(run_dir, job_id)
 
 
 @contextlib.contextmanager
@@ -280,7 +280,7 @@ def hold_run_lock(run_dir: str, since: Optional[float] = None) -> Iterator[None]
             write_atomic(decision_path(run_dir, job_id), json.dumps({**decision, "ok": False, "error": str(exc)}))
             from orchestrator.ckpt.history import record_event
 
-            record_event(run_dir, "lock_refused", job_id=job_id, holder=lock.holder())
+            record_event(run_dir, "lock_refused", job_id=job_id, attempt=attempt, holder=lock.holder())
         raise
     if job_id is not None:
         write_atomic(decision_path(run_dir, job_id), json.dumps({**decision, "ok": True}))
