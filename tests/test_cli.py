@@ -170,7 +170,20 @@ USER_ERRORS = [
     (["optimizer.adam_beta2=1.0"], ["optimizer.adam_beta2=1.0: must be a finite number in [0, 1)"]),
     (["optimizer.lr=0"], ["optimizer.lr=0.0: must be a finite number > 0"]),
     (["optimizer.min_lr=1"], ["optimizer.min_lr=1.0: above optimizer.lr=0.001"]),
-    (["model.hidden_size=130"], ["model.hidden_size=130 is not divisible by model.num_attention_heads=4"]),
+    (
+        ["model.hidden_size=130"],
+        [
+            "model.hidden_size=130 is not divisible by model.num_attention_heads=4",
+            "fix: model.hidden_size=132 (a multiple of 4) or model.num_attention_heads=5",
+        ],
+    ),
+    # a fix names the whole key and a value, typed as shown
+    (["model.seq_length=100000"], ["fix: model.max_position_embeddings=100000 (or model.seq_length=128)"]),
+    (
+        ["parallelism.tensor_model_parallel_size=3"],
+        ["fix: parallelism.tensor_model_parallel_size=2 (one of [1, 2, 4])"],
+    ),
+    (["model.num_attention_heads=5"], ["fix: model.hidden_size=130 (a multiple of 5) or model.num_attention_heads=4"]),
     (["training.precision=bf16"], ["training.precision=bf16: needs a GPU"]),
     (["parallelism.distributed_backend=nccl"], ["parallelism.distributed_backend=nccl: needs GPUs"]),
     (["training.device=cuda"], ["training.device=cuda: no GPU"]),
