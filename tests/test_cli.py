@@ -914,15 +914,17 @@ def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert (
-        lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
-    )
+    assert lines[0].startswith(
+        f"error: run.root={mount}/runs: cannot create the directory {mount}/runs (Read-only file system); fix: "
+    ), lines
     assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
+    assert "world size" not in proc.stdout, proc.stdout  # before the plan's lines
 
 
 def test_a_dangling_link_or_an_unwritable_file_system_as_run_root_is_one_line(tmp_path):
     """A run.root through a symbolic link whose target is not there (scratch not mounted) and, as root (whom
-    os.access always lets write), /proc: one line naming run.root, exit 2, before the data; nothing created."""
+    os.access always lets write), /proc: one line naming run.root and the OS's reason for the directory it tried
+    (it said "/proc: No such file or directory", after 7 plan lines), exit 2, before the plan; nothing created."""
     link = tmp_path / "scratch"
     link.symlink_to(tmp_path / "not-mounted")
     cases = [
@@ -930,11 +932,15 @@ def test_a_dangling_link_or_an_unwritable_file_system_as_run_root_is_one_line(tm
         ["+experiment=gpt_pp2_dp2", "run.root=/proc/runs"],
     ]
     results = run_batch(cases, tmp_path)
-    said = [f"{link} is a symbolic link to {tmp_path / 'not-mounted'}, which does not exist here", "/proc"]
+    said = [
+        f"{link} is a symbolic link to {tmp_path / 'not-mounted'}, which does not exist here",
+        "cannot create the directory /proc/runs (No such file or directory); fix: set run.root to a directory",
+    ]
     for case, got, words in zip(cases, results, said):
         lines = [ln for ln in got["stderr"].splitlines() if ln.strip()]
         assert got["code"] == 2 and len(lines) == 1 and lines[0].startswith(f"error: {case[1]}: "), got
         assert words in lines[0] and "preparing data" not in got["stdout"], lines
+        assert "world size" not in got["stdout"], got["stdout"]  # before the plan's lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scratch"] and not (tmp_path / "not-mounted").exists()
 
 
