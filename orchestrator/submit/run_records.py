@@ -136,20 +136,22 @@ def steady_pace(
 ) -> Tuple[Optional[float], Optional[float]]:
     """(seconds per iteration, seconds per sample) behind an ETA, from a job's training records (oldest first).
 
-    A record's ``step_time_s`` is the mean over the iterations since the previous record (it spans
-    ``iteration`` less the previous record's, or less ``start_iteration`` for the attempt's first), so the pace is
-    the iteration-weighted mean over the newest records spanning about ``recent_iters`` iterations:
-    sum(step_time_s x span) / sum(span), and the same seconds over the samples consumed in those spans (a batch
-    ramp's iterations grow; ``batch_size`` x span where the previous ``consumed_samples`` is not known). The
-    record of the attempt's first iteration (``start_iteration + 1``, logged alone: allocation, the first batches,
-    a resumed job's load) is left out, as ``training.timing_warmup_iters`` leaves it out of the step-time median;
-    with ``start_iteration`` None (the job's start not read) the oldest record only bounds the next one's span.
-    (None, None) while no record past the warm-up is known."""
-    seconds = iters = samples = 0.0
-    newer = list(records)
-    for i in range(len(newer) - 1, -1, -1):
-        rec = newer[i]
-        prev = newer[i - 1] if i > 0 else None
+    A record's ``step_time_s`` is the mean over the iterations since the previous record (it spans ``iteration``
+    less the previous record's, or less ``start_iteration`` for the attempt's first), so the pace is the median
+    over the iterations of the newest records spanning about ``recent_iters`` iterations, each record weighted by
+    the iterations it spans (a record of 100 iterations is 100 of them; the median: an iteration slowed by
+    a warm-up, evaluation or a busy machine does not drag it), and seconds per sample likewise over the samples
+    consumed in those spans (a batch ramp's iterations grow; ``batch_size`` x span where the previous
+    ``consumed_samples`` is not known). The record of the attempt's first iteration (``start_iteration + 1``,
+    logged alone: allocation, the first batches, a resumed job's load) is left out, as
+    ``training.timing_warmup_iters`` leaves it out of the step-time median; with ``start_iteration`` None (the
+    job's start not read) the oldest record only bounds the next one's span. (None, None) while no record past
+    the first iteration is known."""
+    steps: List[Tuple[float, float]] = []  # (seconds per iteration, iterations)
+    per_sample: List[Tuple[float, float]] = []  # (seconds per sample, samples)
+    iters = 0
+    for i in range(len(records) - 1, -1, -1):
+        rec, prev = records[i], records[i - 1] if i > 0 else None
         before = prev["iteration"] if prev is not None else start_iteration
         step = rec.get("step_time_s")
         if before is None or not isinstance(step, (int, float)) or rec["iteration"] <= before:
@@ -157,17 +159,31 @@ def steady_pace(
         if start_iteration is not None and rec["iteration"] <= start_iteration + 1:
             break  # the attempt's first iteration: warm-up
         span = rec["iteration"] - before
-        seconds, iters = seconds + step * span, iters + span
         done = None if prev is None else prev.get("consumed_samples")
         if isinstance(done, int) and isinstance(rec.get("consumed_samples"), int):
-            samples += rec["consumed_samples"] - done
+            samples = rec["consumed_samples"] - done
         else:
-            samples += (rec.get("batch_size") or 0) * span
+            samples = (rec.get("batch_size") or 0) * span
+        steps.append((step, span))
+        per_sample.append((step * span / samples if samples > 0 else 0.0, samples))
+        iters += span
         if iters >= recent_iters:
             break
-    if not iters:
+    if not steps:
         return None, None
-    return seconds / iters, (seconds / samples if samples > 0 else None)
+    known = all(n > 0 for _, n in per_sample)
+    return weighted_median(steps), (weighted_median(per_sample) if known else None)
+
+
+def weighted_median(pairs: Sequence[Tuple[float, float]]) -> float:
+    """The median of ``(value, weight)`` pairs, each value counted ``weight`` times (the lower one on a tie)."""
+    ordered = sorted(pairs)
+    total, acc = sum(w for _, w in ordered), 0.0
+    for value, weight in ordered:
+        acc += weight
+        if 2 * acc >= total:
+            return value
+    return ordered[-1][0]
 
 
 def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
@@ -187,10 +203,10 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
     recent: List[Dict[str, Any]] = []
     summary: Optional[Dict[str, Any]] = None
-    started = None  # the latest job's start iteration, when its start record is among the newest
+    began = None  # the latest job's start iteration, when its start record is among the newest
     for rec in _records_from_end(path):
         if rec.get("event") == "start":
-            started = rec.get("iteration")
+            began = rec.get("iteration")
             break
         if len(recent) > RECENT_ITERS:
             break  # the newest records of the latest job: enough for the pace (steady_pace)
@@ -209,7 +225,7 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
         out["tokens_per_s"], out["step_time_s"] = summary["tokens_per_step"] / median_step, median_step
     elif recent:
         out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent[:last])
-        out["step_time_s"], out["sample_s"] = steady_pace(recent[::-1], started)
+        out["step_time_s"], out["sample_s"] = steady_pace(recent[::-1], began)
         out["newest"] = recent[0]
     return out
 
