@@ -66,6 +66,59 @@ def test_a_run_that_ends_in_a_failure_loses_what_it_trained_past_its_last_save()
     assert math.isclose(sum(acc.seconds.values()), acc.wall_s) and acc.wall_s == 31.0
 
 
+def test_iterations_a_failed_start_ran_past_its_last_record_are_lost_work_not_detection():
+    """Records every 7 iterations (7 at 17 s, 14 at 24 s, a save at 14); a rank killed at iteration 18, 4.5 s after
+    the record at 14 (seen at 28.5 s); the requeued job loads 14 and trains 15..21. Iterations 15..18 ran between
+    24 and 28.5 s and were redone: lost work, as the history's "4 iteration(s) lost" says (before: 0 lost, and the
+    4.5 s went to failure detection)."""
+    jobs = [
+        {"event": "submitted", "job_id": "1", "cluster": "local", "time": 0.0},
+        {"event": "attempt_started", "job_id": "1", "attempt": 0, "iteration": 0, "time": 5.0},
+        {"event": "attempt_ended", "job_id": "1", "attempt": 0, "cause": "crashed", "iteration": 18, "time": 28.5},
+        {"event": "submitted", "job_id": "2", "cluster": "local", "time": 30.0},
+        {"event": "attempt_started", "job_id": "2", "attempt": 0, "iteration": 14, "time": 31.0},
+        {"event": "attempt_ended", "job_id": "2", "attempt": 0, "cause": "completed", "iteration": 21, "time": 40.0},
+    ]
+    metrics = [{"event": "start", "iteration": 0, "load_s": None, "time": 10.0}]
+    metrics += [{"iteration": i, "step_time_s": 1.0, "time": 10.0 + i} for i in (7, 14)]
+    metrics.append({"event": "saved", "iteration": 14, "started": 24.0, "blocking_s": 0.0, "time": 24.0})
+    metrics.append({"event": "start", "iteration": 14, "load_s": 1.0, "time": 32.0})
+    metrics.append({"iteration": 21, "step_time_s": 1.0, "time": 39.0})
+    acc = account_from_records(jobs, metrics)
+    assert (acc.kept_iterations, acc.lost_iterations) == (21, 4)
+    assert math.isclose(acc.seconds["lost work"], 4.5) and math.isclose(acc.seconds["productive"], 14.0 + 7.0)
+    assert math.isclose(acc.seconds["failure detection and restart"], 2.5)  # 28.5 -> the new start at 31, then the load
+    assert math.isclose(sum(acc.seconds.values()), acc.wall_s)
+
+
+def test_a_run_whose_last_attempt_ended_unsaved_loses_what_it_trained_past_its_last_save():
+    """A double Ctrl-C at iteration 30 (records every 10, no checkpoint), or ``stop --now`` there with the last save
+    at 20: the iterations past the last save are gone with the processes (before: all 30 "kept")."""
+    for saved, kept in ((None, 0), (20, 20)):
+        jobs = [
+            {"event": "submitted", "job_id": "1", "cluster": "local", "time": 0.0},
+            {"event": "attempt_started", "job_id": "1", "attempt": 0, "iteration": 0, "time": 1.0},
+            {
+                "event": "attempt_ended",
+                "job_id": "1",
+                "attempt": 0,
+                "cause": "interrupted",
+                "iteration": 30,
+                "time": 33.5,
+            },
+        ]
+        metrics = [{"event": "start", "iteration": 0, "load_s": None, "time": 2.0}]
+        metrics += [{"iteration": i, "step_time_s": 1.0, "time": 2.0 + i} for i in (10, 20, 30)]
+        if saved:
+            metrics.insert(3, {"event": "saved", "iteration": saved, "started": 22.0, "blocking_s": 0.0, "time": 22.0})
+        acc = account_from_records(jobs, metrics)
+        assert (acc.kept_iterations, acc.lost_iterations) == (kept, 30 - kept), saved
+        assert math.isclose(acc.seconds["productive"], float(kept)) and math.isclose(
+            acc.seconds["lost work"], 30.0 - kept
+        )
+        assert math.isclose(sum(acc.seconds.values()), acc.wall_s)
+
+
 def test_a_live_run_is_accounted_to_now_and_records_every_log_interval_cover_their_iterations():
     jobs = [
         {"event": "submitted", "job_id": "1", "cluster": "local", "time": 100.0},

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from orchestrator.ckpt.goodput_spans import Span, attempt_key, iteration_spans, kept_shares, lost_tail, tail_spans
 from orchestrator.ckpt.history import FAILURE_CAUSES, read_records
 from orchestrator.ckpt.rundir import metrics_path
 from orchestrator.io import read_jsonl
@@ -114,46 +115,6 @@ class Account:
         }
 
 
-@dataclass
-class _Span:
-    """Iterations ``first..last`` of one attempt, trained over ``[start, end)``."""
-
-    start: float
-    end: float
-    first: int
-    last: int
-    attempt: str
-    share: float = 1.0
-    """The kept share of its iterations (the rest: lost work)."""
-
-
-def _attempt_key(rec: Dict[str, Any]) -> str:
-    """``<job id>.<attempt>``: a row of the timeline (in-place restarts stay on their attempt's row, marked)."""
-    return f"{rec.get('job_id')}.{int(rec.get('attempt') or 0)}"
-
-
-def _iteration_spans(metrics: Sequence[Dict[str, Any]], starts: Sequence[Tuple[float, str]]) -> List[_Span]:
-    """The iterations' records folded into spans: a record at iteration i covers the iterations since the
-    previous record of the same attempt (the attempt's ``start`` event for its first), from that record's
-    time to its own. Works whether a record is written every iteration or every ``log_interval``."""
-    spans: List[_Span] = []
-    prev: Optional[Tuple[float, int]] = None
-    times = [t for t, _ in starts]
-    for rec in metrics:
-        if rec.get("event") == "start":
-            prev = (float(rec["time"]), int(rec.get("iteration") or 0))
-            continue
-        if "event" in rec or rec.get("iteration") is None or rec.get("time") is None:
-            continue
-        t, it = float(rec["time"]), int(rec["iteration"])
-        if prev is None or it <= prev[1]:  # no start seen (old records): the step's own time
-            prev = (t - float(rec.get("step_time_s") or 0.0), it - 1)
-        i = bisect.bisect_right(times, prev[0]) - 1
-        spans.append(_Span(prev[0], t, prev[1] + 1, it, starts[i][1] if i >= 0 else ""))
-        prev = (t, it)
-    return spans
-
-
 def _timed_activities(metrics: Sequence[Dict[str, Any]], job_records: Sequence[Dict[str, Any]]) -> List[Segment]:
     """The activities the records time: saves (blocking part), loads, evaluations, the in-job index build."""
     out: List[Segment] = []
@@ -179,22 +140,6 @@ def _timed_activities(metrics: Sequence[Dict[str, Any]], job_records: Sequence[D
     return out
 
 
-def _kept(spans: Sequence[_Span], saved: Sequence[int], failed_end: bool) -> List[float]:
-    """Each span's kept share: of its iterations, those not run again later (and, when the run ended in a
-    failure, not past its last save)."""
-    last_run: Dict[int, int] = {}
-    for idx, sp in enumerate(spans):
-        for it in range(sp.first, sp.last + 1):
-            last_run[it] = idx
-    limit = max(saved, default=0) if failed_end else None
-    shares = []
-    for idx, sp in enumerate(spans):
-        n = sp.last - sp.first + 1
-        kept = sum(1 for it in range(sp.first, sp.last + 1) if last_run[it] == idx and (limit is None or it <= limit))
-        shares.append(kept / n if n > 0 else 0.0)
-    return shares
-
-
 def _markers(job_records: Sequence[Dict[str, Any]]) -> List[Tuple[float, str, Optional[str], str]]:
     """What the run was doing from each point on, for time no activity covers: ``(time, state from then,
     cause of the uncovered time just before it or None, attempt)``, in time order."""
@@ -203,7 +148,7 @@ def _markers(job_records: Sequence[Dict[str, Any]]) -> List[Tuple[float, str, Op
         ev, t = rec.get("event"), rec.get("time")
         if t is None:
             continue
-        t, cause, key = float(t), rec.get("cause"), _attempt_key(rec)
+        t, cause, key = float(t), rec.get("cause"), attempt_key(rec)
         if ev == "submitted":  # a local job starts at once: no queue
             out.append((t, "start-up" if rec.get("cluster") == "local" else "queued", None, key))
         elif ev in ("job_running", "attempt_started"):
@@ -260,19 +205,17 @@ def account_from_records(
     live = bool(items) and items[-1].end is None
     t0 = min(subs) if subs else min(times)
     t_end = max(times) if not live else max(max(times), now if now is not None else time.time())
-    starts = sorted((float(r["time"]), _attempt_key(r)) for r in jobs if r.get("event") == "attempt_started")
-    spans = _iteration_spans(metrics, starts)
-    last_cause = items[-1].cause if items else None
-    failed_end = not live and last_cause in (FAILURE_CAUSES | {"hang", "nan", "spike", "disk full"})
+    starts = sorted((float(r["time"]), attempt_key(r)) for r in jobs if r.get("event") == "attempt_started")
+    spans = tail_spans(iteration_spans(metrics, starts), items)
+    # what the last attempt reached past its last save is lost unless it completed (a stop saves its iteration)
+    unsaved_end = not live and bool(items) and items[-1].cause != "completed"
     saved = [int(r["iteration"]) for r in metrics if r.get("event") == "saved"]
-    shares = _kept(spans, saved, failed_end)
-    for sp, share in zip(spans, shares):
+    for sp, share in zip(spans, kept_shares(spans, saved, unsaved_end)):
         sp.share = share
     timed = _timed_activities(metrics, jobs)
     acc = _sweep(t0, t_end, spans, timed, _markers(jobs))
-    acc.kept_iterations = len({it for sp in spans for it in range(sp.first, sp.last + 1)}) - _lost_tail(
-        spans, saved, failed_end
-    )
+    reached = {it for sp in spans for it in range(sp.first, sp.last + 1)}
+    acc.kept_iterations = len(reached) - lost_tail(spans, saved, unsaved_end)
     acc.lost_iterations = sum(sp.last - sp.first + 1 for sp in spans) - acc.kept_iterations
     acc.attempts, acc.live, acc.t0 = len(items), live, t0
     acc.failures = [
@@ -283,18 +226,10 @@ def account_from_records(
     return acc
 
 
-def _lost_tail(spans: Sequence[_Span], saved: Sequence[int], failed_end: bool) -> int:
-    """Iterations a run that ended in a failure reached past its last save (never redone: lost)."""
-    if not failed_end or not spans:
-        return 0
-    reached = max(sp.last for sp in spans)
-    return max(0, reached - max(saved, default=0))
-
-
 def _sweep(
     t0: float,
     t_end: float,
-    spans: Sequence[_Span],
+    spans: Sequence[Span],
     timed: Sequence[Segment],
     markers: Sequence[Tuple[float, str, Optional[str], str]],
 ) -> Account:

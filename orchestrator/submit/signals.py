@@ -165,7 +165,7 @@ class WaitSignals:
         name = signal.Signals(signum).name
         stop.request(self.cfg.run.dir, self.job_id, by=f"{name} to the launcher", cause="interrupted")
         tell(
-            f"[orchestrator] {name}: the ranks agree on an iteration (the next logged one, or within about 10 s), save it and exit "
+            f"[orchestrator] {name}: the ranks agree on a logged iteration (within about 10 s), save it and exit "
             f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop at once, unsaved)"
         )
 

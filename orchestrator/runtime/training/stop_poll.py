@@ -35,7 +35,9 @@ class StopPoll:
     """Seconds of training between asynchronous polls. Where logging iterations are further apart than this, a
     stop is agreed within about twice this after its signal (plus a step: a signal just after a poll was sent
     rides on the next one, read at the one after; measured 4.4-8.9 s), well inside the warning SLURM gives
-    before a time limit or preemption (``--signal``, 90 s here); otherwise at the next logging iteration. With
+    before a time limit or preemption (``--signal``, 90 s here); otherwise at the first logging iteration after
+    the rank sees the request (a signal to a local launcher reaches the ranks as a stop file, read once a second:
+    with fast steps that is one or two logging iterations after the signal). With
     the shipped ``training.log_interval`` (10), steps of up to 0.5 s poll only on logging iterations."""
 
     def __init__(self, stop):
