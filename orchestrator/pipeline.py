@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
+from orchestrator.ckpt.space import check_writable
 from orchestrator.config.checks import validate, validate_planned
 from orchestrator.config.hf_config import hf_path
 from orchestrator.config.layout import ParallelLayout, vpp_no_op
@@ -249,33 +248,6 @@ def _check_space(cfg: JobConfig) -> None:
         raise ConfigError(refusal)
 
 
-def _check_writable(cfg: JobConfig) -> None:
-    """ConfigError (one line) when the run directory cannot be created or written: its nearest existing
-    directory is read-only (a read-only mount, a permission) — before data are prepared or anything queued."""
-    existing = Path(cfg.run.dir).absolute()
-    while not existing.exists() and existing != existing.parent:
-        if existing.is_symlink():  # dangling: a scratch file system not mounted here, say
-            raise ConfigError(
-                f"run.root={cfg.run.root}: {existing} is a symbolic link to {os.readlink(existing)}, which does not "
-                "exist here; fix: mount or create it, or set run.root to a directory you can write"
-            )
-        existing = existing.parent
-    why = None
-    if not os.access(existing, os.W_OK | os.X_OK):
-        why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
-    else:  # root passes os.access everywhere: a file created unnamed (nothing left behind) decides
-        try:
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-    if why is not None:
-        raise ConfigError(
-            f"run.root={cfg.run.root}: cannot write the run directory {cfg.run.dir} ({existing}: {why}); "
-            f"fix: set run.root to a directory you can write, e.g. run.root=runs"
-        )
-
-
 def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optional[dict]:
     """The whole pipeline for one composed config; returns the job summary (None for plan/dry-run).
 
@@ -294,15 +266,15 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
     if cfg.gpu is not None:
         gpu_preset(cfg.gpu)  # the planner's presets: ConfigError naming gpu=
     check_passthrough(cfg, layout)
+    if not cfg.plan:  # one line before the plan's lines
+        check_writable(cfg.run.root, cfg.run.dir)
+        _check_space(cfg)
     say(f"run {cfg.run.name}: {cfg.model.name} x {cfg.parallelism.name} on cluster={cfg.cluster.name}")
     say(layout.summary())
     if cfg.training.rampup_batch_size is not None:
         say(describe_ramp(cfg.training, layout.data_parallel_size))
     if vpp_no_op(cfg) and not (cfg.plan or cfg.dry_run):  # the plan says it among its notes
         say(f"note: {vpp_no_op(cfg)}")
-    if not cfg.plan:
-        _check_writable(cfg)
-        _check_space(cfg)
     if cfg.plan or cfg.dry_run:
         show_plan(cfg)
         say(verdict(cfg, preflight(cfg, layout), dry=True))  # a refusal: exit 2 with its table, as the run's

@@ -170,7 +170,20 @@ USER_ERRORS = [
     (["optimizer.adam_beta2=1.0"], ["optimizer.adam_beta2=1.0: must be a finite number in [0, 1)"]),
     (["optimizer.lr=0"], ["optimizer.lr=0.0: must be a finite number > 0"]),
     (["optimizer.min_lr=1"], ["optimizer.min_lr=1.0: above optimizer.lr=0.001"]),
-    (["model.hidden_size=130"], ["model.hidden_size=130 is not divisible by model.num_attention_heads=4"]),
+    (
+        ["model.hidden_size=130"],
+        [
+            "model.hidden_size=130 is not divisible by model.num_attention_heads=4",
+            "fix: model.hidden_size=132 (a multiple of 4) or model.num_attention_heads=5",
+        ],
+    ),
+    # a fix names the whole key and a value, typed as shown
+    (["model.seq_length=100000"], ["fix: model.max_position_embeddings=100000 (or model.seq_length=128)"]),
+    (
+        ["parallelism.tensor_model_parallel_size=3"],
+        ["fix: parallelism.tensor_model_parallel_size=2 (one of [1, 2, 4])"],
+    ),
+    (["model.num_attention_heads=5"], ["fix: model.hidden_size=130 (a multiple of 5) or model.num_attention_heads=4"]),
     (["training.precision=bf16"], ["training.precision=bf16: needs a GPU"]),
     (["parallelism.distributed_backend=nccl"], ["parallelism.distributed_backend=nccl: needs GPUs"]),
     (["training.device=cuda"], ["training.device=cuda: no GPU"]),
@@ -901,15 +914,17 @@ def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert (
-        lines[0].startswith(f"error: run.root={mount}/runs: cannot write the run directory") and "read-only" in lines[0]
-    )
+    assert lines[0].startswith(
+        f"error: run.root={mount}/runs: cannot create the directory {mount}/runs (Read-only file system); fix: "
+    ), lines
     assert "preparing data" not in proc.stdout and list(source.iterdir()) == []
+    assert "world size" not in proc.stdout, proc.stdout  # before the plan's lines
 
 
 def test_a_dangling_link_or_an_unwritable_file_system_as_run_root_is_one_line(tmp_path):
     """A run.root through a symbolic link whose target is not there (scratch not mounted) and, as root (whom
-    os.access always lets write), /proc: one line naming run.root, exit 2, before the data; nothing created."""
+    os.access always lets write), /proc: one line naming run.root and the OS's reason for the directory it tried
+    (it said "/proc: No such file or directory", after 7 plan lines), exit 2, before the plan; nothing created."""
     link = tmp_path / "scratch"
     link.symlink_to(tmp_path / "not-mounted")
     cases = [
@@ -917,11 +932,15 @@ def test_a_dangling_link_or_an_unwritable_file_system_as_run_root_is_one_line(tm
         ["+experiment=gpt_pp2_dp2", "run.root=/proc/runs"],
     ]
     results = run_batch(cases, tmp_path)
-    said = [f"{link} is a symbolic link to {tmp_path / 'not-mounted'}, which does not exist here", "/proc"]
+    said = [
+        f"{link} is a symbolic link to {tmp_path / 'not-mounted'}, which does not exist here",
+        "cannot create the directory /proc/runs (No such file or directory); fix: set run.root to a directory",
+    ]
     for case, got, words in zip(cases, results, said):
         lines = [ln for ln in got["stderr"].splitlines() if ln.strip()]
         assert got["code"] == 2 and len(lines) == 1 and lines[0].startswith(f"error: {case[1]}: "), got
         assert words in lines[0] and "preparing data" not in got["stdout"], lines
+        assert "world size" not in got["stdout"], got["stdout"]  # before the plan's lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scratch"] and not (tmp_path / "not-mounted").exists()
 
 

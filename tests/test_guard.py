@@ -95,20 +95,27 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     ]
 
 
-def test_a_stop_proposes_the_experiments_own_lr_when_the_command_line_raised_it_else_a_tenth():
+def test_a_stop_proposes_the_configs_own_lr_naming_its_source_when_the_command_line_raised_it_else_a_tenth():
     own = compose_config(["+experiment=gpt_pp2_dp2"])
     assert own.training.spike.suggest_lr is None  # nothing overridden: nothing to remember
     raised = compose_config(["+experiment=gpt_pp2_dp2", "optimizer.lr=1000"])
-    assert raised.optimizer.lr == 1000 and raised.training.spike.suggest_lr == own.optimizer.lr
-    assert proposed_lr(raised.optimizer.lr, raised.training.spike.suggest_lr) == (
+    spike = raised.training.spike
+    assert raised.optimizer.lr == 1000 and spike.suggest_lr == own.optimizer.lr
+    # gpt_pp2_dp2 sets no lr: 0.001 is the adam preset's, not the experiment's
+    assert proposed_lr(raised.optimizer.lr, spike.suggest_lr, spike.suggest_lr_from) == (
         own.optimizer.lr,
-        "the experiment's own",
+        "the optimizer=adam preset's default",
     )
+    bare = compose_config(["model=gpt_tiny", "parallelism=none", "optimizer.lr=1e30"]).training.spike
+    assert (bare.suggest_lr, bare.suggest_lr_from) == (0.001, "the optimizer=adam preset's default")
+    llama = compose_config(["+experiment=llama3_8b_a100x32", "optimizer.lr=1"]).training.spike
+    assert (llama.suggest_lr, llama.suggest_lr_from) == (3e-4, "the experiment's own")  # its optimizer.lr: 3.0e-4
     lowered = compose_config(["+experiment=gpt_pp2_dp2", f"optimizer.lr={own.optimizer.lr / 2}"])
-    assert lowered.training.spike.suggest_lr is None  # already below the experiment's: a tenth of it
+    assert lowered.training.spike.suggest_lr is None  # already below the config's: a tenth of it
     assert proposed_lr(lowered.optimizer.lr, None) == (lowered.optimizer.lr / 10, "a tenth")
     mine = compose_config(["optimizer.lr=1000", "training.spike.suggest_lr=0.5"])
     assert mine.training.spike.suggest_lr == 0.5  # a user's own choice is kept
+    assert proposed_lr(1000, 0.5, mine.training.spike.suggest_lr_from) == (0.5, "training.spike.suggest_lr")
 
 
 # ---- NaN guard (no process group: every decision is local) --------------------------------------
@@ -140,8 +147,8 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
     assert "the latest checkpoint stays iter_0000004" in msg and "\n" not in msg
     # tighter clipping is a *smaller* clip_grad: never suggest raising it
     assert msg.endswith(
-        "fix: lower optimizer.lr=0.001 -> optimizer.lr=0.0001, a tenth (or raise optimizer.lr_warmup_iters=0, or "
-        "clip harder with optimizer.clip_grad below 1) and rerun to resume"
+        "fix: lower optimizer.lr=0.001 -> optimizer.lr=0.0001, a tenth (or raise optimizer.lr_warmup_iters=0 -> "
+        "optimizer.lr_warmup_iters=10, or clip harder with optimizer.clip_grad below 1) and rerun to resume"
     ), msg
     try:
         raise info.value
@@ -617,7 +624,7 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     assert m, line
     spiked, value, reference = int(m.group(2)), float(m.group(3)), float(m.group(5))
     own = compose_config(SMALL).optimizer.lr  # the command line raised the lr: the fix proposes the config's own
-    assert f"optimizer.lr=1000 -> optimizer.lr={own:g}, the experiment's own" in line, line
+    assert f"optimizer.lr=1000 -> optimizer.lr={own:g}, the optimizer=adam preset's default" in line, line
     assert "training.spike.factor=null" in line
     records = {r["iteration"]: r for r in read_metrics(run_dir)}
     assert sorted(records) == list(range(1, spiked))  # nothing of the spiked iteration was recorded

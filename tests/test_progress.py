@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,52 @@ import pytest
 from conftest import REPO
 
 from orchestrator.meter import Meter, phase
+
+
+def _eta_s(line: str) -> float:
+    minutes, seconds = re.search(r"ETA (\d+)m(\d+)s", line).groups()
+    return 60 * int(minutes) + int(seconds)
+
+
+@pytest.mark.parametrize(
+    "start,total,records",
+    [  # (iteration, step_time_s: the mean since the previous record): what the tester's runs logged
+        (0, 40, [(1, 9.6), (15, 0.176)]),  # log_interval=100 on 40 iterations: 25 x 0.176 s left, not 2m49s
+        (0, 400, [(1, 8.0), (82, 0.151)]),  # log_interval=100 on 400: 318 x 0.151 s (~48 s), not 3m21s
+        (100, 200, [(101, 5.0), (119, 0.229)]),  # resumed at 100: 81 x 0.229 s (~18 s), not 1m30s
+        (0, 400, [(1, 9.0)] + [(i, 0.15) for i in range(2, 9)]),  # log_interval=1: the first step's 9 s fades
+    ],
+)
+def test_the_eta_is_the_iterations_left_at_the_steady_step_time(tmp_path, capsys, start, total, records):
+    from orchestrator.submit.progress import Progress
+    from orchestrator.submit.run_records import live_rates
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    progress = Progress(path, total)
+    lines = [{"event": "start", "iteration": start, "train_iters": total, "train_samples": total * 4}]
+    lines += [
+        {
+            "iteration": it,
+            "consumed_samples": 4 * it,
+            "lm_loss": 5.0,
+            "step_time_s": step,
+            "tokens_per_s": 1.0,
+            "batch_size": 4,
+        }
+        for it, step in records
+    ]
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    progress.poll()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  iteration ")]
+    assert len(said) == len(records) and "ETA" not in said[0], said  # the first iteration alone: no pace yet
+    last, step = records[-1]
+    truth = (total - last) * step
+    assert _eta_s(said[-1]) == pytest.approx(truth, rel=0.2, abs=1), (said[-1], truth)
+    rates = live_rates(tmp_path)  # status's ETA: the same pace
+    assert rates["step_time_s"] == pytest.approx(step, rel=0.2) and rates["sample_s"] == pytest.approx(
+        step / 4, rel=0.2
+    )
 
 
 def test_a_phase_names_itself_then_its_elapsed_time():

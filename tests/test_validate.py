@@ -293,6 +293,39 @@ def test_the_issue_list_is_refused_by_validate(overrides, expected):
     assert str(info.value).startswith(expected) and "; fix: " in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "overrides,fix,fixed",
+    [
+        (
+            ["model.seq_length=100000"],
+            "model.max_position_embeddings=100000 (or model.seq_length=128)",
+            True,
+        ),
+        (
+            ["parallelism.tensor_model_parallel_size=3"],
+            "parallelism.tensor_model_parallel_size=2 (one of [1, 2, 4])",
+            False,  # TP=2 then wants 2 ranks: another rule's fix
+        ),
+        (
+            ["model.num_attention_heads=5"],
+            "model.hidden_size=130 (a multiple of 5) or model.num_attention_heads=4",
+            True,
+        ),
+        (["model.hidden_size=130"], "model.hidden_size=132 (a multiple of 4) or model.num_attention_heads=5", True),
+        (["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel=false", True),
+    ],
+)
+def test_a_layout_fix_names_the_full_key_and_a_value_typed_as_shown(overrides, fix, fixed):
+    """README: a fix naming an override works in bash as printed (it said ``max_position_embeddings >= 100000``,
+    ``tensor_model_parallel_size one of [1, 2, 4]``, ``hidden_size a multiple of 5``)."""
+    base = overrides + ["run.root=/tmp/orchestrator-test-validate"]
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(base))
+    assert fix in re.findall(r"; fix: (.*?)(?= \| |$)", str(info.value)), str(info.value)
+    if fixed:  # the override as printed, appended: that rule holds
+        validate(compose_config(base + [fix.split(" ")[0]]))
+
+
 def test_recompute_rule_is_one_rule_for_validate_and_planner():
     from orchestrator.plan import memory as planner
 

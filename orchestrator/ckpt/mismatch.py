@@ -73,6 +73,7 @@ _IGNORE_KEYS = {
     "training.eval_interval",
     "training.eval_iters",
     "training.spike.suggest_lr",  # advice for a stop's fix, not math
+    "training.spike.suggest_lr_from",
     "model.make_vocab_size_divisible_by",
     "model.vocab_size",  # judged by the (padded) vocab
     "model.transformer_impl",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
+from orchestrator.errors import ConfigError
 
 
 def disk_space(path: "str | os.PathLike") -> Tuple[Optional[int], Optional[int], str]:
@@ -75,3 +77,38 @@ def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[
         f"filesystem>, a lower checkpoint.keep_last{' or a larger checkpoint.keep_every' if c.keep_every else ''}, or "
         f"checkpoint.space_check=false"
     )
+
+
+def check_writable(root: str, run_dir: str) -> None:
+    """ConfigError (one line naming ``run.root=root``) when the run directory ``run_dir`` cannot be created or
+    written, with the OS's reason for the path tried: the first directory the run would create, made and removed at
+    once (``/proc``, a read-only mount or a directory of another user refuse it), or a file created unnamed in an
+    existing run directory (root passes ``os.access`` everywhere). The launcher calls it before the plan lines,
+    data or anything queued; nothing is left behind."""
+    path = Path(run_dir).absolute()
+    existing, first = path, None
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # dangling: a scratch file system not mounted here, say
+            raise ConfigError(
+                f"run.root={root}: {existing} is a symbolic link to {os.readlink(existing)}, which does not "
+                "exist here; fix: mount or create it, or set run.root to a directory you can write"
+            )
+        existing, first = existing.parent, existing
+    try:
+        if first is None:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            os.mkdir(first)
+            try:
+                os.rmdir(first)
+            except OSError:  # another run filled it meanwhile: it is theirs
+                pass
+    except FileExistsError:  # created meanwhile (another run): writable
+        return
+    except OSError as exc:
+        tried = f"create the directory {first}" if first is not None else f"write in the run directory {path}"
+        raise ConfigError(
+            f"run.root={root}: cannot {tried} ({exc.strerror or exc}); "
+            f"fix: set run.root to a directory you can write, e.g. run.root=runs"
+        ) from None

@@ -250,17 +250,39 @@ LR_KEY = "optimizer.lr"
 
 def _fill_suggest_lr(cfg: Any, overrides: List[str], parsed: List[Any], config_dir: Optional[str]) -> None:
     """``training.spike.suggest_lr``, when null and the command line set ``optimizer.lr``: the learning rate of the
-    same composition without that override (the experiment's own), if it is lower -- what a spike or NaN stop then
-    proposes (:func:`orchestrator.config.spike.proposed_lr`). One more composition, only for such a command line."""
+    same composition without that override, if it is lower -- what a spike or NaN stop then proposes
+    (:func:`orchestrator.config.spike.proposed_lr`) -- and ``training.spike.suggest_lr_from``, where it comes from
+    (:func:`_lr_source`). One more composition for such a command line (two with an experiment)."""
     from omegaconf import OmegaConf, open_dict
 
     set_lr = [raw for raw, o in zip(overrides, parsed) if o.key_or_group.lstrip("+~") == LR_KEY]
     if not set_lr or OmegaConf.select(cfg, "training.spike.suggest_lr") is not None:
         return
-    own = OmegaConf.select(compose_dict([o for o in overrides if o not in set_lr], config_dir), LR_KEY)
+    rest = [o for o in overrides if o not in set_lr]
+    own_cfg = compose_dict(rest, config_dir)
+    own = OmegaConf.select(own_cfg, LR_KEY)
     if own is not None and float(own) < float(OmegaConf.select(cfg, LR_KEY)):
         with open_dict(cfg):
             OmegaConf.update(cfg, "training.spike.suggest_lr", float(own), force_add=True)
+            source = _lr_source(rest, own_cfg, config_dir)
+            OmegaConf.update(cfg, "training.spike.suggest_lr_from", source, force_add=True)
+
+
+def _lr_source(rest: List[str], own_cfg: Any, config_dir: Optional[str]) -> str:
+    """Where ``own_cfg``'s learning rate comes from: the ``optimizer=<name>`` option's (its preset's default), or an
+    experiment's own when the same composition without the experiment (that option chosen) has another."""
+    from omegaconf import OmegaConf
+
+    preset = f"the optimizer={own_cfg.optimizer.name} preset's default"
+    keys = {raw: o.key_or_group.lstrip("+~") for raw, o in zip(rest, parse_overrides(rest))}
+    if "experiment" not in keys.values():
+        return preset
+    bare = [o for o in rest if keys[o] not in ("experiment", "optimizer")] + [f"optimizer={own_cfg.optimizer.name}"]
+    try:
+        same = OmegaConf.select(compose_dict(bare, config_dir), LR_KEY) == OmegaConf.select(own_cfg, LR_KEY)
+    except ConfigError:  # the option is the experiment's own, or needs it
+        same = False
+    return preset if same else "the experiment's own"
 
 
 NAMED_GROUPS = ("model", "parallelism", "optimizer", "data")

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from orchestrator.config.divisors import divisors, nearby_multiples
+from orchestrator.config.divisors import divisors, nearby_multiples, nearest_divisor, nearest_multiple
 from orchestrator.config.vpp import virtual_stages, vpp_no_op
 from orchestrator.config.world import world_size_of
 from orchestrator.errors import LayoutError
@@ -180,15 +180,15 @@ class ParallelLayout:
             out.append(
                 f"model.num_layers={self.num_layers} does not split evenly over "
                 f"parallelism.pipeline_model_parallel_size={pp} ({self.num_layers} % {pp} = {self.num_layers % pp}); "
-                f"fix: pipeline_model_parallel_size one of {[d for d in divisors(self.num_layers) if d <= 64]} "
-                f"or num_layers one of {nearby_multiples(self.num_layers, pp)}"
+                f"fix: parallelism.pipeline_model_parallel_size one of {[d for d in divisors(self.num_layers) if d <= 64]} "
+                f"or model.num_layers one of {nearby_multiples(self.num_layers, pp)}"
             )
         elif vpp is not None and vpp > 1 and self.num_layers % (pp * vpp):
             chunks = pp * vpp
             out.append(
                 f"model.num_layers={self.num_layers} layers do not split into {chunks} chunks of equal size "
                 f"(PP x VPP = {pp} x {vpp}; {self.num_layers} % {chunks} = {self.num_layers % chunks}); "
-                f"fix: virtual_pipeline_model_parallel_size one of "
+                f"fix: parallelism.virtual_pipeline_model_parallel_size one of "
                 f"{[v for v in divisors(self.num_layers // pp) if v > 1] or ['null']}"
             )
         if vpp is not None:
@@ -197,7 +197,7 @@ class ParallelLayout:
             elif vpp > 1 and pp == 1:
                 out.append(
                     f"parallelism.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
-                    f"(got {pp}); fix: set virtual_pipeline_model_parallel_size=null"
+                    f"(got {pp}); fix: parallelism.virtual_pipeline_model_parallel_size=null"
                 )
             elif vpp > 1 and self.global_batch_size % step == 0 and self.num_microbatches % pp:
                 m = self.num_microbatches
@@ -206,7 +206,7 @@ class ParallelLayout:
                     f"interleaved schedule (virtual_pipeline_model_parallel_size={vpp}) needs num_microbatches >= {pp} "
                     f"and a multiple of pipeline_model_parallel_size={pp}, but num_microbatches = GBS / (MBS x DP) = "
                     f"{self.global_batch_size} / ({self.micro_batch_size} x {dp}) = {m}; "
-                    f"fix: training.global_batch_size one of {ok_gbs}, or virtual_pipeline_model_parallel_size=null"
+                    f"fix: training.global_batch_size one of {ok_gbs}, or parallelism.virtual_pipeline_model_parallel_size=null"
                 )
         return out
 
@@ -217,7 +217,7 @@ class ParallelLayout:
         if heads % tp:
             out.append(
                 f"model.num_attention_heads={heads} is not divisible by parallelism.tensor_model_parallel_size={tp}; "
-                f"fix: tensor_model_parallel_size one of {[d for d in divisors(heads) if d <= 64]}"
+                f"fix: parallelism.tensor_model_parallel_size={nearest_divisor(heads, tp)} (one of {[d for d in divisors(heads) if d <= 64]})"
             )
         groups = self.num_query_groups
         if groups is not None:
@@ -227,19 +227,21 @@ class ParallelLayout:
                 out.append(
                     f"model.num_query_groups={groups} is neither a multiple nor a divisor of "
                     f"parallelism.tensor_model_parallel_size={tp}; "
-                    f"fix: tensor_model_parallel_size one of {divisors(groups)} or a multiple of {groups}"
+                    f"fix: parallelism.tensor_model_parallel_size one of {divisors(groups)} or a multiple of {groups}"
                 )
         if self.sequence_parallel and tp == 1:
-            out.append("parallelism.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set it to false")
+            out.append(
+                "parallelism.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: parallelism.sequence_parallel=false"
+            )
         if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             out.append(
                 f"model.seq_length={self.seq_length} exceeds model.max_position_embeddings={self.max_position_embeddings}; "
-                f"fix: max_position_embeddings >= {self.seq_length} or a shorter seq_length"
+                f"fix: model.max_position_embeddings={self.seq_length} (or model.seq_length={self.max_position_embeddings})"
             )
         if cp > 1 and self.seq_length % (2 * cp):
             out.append(
                 f"model.seq_length={self.seq_length} is not divisible by 2 x context_parallel_size = {2 * cp}; "
-                f"fix: seq_length a multiple of {2 * cp}"
+                f"fix: model.seq_length={nearest_multiple(self.seq_length, 2 * cp)} (a multiple of {2 * cp})"
             )
         return out
 
@@ -250,7 +252,7 @@ class ParallelLayout:
             if not self.num_moe_experts:
                 out.append(
                     f"parallelism.expert_model_parallel_size={ep} needs a mixture-of-experts model "
-                    f"(model.num_moe_experts is null); fix: set expert_model_parallel_size=1"
+                    f"(model.num_moe_experts is null); fix: parallelism.expert_model_parallel_size=1"
                 )
             elif self.num_moe_experts % ep:
                 out.append(
@@ -261,7 +263,7 @@ class ParallelLayout:
             if self.world_size % grid:
                 out.append(
                     f"expert grid TP x EP x PP = {tp} x {ep} x {pp} = {grid} does not divide "
-                    f"world size {self.world_size}; fix: expert_model_parallel_size one of "
+                    f"world size {self.world_size}; fix: parallelism.expert_model_parallel_size one of "
                     f"{[e for e in divisors(self.world_size) if self.world_size % (tp * e * pp) == 0]}"
                 )
             if tp > 1 and not self.sequence_parallel:

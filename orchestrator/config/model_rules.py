@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from orchestrator.config.divisors import nearest_divisor, nearest_multiple
 from orchestrator.config.layout import ParallelLayout
 from orchestrator.config.schema import JobConfig
 from orchestrator.text import show
@@ -52,25 +53,28 @@ def model_problems(cfg: JobConfig, layout: ParallelLayout) -> List[str]:
     if m.hidden_size % m.num_attention_heads:
         out.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-            f"{m.num_attention_heads} (Megatron's head size = hidden / heads); fix: hidden_size a multiple "
-            f"of {m.num_attention_heads}"
+            f"{m.num_attention_heads} (Megatron's head size = hidden / heads); fix: model.hidden_size="
+            f"{nearest_multiple(m.hidden_size, m.num_attention_heads)} (a multiple of {m.num_attention_heads}) or "
+            f"model.num_attention_heads={nearest_divisor(m.hidden_size, m.num_attention_heads)}"
         )
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     if ffn % tp:
         out.append(
             f"model.ffn_hidden_size={ffn} is not divisible by parallelism.tensor_model_parallel_size={tp} "
-            f"(each TP rank holds an equal slice of the MLP); fix: ffn_hidden_size a multiple of {tp}"
+            f"(each TP rank holds an equal slice of the MLP); fix: model.ffn_hidden_size={nearest_multiple(ffn, tp)} "
+            f"(a multiple of {tp})"
         )
     if p.sequence_parallel and tp > 1 and (m.seq_length // p.context_parallel_size) % tp:
         out.append(
             f"model.seq_length={m.seq_length} does not split over sequence parallelism: "
             f"seq_length / CP = {m.seq_length // p.context_parallel_size} is not divisible by TP={tp}; "
-            f"fix: seq_length a multiple of {tp * p.context_parallel_size}"
+            f"fix: model.seq_length={nearest_multiple(m.seq_length, tp * p.context_parallel_size)} "
+            f"(a multiple of {tp * p.context_parallel_size})"
         )
     if m.num_moe_experts and m.add_bias_linear and tp > 1:
         out.append(
             f"model.num_moe_experts={m.num_moe_experts} with model.add_bias_linear=true needs "
-            f"tensor_model_parallel_size=1 (megatron-core: bias in MoE only with expert TP = 1, "
+            f"parallelism.tensor_model_parallel_size=1 (megatron-core: bias in MoE only with expert TP = 1, "
             f"got {tp}); fix: model.add_bias_linear=false"
         )
     return out

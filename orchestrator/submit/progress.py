@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR
 from orchestrator.config.schema import JobConfig
 from orchestrator.meter import HEARTBEAT_S
-from orchestrator.submit.run_records import remaining_s
+from orchestrator.submit.run_records import RECENT_ITERS, remaining_s, steady_pace
 
 
 def _eta(seconds: float) -> str:
@@ -84,14 +84,12 @@ class Progress:
       saving a checkpoint, ...), echoed as they appear in its log;
     * training: a rich bar on a terminal (plain lines otherwise) from the iteration the job starts at
       (a resumed job starts at its checkpoint's iteration) to ``training.train_iters``, with lm loss,
-      step time, tokens/s and an ETA from an exponentially smoothed time per sample (samples left: a batch
-      ramp's later iterations are larger) or, without batch sizes in the records, per step;
+      step time, tokens/s and an ETA: samples (a batch ramp's later iterations are larger) or, without batch
+      sizes in the records, iterations left x the pace of the newest records past the attempt's first
+      iteration (:func:`~orchestrator.submit.run_records.steady_pace`);
     * every evaluation (validation lm loss and perplexity), and "waiting for ranks to exit" once the
       logging rank has written its summary.
     """
-
-    SMOOTHING = 0.3
-    """Weight of the newest step time in the smoothed step time behind the ETA."""
 
     def __init__(
         self,
@@ -106,8 +104,8 @@ class Progress:
         self.total = total
         self.metrics, self.log = Tail(path), Tail(log, from_start=True)
         self.last: Optional[Dict[str, Any]] = None
-        self.step_s: Optional[float] = None
-        self.sample_s: Optional[float] = None  # smoothed seconds per sample (a batch ramp's iterations grow)
+        self.records: List[Dict[str, Any]] = []  # the newest training records of the job, oldest first
+        self.start_iteration: Optional[int] = None  # the job's start record: where its attempt began
         self.train_samples: Optional[int] = None  # the job's start record: what the ETA counts down
         self.bar = None
         self.enabled = enabled
@@ -179,19 +177,10 @@ class Progress:
         event = rec.get("event")
         if event is None and "lm_loss" in rec:
             self.last = rec
-            step = rec.get("step_time_s")
-            if isinstance(step, (int, float)):
-                self.step_s = (
-                    step if self.step_s is None else self.SMOOTHING * step + (1 - self.SMOOTHING) * self.step_s
-                )
-                if rec.get("batch_size"):
-                    per = step / rec["batch_size"]
-                    self.sample_s = (
-                        per if self.sample_s is None else self.SMOOTHING * per + (1 - self.SMOOTHING) * self.sample_s
-                    )
+            self.records = self.records[-RECENT_ITERS:] + [rec]
             self._show(rec)
         elif event == "start":
-            self.train_samples = rec.get("train_samples")
+            self.train_samples, self.start_iteration, self.records = rec.get("train_samples"), rec.get("iteration"), []
             if self.bar is not None:
                 self.bar.update(self.task, completed=rec["iteration"], total=self.total)
             if rec.get("iteration"):
@@ -228,7 +217,8 @@ class Progress:
         self.said = time.monotonic()
         if not self.enabled:
             return
-        left = remaining_s(rec["iteration"], self.total, self.step_s, rec, self.train_samples, self.sample_s)
+        step_s, sample_s = steady_pace(self.records, self.start_iteration)
+        left = remaining_s(rec["iteration"], self.total, step_s, rec, self.train_samples, sample_s)
         eta = f" | ETA {_eta(left)}" if left is not None else ""
         text = (
             f"loss {rec['lm_loss']:.4f} | {rec['step_time_s'] * 1000:.0f} ms/step | "

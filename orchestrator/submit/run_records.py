@@ -127,10 +127,70 @@ def remaining_s(
     return None if step_s is None else max(0, train_iters - iteration) * step_s
 
 
+RECENT_ITERS = 100
+"""How many of the newest iterations the ETA's pace is measured over (:func:`steady_pace`)."""
+
+
+def steady_pace(
+    records: Sequence[Dict[str, Any]], start_iteration: Optional[int], recent_iters: int = RECENT_ITERS
+) -> Tuple[Optional[float], Optional[float]]:
+    """(seconds per iteration, seconds per sample) behind an ETA, from a job's training records (oldest first).
+
+    A record's ``step_time_s`` is the mean over the iterations since the previous record (it spans ``iteration``
+    less the previous record's, or less ``start_iteration`` for the attempt's first), so the pace is the median
+    over the iterations of the newest records spanning about ``recent_iters`` iterations, each record weighted by
+    the iterations it spans (a record of 100 iterations is 100 of them; the median: an iteration slowed by
+    a warm-up, evaluation or a busy machine does not drag it), and seconds per sample likewise over the samples
+    consumed in those spans (a batch ramp's iterations grow; ``batch_size`` x span where the previous
+    ``consumed_samples`` is not known). The record of the attempt's first iteration (``start_iteration + 1``,
+    logged alone: allocation, the first batches, a resumed job's load) is left out, as
+    ``training.timing_warmup_iters`` leaves it out of the step-time median; with ``start_iteration`` None (the
+    job's start not read) the oldest record only bounds the next one's span. (None, None) while no record past
+    the first iteration is known."""
+    steps: List[Tuple[float, float]] = []  # (seconds per iteration, iterations)
+    per_sample: List[Tuple[float, float]] = []  # (seconds per sample, samples)
+    iters = 0
+    for i in range(len(records) - 1, -1, -1):
+        rec, prev = records[i], records[i - 1] if i > 0 else None
+        before = prev["iteration"] if prev is not None else start_iteration
+        step = rec.get("step_time_s")
+        if before is None or not isinstance(step, (int, float)) or rec["iteration"] <= before:
+            break
+        if start_iteration is not None and rec["iteration"] <= start_iteration + 1:
+            break  # the attempt's first iteration: warm-up
+        span = rec["iteration"] - before
+        done = None if prev is None else prev.get("consumed_samples")
+        if isinstance(done, int) and isinstance(rec.get("consumed_samples"), int):
+            samples = rec["consumed_samples"] - done
+        else:
+            samples = (rec.get("batch_size") or 0) * span
+        steps.append((step, span))
+        per_sample.append((step * span / samples if samples > 0 else 0.0, samples))
+        iters += span
+        if iters >= recent_iters:
+            break
+    if not steps:
+        return None, None
+    known = all(n > 0 for _, n in per_sample)
+    return weighted_median(steps), (weighted_median(per_sample) if known else None)
+
+
+def weighted_median(pairs: Sequence[Tuple[float, float]]) -> float:
+    """The median of ``(value, weight)`` pairs, each value counted ``weight`` times (the lower one on a tie)."""
+    ordered = sorted(pairs)
+    total, acc = sum(w for _, w in ordered), 0.0
+    for value, weight in ordered:
+        acc += weight
+        if 2 * acc >= total:
+            return value
+    return ordered[-1][0]
+
+
 def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
     """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` from
     ``<run_dir>/metrics.jsonl``: for a job that ended, its summary's (tokens per step / median step time after the
-    warm-up, the figure of its last line); for a running one, the medians of its last ``last`` training records.
+    warm-up, the figure of its last line); for a running one, the median tokens/s of its last ``last`` training
+    records, and the step and sample times of its newest records past the warm-up (:func:`steady_pace`).
 
     Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
     record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
@@ -143,9 +203,13 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     start = next((r for r in _records_from_end(path, only=_START_PREFIX.decode()) if r.get("event") == "start"), None)
     recent: List[Dict[str, Any]] = []
     summary: Optional[Dict[str, Any]] = None
+    began = None  # the latest job's start iteration, when its start record is among the newest
     for rec in _records_from_end(path):
-        if rec.get("event") == "start" or len(recent) == last:
-            break  # the newest ``last`` records of the latest job
+        if rec.get("event") == "start":
+            began = rec.get("iteration")
+            break
+        if len(recent) > RECENT_ITERS:
+            break  # the newest records of the latest job: enough for the pace (steady_pace)
         if rec.get("event") == "summary" and not recent:
             summary = rec  # the latest job ended: its own figure
         if "event" not in rec and isinstance(rec.get("tokens_per_s"), (int, float)):
@@ -160,11 +224,9 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     if median_step and (summary or {}).get("tokens_per_step"):  # what the job's last line said
         out["tokens_per_s"], out["step_time_s"] = summary["tokens_per_step"] / median_step, median_step
     elif recent:
-        out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent)
-        steps = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), (int, float))]
-        out["step_time_s"] = statistics.median(steps) if steps else None
-        per = [r["step_time_s"] / r["batch_size"] for r in recent if r.get("batch_size") and r.get("step_time_s")]
-        out["sample_s"], out["newest"] = (statistics.median(per) if per else None), recent[0]
+        out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent[:last])
+        out["step_time_s"], out["sample_s"] = steady_pace(recent[::-1], began)
+        out["newest"] = recent[0]
     return out
 
 

@@ -8,7 +8,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from orchestrator.ckpt import history
-from orchestrator.config.spike import proposed_lr
+from orchestrator.config.spike import longer_warmup, proposed_lr
 from orchestrator.errors import NonFiniteLossError
 from orchestrator.runtime.faults.diskspace import latest_checkpoint
 from orchestrator.runtime.faults.optimizer_step import local_grads_bad, step_unless_nonfinite
@@ -103,7 +103,8 @@ class NumericsGuard:
                 else " (training.nan_policy=skip needs the loop to step through Guard.step; this update was applied)"
             )
         o = self.cfg.optimizer  # clipping is tightened by a *smaller* clip_grad (0 turns it off)
-        lower, why = proposed_lr(o.lr, self.cfg.training.spike.suggest_lr)
+        spike = self.cfg.training.spike
+        lower, why = proposed_lr(o.lr, spike.suggest_lr, spike.suggest_lr_from)
         clip = (
             "turn gradient clipping on with optimizer.clip_grad=1.0"
             if not o.clip_grad
@@ -112,7 +113,8 @@ class NumericsGuard:
         message = (
             f"{'; '.join(parts)}: stopped before anything of iteration {iteration} was saved, {keep}{tail}; "
             f"fix: lower optimizer.lr={o.lr:g} -> optimizer.lr={lower:g}, {why} (or raise "
-            f"optimizer.lr_warmup_iters={o.lr_warmup_iters}, or {clip}) and {rerun}"
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} -> optimizer.lr_warmup_iters="
+            f"{longer_warmup(o.lr_warmup_iters)}, or {clip}) and {rerun}"
         )
         if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
             quietly(

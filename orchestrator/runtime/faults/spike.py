@@ -122,7 +122,7 @@ def _stop(guard, iteration: int, what: str, value: float, reference: float, n: i
 
     cfg = guard.cfg
     lr, factor = cfg.optimizer.lr, cfg.training.spike.factor
-    lower, why = proposed_lr(lr, cfg.training.spike.suggest_lr)
+    lower, why = proposed_lr(lr, cfg.training.spike.suggest_lr, cfg.training.spike.suggest_lr_from)
     latest = latest_checkpoint(guard.run_dir)
     keep = f"the latest checkpoint stays {latest}" if latest else "no checkpoint was saved before it"
     message = (
