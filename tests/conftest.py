@@ -179,6 +179,18 @@ def agent_worker(run_dir: Path, rank: int):
     return None
 
 
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    """``predicate()``'s first truthy value, polled every ``poll_s`` s; AssertionError naming ``what`` after
+    ``timeout_s`` s (tests wait on files and records, never on a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 REFERENCE_ITERS = 20
 """Iterations of the PP2 x DP2 runs that tests compare with one :class:`SharedReference` (the learning-rate
 schedule spans train_iters: runs of other lengths have other losses)."""

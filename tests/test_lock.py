@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, wait_until
 
 from orchestrator.ckpt import history
 from orchestrator.ckpt.lock import RunLock
@@ -137,16 +137,6 @@ def _gated_python(path: Path, gate: Path) -> str:
     return str(path)
 
 
-def _wait_for(what: str, ready, timeout_s: float = 300.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = ready()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _listing(run_dir: Path) -> list:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
 
@@ -170,12 +160,12 @@ def test_second_launch_is_refused_before_the_first_job_takes_the_lock(tmp_path):
         )  # fmt: skip
     try:
         jobs_file = run_dir / "jobs.jsonl"
-        submitted = _wait_for(
-            "the first submission", lambda: [r for r in history.read_records(run_dir) if r["event"] == "submitted"]
+        submitted = wait_until(
+            lambda: [r for r in history.read_records(run_dir) if r["event"] == "submitted"], 300, "the first submission"
         )
         job_a = submitted[0]["job_id"]
         logs = [run_dir / "submitit" / f"{job_a}_0_log.{ext}" for ext in ("out", "err")]
-        _wait_for("job A's task (gated)", lambda: all(p.exists() for p in logs))  # its controller writes no more
+        wait_until(lambda: all(p.exists() for p in logs), 300, "job A's task (gated)")  # its controller writes no more
         before = (jobs_file.read_bytes(), _listing(run_dir))
         assert not (run_dir / RunLock.NAME).exists()  # the gap: submitted, the lock not taken yet
         second = run_cli(args_a, cache=tmp_path / "cache", check=False, timeout=240)
@@ -195,10 +185,10 @@ def test_second_launch_is_refused_before_the_first_job_takes_the_lock(tmp_path):
         )
         job_b = executor.submit(cfg, validate(cfg), prepare(cfg.data))  # slipped past the launcher's check
         gate_a.touch()
-        _wait_for("job A's lock", lambda: (run_dir / RunLock.NAME).exists() or first.poll() is not None)
+        wait_until(lambda: (run_dir / RunLock.NAME).exists() or first.poll() is not None, 300, "job A's lock")
         assert json.loads(decision_path(run_dir, job_a).read_text())["ok"] is True
         gate_b.touch()
-        _wait_for("job B's refusal", lambda: jobs.result_outcomes(run_dir / "submitit", job_b.job_id))
+        wait_until(lambda: jobs.result_outcomes(run_dir / "submitit", job_b.job_id), 300, "job B's refusal")
         assert jobs.result_outcomes(run_dir / "submitit", job_b.job_id) == {0: "error"}
         assert first.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
     finally:

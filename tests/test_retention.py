@@ -13,11 +13,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, losses_by_iteration, mounted_tmpfs, run_cli
+from conftest import REPO, losses_by_iteration, mounted_tmpfs, run_cli, wait_until
 
 from orchestrator.ckpt.catalogue import CheckpointInfo, list_checkpoints
 from orchestrator.ckpt.manifest import read_manifest
@@ -117,17 +116,6 @@ def _launch(args, cache: Path, **env) -> subprocess.Popen:
     )
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.mark.slow
 def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prune_resumes(tmp_path, cache_dir):
     args = TINY + [
         f"run.root={tmp_path}",
@@ -140,7 +128,7 @@ def test_150_iterations_keep_exactly_50_100_130_140_150_and_a_kill_during_a_prun
     run_dir, save_dir = tmp_path / "keep", tmp_path / "keep" / "checkpoints"
     first = _launch(args, cache_dir, ORCHESTRATOR_PRUNE_PAUSE_S="600")  # the first prune stalls mid-removal
     trash = save_dir / f"{TRASH_PREFIX}iter_0000010"
-    _wait_for(trash.exists, 900, "the first prune")
+    wait_until(trash.exists, 900, "the first prune")
     pid = json.loads((run_dir / "heartbeat" / "rank_0").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)  # training went on meanwhile: deleting is the pruner thread's work
     first.communicate(timeout=120)
@@ -198,7 +186,7 @@ def test_the_job_stops_before_a_save_that_no_longer_fits(roomy_tmpfs, cache_dir)
         "checkpoint.keep_last=2",
     ]
     proc = _launch(args, cache_dir)
-    _wait_for(lambda: (roomy_tmpfs / "fill" / "jobs.jsonl").exists(), 300, "the submission")
+    wait_until(lambda: (roomy_tmpfs / "fill" / "jobs.jsonl").exists(), 300, "the submission")
     ballast = roomy_tmpfs / "ballast"  # another job fills the disk after the launcher's check
     ballast.write_bytes(b"\0" * (shutil.disk_usage(roomy_tmpfs).free - 4 * 2**20))
     out, _ = proc.communicate(timeout=900)
