@@ -188,7 +188,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
         if found:
             return found
         time.sleep(poll_s)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 REFERENCE_ITERS = 20

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -54,16 +53,6 @@ def dev_cfg(run_dir: Path, **cluster) -> JobConfig:
 
 def submit(cfg: JobConfig, fn, *args, world_size: int = 4):
     return submit_like_launcher(cfg, fn, *args, world_size=world_size)
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def scancel(*args: str) -> None:
