@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import run_cli, wait_until
 
@@ -74,6 +75,41 @@ def test_job_is_refused_on_every_rank_and_trains_nothing(holder, tmp_path):
     assert decision["ok"] is False and decision["attempt"] == 0
     refused = [r for r in history.read_records(run_dir) if r["event"] == "lock_refused"]
     assert [r["job_id"] for r in refused] == [str(job.job_id)] and refused[0]["holder"]["pid"] == proc.pid
+
+
+def test_a_fork_that_reads_the_refusal_late_still_ends_with_it(holder, tmp_path):
+    """Rank 1 of a forked local job held (SIGSTOP) from just after the fork until well after rank 0 wrote the
+    refusal: rank 0 waits for it instead of exiting at once (its exit would kill the fork, PR_SET_PDEATHSIG, before
+    it wrote a result: the job then never ended in CI under load), and both ranks end with the refusal."""
+    import signal
+
+    from orchestrator.runtime.start import forked
+
+    proc, run_dir = holder
+    cfg = compose_config(
+        ["parallelism.data_parallel_size=2", f"run.dir={run_dir}", "data=mock", f"data.cache_dir={tmp_path / 'cache'}"]
+    )
+    layout = validate(cfg)
+    job = executor.submit(cfg, layout, prepare(cfg.data))
+    folder = run_dir / "submitit"
+    pids = wait_until(lambda: forked.read_rank_pids(folder, job.job_id), 120, "the forked ranks' pids", poll_s=0.005)
+    os.kill(pids[1], signal.SIGSTOP)  # before its first read of the decision (rank 0 takes the lock after this file)
+    try:
+        wait_until(lambda: decision_path(run_dir, job.job_id).exists(), 60, "rank 0's refusal")
+        time.sleep(2.0)  # rank 0 raised; it must still be there for its fork
+        assert _alive(pids[0]), "rank 0 exited with its fork stopped: the fork dies before its result"
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    wait_until(lambda: len(jobs.result_outcomes(folder, job.job_id)) == 2, 120, "both ranks' results")
+    assert jobs.result_outcomes(folder, job.job_id) == {0: "error", 1: "error"}
+    assert "RunLockedError" in str(job.task(1).exception())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_launcher_probe_refuses_in_one_line_before_submitting(holder, tmp_path):

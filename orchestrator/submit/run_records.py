@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -186,11 +185,12 @@ def weighted_median(pairs: Sequence[Tuple[float, float]]) -> float:
     return ordered[-1][0]
 
 
-def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
+def live_rates(run_dir: PathLike, records: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
     """``train_iters`` (the latest job's ``start`` event), ``tokens_per_s`` and ``step_time_s`` from
     ``<run_dir>/metrics.jsonl``: for a job that ended, its summary's (tokens per step / median step time after the
-    warm-up, the figure of its last line); for a running one, the median tokens/s of its last ``last`` training
-    records, and the step and sample times of its newest records past the warm-up (:func:`steady_pace`).
+    warm-up, the figure of its last line); for a running one, the step and sample times of its newest records past
+    the warm-up (:func:`steady_pace`, the ETA's pace) and the tokens/s of that pace (the newest record's tokens per
+    iteration over its step time), so the rate and the ETA that ``status`` shows never disagree.
 
     Reads the last :data:`TAIL_BYTES` of the file, whatever its length: when the latest job's ``start``
     record lies further back (a long run), ``train_iters`` comes from that job's ``attempt_started``
@@ -224,9 +224,14 @@ def live_rates(run_dir: PathLike, last: int = 5, records: Sequence[Dict[str, Any
     if median_step and (summary or {}).get("tokens_per_step"):  # what the job's last line said
         out["tokens_per_s"], out["step_time_s"] = summary["tokens_per_step"] / median_step, median_step
     elif recent:
-        out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in recent[:last])
         out["step_time_s"], out["sample_s"] = steady_pace(recent[::-1], began)
-        out["newest"] = recent[0]
+        out["newest"] = newest = recent[0]
+        step_s = newest.get("step_time_s")
+        if out["step_time_s"] and isinstance(step_s, (int, float)) and step_s > 0:
+            # the ETA's pace (one fact): the newest record's tokens per iteration over it
+            out["tokens_per_s"] = newest["tokens_per_s"] * step_s / out["step_time_s"]
+        else:  # only the attempt's first iteration is known: its own rate
+            out["tokens_per_s"] = newest["tokens_per_s"]
     return out
 
 

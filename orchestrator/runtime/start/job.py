@@ -138,6 +138,7 @@ class TrainJob:
 
     def _train_forked(self) -> Dict[str, Any]:
         """Fork ranks 1..N-1, train as rank 0, wait for the forks; a fork killed by a signal is named."""
+        from orchestrator.errors import RunLockedError
         from orchestrator.runtime.start import forked
 
         pids = forked.fork_ranks(self.fork_ranks, self._forked_rank)
@@ -149,6 +150,9 @@ class TrainJob:
             summary = self._train()
         except SystemExit:  # a graceful stop or requeue: every rank stops after the same iteration
             forked.reap(pids)
+            raise
+        except RunLockedError:  # the forks read the refusal rank 0 wrote and end with it: let them write their
+            forked.reap(pids)  # results (this process's exit would kill a fork that has not read it yet)
             raise
         except Exception as exc:  # a peer killed (OOM killer, kill -9) breaks rank 0's collective: name it
             killed = forked.killed_ranks(pids)
