@@ -366,3 +366,27 @@ def test_slurm_state_mapping(raw, restarts, state):
 def test_status_module_is_torch_free():
     code = "import sys, orchestrator.submit.status; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_job_refused_the_lock_is_neither_an_attempt_nor_the_runs_job_even_under_a_recycled_id():
+    """One reader (history.own_records) for history and status: a local job 5 completed, a later job that got
+    the recycled id 5 was refused the lock (another run held the directory), and job 6 is running. The refused
+    job is no attempt, and the run's latest job is 6; the completed job 5 stays."""
+    from orchestrator.ckpt.history import attempts, own_records
+
+    records = [
+        {"event": "submitted", "job_id": "5", "time": 1.0},
+        {"event": "attempt_started", "job_id": "5", "attempt": 0, "time": 2.0, "iteration": 0},
+        {"event": "attempt_ended", "job_id": "5", "attempt": 0, "time": 3.0, "cause": "completed", "iteration": 4},
+        {"event": "submitted", "job_id": "6", "time": 4.0},
+        {"event": "submitted", "job_id": "5", "time": 5.0},
+        {"event": "lock_refused", "job_id": "5", "attempt": 0, "time": 6.0, "holder": {"pid": 1}},
+    ]
+    kept = own_records(records)
+    assert [(r["event"], r["job_id"]) for r in kept] == [
+        ("submitted", "5"),
+        ("attempt_started", "5"),
+        ("attempt_ended", "5"),
+        ("submitted", "6"),
+    ]
+    assert [(a.job_id, a.cause) for a in attempts(records)] == [("5", "completed"), ("6", None)]

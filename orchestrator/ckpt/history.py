@@ -209,12 +209,27 @@ class Attempt:
         return asdict(self)
 
 
+def own_records(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``jobs.jsonl``'s records less each lock-refused job's ``lock_refused`` and newest ``submitted`` before it
+    (local ids are recycled pids): that job never trained here, so it is neither an attempt nor the run's job."""
+    out: List[Dict[str, Any]] = []
+    for rec in records:
+        if rec.get("event") != "lock_refused":
+            out.append(rec)
+            continue
+        job_id = str(rec.get("job_id"))
+        hit = [i for i, r in enumerate(out) if r.get("event") == "submitted" and str(r.get("job_id")) == job_id]
+        if hit:
+            del out[hit[-1]]
+    return out
+
+
 def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
     """Fold ``attempt_started``/``attempt_ended`` records (in file order) into one Attempt each.
 
     A submission without an ``attempt_started`` (a job that failed before training) still shows as
-    attempt 0 of that job, except one whose rank 0 was refused the run lock (``lock_refused``: another run
-    held the directory): not an attempt of this run, it is left out. The first ``attempt_ended`` of an
+    attempt 0 of that job, except one whose rank 0 was refused the run lock (:func:`own_records` leaves it
+    out: another run held the directory). The first ``attempt_ended`` of an
     attempt wins, except that one marked ``amends`` (the launcher's: the rank a signal killed, where a peer
     recorded its broken connection) replaces its cause and message. A submission or start
     under an id whose attempt already ended is a new job that got a recycled id (local job ids are
@@ -228,7 +243,7 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
         items.append(a)
         return a
 
-    for rec in records:
+    for rec in own_records(records):
         event, job_id = rec.get("event"), str(rec.get("job_id"))
         if event not in (
             "submitted",
@@ -237,15 +252,10 @@ def attempts(records: Iterable[Dict[str, Any]]) -> List[Attempt]:
             "requeue_decision",
             "restart_decision",
             "restart_resumed",
-            "lock_refused",
         ):
             continue
         key = (job_id, 0 if event == "submitted" else int(rec.get("attempt") or 0))
         a = current.get(key)
-        if event == "lock_refused":  # never trained: not this run's attempt (its holder's job is)
-            if a is not None and a.end is None and a.start_iteration is None:
-                items.remove(current.pop(key))
-            continue
         if event == "submitted":
             if a is None or a.end is not None:
                 fresh(key).start = rec.get("time")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.ckpt import stop
-from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, read_records
+from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, own_records, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.errors import OneLineArgumentParser
 from orchestrator.submit.jobs import JobStatus, failed_rank_tail, job_status
@@ -84,7 +84,7 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
         rs.breakdown = latest_breakdown(run_dir)
         return rs
     records = read_records(run_dir)
-    submissions = own_submissions(records)
+    submissions = [r for r in own_records(records) if r.get("event") == "submitted"]
     iteration, loss, summary = last_metrics(run_dir)
     rs = RunStatus(
         run_dir=str(run_dir),
@@ -128,21 +128,6 @@ def run_status(run_dir: PathLike, detail: bool = False) -> RunStatus:
     if st.state == "failed" and folder and not st.message:
         rs.failure = failed_rank_tail(folder, job_id, last.get("num_tasks"))
     return rs
-
-
-def own_submissions(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The run's ``submitted`` records, in file order, less those of jobs whose rank 0 was then refused the run
-    lock (a ``lock_refused`` record after the submission: another run held the directory, so that job is
-    neither this run's latest job nor its failure)."""
-    out: List[Dict[str, Any]] = []
-    for rec in records:
-        if rec.get("event") == "submitted":
-            out.append(rec)
-        elif rec.get("event") == "lock_refused":
-            hit = [i for i, s in enumerate(out) if str(s.get("job_id")) == str(rec.get("job_id"))]
-            if hit:  # the newest submission of that id (local ids are recycled pids)
-                del out[hit[-1]]
-    return out
 
 
 def warm_trial_status(
