@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -81,8 +82,6 @@ def test_a_fork_that_reads_the_refusal_late_still_ends_with_it(holder, tmp_path)
     """Rank 1 of a forked local job held (SIGSTOP) from just after the fork until well after rank 0 wrote the
     refusal: rank 0 waits for it instead of exiting at once (its exit would kill the fork, PR_SET_PDEATHSIG, before
     it wrote a result: the job then never ended in CI under load), and both ranks end with the refusal."""
-    import signal
-
     from orchestrator.runtime.start import forked
 
     proc, run_dir = holder
@@ -221,10 +220,17 @@ def test_second_launch_is_refused_before_the_first_job_takes_the_lock(tmp_path):
         )
         job_b = executor.submit(cfg, validate(cfg), prepare(cfg.data))  # slipped past the launcher's check
         gate_a.touch()
-        wait_until(lambda: (run_dir / RunLock.NAME).exists() or first.poll() is not None, 300, "job A's lock")
+        holder = wait_until(lambda: RunLock(run_dir).holder() or first.poll() is not None, 300, "job A's lock")
+        assert isinstance(holder, dict), (tmp_path / "first.out").read_text()[-2000:]
         assert json.loads(decision_path(run_dir, job_a).read_text())["ok"] is True
-        gate_b.touch()
-        wait_until(lambda: jobs.result_outcomes(run_dir / "submitit", job_b.job_id), 300, "job B's refusal")
+        # job A's rank held (SIGSTOP) while B starts: under load, A's 3 iterations had ended and freed the lock
+        # before B's rank had imported torch, and B trained (2 of 5 runs beside a loaded CI run)
+        os.kill(holder["pid"], signal.SIGSTOP)
+        try:
+            gate_b.touch()
+            wait_until(lambda: jobs.result_outcomes(run_dir / "submitit", job_b.job_id), 300, "job B's refusal")
+        finally:
+            os.kill(holder["pid"], signal.SIGCONT)
         assert jobs.result_outcomes(run_dir / "submitit", job_b.job_id) == {0: "error"}
         assert first.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
     finally:
