@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,10 @@ from typing import List
 
 import cloudpickle
 import pytest
-from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher
+from conftest import REPO, read_metrics, slurm_unavailable_reason, submit_like_launcher, wait_until
 
 from orchestrator.ckpt import history
-from orchestrator.ckpt.lock import RunLock
+from orchestrator.ckpt.lock import RunLock, decision_path
 from orchestrator.config.checks import validate
 from orchestrator.config.compose import compose_config
 from orchestrator.config.schema import JobConfig
@@ -160,6 +161,16 @@ def test_two_detached_submissions_one_trains_the_other_names_the_holder(tmp_path
     cfg = compose_config([*args, f"data.cache_dir={cache_dir}"])
     ids.append(str(executor.submit(cfg, validate(cfg), prepare(cfg.data)).job_id))  # slipped past the check
     subprocess.run(["scontrol", "release", *ids], check=True, timeout=30)
+    # the first rank 0 to take the lock is held (SIGSTOP; the dev nodes share this machine's pids) until the
+    # other job's rank 0 has decided: under load the winner's 2 iterations had ended and freed the lock before
+    # the other's rank 0 had imported torch, and both trained (a CI run beside two busy processes)
+    holder = wait_until(lambda: RunLock(run).holder(), 300, "a job's lock", poll_s=0.02)
+    (other,) = [j for j in ids if j != str(holder["job_id"])]
+    os.kill(holder["pid"], signal.SIGSTOP)
+    try:
+        wait_until(lambda: decision_path(run, other).exists(), 300, f"job {other}'s decision on the lock")
+    finally:
+        os.kill(holder["pid"], signal.SIGCONT)
     outcomes = {}
     for job_id in ids:
         job = executor.make_executor(cfg, 2).job_class(run / "submitit", job_id, tasks=(0, 1))
