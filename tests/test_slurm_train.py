@@ -1083,6 +1083,7 @@ def test_a_slurm_job_is_never_ended_by_an_early_signal_or_an_unreadable_state(tm
         (shim / tool).chmod(0o755)
     previous = {sig: signal.getsignal(sig) for sig in signals.SIGNALS}
     monkeypatch.setattr(signals, "_PENDING", None)  # what the entry's handler remembers
+    monkeypatch.setattr(signals, "_PENDING_EXC", None)
     got, states = [], []
 
     def waited(after_s: float) -> None:

@@ -56,15 +56,33 @@ def interrupt(signum: int, frame: Any = None) -> None:
     called before anything is submitted, raises it again."""
     global _PENDING
     _PENDING = signum
-    raise KeyboardInterrupt
+    raise remember(KeyboardInterrupt())
 
 
 def remember(exc: BaseException) -> BaseException:
     """Keep ``exc``, which a signal handler is about to raise, for :func:`raise_if_interrupted` (it may be lost
-    as :func:`interrupt`'s KeyboardInterrupt may); returns it."""
+    as :func:`interrupt`'s KeyboardInterrupt may); returns it. Python reports a lost one as "Exception ignored
+    in ..." with a traceback on stderr (a SIGHUP that landed in a weakref callback while a sweep waited);
+    :func:`quiet_if_remembered` keeps that report off the terminal, since the exception is raised again."""
     global _PENDING_EXC
     _PENDING_EXC = exc
+    if sys.unraisablehook is not quiet_if_remembered:
+        _HOOKED.append(sys.unraisablehook)
+        sys.unraisablehook = quiet_if_remembered
     return exc
+
+
+_HOOKED: list = []
+"""The ``sys.unraisablehook`` that :func:`quiet_if_remembered` replaced (it hands it everything else)."""
+
+
+def quiet_if_remembered(unraisable: Any) -> None:
+    """``sys.unraisablehook`` while a signal's exception is remembered: drops the report of that exception
+    (raised where Python ignores exceptions; :func:`raise_if_interrupted` raises it again), and hands any other
+    to the hook it replaced."""
+    if unraisable.exc_value is not None and unraisable.exc_value is _PENDING_EXC:
+        return
+    (_HOOKED[-1] if _HOOKED else sys.__unraisablehook__)(unraisable)
 
 
 def raise_if_interrupted() -> None:
