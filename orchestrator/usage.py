@@ -61,7 +61,8 @@ def help_text() -> str:
         '  plan_headroom=0.85  share of device memory a plan may use and say "fits"; above it "tight", with suggestions',
         "  gpu=NAME       the planner's GPU preset: " + ", ".join(GPU_PRESETS),
         "  run.name=NAME  the run directory is run.root/run.name (run.root=runs); an experiment's run is",
-        "                 named by the experiment plus the groups chosen on the command line",
+        "                 named by the experiment (its run.name, else its own name) plus the groups",
+        "                 chosen on the command line",
         "",
         "config keys (KEY=VALUE, a section's keys are SECTION.KEY):",
     ]

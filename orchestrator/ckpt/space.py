@@ -58,7 +58,10 @@ def held_bytes(run_dir: "str | os.PathLike") -> int:
 def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[str]:
     """The one-line refusal (``<key>=<value>: <what>; fix: <how>``) when the run directory's filesystem
     cannot hold ``held`` checkpoints of ``per_checkpoint`` bytes (less what the run already holds
-    there; at least one new one); None when it can, when it cannot be read, or with space_check off."""
+    there; at least one new one); None when it can, when it cannot be read, or with space_check off.
+    The key named is what binds: ``run.root`` when one checkpoint does not fit, else ``checkpoint.keep_last``
+    (it keeps that many) or ``checkpoint.save_interval`` (the run saves fewer than keep_last); the fix names
+    only settings that can make it fit (a keep_last of at least 2 that fits, fewer saves)."""
     c = cfg.checkpoint
     if not c.space_check:
         return None
@@ -67,16 +70,32 @@ def space_refusal(cfg, per_checkpoint: int, held: int, params: int) -> Optional[
     need = max(per_checkpoint, held * per_checkpoint - already)
     if free is None or free >= need:
         return None
-    key = f"checkpoint.keep_last={'null' if c.keep_last is None else c.keep_last}"
-    every = f" and checkpoint.keep_every={c.keep_every}" if c.keep_every else ""
-    return (
-        f"{key}: this run keeps up to {held} checkpoints at once{every} (the newest being written while "
-        f"the older ones stay), ~{size_text(per_checkpoint)} each (predicted: {params:,} parameters x "
-        f"{per_checkpoint // max(1, params)} B), so {size_text(need)} more than the {size_text(already)} "
-        f"it holds there, but {mount} has {size_text(free)} free; fix: free space on {mount}, run.root=<a larger "
-        f"filesystem>, a lower checkpoint.keep_last{' or a larger checkpoint.keep_every' if c.keep_every else ''}, or "
-        f"checkpoint.space_check=false"
+    size = f"~{size_text(per_checkpoint)}"
+    predicted = f"(predicted: {params:,} parameters x {per_checkpoint // max(1, params)} B)"
+    room = f"{mount} has {size_text(free)} free"
+    always = f"free space on {mount}, run.root=<a larger filesystem>"
+    if need == per_checkpoint:  # not even one more checkpoint fits: nothing about how many are kept can help
+        return (
+            f"run.root={cfg.run.root}: one checkpoint of this run is {size} {predicted}, but {room}; fix: {always}, or "
+            f"checkpoint.space_check=false"
+        )
+    fits = (free + already) // max(1, per_checkpoint)  # checkpoints the filesystem holds, counting the run's own
+    every = f" and checkpoint.keep_every={c.keep_every} milestones" if c.keep_every else ""
+    what = (
+        f"this run keeps up to {held} checkpoints at once{every} (the newest being written while the older ones "
+        f"stay), {size} each {predicted}, so {size_text(need)} more than the {size_text(already)} it holds there, but {room}"
     )
+    fixes = [always]
+    if c.keep_last is not None and held > c.keep_last:  # keep_last binds
+        key = f"checkpoint.keep_last={c.keep_last}"
+    else:  # the run saves fewer checkpoints than keep_last keeps: all of them are held
+        key = f"checkpoint.save_interval={'null' if c.save_interval is None else c.save_interval}"
+        fixes.append("a larger checkpoint.save_interval (fewer saves)")
+    if 2 <= fits - 1 < (c.keep_last or held):
+        fixes.append(f"checkpoint.keep_last={fits - 1}")
+    if c.keep_every:
+        fixes.append("a larger checkpoint.keep_every")
+    return f"{key}: {what}; fix: {', '.join(fixes)}, or checkpoint.space_check=false"
 
 
 def check_writable(root: str, run_dir: str) -> None:

@@ -18,7 +18,7 @@ Hydra's compose API, never ``hydra.main`` — so composing writes nothing (no ``
    names in ``conf/``.
 2. Hydra composes; whatever it still refuses is turned into one line by :func:`hydra_error`.
 3. Run naming (the single-run directory is ``run.root/run.name``): an experiment's run is named
-   by the experiment (its ``run.name``) plus every config group chosen on the command line,
+   by the experiment (its ``run.name``, else the experiment's name) plus every config group chosen on the command line,
    except ``cluster`` (where a run runs is not what it trains) — ``+experiment=gpt_pp2_dp2
    parallelism=tp2_pp2`` is ``gpt_pp2_dp2-parallelism=tp2_pp2`` — unless ``run.name`` is given.
    Key overrides (``training.train_iters=300``) keep the name: rerunning with them continues the
@@ -43,6 +43,7 @@ import yaml
 from orchestrator.config.confdirs import conf_dir, conf_view, user_conf_dirs, where  # noqa: F401 (conf_dir: re-exported)
 from orchestrator.config.hydra_errors import group_options, hydra_error, no_such_option, override_values
 from orchestrator.config.keys import is_open, schema_keys, unknown_key_error
+from orchestrator.config.override_forms import lists_as_strings, repeated_group_refusal, sweep_refusal
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import ConfigError
 
@@ -84,6 +85,9 @@ def check_overrides(
     from hydra.core.override_parser.types import OverrideType
 
     keys = schema_keys(JobConfig)
+    repeated = repeated_group_refusal(parsed, options)
+    if repeated is not None:
+        raise repeated
     for o in parsed:
         key, line = o.key_or_group, o.input_line
         if key.startswith(("hydra/launcher", "hydra.launcher")):
@@ -91,10 +95,7 @@ def check_overrides(
         if key == "hydra" or key.startswith("hydra."):
             continue  # Hydra's own settings: Hydra checks them
         if o.is_sweep_override() and not multirun:
-            raise ConfigError(
-                f"{line}: a sweep (several values) needs -m; fix: python -m orchestrator -m ... to run "
-                f"one job per value, or {key}=[...] for a list value"
-            )
+            raise sweep_refusal(o, keys.get(key))
         if key in options:  # a config group
             if o.type == OverrideType.DEL:
                 raise ConfigError(
@@ -219,6 +220,7 @@ def compose_dict(overrides: List[str], config_dir: Optional[str] = None) -> Any:
     from orchestrator.config.schema import register_configs
 
     overrides = merged_passthrough(overrides)
+    overrides = lists_as_strings(overrides, parse_overrides(overrides))
     parsed = parse_overrides(overrides)
     searched = user_conf_dirs(overrides)
     root = str(config_dir or conf_view(searched))
@@ -306,13 +308,18 @@ def _name_unnamed_options(cfg: Any) -> None:
 
 
 def _name_run(cfg: Any, parsed: List[Any]) -> None:
-    """An experiment's run name plus the groups chosen on the command line (module docstring, step 3)."""
+    """An experiment's run name (its file's ``run.name``, else the experiment's own name) plus the groups chosen on
+    the command line (module docstring, step 3)."""
     from hydra.core.override_parser.types import OverrideType
+
+    from orchestrator.config.run_schema import RunConfig
 
     if any(o.key_or_group == "run.name" for o in parsed):
         return
     if not any(o.key_or_group == "experiment" and o.type != OverrideType.DEL for o in parsed):
         return
+    if cfg.run._get_node("name")._value() == RunConfig.name:  # the experiment names no run: its own name does
+        cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", str(cfg.hydra.runtime.choices["experiment"]))
     chosen = [
         f"{o.key_or_group}={o.get_value_element_as_str()}"
         for o in parsed

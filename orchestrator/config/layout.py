@@ -193,7 +193,8 @@ class ParallelLayout:
             )
         if vpp is not None:
             if vpp < 1:
-                out.append(f"parallelism.virtual_pipeline_model_parallel_size={vpp} must be >= 1 or null")
+                key = "parallelism.virtual_pipeline_model_parallel_size"  # values.py refuses it first: a fallback
+                out.append(f"{key}={vpp} must be >= 1 or null; fix: {key}=null")
             elif vpp > 1 and pp == 1:
                 out.append(
                     f"parallelism.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
@@ -222,7 +223,11 @@ class ParallelLayout:
         groups = self.num_query_groups
         if groups is not None:
             if heads % groups:
-                out.append(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
+                ok = [g for g in divisors(heads) if g % tp == 0 or tp % g == 0]  # also fits TP (the rule below)
+                out.append(
+                    f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}; "
+                    f"fix: model.num_query_groups={min(ok, key=lambda g: (abs(g - groups), g))} (one of {ok})"
+                )
             if groups % tp and tp % groups:
                 out.append(
                     f"model.num_query_groups={groups} is neither a multiple nor a divisor of "
@@ -256,8 +261,8 @@ class ParallelLayout:
                 )
             elif self.num_moe_experts % ep:
                 out.append(
-                    f"model.num_moe_experts={self.num_moe_experts} is not divisible by "
-                    f"parallelism.expert_model_parallel_size={ep}"
+                    f"model.num_moe_experts={self.num_moe_experts} is not divisible by parallelism.expert_model_parallel_size="
+                    f"{ep}; fix: parallelism.expert_model_parallel_size one of {divisors(self.num_moe_experts)}"
                 )
             grid = tp * ep * pp
             if self.world_size % grid:

@@ -140,7 +140,8 @@ def _over(passed: Dict[str, Any], **derived: Any) -> Dict[str, Any]:
 
 def passthrough_problems(cfg: JobConfig) -> List[str]:
     """One line for each pass-through field the installed megatron-core's class does not have (with the closest
-    names) or a schema key already sets (:func:`orchestrator.config.megatron_passthrough.owned_problems`)."""
+    names), whose value does not fit the field's annotation (:mod:`orchestrator.config.megatron_types`) or a schema
+    key already sets (:func:`orchestrator.config.megatron_passthrough.owned_problems`)."""
     import dataclasses
     import difflib
 
@@ -149,13 +150,17 @@ def passthrough_problems(cfg: JobConfig) -> List[str]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from orchestrator.config.megatron_passthrough import SECTIONS, owned_problems
+    from orchestrator.config.megatron_types import value_problem
     from orchestrator.runtime.rank.mcore import version
 
     classes = {"transformer": TransformerConfig, "ddp": DistributedDataParallelConfig, "optimizer": OptimizerConfig}
     problems = []
     for group, section in SECTIONS.items():
         known = [f.name for f in dataclasses.fields(classes[section])]
-        for name in sorted(getattr(cfg, group).megatron or {}):
+        for name, value in sorted((getattr(cfg, group).megatron or {}).items()):
+            wrong = value_problem(f"{group}.megatron.{name}", classes[section], name, value) if name in known else None
+            if wrong:
+                problems.append(wrong)
             if name not in known:
                 near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
                 problems.append(
