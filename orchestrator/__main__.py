@@ -22,7 +22,8 @@ One error boundary (:func:`main`): every user error — ours
 ``error: <key>: <what>; fix: <how>`` line on stderr (a resume refusal adds its diff table below)
 and exits 2, before anything is prepared or queued. A failed job exits 1 with the failing rank's
 last lines; a signal while a job is waited on follows :mod:`orchestrator.submit.signals` (a local job's
-ranks save and stop, 128 + the signal; a SLURM job is left running, 0); before that, 130.
+ranks save and stop, 128 + the signal; a SLURM job is left running, 0); before that, 128 + the signal too
+(Ctrl-C: 130), with one ``interrupted (SIGNAME): ...`` line.
 
 Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): every value of every swept key is
 composed first (a typo stops the sweep with exit 2 before any point runs); then Hydra's sweeper
@@ -72,9 +73,9 @@ def report(exc: BaseException) -> int:
     return exc.exit_code  # type: ignore[attr-defined]
 
 
-def interrupted(cfg: Optional[JobConfig]) -> str:
-    """The interrupt line; the resume hint only when the run directory holds a checkpoint to resume."""
-    line = "interrupted: stopped (the job's ranks too, if any had started)"
+def interrupted(cfg: Optional[JobConfig], signum: int = signal.SIGINT) -> str:
+    """The interrupt line, naming the signal; the resume hint only when the run directory holds a checkpoint."""
+    line = f"interrupted ({signal.Signals(signum).name}): stopped (the job's ranks too, if any had started)"
     if cfg is None:
         return line
     try:
@@ -90,8 +91,9 @@ def interrupted(cfg: Optional[JobConfig]) -> str:
 
 
 def guarded(body: Callable[[], int]) -> int:
-    """Run ``body``; a user error prints one line (exit 2), an interrupt exits 130, no traceback."""
-    from orchestrator.submit.signals import Detached, JobStopped, tell
+    """Run ``body``; a user error prints one line (exit 2), a signal before a job is waited on exits 128 + its
+    number (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), no traceback."""
+    from orchestrator.submit.signals import Detached, JobStopped, pending_signal, tell
 
     try:
         return body()
@@ -101,9 +103,11 @@ def guarded(body: Callable[[], int]) -> int:
         tell(exc.line)
         return exc.code
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
-        print(interrupted(Current.cfg), file=sys.stderr, flush=True)
-        return 130
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not print a traceback
+            signal.signal(sig, signal.SIG_IGN)
+        signum = pending_signal()
+        print(interrupted(Current.cfg, signum), file=sys.stderr, flush=True)
+        return 128 + signum
     except _user_error_types() as exc:
         return report(exc)
 
