@@ -39,15 +39,11 @@ import signal
 import sys
 from typing import Any, Callable, List, Optional
 
+from orchestrator.cli_flags import Flags
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import OrchestratorError
 from orchestrator.pipeline import Current, run  # run: the single-run pipeline
 from orchestrator.usage import TOOLS, help_text
-
-HYDRA_FLAGS = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hydra-help"}
-"""Hydra's own inspection flags, handed to Hydra (they print and run nothing)."""
-WITH_CFG = {"--resolve", "--package", "-p"}
-"""Hydra flags that only modify ``--cfg``."""
 
 
 # ---------------------------------------------------------------- the error boundary
@@ -145,8 +141,8 @@ def _entry(dcfg: Any) -> Optional[float]:
     return float(summary["lm_loss"]) if summary and summary.get("lm_loss") is not None else None
 
 
-def _hydra(argv: List[str]) -> int:
-    """Hand ``argv`` to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
+def _hydra(read: Flags) -> int:
+    """Hand the command line to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
     import hydra
 
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
@@ -156,13 +152,13 @@ def _hydra(argv: List[str]) -> int:
 
     register_configs()
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
-    sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *read.hydra_argv()]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         try:
             # An absolute path: Hydra resolves a relative one against the calling module, which differs
             # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-            view = conf_view(user_conf_dirs([a for a in argv if not a.startswith("-")]))
+            view = conf_view(user_conf_dirs(read.overrides))
             hydra.main(config_path=str(view), config_name="config", version_base="1.3")(_entry)()
         finally:
             sys.argv = saved_argv
@@ -176,7 +172,7 @@ def _hydra(argv: List[str]) -> int:
         raise
 
 
-def _multirun(argv: List[str]) -> int:
+def _multirun(read: Flags) -> int:
     from orchestrator.config.compose import (
         check_overrides,
         compose_config,
@@ -187,7 +183,7 @@ def _multirun(argv: List[str]) -> int:
     )
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
 
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = read.overrides
     searched = user_conf_dirs(overrides)
     check_overrides(
         parse_overrides(overrides), group_options(str(conf_view(searched))), multirun=True, searched=searched
@@ -198,26 +194,16 @@ def _multirun(argv: List[str]) -> int:
     from orchestrator.sweep import driver as sweep
 
     sweep.announce(*sweep_points(overrides), cfg.cluster.kind)  # in place of Hydra's "Launching N jobs" lines
-    return _hydra(argv)
+    return _hydra(read)
 
 
-def _cfg_kind(argv: List[str]) -> Optional[str]:
-    """The value of ``--cfg``/``-c`` (job, hydra or all), or None."""
-    for i, a in enumerate(argv[:-1]):
-        if a in ("--cfg", "-c"):
-            return argv[i + 1]
-    return None
-
-
-def _show_job_config(argv: List[str]) -> int:
+def _show_job_config(read: Flags) -> int:
     """``--cfg job [--resolve]``: the composed config as YAML, the way a run would see it (run.dir set)."""
     from omegaconf import OmegaConf
 
     from orchestrator.config.compose import compose_dict
 
-    skip = {i + 1 for i, a in enumerate(argv) if a in ("--cfg", "-c")}
-    overrides = [a for i, a in enumerate(argv) if i not in skip and not a.startswith("-")]
-    print(OmegaConf.to_yaml(compose_dict(overrides), resolve="--resolve" in argv), end="")
+    print(OmegaConf.to_yaml(compose_dict(read.overrides), resolve="--resolve" in read.flags), end="")
     return 0
 
 
@@ -275,25 +261,22 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before a job is waited on: like Ctrl-C
         signal.signal(sig, interrupt)
-    flags = [a for a in argv if a.startswith("-")]
-    unknown = [f for f in flags if f not in HYDRA_FLAGS | WITH_CFG | {"-m", "--multirun", "-r", "--run"}]
-    if not unknown and any(f in WITH_CFG for f in flags) and not {"--cfg", "-c"} & set(flags):
-        unknown = [next(f for f in flags if f in WITH_CFG) + " (only with --cfg)"]
-    if unknown:
-        print(
-            f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
-            "(overrides are KEY=VALUE; -m sweeps)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    if _cfg_kind(argv) == "job" and not {"-m", "--multirun", "--package", "-p"} & set(flags):
-        code = guarded(lambda: _show_job_config(argv))
-    elif any(f in HYDRA_FLAGS for f in flags):
-        code = guarded(lambda: _hydra(argv))
-    elif "-m" in flags or "--multirun" in flags:
-        code = guarded(lambda: _multirun(argv))
+    from orchestrator.cli_flags import HYDRA_FLAGS, read_flags
+
+    try:
+        read = read_flags(argv)
+    except OrchestratorError as exc:
+        sys.exit(report(exc))
+    flags = set(read.flags)
+    cfg_kind = read.values.get("--cfg", read.values.get("-c"))
+    if cfg_kind == "job" and not {"-m", "--multirun", "--package", "-p"} & flags:
+        code = guarded(lambda: _show_job_config(read))
+    elif HYDRA_FLAGS & flags:
+        code = guarded(lambda: _hydra(read))
+    elif {"-m", "--multirun"} & flags:
+        code = guarded(lambda: _multirun(read))
     else:
-        code = guarded(lambda: _single([a for a in argv if a not in ("-r", "--run")]))
+        code = guarded(lambda: _single(read.overrides))
     if from_cli and "torch" in sys.modules:
         _exit_fast(code)
     if code:
