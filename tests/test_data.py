@@ -184,6 +184,32 @@ def test_a_signal_while_tokenizing_in_workers_stops_the_launcher_and_its_workers
     assert leftovers(tmp_path / "cache") == []
 
 
+def _megabyte_each(chunk):
+    if chunk == "bad":
+        raise ValueError("not a chunk")
+    return [chunk] * (1 << 20)  # pickled: ~2 MB, far beyond a pipe's buffer
+
+
+def test_tokenizing_workers_keep_order_raise_a_failure_and_none_outlives_its_consumer():
+    """orchestrator.data.workers: results in the order of the chunks; a worker's exception raised in the launcher
+    naming it; a consumer that stops after the first result (a signal's KeyboardInterrupt) leaves no worker, though
+    the others are blocked writing 2 MB results nobody reads (the deadlock of multiprocessing.Pool.terminate())."""
+    import psutil
+
+    from orchestrator.data.workers import encoded_in_workers
+
+    got = [r[0] for r in encoded_in_workers(_megabyte_each, iter(range(7)), 3)]
+    assert got == list(range(7))
+    with pytest.raises(RuntimeError, match=r"tokenizing worker \d+: ValueError: not a chunk"):
+        list(encoded_in_workers(_megabyte_each, iter([1, "bad", 2]), 2))
+    results = encoded_in_workers(_megabyte_each, iter(range(100)), 3)
+    assert next(results)[0] == 0
+    workers = psutil.Process().children()
+    assert len(workers) == 3, workers
+    results.close()
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], workers
+
+
 # ---- a blend through the CLI ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_blend_trains_from_a_cold_cache_and_changed_weights_are_refused(tmp_path):

@@ -22,14 +22,18 @@ import signal
 from typing import Callable, Iterator, List
 
 
-def _worker(encode: Callable[[list], list], conn) -> None:
-    """One worker's loop: a chunk in, its result out, until the launcher's end of the pipe closes.
+def _worker(encode: Callable[[list], list], conn, inherited: list) -> None:
+    """One worker's loop: a chunk in, its result out, until the launcher's end of the pipe closes (a launcher
+    killed outright included: ``inherited``, the launcher's ends of the pipes forked so far, are closed here, so
+    that no worker holds another's pipe open).
     SIGINT ignored (Ctrl-C reaches the whole process group: the launcher alone answers it, exit 130, one
     line); SIGTERM / SIGHUP back to their default (a fork inherits the launcher's handler, which raised
     KeyboardInterrupt in every worker, each printing a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    for other in inherited:
+        other.close()
     while True:
         try:
             chunk = conn.recv()
@@ -51,9 +55,9 @@ def encoded_in_workers(encode: Callable[[list], list], chunks: Iterator[list], w
     try:
         for _ in range(workers):
             mine, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker, args=(encode, theirs), daemon=True)
-            procs.append(proc)
             conns.append(mine)
+            proc = ctx.Process(target=_worker, args=(encode, theirs, list(conns)), daemon=True)
+            procs.append(proc)
             proc.start()
             theirs.close()
         busy = []  # the workers with a chunk in flight, in the order the chunks were sent
