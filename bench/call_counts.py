@@ -146,8 +146,18 @@ def per_iteration(run, n1: int, n2: int) -> dict:
     return out
 
 
+BLOCKING = ("barrier",)
+"""Collectives that block the calling host until every rank arrives (on NCCL too: the barrier's work is waited
+on and the device synchronised): host synchronisations as much as a value's read is."""
+
+
+def host_syncs(c: dict) -> float:
+    """A rank's host synchronisations per iteration: its host reads plus its blocking collectives."""
+    return sum(c["host_reads"].values()) + sum(v for k, v in c["collectives"].items() if k.split("@")[0] in BLOCKING)
+
+
 def describe(counts: dict) -> str:
-    """``rank r: N collectives (name x n, ...), M host reads (...)`` per rank, per iteration."""
+    """``rank r: N collectives (name x n, ...), M host reads (...); S host syncs`` per rank, per iteration."""
     lines = []
     for rank, c in counts.items():
         parts = []
@@ -155,7 +165,19 @@ def describe(counts: dict) -> str:
             named = {k: v for k, v in c[kind].items() if abs(v) > 1e-9}
             listed = ", ".join(f"{k} {v:g}" for k, v in named.items())
             parts.append(f"{sum(named.values()):g} {kind.replace('_', ' ')} ({listed or 'none'})")
+        parts.append(f"{host_syncs(c):g} host syncs (reads + barriers)")
         lines.append(f"  rank {rank}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def compare(ours: dict, bare: dict) -> str:
+    """Per rank, ours minus the bare loop's collectives and host syncs per iteration (the target: none more)."""
+    lines = []
+    for rank in sorted(set(ours) & set(bare)):
+        extra_c = sum(ours[rank]["collectives"].values()) - sum(bare[rank]["collectives"].values())
+        extra_s = host_syncs(ours[rank]) - host_syncs(bare[rank])
+        verdict = "none more" if extra_c < 1e-9 and extra_s < 1e-9 else "MORE than the bare loop"
+        lines.append(f"  rank {rank}: collectives {extra_c:+g}, host syncs {extra_s:+g} ({verdict})")
     return "\n".join(lines)
 
 

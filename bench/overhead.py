@@ -15,7 +15,8 @@ Runs, in this one invocation:
    submission, the ranks, the launcher's wait).
 
 Prints both ratios orchestrator / bare (targets: steps <= 1.01, 1-iteration job <= 1.10) of the
-medians and of the minima over ``--repeats`` and, for steps, the median of each repeat's own ratio (alternating which goes first), the steps also in CPU
+medians and of the minima over ``--repeats`` and, for steps, the median of each repeat's own ratio (alternating which goes first) with its 95% bootstrap
+interval, the steps also in CPU
 time of the timing rank's process (what the loop costs whatever else runs on the machine), and the
 load average before and after: wall-clock timings on a shared 2-core machine are noisy.
 
@@ -240,6 +241,17 @@ def job_seconds(command: List[str]) -> float:
     return time.perf_counter() - t0
 
 
+def _median_interval(values: Sequence[float], draws: int = 10000, seed: int = 0) -> Tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median over ``draws`` resamples of ``values`` with replacement
+    (the percentile bootstrap, Efron & Tibshirani 1993, ch. 13): how far the median of the repeats' ratios
+    could move with other repeats on this machine."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def _ms(values: Sequence[float]) -> str:
     return f"median {statistics.median(values) * 1e3:.1f} ms, min {min(values) * 1e3:.1f} ms"
 
@@ -269,6 +281,7 @@ def counts(args, tp: int, pp: int, dp: int) -> None:
         f"per iteration, orchestrator (log_interval {args.log_interval}: the loss is read and reduced once in "
         f"{args.log_interval} iterations):\n{call_counts.describe(orch_counts)}"
     )
+    print(f"orchestrator minus bare, per iteration:\n{call_counts.compare(orch_counts, bare_counts)}")
 
 
 def main() -> None:
@@ -369,11 +382,13 @@ def main() -> None:
         for what, i in (("wall", 0), ("CPU", 1)):
             b, o = [x[i] for x in bares], [x[i] for x in orchs]
             print(f"step {what} time: bare {_ms(b)}, orchestrator {_ms(o)}")
-            paired = statistics.median(oi / bi for oi, bi in zip(o, b))  # each repeat's two runs, back to back
+            ratios = [oi / bi for oi, bi in zip(o, b)]  # each repeat's two runs, back to back
+            low, high = _median_interval(ratios)
             print(
                 f"step ratio orchestrator/bare ({what}): {statistics.median(o) / statistics.median(b):.3f} "
-                f"of medians, {min(o) / min(b):.3f} of minima, {paired:.3f} median of the repeats' own ratios "
-                "(target <= 1.01)"
+                f"of medians, {min(o) / min(b):.3f} of minima, {statistics.median(ratios):.3f} median of the "
+                f"repeats' own ratios (95% bootstrap interval {low:.3f}-{high:.3f}; one repeat's "
+                f"{min(ratios):.3f}-{max(ratios):.3f}) (target <= 1.01)"
             )
     if not args.skip_job:
         bj, oj = statistics.median(bare_jobs), statistics.median(orch_jobs)

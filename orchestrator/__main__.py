@@ -22,7 +22,8 @@ One error boundary (:func:`main`): every user error — ours
 ``error: <key>: <what>; fix: <how>`` line on stderr (a resume refusal adds its diff table below)
 and exits 2, before anything is prepared or queued. A failed job exits 1 with the failing rank's
 last lines; a signal while a job is waited on follows :mod:`orchestrator.submit.signals` (a local job's
-ranks save and stop, 128 + the signal; a SLURM job is left running, 0); before that, 130.
+ranks save and stop, 128 + the signal; a SLURM job is left running, 0); before that, 128 + the signal too
+(Ctrl-C: 130), with one ``interrupted (SIGNAME): ...`` line.
 
 Multirun (``-m``, e.g. ``training.micro_batch_size=1,2,4``): every value of every swept key is
 composed first (a typo stops the sweep with exit 2 before any point runs); then Hydra's sweeper
@@ -39,15 +40,11 @@ import signal
 import sys
 from typing import Any, Callable, List, Optional
 
+from orchestrator.cli_flags import Flags
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import OrchestratorError
 from orchestrator.pipeline import Current, run  # run: the single-run pipeline
 from orchestrator.usage import TOOLS, help_text
-
-HYDRA_FLAGS = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hydra-help"}
-"""Hydra's own inspection flags, handed to Hydra (they print and run nothing)."""
-WITH_CFG = {"--resolve", "--package", "-p"}
-"""Hydra flags that only modify ``--cfg``."""
 
 
 # ---------------------------------------------------------------- the error boundary
@@ -72,9 +69,9 @@ def report(exc: BaseException) -> int:
     return exc.exit_code  # type: ignore[attr-defined]
 
 
-def interrupted(cfg: Optional[JobConfig]) -> str:
-    """The interrupt line; the resume hint only when the run directory holds a checkpoint to resume."""
-    line = "interrupted: stopped (the job's ranks too, if any had started)"
+def interrupted(cfg: Optional[JobConfig], signum: int = signal.SIGINT) -> str:
+    """The interrupt line, naming the signal; the resume hint only when the run directory holds a checkpoint."""
+    line = f"interrupted ({signal.Signals(signum).name}): stopped (the job's ranks too, if any had started)"
     if cfg is None:
         return line
     try:
@@ -90,8 +87,9 @@ def interrupted(cfg: Optional[JobConfig]) -> str:
 
 
 def guarded(body: Callable[[], int]) -> int:
-    """Run ``body``; a user error prints one line (exit 2), an interrupt exits 130, no traceback."""
-    from orchestrator.submit.signals import Detached, JobStopped, tell
+    """Run ``body``; a user error prints one line (exit 2), a signal before a job is waited on exits 128 + its
+    number (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), no traceback."""
+    from orchestrator.submit.signals import Detached, JobStopped, pending_signal, tell
 
     try:
         return body()
@@ -101,9 +99,11 @@ def guarded(body: Callable[[], int]) -> int:
         tell(exc.line)
         return exc.code
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
-        print(interrupted(Current.cfg), file=sys.stderr, flush=True)
-        return 130
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not print a traceback
+            signal.signal(sig, signal.SIG_IGN)
+        signum = pending_signal()
+        print(interrupted(Current.cfg, signum), file=sys.stderr, flush=True)
+        return 128 + signum
     except _user_error_types() as exc:
         return report(exc)
 
@@ -145,8 +145,8 @@ def _entry(dcfg: Any) -> Optional[float]:
     return float(summary["lm_loss"]) if summary and summary.get("lm_loss") is not None else None
 
 
-def _hydra(argv: List[str]) -> int:
-    """Hand ``argv`` to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
+def _hydra(read: Flags) -> int:
+    """Hand the command line to ``hydra.main`` (sweeps, inspection flags); its errors come back as exceptions."""
     import hydra
 
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
@@ -156,13 +156,13 @@ def _hydra(argv: List[str]) -> int:
 
     register_configs()
     saved_argv, saved_env = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
-    sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *read.hydra_argv()]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         try:
             # An absolute path: Hydra resolves a relative one against the calling module, which differs
             # between `python -m orchestrator`, the `orchestrator` console script and programmatic calls.
-            view = conf_view(user_conf_dirs([a for a in argv if not a.startswith("-")]))
+            view = conf_view(user_conf_dirs(read.overrides))
             hydra.main(config_path=str(view), config_name="config", version_base="1.3")(_entry)()
         finally:
             sys.argv = saved_argv
@@ -176,7 +176,7 @@ def _hydra(argv: List[str]) -> int:
         raise
 
 
-def _multirun(argv: List[str]) -> int:
+def _multirun(read: Flags) -> int:
     from orchestrator.config.compose import (
         check_overrides,
         compose_config,
@@ -187,7 +187,7 @@ def _multirun(argv: List[str]) -> int:
     )
     from orchestrator.config.confdirs import conf_view, user_conf_dirs
 
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = read.overrides
     searched = user_conf_dirs(overrides)
     check_overrides(
         parse_overrides(overrides), group_options(str(conf_view(searched))), multirun=True, searched=searched
@@ -198,26 +198,16 @@ def _multirun(argv: List[str]) -> int:
     from orchestrator.sweep import driver as sweep
 
     sweep.announce(*sweep_points(overrides), cfg.cluster.kind)  # in place of Hydra's "Launching N jobs" lines
-    return _hydra(argv)
+    return _hydra(read)
 
 
-def _cfg_kind(argv: List[str]) -> Optional[str]:
-    """The value of ``--cfg``/``-c`` (job, hydra or all), or None."""
-    for i, a in enumerate(argv[:-1]):
-        if a in ("--cfg", "-c"):
-            return argv[i + 1]
-    return None
-
-
-def _show_job_config(argv: List[str]) -> int:
+def _show_job_config(read: Flags) -> int:
     """``--cfg job [--resolve]``: the composed config as YAML, the way a run would see it (run.dir set)."""
     from omegaconf import OmegaConf
 
     from orchestrator.config.compose import compose_dict
 
-    skip = {i + 1 for i, a in enumerate(argv) if a in ("--cfg", "-c")}
-    overrides = [a for i, a in enumerate(argv) if i not in skip and not a.startswith("-")]
-    print(OmegaConf.to_yaml(compose_dict(overrides), resolve="--resolve" in argv), end="")
+    print(OmegaConf.to_yaml(compose_dict(read.overrides), resolve="--resolve" in read.flags), end="")
     return 0
 
 
@@ -275,25 +265,22 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before a job is waited on: like Ctrl-C
         signal.signal(sig, interrupt)
-    flags = [a for a in argv if a.startswith("-")]
-    unknown = [f for f in flags if f not in HYDRA_FLAGS | WITH_CFG | {"-m", "--multirun", "-r", "--run"}]
-    if not unknown and any(f in WITH_CFG for f in flags) and not {"--cfg", "-c"} & set(flags):
-        unknown = [next(f for f in flags if f in WITH_CFG) + " (only with --cfg)"]
-    if unknown:
-        print(
-            f"error: {unknown[0]}: unknown option; fix: python -m orchestrator --help "
-            "(overrides are KEY=VALUE; -m sweeps)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    if _cfg_kind(argv) == "job" and not {"-m", "--multirun", "--package", "-p"} & set(flags):
-        code = guarded(lambda: _show_job_config(argv))
-    elif any(f in HYDRA_FLAGS for f in flags):
-        code = guarded(lambda: _hydra(argv))
-    elif "-m" in flags or "--multirun" in flags:
-        code = guarded(lambda: _multirun(argv))
+    from orchestrator.cli_flags import HYDRA_FLAGS, read_flags
+
+    try:
+        read = read_flags(argv)
+    except OrchestratorError as exc:
+        sys.exit(report(exc))
+    flags = set(read.flags)
+    cfg_kind = read.values.get("--cfg", read.values.get("-c"))
+    if cfg_kind == "job" and not {"-m", "--multirun", "--package", "-p"} & flags:
+        code = guarded(lambda: _show_job_config(read))
+    elif HYDRA_FLAGS & flags:
+        code = guarded(lambda: _hydra(read))
+    elif {"-m", "--multirun"} & flags:
+        code = guarded(lambda: _multirun(read))
     else:
-        code = guarded(lambda: _single([a for a in argv if a not in ("-r", "--run")]))
+        code = guarded(lambda: _single(read.overrides))
     if from_cli and "torch" in sys.modules:
         _exit_fast(code)
     if code:

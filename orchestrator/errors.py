@@ -117,9 +117,23 @@ class BackendError(OrchestratorError):
     """The installed megatron-core / torch cannot run the requested device path."""
 
 
+_ROLE = re.compile(r":[\w:]+:`(~?)([^`]+)`")
+
+
+def plain(doc: str) -> str:
+    """A docstring as a terminal shows it: reST's ``literal`` marks dropped (the text kept) and a role such as
+    :mod:`~a.b.c` reduced to its target (``c`` with ``~``, as Sphinx shows it; ``a.b.c`` without)."""
+    doc = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), doc)
+    return doc.replace("``", "")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one ``error:`` line and exit 2, like every other user
-    error (argparse prints its usage block first); the sub-tools' parsers (``status``, ``stop``, ...)."""
+    error (argparse prints its usage block first), and whose ``--help`` is :func:`plain` text (descriptions are
+    often a docstring's first line); the sub-tools' parsers (``status``, ``stop``, ...)."""
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
 
     def error(self, message: str):  # type: ignore[override]
         sys.stderr.write(f"error: {self.prog}: {message}; fix: {self.prog} --help\n")

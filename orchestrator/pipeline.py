@@ -224,9 +224,15 @@ def preflight(cfg: JobConfig, layout: ParallelLayout):
     return latest
 
 
+def finished(cfg: JobConfig, latest) -> bool:
+    """Whether the checkpoint the run would resume from (``latest``, None: none) is already at
+    ``training.train_iters``: the run then starts nothing, and its dry run submits nothing either."""
+    return latest is not None and latest.iteration >= cfg.training.train_iters
+
+
 def verdict(cfg: JobConfig, latest, *, dry: bool) -> str:
     """What the preflight decided, in one line (``dry``: as a plan or dry run says it)."""
-    if latest is not None and latest.iteration >= cfg.training.train_iters:
+    if finished(cfg, latest):
         return (
             f"{latest.path} is already at iteration {latest.iteration} >= training.train_iters="
             f"{cfg.training.train_iters}: nothing to train (raise training.train_iters to continue)"
@@ -277,8 +283,9 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
         say(f"note: {vpp_no_op(cfg)}")
     if cfg.plan or cfg.dry_run:
         show_plan(cfg)
-        say(verdict(cfg, preflight(cfg, layout), dry=True))  # a refusal: exit 2 with its table, as the run's
-        if cfg.dry_run:
+        latest = preflight(cfg, layout)  # a refusal: exit 2 with its table, as the run's
+        say(verdict(cfg, latest, dry=True))
+        if cfg.dry_run and not finished(cfg, latest):  # the run would end at "nothing to train" too
             dry_run(cfg, layout)
         return None
 
@@ -297,7 +304,7 @@ def run(cfg: JobConfig, launcher: Optional[Callable[..., dict]] = None) -> Optio
         say(check_nodes(cfg))
     if latest is not None:
         say(verdict(cfg, latest, dry=False))
-    if latest is not None and latest.iteration >= cfg.training.train_iters:
+    if finished(cfg, latest):
         return {"status": "already_done", "iteration": latest.iteration}
     prepared = prepare_data(cfg, indices=launcher is None and not one_task(cfg, layout.world_size))
     raise_if_interrupted()  # a signal lost while the data were prepared: nothing is recorded or submitted

@@ -141,6 +141,12 @@ USER_ERRORS = [
     (["-m", "model=gpt_tiny,gpt_7b"], ["model=gpt_7b: no such model"]),
     (["-m", "+training.micro_bach_size=2,4"], ["did you mean training.micro_batch_size?"]),
     (["--frobnicate"], ["--frobnicate: unknown option"]),
+    # Hydra's flags: their values checked here (argparse's usage block and "__main__.py: error:" before)
+    (["--cfg", "jobx"], ["--cfg jobx: not one of job, hydra, all", "fix: --cfg job"]),
+    (["model=gpt_tiny", "--cfg"], ["--cfg: needs a value"]),
+    (["--resolve", "model=gpt_tiny"], ["--resolve: only with --cfg"]),
+    (["-m", "model=gpt_tiny", "-m"], ["-m: given more than once"]),
+    (["model=gpt_tiny", "-m", "--cfg", "job"], ["-m and --cfg: one at a time"]),
     # what used to die inside the ranks (or with a traceback under plan=true)
     (["model.recompute_granularity=full"], ["model.recompute_method=null: recompute_granularity=full needs"]),
     (
@@ -899,6 +905,27 @@ def test_a_signal_that_python_ignores_in_a_fork_hook_still_stops_the_launcher_wi
     assert proc.stdout.split() == ["fork", "returned", "KeyboardInterrupt" if handler == "entry" else "Detached"]
     assert proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_hydra_flags_after_the_overrides_are_read_as_before_them(tmp_path):
+    """``-m`` / ``--cfg job`` / ``--info`` after an override used to end in argparse's usage block (Hydra's
+    parser takes flags first); the entry puts them first: the same output as in Hydra's order."""
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+
+    after, before = (
+        run("training.micro_batch_size=3", "--cfg", "job"),
+        run("--cfg", "job", "training.micro_batch_size=3"),
+    )
+    assert after.returncode == 0 and after.stderr == "", after.stderr
+    assert "micro_batch_size: 3" in after.stdout and after.stdout == before.stdout
+    info = run("training.micro_batch_size=3", "--info", "defaults")
+    assert info.returncode == 0 and "Defaults List" in info.stdout and "error" not in info.stderr, info.stderr
+    sweep = run("training.micro_batch_size=1,2", "-m", "dry_run=true", f"run.root={tmp_path}")
+    assert sweep.returncode == 0 and "[sweep] 2 points" in sweep.stdout + sweep.stderr, sweep.stderr
 
 
 def test_a_read_only_run_root_is_one_line_before_anything_starts(tmp_path):

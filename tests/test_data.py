@@ -14,6 +14,10 @@ domain; one JSON document per speech), shipped with the tests.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import List
 
@@ -123,6 +127,87 @@ def test_a_failure_while_writing_removes_the_temporary_files(tmp_path, byte_toke
     with pytest.raises(KeyboardInterrupt):
         corpus._write_indexed(prefix, chunks(), encoder, 1, corpus.CorpusStats(), "x.jsonl")
     assert list(prefix.parent.iterdir()) == []
+
+
+def _big_corpus(path: Path, docs: int, words: int) -> Path:
+    """``docs`` JSONL documents of ``words`` words each (about 6 bytes a word): results of 256 documents
+    (a chunk) far larger than a pipe's 64 KB buffer."""
+    vocab = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda"]
+    with path.open("w") as f:
+        for d in range(docs):
+            f.write(json.dumps({"text": " ".join(vocab[(d * 7 + w * 3) % 9] for w in range(words))}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_tokenizing_in_workers_stops_the_launcher_and_its_workers(tmp_path, sig):
+    """A signal to the launcher while 2 worker processes tokenize a JSONL corpus (results of 256 documents, about
+    1 MB): the launcher exits 128 + the signal with one line naming it, and no worker is left. With
+    multiprocessing.Pool, SIGINT hung launcher and workers for good (3 of 3): the pool's terminate() waited on the
+    result queue's lock, held by a worker writing its result into a pipe nobody read any more."""
+    import psutil
+
+    corpus_path = _big_corpus(
+        tmp_path / "big.jsonl", 24000, 300
+    )  # 43 MB: its first progress line comes after 1 s, at ~20 MB
+    args = ["+experiment=gpt_pp2_dp2", "data=jsonl", f"data.paths=[{corpus_path}]", "data.workers=2"]
+    args += ["training.train_iters=2", f"run.root={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"),
+    )
+    lines, workers = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "  tokenizing: " in line:
+                workers = psutil.Process(proc.pid).children(recursive=True)
+                proc.send_signal(sig)
+                break
+        lines += proc.communicate(timeout=60)[0].splitlines()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    name = signal.Signals(sig).name
+    assert len(workers) == 2, lines  # the signal landed while the workers tokenized
+    assert proc.returncode == 128 + sig, lines
+    assert lines[-1].startswith(f"interrupted ({name}): stopped (the job's ranks too, if any had started); "), lines
+    assert "Traceback" not in "\n".join(lines), lines
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], workers
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("config.yaml"))
+    assert leftovers(tmp_path / "cache") == []
+
+
+def _megabyte_each(chunk):
+    if chunk == "bad":
+        raise ValueError("not a chunk")
+    return [chunk] * (1 << 20)  # pickled: ~2 MB, far beyond a pipe's buffer
+
+
+def test_tokenizing_workers_keep_order_raise_a_failure_and_none_outlives_its_consumer():
+    """orchestrator.data.workers: results in the order of the chunks; a worker's exception raised in the launcher
+    naming it; a consumer that stops after the first result (a signal's KeyboardInterrupt) leaves no worker, though
+    the others are blocked writing 2 MB results nobody reads (the deadlock of multiprocessing.Pool.terminate())."""
+    import psutil
+
+    from orchestrator.data.workers import encoded_in_workers
+
+    got = [r[0] for r in encoded_in_workers(_megabyte_each, iter(range(7)), 3)]
+    assert got == list(range(7))
+    with pytest.raises(RuntimeError, match=r"tokenizing worker \d+: ValueError: not a chunk"):
+        list(encoded_in_workers(_megabyte_each, iter([1, "bad", 2]), 2))
+    results = encoded_in_workers(_megabyte_each, iter(range(100)), 3)
+    assert next(results)[0] == 0
+    workers = psutil.Process().children()
+    assert len(workers) == 3, workers
+    results.close()
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], workers
 
 
 # ---- a blend through the CLI ------------------------------------------------------------------------

@@ -390,3 +390,34 @@ def test_a_job_refused_the_lock_is_neither_an_attempt_nor_the_runs_job_even_unde
         ("submitted", "6"),
     ]
     assert [(a.job_id, a.cause) for a in attempts(records)] == [("5", "completed"), ("6", None)]
+
+
+def test_a_double_signal_to_a_local_launcher_is_reported_as_stopped_at_once_unsaved(tmp_path):
+    """A deliberate double signal to the launcher of a local job (the first asks the ranks' stop, the second
+    ends the job at once): the launcher records the end its wait records (WaitSignals.end_words) and ``status``
+    says the job was stopped at once by the second signal, unsaved -- it said ``failed (interrupted) - the local
+    job ended without result files``, while ``stop --now``, just as unsaved, says ``stopped (by request)``."""
+    import os
+    import signal
+
+    from orchestrator.submit import outcome
+    from orchestrator.submit.signals import WaitSignals
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = cfg_for(run, tasks=1)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    job_id = str(gone.pid)  # a local job's id is its controller's pid: this one has ended
+    history.record_attempt_started(str(run), job_id, 0, iteration=0)
+    with WaitSignals(cfg, job_id) as signals:
+        os.kill(os.getpid(), signal.SIGHUP)  # the first: the ranks are asked to save and stop (stop.json)
+        assert (run / "stop.json").exists()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second: the wait ends the job at once
+            time.sleep(5)
+    outcome.record_end(str(run), job_id, "interrupted", signals.end_words())  # as the wait records it
+    st = jobs.job_status(job_id, "local", run / "submitit", 1, history.read_records(str(run)))
+    assert st.describe() == (
+        "stopped (interrupted) - stopped at once by a second signal to the launcher (SIGINT), unsaved"
+    ), st.describe()

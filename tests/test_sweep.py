@@ -403,7 +403,7 @@ def test_a_signal_to_a_slurm_sweep_detaches_from_every_queued_point(tmp_path, ca
     for said in (
         f"{point1['job_id']} (point 1)",
         f"`python -m orchestrator status {sd}`",
-        f"`python -m orchestrator.sweep summarize {sd}`",
+        f"`python -m orchestrator sweep summarize {sd}`",
         f"`python -m orchestrator stop {sd}/<point>`",
     ):
         assert said in line[0], (said, line[0])

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 from orchestrator.ckpt.catalogue import list_checkpoints
 from orchestrator.ckpt.manifest import MANIFEST_NAME, read_manifest
-from orchestrator.errors import OneLineArgumentParser
+from orchestrator.errors import ManifestError, OneLineArgumentParser
 
 
 def _summary(manifest: dict) -> str:
@@ -126,12 +126,20 @@ def check(args) -> int:
     )
     refused = blocking(mismatches, cfg.checkpoint.allow_reshard)
     if refused:
-        print(
-            f"resume refused: {len(refused)} difference(s) need checkpoint.allow_reshard=true"
-            if all(x.reshardable for x in refused)
-            else f"resume refused: {len(refused)} difference(s) the checkpoint cannot carry"
-        )
+        print(f"resume refused: {refusal_count(refused)}")
     return 1 if refused else 0
+
+
+def refusal_count(refused: list) -> str:
+    """The blocking differences ``refused`` (:class:`~orchestrator.ckpt.mismatch.Mismatch`) counted by kind:
+    those the checkpoint cannot carry at all, and those that only need ``checkpoint.allow_reshard=true``."""
+    reshard = sum(1 for m in refused if m.reshardable)
+    hard = len(refused) - reshard
+    opt_in = f"need{'s' if reshard == 1 else ''} checkpoint.allow_reshard=true"
+    if not hard:
+        return f"{reshard} difference{'s' if reshard > 1 else ''} that {opt_in}"
+    said = f"{hard} difference{'s' if hard > 1 else ''} the checkpoint cannot carry"
+    return f"{said}, and {reshard} more that {opt_in}" if reshard else said
 
 
 def list_run(args) -> int:
@@ -139,6 +147,11 @@ def list_run(args) -> int:
     from orchestrator.ckpt.retention import describe
 
     root = Path(args.run_dir)
+    if not root.is_dir():
+        raise ManifestError(
+            f"{root}: {'not a directory' if root.exists() else 'does not exist'}; fix: a run directory "
+            "(run.root/run.name, e.g. runs/gpt_pp2_dp2; status lists them) or its checkpoints/ directory"
+        )
     save_dir = root / "checkpoints" if (root / "checkpoints").is_dir() else root
     infos = list_checkpoints(save_dir, verify=not args.no_verify, deep=args.deep)
     if not infos:

@@ -27,12 +27,13 @@ from orchestrator.config.tokenizer import model_vocab_size
 
 
 def _flatten(d: dict, prefix: str = "") -> Dict[str, object]:
+    """Leaves by dotted key; an empty mapping is null (``model.megatron: {}`` sets nothing, like null or no key)."""
     out: Dict[str, object] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{k}"] = None if v == {} else v
     return out
 
 

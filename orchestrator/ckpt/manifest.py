@@ -242,11 +242,16 @@ def read_manifest(checkpoint_dir: "str | os.PathLike", verify: bool = True, deep
     dist_checkpointing metadata and of small files re-checked (milliseconds at any size);
     ``deep``: every recorded hash re-checked (reads the whole checkpoint; ``manifest check --deep``).
 
-    Raises :class:`ManifestError` naming the file for a missing, truncated, invalid, foreign or
-    hand-edited manifest, and naming the changed files when the checkpoint no longer matches.
+    Raises :class:`ManifestError` naming the directory when it does not exist, and naming the file for a
+    missing, truncated, invalid, foreign or hand-edited manifest, and naming the changed files when the checkpoint no longer matches.
     """
     directory = Path(checkpoint_dir)
     path = directory / MANIFEST_NAME
+    if not directory.is_dir():  # a path typed wrong is no torn save
+        raise ManifestError(
+            f"{directory}: {'not a directory' if directory.exists() else 'does not exist'}; fix: a checkpoint "
+            "directory, <run dir>/checkpoints/iter_XXXXXXX (manifest list <run dir> lists them)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -54,13 +54,15 @@ REFUSE_KEYS = {
 _RESHARD_KEYS = {"training.global_batch_size"}
 
 
-_IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.", "logging.")
+_IGNORE_PREFIXES = ("run.", "cluster.", "checkpoint.", "parallelism.", "logging.", "sweep.")
 
 
 _IGNORE_KEYS = {
-    "plan",
+    "plan",  # planning only: what is printed before the run, not what it computes
     "dry_run",
     "gpu",
+    "plan_picture",
+    "plan_headroom",
     "data.cache_dir",
     "data.name",
     "data.num_workers",  # how batches are read, not which

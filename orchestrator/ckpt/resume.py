@@ -36,7 +36,9 @@ Every difference is one of three kinds:
             dist_checkpointing cannot read what newer lines write).
 
 Run-local settings (``run.*``, ``cluster.*`` except the world size, ``checkpoint.*``,
-logging, ``data.cache_dir``, group names) are not compared.
+logging, ``data.cache_dir``, group names), what only plans or sweeps read (``plan``, ``dry_run``,
+``gpu``, ``plan_picture``, ``plan_headroom``, ``sweep.*``) are not compared; an empty mapping
+(``model.megatron: {}``) is the same as none.
 
 The run lock is :class:`orchestrator.ckpt.lock.RunLock`.
 """

@@ -96,18 +96,9 @@ def validate_planned(cfg: JobConfig) -> Tuple[ParallelLayout, List[str]]:
     return layout, []
 
 
-def check_run(cfg: JobConfig) -> None:
-    """``run.name`` is one path component (the run directory is ``run.root/run.name``);
-    ``checkpoint.init_from`` is a directory."""
-    name = cfg.run.name
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise ConfigError(
-            f"run.name={show(name)}: must be one directory name (no '/', not '.' or '..', not empty), "
-            "so the run stays inside run.root; fix: run.name=<name>, and run.root=<dir> for "
-            "another place"
-        )
-    if not isinstance(cfg.run.root, str) or not cfg.run.root:
-        raise ConfigError(f"run.root={show(cfg.run.root)}: must be a directory path; fix: run.root=runs")
+def check_plan_picture(cfg: JobConfig) -> None:
+    """``plan_picture``: a .png/.svg/.pdf name, with plan=true, in a directory that exists (ConfigError, one line,
+    otherwise: the picture is written into it, no directory is made for it)."""
     picture = cfg.plan_picture
     if picture is not None and (
         not isinstance(picture, str) or Path(picture).suffix.lower() not in (".png", ".svg", ".pdf")
@@ -122,6 +113,28 @@ def check_run(cfg: JobConfig) -> None:
             "instead; fix: add plan=true (a traced run draws its measured schedule with "
             "training.trace_iteration=N)"
         )
+    where = Path(os.path.expanduser(picture)).parent if picture is not None else None
+    if where is not None and not where.is_dir():  # written into, never made: /nonexistent/ at the root was
+        raise ConfigError(
+            f"plan_picture={show(picture)}: the directory {where} "
+            f"{'is not a directory' if where.exists() else 'does not exist'}; fix: mkdir -p {where}, or "
+            f"plan_picture=<an existing directory>/{Path(picture).name}"
+        )
+
+
+def check_run(cfg: JobConfig) -> None:
+    """``run.name`` is one path component (the run directory is ``run.root/run.name``);
+    ``plan_picture`` (:func:`check_plan_picture`); ``checkpoint.init_from`` is a directory."""
+    name = cfg.run.name
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(
+            f"run.name={show(name)}: must be one directory name (no '/', not '.' or '..', not empty), "
+            "so the run stays inside run.root; fix: run.name=<name>, and run.root=<dir> for "
+            "another place"
+        )
+    if not isinstance(cfg.run.root, str) or not cfg.run.root:
+        raise ConfigError(f"run.root={show(cfg.run.root)}: must be a directory path; fix: run.root=runs")
+    check_plan_picture(cfg)
     init = cfg.checkpoint.init_from
     if init is not None and hf_path(init) is None and not Path(os.path.expanduser(init)).is_dir():
         raise ConfigError(

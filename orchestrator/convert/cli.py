@@ -1,4 +1,4 @@
-"""``python -m orchestrator.convert`` (also ``python -m orchestrator convert``): Megatron-LM <-> Hydra.
+"""``python -m orchestrator convert`` (also ``python -m orchestrator.convert``): Megatron-LM <-> Hydra.
 
 ``from-megatron FILE [--name NAME] [--out DIR] [--nodes N --gpus-per-node G] [--gpu PRESET] [--var K=V]``
     reads a Megatron-LM launch (shell script, args YAML or JSON), writes ``DIR/experiment/NAME.yaml``
@@ -35,7 +35,7 @@ from orchestrator.errors import ConfigError, OneLineArgumentParser, Orchestrator
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
-        prog="python -m orchestrator.convert",
+        prog="python -m orchestrator convert",
         description="Convert Megatron-LM launches to orchestrator experiments and back.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -19,7 +19,7 @@ import json
 import sys
 from typing import List, Optional
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, plain
 
 
 def megatron_json(cfg, dp: Optional[int] = None) -> tuple:
@@ -86,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Compose + validate (as ``plan=true``), build, print; exit 2 with one line on a user error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+        print(plain(__doc__))
         return 0
     from orchestrator.config.checks import validate
     from orchestrator.config.compose import compose_config

@@ -166,42 +166,17 @@ class Encoder:
         return out
 
 
-_ENCODER: Optional[Encoder] = None
-"""The encoder of the preparation in progress, inherited by its forked worker processes."""
-
-
-def _encode(chunk):
-    return _ENCODER.encode(chunk)  # type: ignore[union-attr]
-
-
 def _encoded(encoder: Encoder, chunks: Iterator[list], workers: int) -> Iterator[List[Tuple[int, object]]]:
-    """Each chunk encoded, in order: in this process (``workers`` 1) or in ``workers`` forked
-    processes (multiprocessing.Pool, as Megatron-LM's tools/preprocess_data.py tokenizes)."""
-    global _ENCODER
+    """Each chunk encoded, in order: in this process (``workers`` 1) or in ``workers`` forked processes
+    (:func:`orchestrator.data.workers.encoded_in_workers`: a signal ends them at once, none left; Megatron-LM's
+    tools/preprocess_data.py uses a multiprocessing.Pool, whose ``terminate()`` could hang on Ctrl-C)."""
     if workers <= 1:
         yield from (encoder.encode(c) for c in chunks)
         return
-    import multiprocessing
+    from orchestrator.data.workers import encoded_in_workers
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HuggingFace's Rust pool, in a forked child
-    _ENCODER = encoder
-    try:
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
-            yield from pool.imap(_encode, chunks)
-    finally:
-        _ENCODER = None
-
-
-def _worker_signals() -> None:
-    """In each tokenizing worker: SIGINT ignored (Ctrl-C reaches the whole process group, and the launcher
-    alone answers it: exit 130, one line) and SIGTERM / SIGHUP back to their default, so that the pool's
-    ``terminate()`` at the end of the ``with`` ends a worker quietly; a fork inherits the launcher's
-    SIGTERM/SIGHUP handler, which raised KeyboardInterrupt in every worker, each printing a traceback."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+    yield from encoded_in_workers(encoder.encode, iter(chunks), workers)
 
 
 def _write_indexed(
@@ -213,8 +188,9 @@ def _write_indexed(
 
     tmp_bin, tmp_idx = Path(f"{prefix}.tmp.bin"), Path(f"{prefix}.tmp.idx")
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=encoder.dtype)
+    encoded = _encoded(encoder, chunks, workers)
     try:
-        for results in _encoded(encoder, chunks, workers):
+        for results in encoded:
             for lineno, got in results:
                 if isinstance(got, str):
                     stats.skip(got, lineno)
@@ -231,6 +207,7 @@ def _write_indexed(
         os.replace(tmp_idx, f"{prefix}.idx")
         os.replace(tmp_bin, f"{prefix}.bin")
     except BaseException:
+        encoded.close()  # its workers end now (SIGKILL), not when the generator is collected
         builder.data_file.close()
         for tmp in (tmp_bin, tmp_idx):
             tmp.unlink(missing_ok=True)

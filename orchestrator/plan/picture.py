@@ -172,11 +172,11 @@ def draw_memory(ax, plan) -> None:
 
 
 def _save(fig, path: str) -> None:
-    """The PNG, written atomically, straight from the canvas (one encode). Not palette-quantized: that maps a
+    """The PNG, written atomically, straight from the canvas (one encode), into a directory that exists (no
+    directory is made: config.checks refuses a plan_picture's missing one). Not palette-quantized: that maps a
     colour seen only in a legend onto a frequent neighbour."""
     from PIL import Image  # matplotlib's own dependency
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.canvas.draw()
     image = Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
     tmp = f"{path}.tmp"

@@ -49,11 +49,18 @@ def per_stage(rows: List[List[float]], mfu: Optional[Dict[str, object]] = None) 
     return {"stages": out}
 
 
+def percent(share: float, digits: int = 0) -> str:
+    """``share`` (a fraction) as a percentage with ``digits`` decimals; a share that rounds to zero is ``0%``,
+    never ``-0%`` (``other`` is 1 less the measured sum, a hair below zero when they fill the step)."""
+    text = f"{share:.{digits}%}"
+    return text[1:] if text.startswith("-") and float(text[1:-1]) == 0 else text
+
+
 def describe(result: Dict[str, object], what: str) -> str:
     """One line: ``what``, then per stage its step and each category's share (and MFU on a GPU)."""
     parts = []
     for s in result["stages"]:  # type: ignore[union-attr]
-        shares = " ".join(f"{LABELS[c]} {s[c]:.0%}" for c in (*CATEGORIES, "other"))
+        shares = " ".join(f"{LABELS[c]} {percent(s[c])}" for c in (*CATEGORIES, "other"))
         mfu = f" MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
         parts.append(f"stage {s['stage']} ({1e3 * s['step_s']:.1f} ms/step): {shares}{mfu}")
     return f"step breakdown {what}: " + "; ".join(parts)

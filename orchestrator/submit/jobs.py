@@ -276,6 +276,9 @@ def attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
         st.state, st.detail = "failed", ""
     if last.cause == "by request" and st.state in ("failed", "cancelled", "unknown", "stopped"):
         st.state, st.detail = "stopped", ""  # `orchestrator stop`: "stopped (by request)"
+    unsaved = last.cause == "interrupted" and (last.message or "").endswith(", unsaved")  # WaitSignals.end_words
+    if unsaved and st.state in ("failed", "cancelled", "unknown") and "error" not in st.results.values():
+        st.state, st.detail = "stopped", last.message  # a signal to the launcher ended it at once, on purpose
 
 
 SLURM_ENDED = {

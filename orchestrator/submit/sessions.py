@@ -156,9 +156,7 @@ class Sessions:
                 run_dir,
                 job_id,
                 "interrupted",  # first: ranks cut off by the stop record a crash
-                "the launcher was interrupted a second time: stopped at once, unsaved"
-                if signals.again
-                else "the launcher was interrupted (Ctrl-C or a signal)",
+                signals.end_words(),
             )
             self.stop(0.0 if signals.again else STOP_WAIT_S)
             self._finish(run_dir, job_id)

@@ -3,10 +3,12 @@
 =========================  ==========================================  =============================================
 signal to the launcher     local job (and a hosts job)                 SLURM job
 =========================  ==========================================  =============================================
-SIGINT (Ctrl-C), SIGTERM   the ranks finish the iteration, save (unless  detach: one line (job id, how to follow it
-                           it is saved already) and exit; one line       with ``status``, how to stop it); the job
-                           names the checkpoint and the command that     runs on, untouched (never scancel); exit 0
-                           resumes; exit 130 / 143
+SIGINT (Ctrl-C), SIGTERM   the ranks run on to the next logged          detach: one line (job id, how to follow it
+                           iteration (``training.log_interval``; they    with ``status``, how to stop it); the job
+                           agree on it within about 10 s), save it       runs on, untouched (never scancel); exit 0
+                           (unless it is saved already) and exit; one
+                           line names the checkpoint and the command
+                           that resumes; exit 130 / 143
 SIGHUP (terminal gone)     as SIGTERM; exit 129                          detach, as above; exit 0
 a second signal while      stop at once (SIGKILL), unsaved, said so;     (the first one detached already)
 the ranks stop             exit 128 + its number
@@ -18,7 +20,8 @@ request ``orchestrator stop`` writes: the job's rank 0 polls it and asks the ran
 (:mod:`orchestrator.runtime.faults.preempt`, the path of the launcher watch and of SLURM's time limit).
 The handlers are installed by :func:`orchestrator.submit.wait.wait` (and a hosts job's
 :meth:`orchestrator.submit.sessions.Sessions.wait`) for the duration of the wait (main thread only); outside a wait, the entry turns these signals into ``KeyboardInterrupt`` (nothing is
-running yet, or warm ranks that stop with their launcher). No torch import.
+running yet, or warm ranks that stop with their launcher); the launcher then exits 128 + the signal with one
+``interrupted (SIGNAME): ...`` line (:func:`pending_signal`). No torch import.
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ def quiet_if_remembered(unraisable: Any) -> None:
     if unraisable.exc_value is not None and unraisable.exc_value is _PENDING_EXC:
         return
     (_HOOKED[-1] if _HOOKED else sys.__unraisablehook__)(unraisable)
+
+
+def pending_signal() -> int:
+    """The stop signal :func:`interrupt` took before any job was waited on (SIGINT when none: a plain
+    KeyboardInterrupt); the launcher exits 128 + it, as after a job's stop."""
+    return _PENDING or signal.SIGINT
 
 
 def raise_if_interrupted() -> None:
@@ -203,6 +212,15 @@ class WaitSignals:
         who = signal.Signals(self.signum).name if self.signum else (asked or {}).get("by", "a stop request")
         code = 128 + self.signum if self.signum else STOPPED_BY_REQUEST_EXIT
         return JobStopped(f"{how} ({who}); {checkpoint_words(self.cfg)}", code)
+
+    def end_words(self) -> str:
+        """The end the launcher records (cause ``interrupted``) when a signal ended the job at once, unsaved:
+        a second signal, or one that came before these handlers were in place (the job was just starting).
+        ``status`` shows it as ``stopped (interrupted) - <these words>``."""
+        if self.again:
+            return f"stopped at once by a second signal to the launcher ({signal.Signals(self.again).name}), unsaved"
+        name = signal.Signals(pending_signal()).name
+        return f"stopped by a signal to the launcher ({name}) as the job started, unsaved"
 
     def ended_at_once(self) -> JobStopped:
         """A second signal ended the job at once (SIGKILL): nothing of the iteration in progress is saved."""

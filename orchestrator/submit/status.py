@@ -57,7 +57,7 @@ class RunStatus:
 
 def format_breakdown(run: str, b: Dict[str, Any]) -> List[str]:
     """``status --detail``'s lines for one run: a row per pipeline stage, each category's share of the step."""
-    from orchestrator.plan.step_breakdown import CATEGORIES, LABELS
+    from orchestrator.plan.step_breakdown import CATEGORIES, LABELS, percent
 
     cols = (*CATEGORIES, "other")
     rows = [("STAGE", "STEP MS", *(LABELS[c].upper() for c in cols), "MFU")]
@@ -66,7 +66,7 @@ def format_breakdown(run: str, b: Dict[str, Any]) -> List[str]:
             (
                 str(st["stage"]),
                 f"{1e3 * st['step_s']:.1f}",
-                *(f"{st[c]:.1%}" for c in cols),
+                *(percent(st[c], 1) for c in cols),
                 "-" if st.get("mfu") is None else f"{st['mfu']:.1%}",
             )
         )
@@ -280,7 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--goodput",
         action="store_true",
-        help="for RUN (a run directory): the goodput account over all its attempts: ETTR and where the wall went",
+        help="for RUN (a run directory): the goodput account over all its attempts: ETTR and where the wall went "
+        "(--json: one JSON object)",
     )
     parser.add_argument(
         "--timeline", metavar="PNG", help="for RUN (a run directory): draw its timeline (attempts x time, by cause)"
@@ -290,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.goodput or args.timeline:
         from orchestrator.submit.goodput_cli import goodput_main
 
-        return goodput_main(root, show=args.goodput, timeline=args.timeline)
+        return goodput_main(root, show=args.goodput, timeline=args.timeline, as_json=args.json)
     if not root.exists() and root.name != "runs":  # a path typed that is not there: one line, exit 2
         print(
             f"error: runs_root={root}: no such directory; fix: the run.root of your runs (default: runs), "

@@ -234,9 +234,7 @@ def wait(
             w.run_dir,
             w.job_id,
             "interrupted",
-            "the launcher was interrupted a second time: stopped at once, unsaved"
-            if signals.again
-            else "the launcher was interrupted (Ctrl-C or a signal)",
+            signals.end_words(),
         )
         if signals.again:
             raise signals.ended_at_once() from None

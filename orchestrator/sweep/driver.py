@@ -204,7 +204,7 @@ def launch_point(
 
 # ====================================================================== CLI
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = OneLineArgumentParser(prog="python -m orchestrator.sweep", description=__doc__.split("\n")[0])
+    parser = OneLineArgumentParser(prog="python -m orchestrator sweep", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("summarize", help="rebuild summary.csv/.md/.png of a sweep directory and print the ranking")
     s.add_argument("sweep_dir", type=Path)

@@ -89,7 +89,7 @@ def finish() -> Optional[int]:
     print(format_report(sweep_dir, rows, swept), flush=True)
     DRIVER.close_pool()
     if DRIVER.submitted and not DRIVER.wait_at_end:
-        say(f"jobs queued (cluster.wait=false); later: python -m orchestrator.sweep summarize {sweep_dir}")
+        say(f"jobs queued (cluster.wait=false); later: python -m orchestrator sweep summarize {sweep_dir}")
     code = exit_code(rows, unfinished_ok=bool(DRIVER.submitted) and not DRIVER.wait_at_end)
     line = error_line(rows, code)
     if line:
@@ -122,14 +122,14 @@ def detached(exc: BaseException) -> None:
                 record,
                 "submitted",
                 f"the launcher detached ({name}); job {job_id} runs on; "
-                f"`python -m orchestrator.sweep summarize {sweep_dir}` reads it",
+                f"`python -m orchestrator sweep summarize {sweep_dir}` reads it",
                 quiet=True,
             )
     jobs = ", ".join(f"{job_id} (point {point.num})" for point, job_id in open_) or "none left"
     exc.line = (
         f"detached ({name}) from the sweep: SLURM job(s) {jobs} run on, untouched; follow them with "
         f"`python -m orchestrator status {sweep_dir}`; the table once they have ended: "
-        f"`python -m orchestrator.sweep summarize {sweep_dir}`; stop one with "
+        f"`python -m orchestrator sweep summarize {sweep_dir}`; stop one with "
         f"`python -m orchestrator stop {sweep_dir}/<point>` (saves first; --now: at once)"
     )
     exc.signum, exc.job_id = held.signum, ",".join(job_id for _, job_id in open_)

@@ -51,7 +51,7 @@ from orchestrator.sweep.render import short_reason, to_markdown
 from orchestrator.sweep.search import Candidate, TuneConfig
 from orchestrator.sweep.table import write_summary
 from orchestrator.sweep.trial import Trial, TrialRunner, trial_overrides, trial_record
-from orchestrator.sweep.tune_options import compose_base, split_args
+from orchestrator.sweep.tune_options import compose_base, help_or_usage, split_args
 from orchestrator.sweep.winner import candidates_csv, evidence, experiment_yaml, run_flags
 
 CANDIDATES_CSV = "candidates.csv"
@@ -315,13 +315,12 @@ class Tuner:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Tune (exit 0 with a winner, 1 when no trial completed); 2 with one ``error:`` line for a user error; a bare
+    ``tune`` and ``--help``: :func:`~orchestrator.sweep.tune_options.help_or_usage`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", __doc__).replace("``", "`"))
-        print("tune options (tune.<name>=<value>):")
-        for f in search.TuneConfig.__dataclass_fields__.values():
-            print(f"  tune.{f.name} (default {f.default if f.default is not None else 'auto'})")
-        return 0
+    shown = help_or_usage(argv, __doc__)
+    if shown is not None:
+        return shown
     try:
         from orchestrator.config.confdirs import with_config_dir_flags
         from orchestrator.submit.signals import SIGNALS, interrupt

@@ -6,10 +6,11 @@ the Hydra overrides, and the one base config they compose to (:func:`compose_bas
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import ConfigError, OrchestratorError, plain
 
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None), "full": ("full", "uniform", 1)}
 """tune.recompute values -> (model.recompute_granularity, recompute_method, recompute_num_layers)."""
@@ -179,3 +180,33 @@ def compose_base(overrides: List[str]):
     except Exception as exc:  # Hydra's and OmegaConf's composition errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"overrides: {first}; fix: check the override names and values") from None
+
+
+USAGE = (
+    "usage: python -m orchestrator tune OVERRIDES... [tune.NAME=VALUE ...]\n"
+    "  e.g. python -m orchestrator tune +experiment=gpt_pp2_dp2 tune.max_trials=6 tune.max_minutes=20\n"
+    "       python -m orchestrator tune +experiment=gpt_pp2_dp2 tune.dry_run=true   # the ranked candidates only"
+)
+"""What a bare ``tune`` prints."""
+
+
+def help_or_usage(argv: Sequence[str], doc: str) -> Optional[int]:
+    """``--help``: ``doc`` as plain text and every ``tune.*`` option with its default (exit 0). No arguments at all:
+    :data:`USAGE` and one ``error:`` line (exit 2), as every sub-tool answers a bare call: tuning runs real jobs
+    and writes files, so it never starts on the defaults unasked. None otherwise (tune)."""
+    if not argv:
+        print(USAGE)
+        print(
+            "error: tune: no config to tune (a tune runs trial jobs and writes conf/experiment/<name>_tuned.yaml); "
+            "fix: name the run's overrides, e.g. python -m orchestrator tune +experiment=gpt_pp2_dp2 "
+            "(python -m orchestrator tune --help)",
+            file=sys.stderr,
+        )
+        return 2
+    if not any(a in ("-h", "--help") for a in argv):
+        return None
+    print(plain(doc))
+    print("tune options (tune.<name>=<value>):")
+    for f in fields(TuneConfig):
+        print(f"  tune.{f.name} (default {f.default if f.default is not None else 'auto'})")
+    return 0
