@@ -820,9 +820,9 @@ def test_kill_9_of_a_waiting_launcher_ends_its_local_job_and_the_rerun_resumes(t
     finally:
         launcher.kill()
         launcher.wait()
-    from orchestrator.ckpt import history
+    from orchestrator.ckpt import attempts, history
 
-    (attempt,) = history.attempts(history.read_records(run_dir))
+    (attempt,) = attempts.attempts(history.read_records(run_dir))
     assert attempt.cause == "interrupted" and f"the launcher (pid {launcher.pid}) died" in attempt.message, attempt
     assert not (run_dir / "orchestrator.lock").exists()
     latest = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))

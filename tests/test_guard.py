@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, losses_by_iteration, mounted_tmpfs, read_metrics, run_cli
 
-from orchestrator.ckpt import history
+from orchestrator.ckpt import attempts, history
 from orchestrator.config.compose import compose_config
 from orchestrator.config.spike import proposed_lr
 from orchestrator.errors import DiskFullError, NonFiniteLossError
@@ -62,20 +62,20 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     history.record_attempt_ended(run, "7", 1, "crashed", iteration=150)  # a second end: ignored
     history.record_attempt_started(run, "7", 2, iteration=150, host="n2")
     records = history.read_records(run)
-    items = history.attempts(records)
+    items = attempts.attempts(records)
     assert [(a.attempt, a.cause, a.iteration, a.start_iteration, a.host) for a in items] == [
         (0, "timeout", 131, 0, "n1"),
         (1, "hang", 150, 131, "n2"),
         (2, None, 150, 150, "n2"),
     ]
     assert items[0].requeued and items[1].end is not None and items[2].end is None
-    assert history.count_ended(records, "7", history.TIMEOUT_CAUSES) == 1
-    assert history.count_ended(records, "7", history.FAILURE_CAUSES) == 1
+    assert attempts.count_ended(records, "7", history.TIMEOUT_CAUSES) == 1
+    assert attempts.count_ended(records, "7", history.FAILURE_CAUSES) == 1
     # the manifest of the final save: the running attempt reports that iteration and "completed"
-    final = history.history_for_manifest(run, 200, 200)
+    final = attempts.history_for_manifest(run, 200, 200)
     assert [(a["cause"], a["iteration"]) for a in final] == [("timeout", 131), ("hang", 150), ("completed", 200)]
-    assert history.history_for_manifest(run, 180, 200)[-1]["cause"] is None
-    lines = history.format_attempts(items)
+    assert attempts.history_for_manifest(run, 180, 200)[-1]["cause"] is None
+    lines = attempts.format_attempts(items)
     assert "timeout (requeued)  iteration 131" in lines[0] and lines[0].endswith("  time limit")
     assert lines[1].endswith("hang  iteration 150 (from 131)  rank 3") and lines[1].count("hang") == 1, lines[1]
     assert " since " in lines[2] and lines[2].count("running") == 1, lines[2]  # each state said once
@@ -86,7 +86,7 @@ def test_attempts_fold_records_and_limits_count_separately(tmp_path):
     history.record_submission(run, "7", "local", {}, num_tasks=1)
     history.record_attempt_started(run, "7", 0, iteration=200, host="n3")
     history.record_attempt_ended(run, "7", 0, "completed", iteration=210)
-    items = history.attempts(history.read_records(run))
+    items = attempts.attempts(history.read_records(run))
     assert [(a.attempt, a.cause, a.iteration) for a in items] == [
         (0, "timeout", 131),
         (1, "hang", 150),
@@ -156,7 +156,7 @@ def test_nan_stops_with_one_message_and_records_the_attempt(tmp_path, clean_env)
         g.close()  # from a `finally`: the NaN end is already recorded
     events = [r["event"] for r in history.read_records(tmp_path)]
     assert events == ["attempt_started", "nan", "attempt_ended"]
-    (a,) = history.attempts(history.read_records(tmp_path))
+    (a,) = attempts.attempts(history.read_records(tmp_path))
     assert (a.cause, a.iteration, a.message) == ("nan", 7, msg)
 
 
@@ -191,7 +191,7 @@ def test_a_nan_stays_a_nan_when_its_attribution_raises_and_is_never_requeued(tmp
     assert "fix: lower optimizer.lr" in msg and "\n" not in msg
     records = history.read_records(tmp_path)
     assert [r["event"] for r in records] == ["attempt_started", "nan", "attempt_ended"]
-    (a,) = history.attempts(records)
+    (a,) = attempts.attempts(records)
     assert (a.cause, a.iteration, a.message, a.requeued) == ("nan", 3, msg, False)
 
 
@@ -203,7 +203,7 @@ def test_completed_and_exited_attempts(tmp_path, clean_env):
         assert guard_mod.last_iteration() == 8
         g.close()
         assert guard_mod.last_iteration() is None
-        (a,) = history.attempts(history.read_records(run))
+        (a,) = attempts.attempts(history.read_records(run))
         assert (a.cause, a.iteration) == (cause, 8)
 
 
@@ -315,7 +315,7 @@ def test_enospc_outside_a_save_is_a_full_disk_in_the_line_and_the_history(tmp_pa
     assert explain_write_failure(OSError(errno.EACCES, "Permission denied"), run_dir) is None
     history.record_attempt_started(str(run_dir), "9", 0, host="h", world_size=1, iteration=0, train_iters=4)
     outcome.record_end(str(run_dir), "9", "crashed", str(err))
-    (ended,) = history.attempts(history.read_records(str(run_dir)))
+    (ended,) = attempts.attempts(history.read_records(str(run_dir)))
     assert (ended.cause, ended.message) == ("disk full", str(err))
 
 
@@ -359,7 +359,7 @@ def test_watchdog_names_the_silent_rank_and_dumps_stacks(tmp_path):
     seen = []
 
     def on_hang(message):  # what the SLURM requeue sees: this hang already counts as a failure
-        seen.append(history.count_ended(history.read_records(tmp_path), "job9", history.FAILURE_CAUSES))
+        seen.append(attempts.count_ended(history.read_records(tmp_path), "job9", history.FAILURE_CAUSES))
         return True, "requeued SLURM job job9 (failure 1 of at most 1 retried)"
 
     dogs, exits = _watchdogs(tmp_path, [3, 3], on_hang=on_hang)
@@ -374,7 +374,7 @@ def test_watchdog_names_the_silent_rank_and_dumps_stacks(tmp_path):
     assert "not responding" in hang["message"] and "after iteration 3" in hang["message"]
     stacks = stacks_path(tmp_path, 0).read_text()
     assert "# rank 0 on host0" in stacks and "test_watchdog_names_the_silent_rank" in stacks  # the main thread
-    (a,) = history.attempts(history.read_records(tmp_path))
+    (a,) = attempts.attempts(history.read_records(tmp_path))
     assert (a.cause, a.iteration, a.message, a.requeued) == ("hang", 3, hang["message"], True)
     assert seen == [1] and hang["requeued"] and hang["detail"].startswith("requeued SLURM job job9")
     assert [r["stalled"] for r in history.read_records(tmp_path) if r["event"] == "hang"] == [[1]]
@@ -634,7 +634,7 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     assert value > 10 * reference
     assert all(math.isfinite(r["lm_loss"]) for r in records.values()) and math.isfinite(value)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
-    (a,) = history.attempts(history.read_records(run_dir))
+    (a,) = attempts.attempts(history.read_records(run_dir))
     assert (a.cause, a.iteration) == ("spike", spiked)
 
     rerun = run_cli(args, cache=cache_dir, check=False, timeout=900)  # resumes: the spike is its first iteration
@@ -645,7 +645,7 @@ def test_a_loss_spike_stops_before_the_spiked_iteration_is_saved(tmp_path, cache
     assert m2 and m2.group(1, 2, 4) == m.group(1, 2, 4), (line, again)
     assert float(m2.group(3)) == pytest.approx(value, rel=1e-4) and float(m2.group(5)) == pytest.approx(reference)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"iter_{i:07d}" for i in range(1, spiked)]
-    assert [(x.cause, x.iteration) for x in history.attempts(history.read_records(run_dir))] == [("spike", spiked)] * 2
+    assert [(x.cause, x.iteration) for x in attempts.attempts(history.read_records(run_dir))] == [("spike", spiked)] * 2
 
 
 def test_spike_watch_compares_with_the_recent_median():
@@ -748,7 +748,7 @@ def test_skip_policy_leaves_updates_unapplied_continues_and_stops_after_too_many
     assert records[4]["lr"] == records[3]["lr"] != records[2]["lr"], [records[i]["lr"] for i in (2, 3, 4)]
     skipped = [(r["iteration"], r["value"]) for r in history.read_records(run_dir) if r["event"] == "nan_skipped"]
     assert skipped == [(3, "inf"), (5, "inf"), (6, "inf")], skipped
-    (a,) = history.attempts(history.read_records(run_dir))
+    (a,) = attempts.attempts(history.read_records(run_dir))
     assert (a.cause, a.iteration) == ("nan", 7)
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [f"iter_{i:07d}" for i in range(1, 7)]
@@ -923,7 +923,7 @@ def test_disk_full_during_a_save_names_enospc_and_the_previous_checkpoint_resume
     assert f"no space left on device (ENOSPC) saving checkpoint {torn}: " in line, line
     assert f"free of 16.0 MiB on {small_tmpfs}" in line and "latest complete checkpoint is iter_0000002" in line
     assert "Traceback" not in proc.stderr and not (torn / "manifest.json").exists()
-    ended = history.attempts(history.read_records(str(run_dir)))[-1]  # the save's CheckpointException: recorded
+    ended = attempts.attempts(history.read_records(str(run_dir)))[-1]  # the save's CheckpointException: recorded
     assert (
         ended.cause == "disk full" and ended.message == line[len(f"error: job {ended.job_id}: ") :].split(" (logs:")[0]
     )

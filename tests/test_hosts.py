@@ -254,7 +254,8 @@ def test_two_hosts_lose_a_session_name_it_then_torchrun_resumes_and_matches_loca
     assert _job_processes(job_id) == []
     # recorded and shown as the README says: a node failure naming the host, not the BrokenPipeError its rank
     # raised on the lost session's output ("rank 2 ... crashed"), nor "rank 0 raised an exception" (issue 39)
-    from orchestrator.ckpt.history import attempts, read_records
+    from orchestrator.ckpt.attempts import attempts
+    from orchestrator.ckpt.history import read_records
     from orchestrator.submit.status import run_status
 
     lost = "host hnode2: the SSH client was killed by SIGKILL"

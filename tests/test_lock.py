@@ -181,7 +181,8 @@ def test_second_launch_is_refused_before_the_first_job_takes_the_lock(tmp_path):
     started (gated, like a job pending in SLURM's queue): the second launcher refuses in one line naming the
     first job, exit 2, and writes nothing. Then a job that slipped past the launcher (a genuine race) is refused
     the lock by the job, and neither the run's status nor its history counts it; the first run completes."""
-    from orchestrator.ckpt.history import attempts, format_attempts, read_records
+    from orchestrator.ckpt.attempts import attempts, format_attempts
+    from orchestrator.ckpt.history import read_records
     from orchestrator.submit.status import run_status
 
     run_dir, gate_a, gate_b = tmp_path / "run", tmp_path / "gate_a", tmp_path / "gate_b"

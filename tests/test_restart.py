@@ -31,7 +31,7 @@ from test_slurm_train import (  # noqa: F401
     wait_until,
 )
 
-from orchestrator.ckpt import history
+from orchestrator.ckpt import attempts, history
 from orchestrator.submit import jobs
 
 
@@ -151,7 +151,7 @@ def test_in_place_restart_of_a_killed_rank_on_a_spare_node_keeps_the_slurm_job_a
     hosts = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["hosts"]
     assert spare.group(1) in hosts and node not in hosts, (hosts, node)
 
-    starts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
+    starts = [a for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == job_id]
     assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
         (0, 0, "crashed", True),
         (0, 1, "completed", False),
@@ -276,7 +276,7 @@ def test_a_dead_node_is_replaced_by_a_spare_and_the_slurm_job_completes(
     assert said["node_left_out"]["message"].startswith(f"node {node} is dead (its agent has been silent for "), said
     hosts = json.loads((run_dir / "checkpoints" / f"iter_{n:07d}" / "manifest.json").read_text())["hosts"]
     assert spare in hosts and node not in hosts, (hosts, node)
-    starts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
+    starts = [a for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == job_id]
     assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
         (0, 0, "node failure", True),
         (0, 1, "completed", False),

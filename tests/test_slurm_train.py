@@ -55,7 +55,7 @@ from typing import Dict, List, Optional
 import pytest
 from conftest import REFERENCE_ITERS, REPO, SharedReference, losses_by_iteration, read_metrics, slurm_unavailable_reason
 
-from orchestrator.ckpt import history
+from orchestrator.ckpt import attempts, history
 from orchestrator.submit import jobs, sbatch, status
 
 _REASON = slurm_unavailable_reason()
@@ -591,10 +591,10 @@ def test_node_loss_ends_the_attempt_names_node_and_ranks_and_the_requeue_resumes
     assert f"resumed from {ckpt} at iteration {resume_at}" in log, log[-3000:]
     assert f"completed: iteration {n} |" in out and out.rstrip().endswith(f"| job {job_id}"), out
     assert end and end.state == "completed" and end.restarts == 1, end
-    attempts = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id]
-    assert [(a.attempt, a.cause) for a in attempts] == [(0, "node failure"), (1, "completed")], attempts
-    assert attempts[0].message.startswith(f"node {node} lost (ranks 2,3)"), attempts[0]
-    assert attempts[1].start_iteration == resume_at and attempts[1].iteration == n, attempts
+    items = [a for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == job_id]
+    assert [(a.attempt, a.cause) for a in items] == [(0, "node failure"), (1, "completed")], items
+    assert items[0].message.startswith(f"node {node} lost (ranks 2,3)"), items[0]
+    assert items[1].start_iteration == resume_at and items[1].iteration == n, items
 
     # Every loss of both attempts (the retrained iterations too) equals the uninterrupted run's.
     records = read_metrics(run_dir)
@@ -709,7 +709,7 @@ def test_signals_to_a_slurm_launcher_detach_and_stop_saves(tmp_path, cache_dir):
     assert status.run_status(ctrl_c).state == "completed"
     # `orchestrator stop`: the stop iteration saved, not requeued, status says so
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    (attempt,) = [x for x in history.attempts(history.read_records(hup)) if x.job_id == ids[0]]
+    (attempt,) = [x for x in attempts.attempts(history.read_records(hup)) if x.job_id == ids[0]]
     assert attempt.cause == "by request" and not attempt.requeued and attempt.iteration >= before, attempt
     assert attempt.iteration in complete_checkpoints(hup), (attempt, complete_checkpoints(hup))
     assert f"resumes from {hup}/checkpoints/iter_{attempt.iteration:07d}" in stopped.stdout, stopped.stdout
@@ -763,7 +763,7 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
     assert attempt_causes(run_dir, job_id) == [(0, "crashed", False)], history.read_records(run_dir)
     assert jobs.slurm_job_status(job_id).restarts == 0
     # the killed rank is the recorded cause, not rank 0 that saw its connection close (srun names it)
-    ended = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id][-1]
+    ended = [a for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == job_id][-1]
     assert ended.message.startswith("rank(s) [1] died without a result (exit by signal 9, SIGKILL, per srun: "), (
         ended.message
     )
@@ -771,7 +771,7 @@ def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path, cache_dir):
 
 def attempt_causes(run_dir: Path, job_id: str) -> List[tuple]:
     return [
-        (a.attempt, a.cause, a.requeued) for a in history.attempts(history.read_records(run_dir)) if a.job_id == job_id
+        (a.attempt, a.cause, a.requeued) for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == job_id
     ]
 
 

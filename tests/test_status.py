@@ -231,7 +231,7 @@ def test_a_peer_that_recorded_its_broken_connection_first_is_amended_by_the_kill
     """A surviving rank's guard records the crash within milliseconds ("Connection closed by peer"), before the
     launcher sees rank 1 died by a signal: the launcher's account amends it (cause first, the peer's error
     after), once; a NaN (or any end not a crash) is never amended."""
-    from orchestrator.ckpt import history
+    from orchestrator.ckpt import attempts, history
     from orchestrator.errors import ranks_died
     from orchestrator.submit import outcome
 
@@ -243,7 +243,7 @@ def test_a_peer_that_recorded_its_broken_connection_first_is_amended_by_the_kill
         history.record_attempt_ended(str(run), job_id, 0, cause, iteration=7, message=peer)
         for _ in range(2):
             outcome.record_end(str(run), job_id, "crashed", ranks_died([1], "exit by signal 9, SIGKILL"))
-    ended = {a.job_id: a for a in history.attempts(history.read_records(str(run)))}
+    ended = {a.job_id: a for a in attempts.attempts(history.read_records(str(run)))}
     assert (ended["5"].cause, ended["5"].message) == (
         "crashed",
         "rank(s) [1] died without a result (exit by signal "
@@ -369,10 +369,10 @@ def test_status_module_is_torch_free():
 
 
 def test_a_job_refused_the_lock_is_neither_an_attempt_nor_the_runs_job_even_under_a_recycled_id():
-    """One reader (history.own_records) for history and status: a local job 5 completed, a later job that got
+    """One reader (attempts.own_records) for history and status: a local job 5 completed, a later job that got
     the recycled id 5 was refused the lock (another run held the directory), and job 6 is running. The refused
     job is no attempt, and the run's latest job is 6; the completed job 5 stays."""
-    from orchestrator.ckpt.history import attempts, own_records
+    from orchestrator.ckpt.attempts import attempts, own_records
 
     records = [
         {"event": "submitted", "job_id": "5", "time": 1.0},

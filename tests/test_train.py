@@ -140,7 +140,7 @@ def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history
     """A shard damaged in place (same size: the manifest's size digest passes) makes torch raise its
     CheckpointException, which is no Exception: submitit wrote no result and the launcher said "ended without
     results from rank(s) [0]". Now the last line and the history name the checkpoint, the rank and its error."""
-    from orchestrator.ckpt import history
+    from orchestrator.ckpt import attempts, history
 
     run_dir = _copy_run(init.parent.parent, tmp_path)
     shard = run_dir / "checkpoints" / "iter_0000000" / "__0_0.distcp"
@@ -157,7 +157,7 @@ def test_a_checkpoint_that_fails_to_load_is_named_in_one_line_and_in_the_history
     )
     assert proc.returncode == 1 and last.startswith("error: job ") and said in last, proc.stderr[-3000:]
     assert "without results" not in proc.stderr and f"mv {shard.parent} {shard.parent}.bad" in last
-    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    ended = attempts.attempts(history.read_records(str(run_dir)))[-1]
     assert ended.cause == "crashed" and ended.message.startswith(said), ended
 
 
@@ -390,7 +390,7 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
     import psutil
     from conftest import REPO
 
-    from orchestrator.ckpt import history
+    from orchestrator.ckpt import attempts, history
     from orchestrator.runtime.start.forked import read_rank_pids
     from orchestrator.submit import status
 
@@ -426,7 +426,7 @@ def test_a_forked_rank_killed_is_named_and_no_rank_outlives_the_job(tmp_path, ca
         proc.kill()
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
     assert "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?)" in err, err[-2000:]
-    ended = history.attempts(history.read_records(str(run_dir)))[-1]
+    ended = attempts.attempts(history.read_records(str(run_dir)))[-1]
     assert ended.cause == "crashed" and ended.message.startswith(
         "rank(s) [1] died without a result (exit by signal 9, SIGKILL: killed? out of memory?); "
     ), ended
@@ -477,7 +477,7 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
 
     from conftest import REPO, agent_worker
 
-    from orchestrator.ckpt import history
+    from orchestrator.ckpt import attempts, history
     from orchestrator.ckpt.goodput import account
 
     run_dir = tmp_path / "restart"
@@ -514,7 +514,7 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     finally:
         proc.kill()
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
-    starts = [a for a in history.attempts(history.read_records(run_dir))]
+    starts = [a for a in attempts.attempts(history.read_records(run_dir))]
     assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
         (0, 0, "crashed", True),
         (0, 1, "crashed", False),

@@ -195,7 +195,7 @@ def account_from_records(
     jobs: Sequence[Dict[str, Any]], metrics: Sequence[Dict[str, Any]], now: Optional[float] = None
 ) -> Optional[Account]:
     """:func:`account` over the records themselves (``jobs.jsonl``'s and ``metrics.jsonl``'s, in file order)."""
-    from orchestrator.ckpt.history import attempts
+    from orchestrator.ckpt.attempts import attempts
 
     times = [float(r["time"]) for r in (*jobs, *metrics) if isinstance(r.get("time"), (int, float))]
     if not times:

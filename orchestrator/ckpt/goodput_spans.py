@@ -60,7 +60,7 @@ def iteration_spans(metrics: Sequence[Dict[str, Any]], starts: Sequence[Tuple[fl
 
 
 def tail_spans(spans: Sequence[Span], attempts: Sequence[Any]) -> List[Span]:
-    """``spans`` with, for each ended start (``attempts``: :class:`orchestrator.ckpt.history.Attempt`) that
+    """``spans`` with, for each ended start (``attempts``: :class:`orchestrator.ckpt.attempts.Attempt`) that
     reached an iteration past its last record, a span from that record to the start's end: iterations
     ``last record + 1 .. reached`` ran then (a rank killed at 104 with records every 7 iterations, a spike stop at
     10 with a record at 1). In time order."""

@@ -181,13 +181,13 @@ def build_manifest(
     run came from (see :func:`orchestrator.resume.origin_of`); ``digest``: ``size`` or ``sha256``
     (default ``checkpoint.digest``, see :func:`file_digest`); ``hosts``: every rank's host, by rank;
     ``history``: the run's attempts (default: read from ``<run.dir>/jobs.jsonl``,
-    :func:`orchestrator.ckpt.history.history_for_manifest`); ``save``: how the save went (``async``,
+    :func:`orchestrator.ckpt.attempts.history_for_manifest`); ``save``: how the save went (``async``,
     ``started``, ``completed``, the slowest rank's ``write_s`` and ``blocking_s``; bytes are ``files.bytes``);
     ``megatron``: the megatron config the job built (``megatron_config.json``), recorded whole with its sha256;
     ``link_check``: a multi-node job's measured cross-node links (runtime.faults.links), recorded when given.
     """
     if history is None:
-        from orchestrator.ckpt.history import history_for_manifest
+        from orchestrator.ckpt.attempts import history_for_manifest
 
         history = history_for_manifest(cfg.run.dir, iteration, cfg.training.train_iters)
     m, d = cfg.model, cfg.data

@@ -256,7 +256,7 @@ def job_status(
 
 def attach_cause(st: JobStatus, events: Sequence[Dict[str, Any]]) -> None:
     """Fill ``cause``/``message`` from the latest attempt's end; a NaN or hang is a failure with that name."""
-    from orchestrator.ckpt.history import attempts
+    from orchestrator.ckpt.attempts import attempts
 
     mine = [a for a in attempts(events) if a.job_id == st.job_id and a.end is not None]
     if not mine:

@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from orchestrator.ckpt import history
+from orchestrator.ckpt import attempts, history
 from orchestrator.errors import PEER_LOST, RANKS_DIED
 
 _ERROR_LINE = re.compile(r"^orchestrator\.[\w.]*(Error|Exception): (.*)$")
 _JOB_CAUSES = ("nan", "spike", "hang", "disk full")  # a crash's record names one rank's error; its traceback says more
 
 
-def _latest(run_dir: str, job_id: str) -> Optional[history.Attempt]:
-    items = [a for a in history.attempts(history.read_records(run_dir)) if a.job_id == str(job_id)]
+def _latest(run_dir: str, job_id: str) -> Optional[attempts.Attempt]:
+    items = [a for a in attempts.attempts(history.read_records(run_dir)) if a.job_id == str(job_id)]
     return max(items, key=lambda a: (a.attempt, a.restart)) if items else None  # (in-place restarts: same attempt)
 
 
@@ -84,7 +84,7 @@ def stopped_itself(run_dir: str, job_id: str, cluster) -> Optional[str]:
     from orchestrator.runtime.faults.diskspace import latest_checkpoint
 
     records = history.read_records(run_dir)
-    mine = [a for a in history.attempts(records) if a.job_id == str(job_id)]
+    mine = [a for a in attempts.attempts(records) if a.job_id == str(job_id)]
     latest = max(mine, key=lambda a: (a.attempt, a.restart)) if mine else None
     if latest is None or latest.requeued or latest.cause not in (*history.TIMEOUT_CAUSES, "interrupted"):
         return None

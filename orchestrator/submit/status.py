@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.ckpt import stop
-from orchestrator.ckpt.history import PathLike, attempts, format_attempts, iterations_lost, own_records, read_records
+from orchestrator.ckpt.attempts import attempts, format_attempts, iterations_lost, own_records
+from orchestrator.ckpt.history import PathLike, read_records
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR, JOBS_FILE, METRICS_FILE, SUBMITIT_DIR
 from orchestrator.errors import OneLineArgumentParser
 from orchestrator.submit.jobs import JobStatus, failed_rank_tail, job_status
@@ -37,7 +38,7 @@ class RunStatus:
     jobs: int = 0
     failure: Optional[Tuple[int, List[str]]] = None
     attempts: List[Dict[str, Any]] = field(default_factory=list)
-    """Every attempt of the run (:class:`orchestrator.ckpt.history.Attempt` as dicts), oldest first."""
+    """Every attempt of the run (:class:`orchestrator.ckpt.attempts.Attempt` as dicts), oldest first."""
     train_iters: Optional[int] = None
     """The iteration the latest job trains to (``training.train_iters``)."""
     tokens_per_s: Optional[float] = None
@@ -240,7 +241,7 @@ def format_table(
             cause = "" if s.job.message.startswith(f"{s.job.cause}:") else f"{s.job.cause}: "
             lines.append(f"{s.run_dir}: {cause}{s.job.message}")
         if history and s.attempts:
-            from orchestrator.ckpt.history import Attempt
+            from orchestrator.ckpt.attempts import Attempt
 
             lines.append("")
             items = [Attempt(**a) for a in s.attempts]

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from orchestrator.ckpt import history
+from orchestrator.ckpt import attempts, history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
 from orchestrator.runtime.faults import inplace
@@ -183,7 +183,7 @@ class Guard(NumericsGuard):
     def history(self, iteration: int) -> List[Dict[str, Any]]:
         """This run's attempts for a manifest saved at ``iteration`` (this attempt: still running, or
         ``completed`` when ``iteration`` is the last)."""
-        return history.history_for_manifest(
+        return attempts.history_for_manifest(
             self.run_dir, iteration, self.cfg.training.train_iters, current=(self.job_id, self.attempt)
         )
 

@@ -254,7 +254,8 @@ class StopRequest(StopExit):
             return False, "SLURM_JOB_ID is not set"
         count = restart_count()
         if self.run_dir:
-            from orchestrator.ckpt.history import TIMEOUT_CAUSES, count_ended, read_records
+            from orchestrator.ckpt.attempts import count_ended
+            from orchestrator.ckpt.history import TIMEOUT_CAUSES, read_records
 
             count = count_ended(read_records(self.run_dir), job_identity()[0], TIMEOUT_CAUSES)
         if count >= self.max_requeues:

@@ -129,7 +129,8 @@ def requeue_for_failure(run_dir: str, max_failures: int) -> "tuple[bool, str]":
     """After a failed attempt (its end already recorded): ``scontrol requeue`` this SLURM job when its
     failed attempts (hang, node failure, crash; this one included) are at most ``max_failures`` and it
     is still RUNNING. Returns (requeued?, one line saying why or why not). Local runs: never."""
-    from orchestrator.ckpt.history import FAILURE_CAUSES, count_ended, read_records
+    from orchestrator.ckpt.attempts import count_ended
+    from orchestrator.ckpt.history import FAILURE_CAUSES, read_records
 
     if not on_slurm():
         return False, "not requeued (a local run)"
