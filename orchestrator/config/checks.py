@@ -4,7 +4,7 @@ Plan, dry-run, run, every sweep point and the job itself call :func:`validate`. 
 torch import (installed packages are looked up in their distribution metadata, never imported).
 Every refusal is one :class:`~orchestrator.errors.ConfigError` (or
 :class:`~orchestrator.errors.LayoutError`) whose message is a single line
-``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.config.layout` read
+``<key>=<value>: <what>; fix: <how>`` (the layout rules of :mod:`orchestrator.config.layout_rules` read
 ``<key>=<value> <what> ...; fix: <how>``; several broken layout rules are joined with `` | ``).
 
 Rooms: the values on their own in :mod:`orchestrator.config.values`, the data options in

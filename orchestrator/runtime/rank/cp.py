@@ -5,7 +5,7 @@ micro-batch (they share a data-parallel rank) and each keeps 2 of the ``2·CP`` 
 chosen by megatron-core's :func:`megatron.core.utils.get_batch_on_this_cp_rank` over the CP group
 (:func:`orchestrator.runtime.rank.mcore.batch_on_cp_rank`): chunks ``i`` and
 ``2·CP−1−i`` on CP rank ``i``, so causal attention work is balanced. ``seq_length % (2·CP) == 0``
-is checked before launch (``config/layout.py``). Attention across the chunks is Transformer Engine's
+is checked before launch (``config/layout_rules.py``). Attention across the chunks is Transformer Engine's
 (megatron's local attention has no CP), so CP > 1 needs the TE layer spec
 (:func:`orchestrator.runtime.rank.megatron_config.resolve_transformer_impl` refuses it otherwise).
 
