@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -142,14 +143,12 @@ def _big_corpus(path: Path, docs: int, words: int) -> Path:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_tokenizing_in_workers_stops_the_launcher_and_its_workers(tmp_path, sig):
     """A signal to the launcher while 2 worker processes tokenize a JSONL corpus (results of 256 documents, about
-    1 MB): the launcher exits 128 + the signal with one line naming it, and no worker is left. With
+    0.5 MB): the launcher exits 128 + the signal with one line naming it, and no worker is left. With
     multiprocessing.Pool, SIGINT hung launcher and workers for good (3 of 3): the pool's terminate() waited on the
     result queue's lock, held by a worker writing its result into a pipe nobody read any more."""
     import psutil
 
-    corpus_path = _big_corpus(
-        tmp_path / "big.jsonl", 24000, 300
-    )  # 43 MB: its first progress line comes after 1 s, at ~20 MB
+    corpus_path = _big_corpus(tmp_path / "big.jsonl", 8000, 300)  # 14 MB: under a second of tokenizing, quiet
     args = ["+experiment=gpt_pp2_dp2", "data=jsonl", f"data.paths=[{corpus_path}]", "data.workers=2"]
     args += ["training.train_iters=2", f"run.root={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.Popen(
@@ -165,10 +164,15 @@ def test_a_signal_while_tokenizing_in_workers_stops_the_launcher_and_its_workers
     try:
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if "  tokenizing: " in line:
-                workers = psutil.Process(proc.pid).children(recursive=True)
-                proc.send_signal(sig)
+            if "preparing data: tokenizing " in line:
                 break
+        # The workers are forked after megatron-core's indexed-dataset writer is imported (a CI run's meter line
+        # came before them): the signal goes once both exist, while they tokenize.
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+            time.sleep(0.01)
+        proc.send_signal(sig)
         lines += proc.communicate(timeout=60)[0].splitlines()
     finally:
         if proc.poll() is None:
