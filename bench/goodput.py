@@ -1,12 +1,14 @@
 """Goodput under injected failures: measured ETTR and its account against the forecast, per checkpoint interval.
 
 On the SLURM dev cluster (``launch/slurm-dev-up.sh --nodes 3``), ``+experiment=gpt_pp2_dp2`` (gpt_tiny, PP=2 x
-DP=2, 2 nodes x 2 ranks, ``cluster.spare_nodes=1``, ``cluster.max_restarts`` high) trains for ``--minutes`` of
-wall time from its first iteration while this script SIGKILLs one random rank process at random: the failure
-clock runs while the job is up (from the first iteration of each start, saves included: the time the forecast's
-model exposes to failures), its gaps drawn from an exponential of mean T (a Poisson process) and the rank
-uniformly, both from ``--seed``, so every run of a rate sees the same failure sequence. Then it stops the run
-(``orchestrator stop``: a save, an exit) and reads its records.
+DP=2, 2 nodes x 2 ranks, ``cluster.spare_nodes=1``, ``cluster.max_restarts`` high) trains from its first
+iteration while this script SIGKILLs one random rank process at random: the failure clock runs while the job is
+up (from the first iteration of each start, saves included: the time the forecast's model exposes to failures),
+at the times of a Poisson process of mean T conditioned on its count (``failure_schedule``: k = ceil(``--minutes``
+* 60 / T) failures uniform over k * T of up time, then the run stops, so its realised M is T; ``--draw poisson``:
+the plain process for ``--minutes`` of wall, whose count varies by sqrt(count)), the rank uniform, both from
+``--seed``, so every run of a rate sees the same failure sequence. Then it stops the run (``orchestrator stop``:
+a save, an exit) and reads its records.
 
 For each rate T (``--rates``, seconds) it runs three jobs, each with ``cluster.mtbf_hours`` = T / 3600:
 ``checkpoint.save_interval=auto`` (Young–Daly, chosen by the job), then fixed intervals 4x shorter and 4x longer
@@ -22,7 +24,7 @@ M = T; and again with the realised M (up time / failures injected) to separate t
 Poisson draw's. Finally a table, and whether the targets hold: forecast within 5 points of measured, auto no
 more than 1 point below the better fixed interval, the forecast ordering the three runs as measured.
 
-    python bench/goodput.py                              # T = 60 s and 180 s, 10 minutes a run (~70 minutes)
+    python bench/goodput.py                              # T = 60 s and 180 s, >= 10 minutes a run (~80 minutes)
     python bench/goodput.py --minutes 2 --rates 60       # smoke: one rate
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -38,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -93,18 +96,44 @@ def _wait(what: str, until, proc: subprocess.Popen, log: Path, timeout_s: float 
         time.sleep(0.2)
 
 
-def _inject(run_dir: Path, proc, log: Path, minutes: float, mean_s: float, seed: int) -> Dict:
-    """Kill ranks at Poisson times of mean ``mean_s`` of up time until ``minutes`` after the first iteration;
-    returns the kills and the window."""
+def failure_schedule(mean_s: float, horizon_s: float, seed: int, draw: str) -> Iterator[Tuple[float, Optional[int]]]:
+    """The failures to inject: (seconds of up time since the previous failure's recovery, rank), in order.
+
+    ``draw="poisson"``: gaps drawn from an exponential of mean ``mean_s``, without end (a Poisson process; the
+    run stops on the wall clock).
+    ``draw="conditioned"``: the same process conditioned on its count over the up time it runs: k =
+    ceil(horizon_s / mean_s) failures at times uniform on [0, k * mean_s] of up time (the order statistics of k
+    uniforms: gaps k * mean_s * E_i / (E_1 + ... + E_k+1), E exponential), then (the rest of k * mean_s, None): the
+    run stops there, after exactly k * mean_s of up time, so its realised M is ``mean_s``. A plain draw's count
+    has a standard deviation of sqrt(count) (58% at U = 3 T, the regime of T = 180 s in 10 minutes), which the
+    forecast, an expectation, cannot be held to; the times within the run stay random.
+    The ranks are uniform over the world either way; one seed gives every run of a rate the same sequence.
+    """
     rng = random.Random(seed)
+    if draw == "poisson":
+        while True:
+            yield rng.expovariate(1.0 / mean_s), rng.randrange(WORLD)
+    k = max(1, math.ceil(horizon_s / mean_s))
+    e = [rng.expovariate(1.0) for _ in range(k + 1)]
+    ranks = [rng.randrange(WORLD) for _ in range(k)]
+    for x, rank in zip(e, [*ranks, None]):
+        yield k * mean_s * x / sum(e), rank
+
+
+def _inject(run_dir: Path, proc, log: Path, minutes: float, mean_s: float, seed: int, draw: str) -> Dict:
+    """Kill ranks at the failure schedule's times of up time until the schedule's end (``--draw conditioned``)
+    or ``minutes`` after the first iteration; returns the kills and the window."""
+    schedule = failure_schedule(mean_s, 60.0 * minutes, seed, draw)
     first = _wait("first iteration", lambda: _iterations(run_dir), proc, log)[0]
     t_first = float(first["time"]) - float(first.get("step_time_s") or 0.0)
-    t_stop = t_first + 60.0 * minutes
+    t_stop = t_first + 60.0 * minutes if draw == "poisson" else float("inf")
     kills: List[Dict] = []
     up_since = time.time()
     while True:
-        gap, rank = rng.expovariate(1.0 / mean_s), rng.randrange(WORLD)
+        gap, rank = next(schedule)
         at = up_since + gap
+        if rank is None:  # the conditioned schedule's end: k * T of up time
+            t_stop = at
         while time.time() < min(at, t_stop):
             if proc.poll() is not None:
                 raise SystemExit(f"the job ended while training; see {log}")
@@ -138,7 +167,7 @@ def _up_time(t_first: float, t_stop: float, kills: List[Dict], run_dir: Path) ->
     return t_stop - t_first - down
 
 
-def run_one(root: Path, name: str, interval, mean_s: float, minutes: float, seed: int) -> Dict:
+def run_one(root: Path, name: str, interval, mean_s: float, minutes: float, seed: int, draw: str) -> Dict:
     """One job: train, inject, stop; returns its measurements."""
     run_dir = root / name
     cmd = [
@@ -158,7 +187,8 @@ def run_one(root: Path, name: str, interval, mean_s: float, minutes: float, seed
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
-            window = _inject(run_dir, proc, log, minutes, mean_s, seed)
+            window = _inject(run_dir, proc, log, minutes, mean_s, seed, draw)
+            window["draw"] = draw
             subprocess.run(
                 [sys.executable, "-m", "orchestrator", "stop", str(run_dir), "--timeout", "300"],
                 cwd=REPO,
@@ -233,12 +263,13 @@ def measure(run_dir: Path, interval, mean_s: float, window: Dict) -> Dict:
         "kills": kills,
         "window": {k: window[k] for k in ("t_first", "t_stop", "up_s")},
         "load": window.get("load"),
+        "draw": window.get("draw", "poisson"),
     }
 
 
 def remeasure(run_dir: Path, r: Dict) -> Dict:
     """A saved run measured again from its records, with the kills and the window the file kept."""
-    window = {**r["window"], "kills": r["kills"], "load": r.get("load")}
+    window = {**r["window"], "kills": r["kills"], "load": r.get("load"), "draw": r.get("draw", "poisson")}
     return measure(run_dir, "auto" if r["auto"] else r["interval"], r["T_s"], window)
 
 
@@ -296,8 +327,9 @@ def verdicts(rows: List[Dict]) -> List[str]:
 
 
 def table(rows: List[Dict]) -> None:
+    print(f"\nfailure times: {', '.join(sorted({r.get('draw', 'poisson') for r in rows}))} (--draw)")
     print(
-        "\n| T (s) | interval | tau (s) | failures (up/T) | C (s) | R (s) | lost/failure (s) | ETTR account | "
+        "| T (s) | interval | tau (s) | failures (up/T) | C (s) | R (s) | lost/failure (s) | ETTR account | "
         "ETTR window | forecast | forecast (realised M) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -315,9 +347,20 @@ def table(rows: List[Dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="wall time of a run from its first iteration")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="a run's length from its first iteration: up time of at least this, k T (--draw poisson: wall)",
+    )
     parser.add_argument("--rates", default="60,180", help="mean seconds between failures T, comma-separated")
     parser.add_argument("--seed", type=int, default=39, help="seed of the failure times and ranks")
+    parser.add_argument(
+        "--draw",
+        choices=("conditioned", "poisson"),
+        default="conditioned",
+        help="failure times: a Poisson process conditioned on its expected count (default), or a plain one",
+    )
     parser.add_argument("--only-auto", action="store_true", help="no fixed-interval runs")
     parser.add_argument("--root", default=None, help="run root (default: a fresh temporary directory)")
     parser.add_argument("--json", default=None, help="also write every run's measurements to this file")
@@ -333,14 +376,14 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     rows: List[Dict] = []
     for T in [float(x) for x in args.rates.split(",")]:
-        auto = run_one(root, f"T{T:g}_auto", "auto", T, args.minutes, args.seed)
+        auto = run_one(root, f"T{T:g}_auto", "auto", T, args.minutes, args.seed, args.draw)
         report(auto)
         rows.append(auto)
         others: List[Optional[int]] = (
             [] if args.only_auto else [max(1, round(auto["interval"] / 4)), auto["interval"] * 4]
         )
         for every in others:
-            m = run_one(root, f"T{T:g}_every{every}", every, T, args.minutes, args.seed)
+            m = run_one(root, f"T{T:g}_every{every}", every, T, args.minutes, args.seed, args.draw)
             report(m)
             rows.append(m)
         if args.json:
