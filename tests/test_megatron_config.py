@@ -396,3 +396,27 @@ def test_a_gpu_job_without_transformer_engine_says_the_unfused_attention_cost():
     assert unfused > 2 * flash  # seq 8192: the a·s² scores dominate
     assert f"({unfused / 2**20:,.1f} MiB of activations per layer" in line and f"{flash / 2**20:,.1f} MiB" in line
     assert "fix: install Transformer Engine" in line and "model.transformer_impl=local" in line
+
+
+def test_an_enum_field_passed_by_name_reaches_megatron_core_as_its_member():
+    """``+model.megatron.attention_backend=flash`` was checked against AttnBackend's names, then handed to
+    TransformerConfig as the string "flash": megatron-core's LanguageModule compares the field with the members, so
+    it matched none and Transformer Engine's backend stayed its own choice without a word. Megatron-LM's parser
+    makes the name its member (``AttnBackend[name]``); so does the build now."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from orchestrator.config.megatron_types import as_field
+    from orchestrator.runtime.rank.mcore import version
+    from orchestrator.runtime.rank.megatron_config import Installed, build
+
+    cfg = compose_config(["+experiment=gpt_pp2_dp2", "training.device=cpu", "+model.megatron.attention_backend=local"])
+    built = build(cfg, "cpu", Installed(False, False, version()), 2)
+    assert built.transformer.attention_backend is AttnBackend.local
+    assert built.as_json()["transformer"]["attention_backend"] == "local"
+    assert as_field(AttnBackend, "flash") is AttnBackend.flash
+    assert as_field(AttnBackend, AttnBackend.fused) is AttnBackend.fused
+    import typing
+
+    scope = typing.get_type_hints(built.transformer.__class__)["cuda_graph_scope"]  # Union[str, CudaGraphScope, ...]
+    assert as_field(scope, "attn") == "attn" and type(as_field(scope, "attn")) is str  # a str is one of its types
+    assert as_field(int, 3) == 3 and as_field(None, "x") == "x"

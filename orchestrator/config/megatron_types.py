@@ -4,8 +4,10 @@ anything is queued, not by megatron-core in rank 0's first forward.
 
 Checked: ``bool``, ``int``, ``float`` (an integer is a number), ``str``, ``Optional[...]``, ``Union[...]``,
 ``Literal[...]``, enums (by member name or value) and lists/tuples of these. Values arrive as Hydra typed them
-(``true`` a bool, ``1`` an int, ``'1'`` a string); nothing is coerced here. An annotation that is none of these
-(a callable, a torch dtype, a class of megatron-core's) is accepted without a word. Pure Python.
+(``true`` a bool, ``1`` an int, ``'1'`` a string); nothing is coerced but an enum field's member, given by name
+(:func:`as_field`, as Megatron-LM's parser turns ``--attention-backend flash`` into ``AttnBackend.flash``). An
+annotation that is none of these (a callable, a torch dtype, a class of megatron-core's) is accepted without a
+word. Pure Python.
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ def accepts(annotation: Any, value: Any) -> Any:
             return False
         return _UNCHECKABLE if _UNCHECKABLE in answers else True
     return _UNCHECKABLE
+
+
+def as_field(annotation: Any, value: Any) -> Any:
+    """``value`` as megatron-core's field of type ``annotation`` takes it: the member of an enum field (or of an
+    ``Optional``/``Union`` whose only match is an enum) given by its name or value (``"flash"`` ->
+    ``AttnBackend.flash``: megatron-core compares the field with its members, so the string would match none and
+    be ignored without a word); any other value unchanged. Call after :func:`accepts` said True."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Union else (annotation,)
+    enums = [a for a in options if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if (
+        not enums
+        or isinstance(value, (bool, enum.Enum))
+        or any(accepts(a, value) is True for a in options if a not in enums)
+    ):
+        return value
+    for cls in enums:
+        for member in cls:
+            if value in (member.name, member.value):
+                return member
+    return value
 
 
 def annotation_text(annotation: Any) -> str:

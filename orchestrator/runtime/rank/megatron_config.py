@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -30,6 +30,7 @@ from orchestrator.config.megatron_fields import fields_of, overlaps
 from orchestrator.config.megatron_passthrough import passthrough
 from orchestrator.config.schema import JobConfig
 from orchestrator.errors import BackendError, ConfigError
+from orchestrator.runtime.rank.passthrough import passthrough_problems, with_passthrough
 
 
 @dataclass(frozen=True)
@@ -131,46 +132,6 @@ def _check_device(cfg: JobConfig, device: str) -> None:
         )
 
 
-def _over(passed: Dict[str, Any], **derived: Any) -> Dict[str, Any]:
-    """A megatron config's arguments: what the runtime derives, then the config's pass-through fields over it
-    (``model.megatron`` / ``parallelism.megatron`` / ``optimizer.megatron``, checked by :func:`passthrough_problems`
-    before anything is queued: never a field a schema key owns)."""
-    return {**derived, **dict(passed or {})}
-
-
-def passthrough_problems(cfg: JobConfig) -> List[str]:
-    """One line for each pass-through field the installed megatron-core's class does not have (with the closest
-    names), whose value does not fit the field's annotation (:mod:`orchestrator.config.megatron_types`) or a schema
-    key already sets (:func:`orchestrator.config.megatron_passthrough.owned_problems`)."""
-    import dataclasses
-    import difflib
-
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from orchestrator.config.megatron_passthrough import SECTIONS, owned_problems
-    from orchestrator.config.megatron_types import value_problem
-    from orchestrator.runtime.rank.mcore import version
-
-    classes = {"transformer": TransformerConfig, "ddp": DistributedDataParallelConfig, "optimizer": OptimizerConfig}
-    problems = []
-    for group, section in SECTIONS.items():
-        known = [f.name for f in dataclasses.fields(classes[section])]
-        for name, value in sorted((getattr(cfg, group).megatron or {}).items()):
-            wrong = value_problem(f"{group}.megatron.{name}", classes[section], name, value) if name in known else None
-            if wrong:
-                problems.append(wrong)
-            if name not in known:
-                near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-                problems.append(
-                    f"{group}.megatron.{name}: megatron-core {version()}'s {classes[section].__name__} has no field "
-                    f"{name}; fix: {'did you mean ' + ' or '.join(near) + '?' if near else 'check the name'} "
-                    f"({group}.megatron sets that class's fields by their own names)"
-                )
-    return problems + owned_problems(cfg)
-
-
 def _moe_fields(m) -> dict:
     """A MoE model's router and dispatcher (none for a dense model: megatron-core's defaults stay, as in
     Megatron-LM): top-k routing with the aux load-balancing loss, tokens exchanged all-to-all over the EP
@@ -199,7 +160,8 @@ def transformer_config(cfg: JobConfig, device: str, facts: Installed, impl: str)
     rope_fusion = gpu and impl == "transformer_engine" and m.position_embedding_type == "rope"
     interleaved = gpu and vpp is not None  # Megatron-LM overlaps the interleaved schedule's p2p on GPU
     config = TransformerConfig(
-        **_over(
+        **with_passthrough(
+            TransformerConfig,
             cfg.model.megatron,
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
@@ -265,7 +227,8 @@ def ddp_config(cfg: JobConfig, device: str, dp: int):
     grad, gather = overlaps(cfg, device == "cuda", dp)
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     return DistributedDataParallelConfig(
-        **_over(
+        **with_passthrough(
+            DistributedDataParallelConfig,
             cfg.parallelism.megatron,
             # Megatron-LM's validate_args: fp32 reduction for bf16 (fp32 weights have fp32 gradients anyway)
             grad_reduce_in_fp32=cfg.training.precision == "bf16",
@@ -288,7 +251,8 @@ def optimizer_config(cfg: JobConfig, device: str, dp: int):
     o, t = cfg.optimizer, cfg.training
     _, gather = overlaps(cfg, device == "cuda", dp)
     return OptimizerConfig(
-        **_over(
+        **with_passthrough(
+            OptimizerConfig,
             o.megatron,
             optimizer=o.name,
             lr=o.lr,
