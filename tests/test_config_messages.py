@@ -88,6 +88,8 @@ def test_an_experiment_without_run_name_names_its_run(tmp_path):
     assert compose_config(["+experiment=mine", searched]).run.name == "mine"
     chosen = compose_config(["+experiment=mine", "parallelism=pp2_dp2", searched])
     assert chosen.run.name == "mine-parallelism=pp2_dp2"
+    twice = compose_config(["+experiment=gpt_pp2_dp2", "model=gpt_125m", "model=gpt_tiny"])  # the last one trains
+    assert (twice.run.name, twice.model.name) == ("gpt_pp2_dp2-model=gpt_tiny", "gpt_tiny")  # was both in the name
     assert compose_config(["+experiment=mine", "run.name=x", searched]).run.name == "x"
     assert compose_config(["+experiment=gpt_pp2_dp2"]).run.name == "gpt_pp2_dp2"  # shipped: their own names
     assert compose_config([]).run.name == "gpt_tiny_none"

@@ -320,16 +320,15 @@ def _name_run(cfg: Any, parsed: List[Any]) -> None:
         return
     if cfg.run._get_node("name")._value() == RunConfig.name:  # the experiment names no run: its own name does
         cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", str(cfg.hydra.runtime.choices["experiment"]))
-    chosen = [
-        f"{o.key_or_group}={o.get_value_element_as_str()}"
-        for o in parsed
-        if o.key_or_group in cfg.hydra.runtime.choices
-        and o.key_or_group not in NOT_IN_RUN_NAME
-        and o.type != OverrideType.DEL
-        and "/" not in o.key_or_group
-    ]
+    chosen: Dict[str, str] = {}  # a group chosen twice (model=a model=b) trains the last: its name alone
+    for o in parsed:
+        group = o.key_or_group
+        if group in cfg.hydra.runtime.choices and group not in NOT_IN_RUN_NAME and o.type != OverrideType.DEL:
+            if "/" not in group:
+                chosen.pop(group, None)
+                chosen[group] = f"{group}={o.get_value_element_as_str()}"
     if chosen:
-        cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "-".join([str(cfg.run.name), *chosen]))
+        cfg.run.name = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "-".join([str(cfg.run.name), *chosen.values()]))
 
 
 def compose_config(overrides: List[str], config_dir: Optional[str] = None) -> JobConfig:
