@@ -462,6 +462,13 @@ def test_a_dead_forks_signal_is_read_from_its_zombie_by_a_process_that_is_not_it
     assert forked.zombie_signals(tmp_path, "7") == {1: "exit by signal 9, SIGKILL"}
     os.waitpid(pid, 0)
     assert forked.zombie_signals(tmp_path, "7") == {}
+    quiet = os.fork()  # a zombie that exited by itself: nothing to name ("", it was None)
+    if quiet == 0:
+        os._exit(3)
+    while not Path(f"/proc/{quiet}/stat").read_text().split(") ")[1].startswith("Z"):
+        time.sleep(0.05)
+    assert forked.zombie_signal(quiet) == ""
+    os.waitpid(quiet, 0)
 
 
 def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_path, cache_dir, reference, resume_args):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from orchestrator.runtime.rank.process import die_with_parent, flush_and_exit, resident_file_pages, touch_pages
+from orchestrator.runtime.start.worker_deaths import signal_line
 
 PRELOADED = (
     "torch._dynamo",  # torch.optim's step imports it (the first step of every rank otherwise)
@@ -180,17 +181,9 @@ def fork_ranks(world_size: int, body: Callable[[], Any]) -> Dict[int, int]:
     return pids
 
 
-def signal_line(status: int) -> Optional[str]:
+def status_line(status: int) -> Optional[str]:
     """``"exit by signal 9, SIGKILL"`` for a wait status ``status`` that a signal ended, else None."""
-    import signal
-
-    if not os.WIFSIGNALED(status):
-        return None
-    number = os.WTERMSIG(status)
-    try:
-        return f"exit by signal {number}, {signal.Signals(number).name}"
-    except ValueError:
-        return f"exit by signal {number}"
+    return signal_line(os.WTERMSIG(status)) if os.WIFSIGNALED(status) else None
 
 
 def zombie_signals(folder: "str | os.PathLike", job_id: str) -> Dict[int, str]:
@@ -209,7 +202,7 @@ def zombie_signal(pid: int) -> str:
     except OSError:
         return ""
     fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: comm may hold spaces
-    return signal_line(int(fields[49])) if fields[0] == "Z" and len(fields) >= 50 else ""
+    return (status_line(int(fields[49])) or "") if fields[0] == "Z" and len(fields) >= 50 else ""
 
 
 def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
@@ -221,8 +214,8 @@ def killed_ranks(pids: Dict[int, int]) -> Dict[int, str]:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             continue
-        if got and signal_line(status):
-            killed[rank] = signal_line(status)
+        if got and status_line(status):
+            killed[rank] = status_line(status)
     return killed
 
 
