@@ -185,3 +185,36 @@ def test_a_slurm_state_that_cannot_be_read_is_never_taken_as_the_jobs_end():
     purged = ("sh", "-c", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
     assert slurm_state("424242", squeue=down) == (UNREADABLE, 0) and UNREADABLE not in SLURM_ENDED
     assert slurm_state("424242", squeue=purged) == ("UNKNOWN", 0) and "UNKNOWN" in SLURM_ENDED
+
+
+def test_a_death_no_rank_lived_to_record_is_down_time_and_a_failure():
+    """bench/goodput.py's every-7 run at T = 60 s: rank 2 killed during a save; its peers, blocked, never failed
+    by themselves and their agents stopped them (SIGTERM, SIGKILL 30 s later, node after node): 65 s without an
+    ``attempt_ended`` until the ranks started again in place. The account counted those 65 s productive (the time
+    after an attempt's last record is iterations in flight) and listed no failure. Iterations 1..10 (1 s each,
+    a save at 10), the death at 18, the restart at 40 (load 1 s), iterations 11..20, completed at 52."""
+    jobs = [
+        {"event": "submitted", "job_id": "5", "cluster": "slurm", "time": 0.0},
+        {"event": "attempt_started", "job_id": "5", "attempt": 0, "iteration": 0, "time": 5.0},
+        {"event": "rank_signalled", "job_id": "5", "attempt": 0, "rank": 2, "time": 18.0, "message": "rank 2 died"},
+        {"event": "rank_signalled", "job_id": "5", "attempt": 0, "rank": 3, "time": 30.0, "message": "rank 3 died"},
+        {"event": "attempt_started", "job_id": "5", "attempt": 0, "iteration": 10, "restart": 1, "time": 40.0},
+        {"event": "attempt_ended", "job_id": "5", "attempt": 0, "cause": "completed", "iteration": 20, "time": 52.0},
+    ]
+    metrics = [{"event": "start", "iteration": 0, "load_s": None, "time": 6.0}]
+    metrics += [{"iteration": i, "step_time_s": 1.0, "time": 6.0 + i} for i in range(1, 11)]
+    metrics.append({"event": "saved", "iteration": 10, "started": 16.0, "blocking_s": 0.0, "time": 16.0})
+    metrics.append({"event": "start", "iteration": 10, "load_s": 1.0, "time": 41.0})
+    metrics += [{"iteration": i, "step_time_s": 1.0, "time": 31.0 + i} for i in range(11, 21)]
+    acc = account_from_records(jobs, metrics)
+    want = {
+        "queued": 5.0,
+        "start-up": 1.0,
+        "productive": 20.0,
+        "failure detection and restart": 24.0,  # the last record at 16 -> the restart at 40 (was productive)
+        "checkpoint load": 1.0,
+        "shutdown": 1.0,
+    }
+    assert {c: round(v, 9) for c, v in acc.seconds.items() if v} == want
+    assert math.isclose(sum(acc.seconds.values()), acc.wall_s) and acc.wall_s == 52.0
+    assert [(f.time, f.cause, f.attempt) for f in acc.failures] == [(18.0, "crashed", "5.0")]  # one, the first death

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from orchestrator.ckpt.goodput_spans import Span, attempt_key, iteration_spans, kept_shares, lost_tail, tail_spans
-from orchestrator.ckpt.history import FAILURE_CAUSES, read_records
+from orchestrator.ckpt.history import FAILURE_CAUSES, SIGNALLED_EVENT, read_records
 from orchestrator.ckpt.rundir import metrics_path
 from orchestrator.io import read_jsonl
 
@@ -153,6 +153,8 @@ def _markers(job_records: Sequence[Dict[str, Any]]) -> List[Tuple[float, str, Op
             out.append((t, "start-up" if rec.get("cluster") == "local" else "queued", None, key))
         elif ev in ("job_running", "attempt_started"):
             out.append((t, "start-up", None, key))
+        elif ev == SIGNALLED_EVENT:  # a rank died: down from here, even if no rank lived to record the end
+            out.append((t, "failure detection and restart", "failure detection and restart", key))
         elif ev == "attempt_ended" and not rec.get("amends"):
             if cause == "hang":
                 out.append((t, "failure detection and restart", "hang timeout", key))
@@ -223,7 +225,26 @@ def account_from_records(
         for a in items
         if a.end is not None and a.cause not in _STOP_CAUSES
     ]
+    acc.failures = sorted(acc.failures + unclaimed_deaths(jobs), key=lambda f: f.time)
     return acc
+
+
+def unclaimed_deaths(jobs: Sequence[Dict[str, Any]]) -> List[Failure]:
+    """Deaths no attempt end followed: a rank a signal ended (:data:`SIGNALLED_EVENT`) after which its attempt
+    started again (an in-place restart) with no ``attempt_ended`` of that attempt in between
+    (its peers were stopped by their agents before any of them could record it). One failure per such restart."""
+    out: List[Failure] = []
+    pending: Dict[str, Dict[str, Any]] = {}
+    for rec in jobs:
+        ev, key = rec.get("event"), attempt_key(rec)
+        if ev == SIGNALLED_EVENT and rec.get("time") is not None:
+            pending.setdefault(key, rec)
+        elif ev == "attempt_ended":
+            pending.pop(key, None)
+        elif ev == "attempt_started" and key in pending:
+            death = pending.pop(key)
+            out.append(Failure(float(death["time"]), "crashed", key, str(death.get("message") or "")))
+    return out
 
 
 def _sweep(

@@ -56,6 +56,10 @@ TIMEOUT_CAUSES = frozenset({"timeout", "preempted"})
 """Counted against ``cluster.max_num_timeout``."""
 FAILURE_CAUSES = frozenset({"hang", "node failure", "crashed"})
 """Counted against ``cluster.max_failures`` (a NaN is not retried: it would recur)."""
+SIGNALLED_EVENT = "rank_signalled"
+"""A rank a signal ended, recorded by its node's agent the moment it died (``rank``, ``host``, ``how``): the cause
+its peers' broken collectives only follow, and the start of a failure even when no rank lives to record the
+attempt's end."""
 
 
 def record_submission(

@@ -20,11 +20,11 @@ import time
 from typing import Dict, List, Mapping, Set, Tuple
 
 from orchestrator.ckpt import history
+from orchestrator.ckpt.history import SIGNALLED_EVENT
 from orchestrator.errors import PEER_LOST
 from orchestrator.runtime.faults.watchdog import heartbeat_path, read_heartbeat
 
 ALIVE_EVENT = "rank_alive"
-SIGNALLED_EVENT = "rank_signalled"
 
 
 def report_alive(run_dir: str, job_id: str, attempt: int, rank: int) -> None:

@@ -43,10 +43,10 @@ def read_outcomes(job_dir: Path) -> Dict[int, Tuple[str, Any]]:
 
 def record_death(run_dir: str, job_id: str, attempt: int, rank: int, how: str) -> None:
     """A signal ended rank ``rank`` on this node (``how``: ``exit by signal 9, SIGKILL``): say so in ``jobs.jsonl``
-    (:data:`~orchestrator.runtime.faults.lost.SIGNALLED_EVENT`) before its peers' broken collectives are recorded as
+    (:data:`~orchestrator.ckpt.history.SIGNALLED_EVENT`) before its peers' broken collectives are recorded as
     the attempt's end; the rank that records it names this rank first (:func:`~orchestrator.runtime.faults.lost.crash_cause`)."""
     from orchestrator.ckpt import history
-    from orchestrator.runtime.faults.lost import SIGNALLED_EVENT
+    from orchestrator.ckpt.history import SIGNALLED_EVENT
 
     host = socket.gethostname()
     try:
