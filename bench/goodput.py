@@ -361,13 +361,16 @@ def main() -> int:
         default="conditioned",
         help="failure times: a Poisson process conditioned on its expected count (default), or a plain one",
     )
+    parser.add_argument("--fixed", default=None, help="only these fixed intervals (comma-separated), no auto run")
     parser.add_argument("--only-auto", action="store_true", help="no fixed-interval runs")
     parser.add_argument("--root", default=None, help="run root (default: a fresh temporary directory)")
     parser.add_argument("--json", default=None, help="also write every run's measurements to this file")
-    parser.add_argument("--table", default=None, help="only print the table of a --json file, forecasts recomputed")
+    parser.add_argument(
+        "--table", default=None, help="only print the table of --json file(s), comma-separated, forecasts recomputed"
+    )
     args = parser.parse_args()
     if args.table:  # with --root: measured again from the runs' records (the kills and windows from the file)
-        rows = json.loads(Path(args.table).read_text())
+        rows = [r for path in args.table.split(",") for r in json.loads(Path(path).read_text())]
         if args.root:
             rows = [remeasure(Path(args.root) / r["run"], r) for r in rows]
         table([reforecast(r) for r in rows])
@@ -376,12 +379,13 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     rows: List[Dict] = []
     for T in [float(x) for x in args.rates.split(",")]:
-        auto = run_one(root, f"T{T:g}_auto", "auto", T, args.minutes, args.seed, args.draw)
-        report(auto)
-        rows.append(auto)
-        others: List[Optional[int]] = (
-            [] if args.only_auto else [max(1, round(auto["interval"] / 4)), auto["interval"] * 4]
-        )
+        if args.fixed:  # intervals given: only those runs (a run repeated, beside a saved table's others)
+            auto, others = None, [int(x) for x in args.fixed.split(",")]
+        else:
+            auto = run_one(root, f"T{T:g}_auto", "auto", T, args.minutes, args.seed, args.draw)
+            report(auto)
+            rows.append(auto)
+            others = [] if args.only_auto else [max(1, round(auto["interval"] / 4)), auto["interval"] * 4]
         for every in others:
             m = run_one(root, f"T{T:g}_every{every}", every, T, args.minutes, args.seed, args.draw)
             report(m)

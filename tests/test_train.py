@@ -475,7 +475,10 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     """cluster.max_restarts=1 on a local job (torch elastic's agent runs the 4 ranks): kill -9 of rank 1 after
     iteration 6 restarts all ranks on this machine from the checkpoint at 4, every loss (the retrained ones too)
     equals the uninterrupted run's (1e-5 rel.), history and `status --history` show the restart apart from a
-    requeue with its recovery time; a second kill finds the restarts used up: the job ends, the line says why."""
+    requeue with its recovery time; a second kill, its sockets held open (its peers block with no error, as when
+    megatron's forked writer holds them), finds the restarts used up: the blocked ranks, stopped by their agent,
+    record the failure at once (they waited 30 s for torch's SIGKILL and recorded nothing: bench/goodput.py), and
+    the job ends, the line saying why."""
     import os
     import socket
     import subprocess
@@ -503,7 +506,9 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
         stderr=subprocess.PIPE,
     )
 
-    def kill_after(iteration: int, since: int) -> float:
+    held: list = []  # copies of a killed rank's sockets: its peers see no reset, as when a forked writer holds them
+
+    def kill_after(iteration: int, since: int, hold: bool = False) -> float:
         deadline = time.time() + 300
         while not (
             (run_dir / "metrics.jsonl").exists()
@@ -511,15 +516,22 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
         ):
             assert time.time() < deadline and proc.poll() is None, "the job did not train"
             time.sleep(0.1)
-        agent_worker(run_dir, 1).kill()
+        victim = agent_worker(run_dir, 1)
+        held.extend(_socket_copies(victim.pid) if hold else [])
+        victim.kill()
         return time.time()
 
     try:
         killed_at = kill_after(6, 0)
-        kill_after(10, len(read_metrics(run_dir)))  # the restarted ranks passed iteration 10
+        # the restarted ranks passed iteration 10; this time rank 1's sockets outlive it: its peers block, no error
+        again_at = kill_after(10, len(read_metrics(run_dir)), hold=True)
         out, err = proc.communicate(timeout=180)
+        ended_at = time.time()
     finally:
         proc.kill()
+        for fd in held:
+            os.close(fd)
+    assert held, "no socket of rank 1 was copied"
     assert proc.returncode == 1, (out[-2000:], err[-2000:])
     starts = [a for a in attempts.attempts(history.read_records(run_dir))]
     assert [(a.attempt, a.restart, a.cause, a.restarted) for a in starts] == [
@@ -531,6 +543,9 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     killed = f"rank 1 ({socket.gethostname()}) died: exit by signal 9, SIGKILL; then rank "
     assert all(a.message.startswith(killed) and a.failed == [1] for a in starts), starts
     assert 0 <= starts[0].end - killed_at < 10, (starts[0], killed_at)  # the failure is seen at once
+    # blocked peers: their agent's SIGTERM ends them at once, the failure recorded (was: 30 s to SIGKILL, no record)
+    assert 0 <= starts[1].end - again_at < 10 and ended_at - again_at < 25, (starts[1], again_at, ended_at)
+    assert "blocked after a peer's death, stopped by its agent (SIGTERM)" in starts[1].message, starts[1]
     assert "restarts used up (1 of cluster.max_restarts=1): not requeued (a local run)" in out, out[-3000:]
     assert "restarting all ranks in place: restart 1 of cluster.max_restarts=1" in out, out[-3000:]
     its = [r["iteration"] for r in read_metrics(run_dir)]
@@ -548,6 +563,29 @@ def test_killed_rank_restarts_in_place_then_restarts_used_up_end_the_job(tmp_pat
     assert acc.seconds["failure detection and restart"] > 0 and acc.seconds["checkpoint load"] > 0, acc.seconds
     shown = run_cli(["status", str(run_dir), "--goodput", "--timeline", str(tmp_path / "t.png")], cache=cache_dir)
     assert f"ETTR {100 * acc.ettr:.1f}%" in shown.stdout and (tmp_path / "t.png").stat().st_size > 5000, shown.stdout
+
+
+def _socket_copies(pid: int) -> list:
+    """Copies, in this process, of process ``pid``'s sockets (Linux ``pidfd_getfd``, x86-64 syscall 438, as root):
+    while they are open, the peers of a killed ``pid`` see no connection reset, as when a child it forked (megatron's
+    checkpoint writer) holds them."""
+    import ctypes
+    import os
+
+    libc, pidfd, out = ctypes.CDLL(None, use_errno=True), os.pidfd_open(pid), []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                    continue
+            except OSError:
+                continue
+            copy = libc.syscall(438, pidfd, int(fd), 0)
+            if copy >= 0:
+                out.append(copy)
+    finally:
+        os.close(pidfd)
+    return out
 
 
 def _megatron_lr(steps: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:

@@ -47,20 +47,20 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 from orchestrator.ckpt import attempts, history
 from orchestrator.ckpt.rundir import CHECKPOINTS_DIR
 from orchestrator.errors import DiskFullError, NonFiniteLossError, OrchestratorError
-from orchestrator.runtime.faults import inplace
+from orchestrator.runtime.faults import agent_stop, inplace
+from orchestrator.runtime.faults.attempt_end import AttemptEnd
 from orchestrator.runtime.faults.diskspace import explain_save_failure
-from orchestrator.runtime.faults.numerics import NumericsGuard, quietly, say
+from orchestrator.runtime.faults.numerics import NumericsGuard, quietly
 from orchestrator.runtime.faults.watchdog import Watchdog
 
 __all__ = ["Guard", "explain_save_failure", "last_iteration"]
 
 _ACTIVE: Optional["Guard"] = None
-_DECISION_WAIT_S = 30.0
 
 
 def last_iteration() -> Optional[int]:
@@ -68,7 +68,7 @@ def last_iteration() -> Optional[int]:
     return _ACTIVE.iteration if _ACTIVE is not None else None
 
 
-class Guard(NumericsGuard):
+class Guard(NumericsGuard, AttemptEnd):
     """One per rank. ``Guard(cfg, run_dir, rank, host)`` starts the heartbeat and the watchdog thread
     (unless ``training.hang_timeout_s`` is null) and, on rank 0, records ``attempt_started``.
 
@@ -101,7 +101,7 @@ class Guard(NumericsGuard):
         self._optimizer: Any = None
         self._closed = False
         self.watchdog: Optional[Watchdog] = None
-        self._born, self._restart = time.time(), {}  # rank 0 of ranks restarted in place: restart number, failure
+        self.born, self._restart = time.time(), {}  # rank 0 of ranks restarted in place: restart number, failure
         if t.hang_timeout_s:
             self.watchdog = Watchdog(
                 self.run_dir,
@@ -116,6 +116,8 @@ class Guard(NumericsGuard):
                 if inplace.agent_restarts()
                 else 0,
             ).start()
+        if inplace.agent_restarts():  # stopped by its agent while blocked after a peer's death: end as a crash
+            agent_stop.watch(lambda: self._closed, self.peer_died, self.stopped_by_agent)
         _ACTIVE = self
         if start_iteration is not None:
             self.begin(start_iteration)
@@ -225,103 +227,10 @@ class Guard(NumericsGuard):
         elif isinstance(exc, OrchestratorError):
             self._end("crashed", f"rank {self.rank} ({self.host}): {exc}")  # user-fixable: never retried
         else:
-            self._after_crash(exc)
-
-    def _end(self, cause: str, message: str, **fields: Any) -> bool:
-        if not history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            return False
-        quietly(
-            lambda: history.record_attempt_ended(
-                self.run_dir, self.job_id, self.attempt, cause, iteration=self.iteration, message=message, **fields
-            )
-        )
-        return True
-
-    def _requeue_failure(
-        self, message: str, cause: str = "hang", failed_at: Optional[float] = None
-    ) -> Tuple[bool, str]:
-        """After a failure: restart in place, or the requeue policy (:func:`~orchestrator.runtime.faults.inplace.decide`)."""
-        return inplace.decide(
-            self.run_dir,
-            self.job_id,
-            self.attempt,
-            self.cfg.cluster,
-            message,
-            since=self._born,
-            world_size=self.world_size,
-            failed_at=failed_at or time.time(),
-            cause=cause,
-            iteration=self.iteration,
-        )
-
-    def _after_crash(self, exc: BaseException) -> None:
-        """The first rank to claim the end records it (crashed or node failure: faults.lost) and decides on a
-        requeue; the others wait for that decision (bounded) and leave requeued too, or let their exception go."""
-        from orchestrator.runtime.faults.lost import crash_cause, report_alive
-        from orchestrator.runtime.faults.requeue import leave_requeued
-        from orchestrator.slurm import on_slurm
-
-        failed_at, first = time.time(), (str(exc).strip().splitlines() or [""])[0][:300]  # (decided seconds later)
-        message = f"rank {self.rank} ({self.host}) crashed at iteration {self.iteration}: {type(exc).__name__}: {first}"
-        slurm = (
-            on_slurm() or bool(inplace.agent_restarts())
-        ) and self.watchdog is not None  # the heartbeats name hosts
-        slurm = slurm and quietly(lambda: report_alive(self.run_dir, self.job_id, self.attempt, self.rank))
-        if history.claim_attempt_end(self.run_dir, self.job_id, self.attempt):
-            cause, message = crash_cause(
-                self.run_dir,
-                self.job_id,
-                self.attempt,
-                self.world_size,
-                message,
-                slurm,
-                since=self._born,
-                agent=bool(inplace.agent_restarts()),
-            )
-            history_ok = quietly(
-                lambda: history.record_attempt_ended(
-                    self.run_dir,
-                    self.job_id,
-                    self.attempt,
-                    cause,
-                    iteration=self.iteration,
-                    message=message,
-                    decided=False,
-                )
-            )
-            requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
-            quietly(
-                lambda: history.record_event(
-                    self.run_dir,
-                    "requeue_decision",
-                    job_id=self.job_id,
-                    attempt=self.attempt,
-                    requeued=requeued,
-                    detail=detail,
-                )
-            )
-            if requeued or inplace.restart_decided() is not None:
-                say(f"{message}; {detail}")
-            if requeued:
-                _print_traceback(exc)  # leaving requeued replaces the exception: keep its traceback in the log
-                leave_requeued(message)
-            return
-        if not on_slurm() and not inplace.agent_restarts():  # never requeued nor restarted: nothing to wait for
-            return
-        decision = inplace.await_decision(self.run_dir, self.job_id, self.attempt, self._born, _DECISION_WAIT_S)
-        if decision is not None and decision.get("requeued"):
-            _print_traceback(exc)
-            leave_requeued(message)
+            self.after_crash(exc)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def _print_traceback(exc: BaseException) -> None:
-    import traceback
-
-    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    sys.stderr.flush()
 
 
 def _world_size() -> int:
