@@ -98,6 +98,12 @@ def record_event(run_dir: PathLike, event: str, **fields: Any) -> Dict[str, Any]
     return append_jsonl(Path(run_dir) / JOBS_FILE, record)
 
 
+def record_requeue_decision(run_dir: PathLike, job_id: str, attempt: int, requeued: bool, detail: str) -> None:
+    """``requeue_decision`` after a failure's end: whether the job was requeued, and the line saying why (the record
+    the ranks that did not claim the end wait for: ``runtime.faults.inplace.await_decision``)."""
+    record_event(run_dir, "requeue_decision", job_id=job_id, attempt=attempt, requeued=requeued, detail=detail)
+
+
 def read_records(run_dir: PathLike) -> List[Dict[str, Any]]:
     """All records of ``<run_dir>/jobs.jsonl`` (malformed lines skipped)."""
     return read_jsonl(Path(run_dir) / JOBS_FILE)

@@ -93,16 +93,7 @@ class AttemptEnd:
                 )
             )
             requeued, detail = self._requeue_failure(message, cause, failed_at) if history_ok else (False, "")
-            quietly(
-                lambda: history.record_event(
-                    self.run_dir,
-                    "requeue_decision",
-                    job_id=self.job_id,
-                    attempt=self.attempt,
-                    requeued=requeued,
-                    detail=detail,
-                )
-            )
+            quietly(lambda: history.record_requeue_decision(self.run_dir, self.job_id, self.attempt, requeued, detail))
             if requeued or inplace.restart_decided() is not None:
                 say(f"{message}; {detail}")
             if requeued:

@@ -133,14 +133,7 @@ class HangReport:
         )
         requeued, detail = self.on_hang(message) if self.on_hang else (False, "")
         record_quietly(
-            lambda: history.record_event(
-                self.run_dir,
-                "requeue_decision",
-                job_id=self.job_id,
-                attempt=self.attempt,
-                requeued=requeued,
-                detail=detail,
-            )
+            lambda: history.record_requeue_decision(self.run_dir, self.job_id, self.attempt, requeued, detail)
         )
         write_atomic(hpath, json.dumps({**info, "done": True, "requeued": requeued, "detail": detail}), fsync=False)
         say(f"rank {self.rank}: {message}" + (f"; {detail}" if detail else ""))

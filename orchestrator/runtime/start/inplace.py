@@ -165,9 +165,7 @@ class NodeAgent:
             max_failures = int(self.job.config["cluster"]["max_failures"])
             requeued, detail = requeue_for_failure(self.run_dir, max_failures)
             why = f"{why}; no spare node left (cluster.spare_nodes={self.spare_nodes}): {detail}"
-            history.record_event(
-                self.run_dir, "requeue_decision", job_id=job_id, attempt=attempt, requeued=requeued, detail=detail
-            )
+            history.record_requeue_decision(self.run_dir, job_id, attempt, requeued, detail)
         print(f"[orchestrator] {why}", flush=True)
         raise RuntimeError(why)
 
