@@ -52,6 +52,10 @@ from orchestrator.ckpt.goodput import CAUSES, account  # noqa: E402
 from orchestrator.plan.goodput import expected_ettr  # noqa: E402
 
 WORLD = 4
+TIE_POINTS = 0.5
+"""Measured ETTRs closer than this (percentage points) are a tie when the forecast's order is checked: one interval
+run twice with the same failure times measured 80.3% and 80.0% (T = 60 s, every 108; README), so a 10-minute
+run does not order two runs closer than that."""
 JOB = [
     "+experiment=gpt_pp2_dp2",
     "data.stdlib_max_mb=2",
@@ -322,7 +326,17 @@ def verdicts(rows: List[Dict]) -> List[str]:
         if len(runs) > 1:
             measured = [r["run"] for r in sorted(runs, key=lambda r: -r["ettr_window"])]
             forecast = [r["run"] for r in sorted(runs, key=lambda r: -r["forecast"])]
-            out.append(f"T={T:g} s: forecast orders as measured: {measured == forecast} ({measured} vs {forecast})")
+            # a pair measured closer than TIE_POINTS is a tie: either order of the forecast agrees with it
+            agrees = all(
+                a["ettr_window"] >= b["ettr_window"] - TIE_POINTS / 100
+                for a in runs
+                for b in runs
+                if a["forecast"] > b["forecast"]
+            )
+            out.append(
+                f"T={T:g} s: forecast orders as measured: {agrees} (ties within {TIE_POINTS:g} points; strictly "
+                f"{measured == forecast}: {measured} vs {forecast})"
+            )
     return out
 
 
